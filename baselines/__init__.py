@@ -1,0 +1,9 @@
+"""The four baselines of the FlashCP paper: Llama3 CP, Per-Doc CP, Ring attention and Zigzag ring
+attention. Each module holds its planner (a pure function of ``doc_lens`` and ``cp_size``)."""
+
+from baselines.llama3 import plan_llama3
+from baselines.per_doc import plan_per_doc
+from baselines.ring import plan_ring
+from baselines.zigzag import plan_zigzag
+
+__all__ = ["plan_llama3", "plan_per_doc", "plan_ring", "plan_zigzag"]

@@ -1,0 +1,34 @@
+"""Per-Doc context parallelism (WLB-LLM, OSDI'25).
+
+Layout: every document cut into 2N chunks; rank r holds chunk r and chunk 2N-1-r of every document.
+Remainder tokens (d mod 2N) are spread round-robin over ranks so every rank holds exactly C/N tokens
+with no padding (:func:`flashcp.layout.per_doc_chunk_sizes`). Communication: all-gather of the full
+KV, reduce-scatter of dK/dV.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flashcp.layout import per_doc_chunk_sizes, per_doc_columns
+from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan
+
+
+def per_doc_layout(doc_lens, cp_size: int, method: str, validate: bool) -> Plan:
+    """The per-document 2N-chunk layout shared by ``per_doc`` and ``zigzag``."""
+    d = check_doc_lens(doc_lens)
+    check_cp_args(int(d.sum()), cp_size)
+    sizes, _ = per_doc_chunk_sizes(d, cp_size)
+    cols = per_doc_columns(np.arange(d.size), sizes, cp_size)
+    return make_plan(method, cp_size, d, *cols, validate=validate)
+
+
+def plan_per_doc(doc_lens, cp_size: int, *, validate: bool = True) -> Plan:
+    """Plan the Per-Doc layout (each document in 2N chunks, remainders spread, no padding).
+
+    Documents shorter than 2N simply leave some chunks empty.
+
+    Raises:
+        ValueError: bad lengths, ``cp_size`` < 1, or C not divisible by N.
+    """
+    return per_doc_layout(doc_lens, cp_size, "per_doc", validate)

@@ -1,0 +1,21 @@
+"""Zigzag ring attention (``zigzag_ring_flash_attn_varlen_func`` in ``ring-flash-attn``).
+
+Layout: the per-document 2N-chunk layout of Per-Doc CP (rank r holds chunks r and 2N-1-r of every
+document). Unlike the upstream function, lengths need not divide by 2N: remainders are spread over
+ranks as in :mod:`baselines.per_doc`, with no padding. Communication: ring P2P as in
+:mod:`baselines.ring`, skipping blocks the causal mask makes empty.
+"""
+
+from __future__ import annotations
+
+from baselines.per_doc import per_doc_layout
+from flashcp.plan import Plan
+
+
+def plan_zigzag(doc_lens, cp_size: int, *, validate: bool = True) -> Plan:
+    """Plan the zigzag layout (identical shards to ``per_doc``; executed with ring P2P).
+
+    Raises:
+        ValueError: bad lengths, ``cp_size`` < 1, or C not divisible by N.
+    """
+    return per_doc_layout(doc_lens, cp_size, "zigzag", validate)

@@ -1,0 +1,93 @@
+"""Layout building blocks shared by the planners: cutting the packed sequence into equal chunks,
+and cutting documents into 2N chunks (the Per-Doc layout) with remainders spread over ranks.
+
+Both return shard columns ``(rank, doc, start, length)`` in each rank's local order, ready for
+:func:`flashcp.plan.make_plan`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["per_doc_chunk_sizes", "per_doc_columns", "split_packed"]
+
+
+def split_packed(doc_lens: np.ndarray, num_chunks: int) -> tuple[np.ndarray, ...]:
+    """Cut the packed sequence into ``num_chunks`` equal contiguous chunks.
+
+    Args:
+        doc_lens: (n_docs,) int64, sums to C, with C divisible by ``num_chunks``.
+        num_chunks: number of equal chunks.
+    Returns:
+        ``(chunk, doc, start, length)``: (n_pieces,) int64 each, pieces in packed order; a piece is
+        the intersection of one chunk with one document.
+    """
+    cu = np.concatenate([[0], np.cumsum(doc_lens)])
+    context_len = int(cu[-1])
+    size = context_len // num_chunks
+    bounds = np.arange(num_chunks + 1, dtype=np.int64) * size
+    cuts = np.union1d(cu, bounds)  # sorted, unique
+    pos, length = cuts[:-1], np.diff(cuts)
+    chunk = pos // size
+    doc = np.searchsorted(cu, pos, side="right") - 1
+    return chunk, doc, pos - cu[doc], length
+
+
+def per_doc_chunk_sizes(doc_lens: np.ndarray, cp_size: int, cursor: int = 0) -> tuple[np.ndarray, int]:
+    """Chunk sizes of the Per-Doc layout: every document cut into 2N contiguous chunks.
+
+    Rank r holds chunks r and 2N-1-r of every document. A document of length d gives every chunk
+    ``d // 2N`` tokens; its ``d % 2N`` remainder tokens go one per rank, round-robin over ranks with
+    a cursor that carries over from document to document (a rank's first extra token goes to its
+    front chunk r, a second one to its back chunk 2N-1-r). When the remainders of all documents sum
+    to a multiple of N (always true when the documents fill a context divisible by N) every rank
+    ends with exactly the same number of tokens, with no padding. When every length divides by 2N
+    the workload is perfectly balanced (WLB-LLM's Per-Doc sharding; DESIGN.md §3).
+
+    Args:
+        doc_lens: (n_docs,) int64.
+        cp_size: N.
+        cursor: rank that receives the next remainder token.
+    Returns:
+        ``(sizes, cursor)``: sizes is (n_docs, 2N) int64, the length of chunk j of each document
+        (possibly 0 for documents shorter than 2N); cursor is the rank after the last extra token.
+    """
+    n = cp_size
+    d = np.asarray(doc_lens, dtype=np.int64)
+    base, rem = d // (2 * n), d % (2 * n)
+    first = (cursor + np.concatenate([[0], np.cumsum(rem)[:-1]])) % n  # (n_docs,)
+    r = np.arange(n)
+    # extra tokens of rank r for doc i: count of k in [0, rem_i) with (first_i + k) % n == r
+    extra = rem[:, None] // n + (((r[None, :] - first[:, None]) % n) < (rem[:, None] % n))
+    front = np.minimum(extra, 1)
+    back = extra - front
+    sizes = np.empty((d.size, 2 * n), dtype=np.int64)
+    sizes[:, :n] = base[:, None] + front
+    sizes[:, n:] = base[:, None] + back[:, ::-1]  # chunk 2N-1-r belongs to rank r
+    new_cursor = int((cursor + rem.sum()) % n) if d.size else cursor
+    return sizes, new_cursor
+
+
+def per_doc_columns(
+    doc_ids: np.ndarray, sizes: np.ndarray, cp_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Shard columns of the Per-Doc layout for documents ``doc_ids`` with chunk ``sizes``.
+
+    Args:
+        doc_ids: (k,) int64, document indices, in the order each rank should hold them.
+        sizes: (k, 2N) int64, from :func:`per_doc_chunk_sizes`.
+        cp_size: N.
+    Returns:
+        ``(rank, doc, start, length)``, (N * k * 2,) int64 each, rank-major; within a rank, per
+        document, chunk r then chunk 2N-1-r. Zero-length chunks are kept (``make_plan`` drops them).
+    """
+    n = cp_size
+    starts = np.cumsum(sizes, axis=1) - sizes  # (k, 2N)
+    r = np.arange(n)
+    cols = np.stack([r, 2 * n - 1 - r], axis=1)  # (N, 2): the two chunks of rank r
+    length = sizes[:, cols].transpose(1, 0, 2)  # (N, k, 2)
+    start = starts[:, cols].transpose(1, 0, 2)
+    k = len(doc_ids)
+    rank = np.broadcast_to(r[:, None, None], (n, k, 2))
+    doc = np.broadcast_to(np.asarray(doc_ids, dtype=np.int64)[None, :, None], (n, k, 2))
+    return rank.ravel(), doc.ravel(), start.ravel(), length.ravel()

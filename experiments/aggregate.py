@@ -1,0 +1,102 @@
+"""Merge the runs of an experiment folder into one per-sequence CSV and a per-run summary.
+
+    python -m experiments.aggregate results/fig5
+
+Reads ``<exp_dir>/runs/*/rows.csv`` and writes ``<exp_dir>/rows.csv`` (all rows) and
+``<exp_dir>/summary.csv``: one row per (run, mode) with the count of rows, the mean, median and
+p90 of ``total_ms`` and the mean of every phase and plan metric, plus ``speedup_vs_llama3`` =
+mean ``total_ms`` of ``llama3`` / mean ``total_ms`` of the method on the same (dataset, weighting,
+cp_size, context_len, model, mode, executor, hardware, seed) — the paper's Fig. 5 normalisation —
+and ``speedup_vs_llama3_gmean``, the geometric mean of per-sequence speedups.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS, write_csv_atomic
+
+log = logging.getLogger(__name__)
+
+RUN_KEYS = [
+    "name", "dataset", "weighting", "method", "cp_size", "context_len", "model", "num_heads",
+    "num_kv_heads", "head_dim", "dtype", "executor", "hardware", "seed", "mode",
+]  # fmt: skip
+#: runs that differ only in the method are compared with each other
+PEER_KEYS = [k for k in RUN_KEYS if k not in ("method", "name")]
+METRICS = [
+    "imbalance_ratio", "comm_saving", "comm_tokens", "comm_tokens_full", "plan_ms",
+    "num_split_docs", "max_shards_per_rank",
+]  # fmt: skip
+
+
+def merge_rows(exp_dir: Path) -> pd.DataFrame | None:
+    """Concatenate every finished run's rows.csv under ``exp_dir/runs`` (None if there are none)."""
+    parts = sorted(Path(exp_dir).glob("runs/*/rows.csv"))
+    if not parts:
+        log.warning("no runs under %s", exp_dir)
+        return None
+    return pd.concat([pd.read_csv(p) for p in parts], ignore_index=True)
+
+
+def summarise(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per (run, mode) statistics of ``rows`` (see the module docstring)."""
+    keys = [k for k in RUN_KEYS if k in rows]
+    ok = rows[rows["status"] == "ok"]
+    g = ok.groupby(keys, dropna=False, sort=True)
+    out = g.size().rename("num_ok").to_frame()
+    out["num_rows"] = rows.groupby(keys, dropna=False).size()
+    tot = g["total_ms"]
+    out["total_ms_mean"] = tot.mean()
+    out["total_ms_median"] = tot.median()
+    out["total_ms_p90"] = tot.quantile(0.9)
+    for col in PHASE_COLUMNS:
+        if col != "total_ms" and col in ok:
+            out[f"{col}_mean"] = g[col].mean()
+    for col in (*METRICS, *COMM_COLUMNS):
+        if col in ok:
+            out[f"{col}_mean"] = g[col].mean()
+    if "imbalance_ratio" in ok:
+        out["imbalance_ratio_p90"] = g["imbalance_ratio"].quantile(0.9)
+    out = out.reset_index()
+
+    peers = [k for k in PEER_KEYS if k in out]
+    base = out[out["method"] == "llama3"][[*peers, "total_ms_mean"]]
+    base = base.rename(columns={"total_ms_mean": "llama3_total_ms_mean"})
+    out = out.merge(base, on=peers, how="left")
+    out["speedup_vs_llama3"] = out["llama3_total_ms_mean"] / out["total_ms_mean"]
+    # geometric mean of per-sequence speedups
+    seq_keys = [*[k for k in PEER_KEYS if k in ok], "seq_idx"]
+    ref = ok[ok["method"] == "llama3"][[*seq_keys, "total_ms"]].rename(columns={"total_ms": "_ref"})
+    per_seq = ok.merge(ref, on=seq_keys, how="inner")
+    per_seq["_log_speedup"] = np.log(per_seq["_ref"] / per_seq["total_ms"])
+    gm = per_seq.groupby(keys, dropna=False)["_log_speedup"].mean().apply(np.exp)
+    out = out.merge(gm.rename("speedup_vs_llama3_gmean").reset_index(), on=keys, how="left")
+    return out.drop(columns=["llama3_total_ms_mean"])
+
+
+def aggregate(exp_dir: str | Path) -> pd.DataFrame | None:
+    """Merge ``exp_dir``'s runs into ``rows.csv`` and ``summary.csv``; return the summary."""
+    exp_dir = Path(exp_dir)
+    rows = merge_rows(exp_dir)
+    if rows is None:
+        return None
+    write_csv_atomic(rows, exp_dir / "rows.csv")
+    summary = summarise(rows)
+    write_csv_atomic(summary, exp_dir / "summary.csv")
+    log.info("%d rows, %d summary rows -> %s", len(rows), len(summary), exp_dir)
+    return summary
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m experiments.aggregate RESULTS_DIR/NAME")
+    s = aggregate(sys.argv[1])
+    if s is None:
+        sys.exit(f"no runs found under {sys.argv[1]}/runs")
+    print(f"wrote {sys.argv[1]}/rows.csv and summary.csv ({len(s)} summary rows)")

@@ -1,0 +1,189 @@
+"""Figures drawn from an experiment's CSV files alone (no re-running).
+
+    python -m experiments.plot fig5 results/fig5
+
+* ``fig5``: speedup of each method over ``llama3`` (summary.csv ``speedup_vs_llama3``), one panel
+  per (mode, dataset), bars grouped by (heads, CP size) — the paper's Fig. 5.
+* ``fig6``: stacked latency breakdown (AllGather, Attention FWD, Attention BWD, ReduceScatter, P2P,
+  Others) per method, one panel per dataset, training — the paper's Fig. 6.
+* ``fig7``: speedup over ``llama3`` against context length, one line per method, training and
+  inference panels — the paper's Fig. 7.
+* ``fig3``: kernel efficiency (TFLOP/s per layout) from ``fig3.csv`` — the paper's Fig. 3.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pandas as pd
+
+METHOD_ORDER = ["llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "ilp"]
+COLORS = {
+    "llama3": "#7f7f7f", "per_doc": "#1f77b4", "ring": "#ff7f0e", "zigzag": "#2ca02c",
+    "flashcp": "#d62728", "flashcp_refined": "#9467bd", "ilp": "#8c564b",
+}  # fmt: skip
+PHASES = [
+    ("allgather_ms_mean", "AllGather"), ("attn_fwd_ms_mean", "Attention FWD"),
+    ("attn_bwd_ms_mean", "Attention BWD"), ("reducescatter_ms_mean", "ReduceScatter"),
+    ("p2p_ms_mean", "P2P (not hidden)"), ("others_ms_mean", "Others"),
+]  # fmt: skip
+
+
+def _methods(df: pd.DataFrame) -> list[str]:
+    present = set(df["method"])
+    return [m for m in METHOD_ORDER if m in present] + sorted(present - set(METHOD_ORDER))
+
+
+def _subtitle(df: pd.DataFrame) -> str:
+    hw = ", ".join(sorted(set(map(str, df["hardware"])))) if "hardware" in df else "?"
+    ex = ", ".join(sorted(set(map(str, df["executor"])))) if "executor" in df else "?"
+    n = int(df["num_ok"].min()) if "num_ok" in df else 0
+    return f"executor {ex}, hardware {hw}, >= {n} sequences per bar"
+
+
+def plot_fig5(summary: pd.DataFrame, out: Path) -> Path:
+    """Fig. 5-style speedup bars normalised to llama3."""
+    modes = [m for m in ("train", "infer") if m in set(summary["mode"])]
+    datasets = sorted(set(summary["dataset"]))
+    methods = _methods(summary)
+    groups = summary[["num_heads", "cp_size"]].drop_duplicates().sort_values(["num_heads", "cp_size"])
+    groups = list(groups.itertuples(index=False, name=None))
+    fig, axes = plt.subplots(
+        len(modes), len(datasets), figsize=(4.2 * len(datasets), 3.2 * len(modes)),
+        squeeze=False, sharey="row",
+    )  # fmt: skip
+    width = 0.8 / len(methods)
+    for i, mode in enumerate(modes):
+        for j, ds in enumerate(datasets):
+            ax = axes[i][j]
+            sub = summary[(summary["mode"] == mode) & (summary["dataset"] == ds)]
+            for k, method in enumerate(methods):
+                vals = []
+                for heads, cp in groups:
+                    v = sub[(sub["method"] == method) & (sub["num_heads"] == heads) & (sub["cp_size"] == cp)]
+                    vals.append(float(v["speedup_vs_llama3"].iloc[0]) if len(v) else float("nan"))
+                xs = [g + (k - (len(methods) - 1) / 2) * width for g in range(len(groups))]
+                ax.bar(xs, vals, width, label=method, color=COLORS.get(method))
+            ax.axhline(1.0, color="black", lw=0.8, ls="--")
+            ax.set_xticks(range(len(groups)), [f"{h}h, CP{cp}" for h, cp in groups], fontsize=8)
+            ax.set_title(f"{ds} — {'training' if mode == 'train' else 'inference'}", fontsize=10)
+            if j == 0:
+                ax.set_ylabel("speedup over llama3")
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"Attention-layer speedup over Llama3 CP ({_subtitle(summary)})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
+    """Fig. 6-style stacked latency breakdown per method (training, largest CP size)."""
+    sub = summary[summary["mode"] == "train"] if "train" in set(summary["mode"]) else summary
+    sub = sub[sub["cp_size"] == sub["cp_size"].max()]
+    datasets = sorted(set(sub["dataset"]))
+    methods = _methods(sub)
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.6), squeeze=False)
+    for j, ds in enumerate(datasets):
+        ax = axes[0][j]
+        d = sub[sub["dataset"] == ds].set_index("method").reindex(methods)
+        bottom = pd.Series(0.0, index=d.index)
+        for col, label in PHASES:
+            if col not in d:
+                continue
+            vals = d[col].fillna(0.0)
+            ax.bar(d.index, vals, bottom=bottom, label=label)
+            bottom += vals
+        ax.set_title(f"{ds}, CP{int(sub['cp_size'].max())}, {sub['num_heads'].max()} heads", fontsize=10)
+        ax.set_ylabel("mean latency per layer step (ms)")
+        ax.tick_params(axis="x", labelsize=8)
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"Latency breakdown, training ({_subtitle(sub)})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+def plot_fig7(summary: pd.DataFrame, out: Path) -> Path:
+    """Fig. 7-style speedup over llama3 vs context length."""
+    modes = [m for m in ("train", "infer") if m in set(summary["mode"])]
+    methods = _methods(summary)
+    fig, axes = plt.subplots(1, len(modes), figsize=(4.5 * len(modes), 3.4), squeeze=False, sharey=True)
+    for i, mode in enumerate(modes):
+        ax = axes[0][i]
+        sub = summary[summary["mode"] == mode]
+        for method in methods:
+            d = sub[sub["method"] == method].sort_values("context_len")
+            ax.plot(d["context_len"] // 1024, d["speedup_vs_llama3"], marker="o", label=method,
+                    color=COLORS.get(method))  # fmt: skip
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_xlabel("context length (K tokens)")
+        ax.set_title("training" if mode == "train" else "inference", fontsize=10)
+        if i == 0:
+            ax.set_ylabel("speedup over llama3")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Speedup vs context length ({_subtitle(summary)})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+def plot_fig3(table: pd.DataFrame, out: Path) -> Path:
+    """Fig. 3-style kernel efficiency bars from fig3.csv (columns case, layout, pass, tflops)."""
+    cases = list(dict.fromkeys(table["case"]))
+    passes = list(dict.fromkeys(table["pass"]))
+    layouts = list(dict.fromkeys(table["layout"]))
+    fig, axes = plt.subplots(1, len(passes), figsize=(4.5 * len(passes), 3.4), squeeze=False, sharey=True)
+    width = 0.8 / len(layouts)
+    for i, ps in enumerate(passes):
+        ax = axes[0][i]
+        for k, layout in enumerate(layouts):
+            vals = []
+            for case in cases:
+                v = table[(table["case"] == case) & (table["layout"] == layout) & (table["pass"] == ps)]
+                vals.append(float(v["tflops"].iloc[0]) if len(v) else float("nan"))
+            xs = [c + (k - (len(layouts) - 1) / 2) * width for c in range(len(cases))]
+            ax.bar(xs, vals, width, label=layout)
+        ax.set_xticks(range(len(cases)), cases, fontsize=8)
+        ax.set_title(ps, fontsize=10)
+        if i == 0:
+            ax.set_ylabel("attention TFLOP/s (useful FLOPs)")
+    axes[0][0].legend(fontsize=7)
+    hw = ", ".join(sorted(set(map(str, table.get("hardware", ["?"])))))
+    fig.suptitle(f"Kernel efficiency by layout (simulated, {hw})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+def draw(fig: str, exp_dir: str | Path) -> Path:
+    """Draw figure ``fig`` (fig3 | fig5 | fig6 | fig7) from the CSVs in ``exp_dir``.
+
+    Raises:
+        ValueError: unknown figure name, or its CSV is missing.
+    """
+    exp_dir = Path(exp_dir)
+    plotters = {"fig5": plot_fig5, "fig6": plot_fig6, "fig7": plot_fig7, "fig3": plot_fig3}
+    if fig not in plotters:
+        raise ValueError(f"unknown figure {fig!r}; choose one of {', '.join(plotters)}")
+    csv = exp_dir / ("fig3.csv" if fig == "fig3" else "summary.csv")
+    if not csv.exists():
+        raise ValueError(f"{csv} does not exist; run the experiment (and its aggregation) first")
+    return plotters[fig](pd.read_csv(csv), exp_dir / f"{fig}.png")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m experiments.plot {fig3,fig5,fig6,fig7} RESULTS_DIR/NAME")
+    try:
+        print(draw(sys.argv[1], sys.argv[2]))
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")

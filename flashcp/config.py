@@ -1,0 +1,168 @@
+"""Typed configuration schemas for the Hydra app (``conf/``), registered in Hydra's ConfigStore.
+
+Every YAML file of a group extends its group's schema (``defaults: [base_<group>]``), so a
+misspelt key or a value of the wrong type fails when Hydra composes the config, before any work.
+Units are in field names or comments; allowed values are listed beside each field and checked by
+:func:`check_config` (values that a type alone cannot pin down).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+__all__ = [
+    "DatasetConfig",
+    "ExecutorConfig",
+    "MethodConfig",
+    "ModelConfig",
+    "RunConfig",
+    "check_config",
+    "register_configs",
+]
+
+TASKS = ("main", "kernel_efficiency", "table2")
+EXECUTORS = ("sim", "dist")
+
+
+@dataclass
+class DatasetConfig:
+    """Where document lengths come from (DESIGN.md §5)."""
+
+    #: wlb_llm | pile | redpajama | stress | file
+    name: str = MISSING
+    #: for name=file: a text/CSV/.npy file of document lengths (tokens), one per document
+    path: str | None = None
+    #: documents (a draw is a document) | tokens (length-biased: d drawn with prob. ∝ d·p(d))
+    weighting: str = "documents"
+    #: cap on a single draw, tokens, applied before cutting to the context (null: 4 x context_len)
+    cap: int | None = None
+
+
+@dataclass
+class MethodConfig:
+    """A CP method (planner + communication pattern), DESIGN.md §3."""
+
+    #: llama3 | per_doc | ring | zigzag | flashcp | flashcp_refined | ilp
+    name: str = MISSING
+    #: planner options passed as keyword arguments (e.g. target_imbalance for flashcp;
+    #: block_size, time_limit_s, gap, solver for ilp)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelConfig:
+    """One attention layer's shape."""
+
+    name: str = MISSING
+    #: query heads
+    num_heads: int = 32
+    #: KV heads (GQA), divides num_heads
+    num_kv_heads: int = 32
+    #: head dimension
+    head_dim: int = 128
+    #: bfloat16 | float16 | float32
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class ExecutorConfig:
+    """How a plan is run: analytic simulator or real torch.distributed ranks."""
+
+    #: sim | dist
+    name: str = "sim"
+    #: attention kernel backend for dist: auto | flash_attn | torch_cuda | cpu | reference
+    backend: str = "auto"
+    #: untimed warm-up steps before timing (dist)
+    warmup: int = 1
+    #: timed steps; the median is reported (dist)
+    iters: int = 3
+    #: timeout of every collective, seconds (dist)
+    timeout_s: float = 120.0
+
+
+@dataclass
+class RunConfig:
+    """Top-level config of one run: one (dataset, method, cp_size, model) over sampled sequences."""
+
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    #: hardware profile for the simulator (conf/hardware/*.yaml; validated by flashcp.sim)
+    hardware: dict[str, Any] = field(default_factory=dict)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    #: main | kernel_efficiency (fig3) | table2
+    task: str = "main"
+    #: experiment name: results go to ${results_dir}/${name}
+    name: str = "default"
+    #: folder name of one run inside ${results_dir}/${name}/runs (interpolated in config.yaml)
+    run_key: str = "run"
+    #: root folder of results
+    results_dir: str = "results"
+    #: N, number of CP ranks
+    cp_size: int = 8
+    #: C, tokens per packed sequence
+    context_len: int = 131072
+    #: sequences sampled per run
+    num_sequences: int = 200
+    #: seed of the sampler (same seed -> same sequences for every method)
+    seed: int = 0
+    #: train (forward + backward) and/or infer (forward only)
+    modes: list[str] = field(default_factory=lambda: ["train", "infer"])
+    #: worker processes for planning + simulation (1 = in-process)
+    workers: int = 1
+    #: show a progress bar
+    progress: bool = True
+    #: figures to draw after a sweep: fig5 | fig6 | fig7 | fig3
+    plots: list[str] = field(default_factory=list)
+    #: options of task=table2 (see experiments/table2.py)
+    table2: dict[str, Any] = field(default_factory=dict)
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RunConfig)
+    cs.store(group="dataset", name="base_dataset", node=DatasetConfig)
+    cs.store(group="method", name="base_method", node=MethodConfig)
+    cs.store(group="model", name="base_model", node=ModelConfig)
+    cs.store(group="executor", name="base_executor", node=ExecutorConfig)
+
+
+def check_config(cfg: Any) -> None:
+    """Check values a type cannot pin down; raise ValueError naming the bad value.
+
+    Called before any work (and, for ``executor=dist``, before any collective).
+    """
+    from flashcp.comm import AttnShape, check_mode
+    from flashcp.data import DATASETS
+    from flashcp.registry import METHODS
+
+    if cfg.task not in TASKS:
+        raise ValueError(f"unknown task {cfg.task!r}; choose one of {', '.join(TASKS)}")
+    if cfg.executor.name not in EXECUTORS:
+        raise ValueError(f"unknown executor {cfg.executor.name!r}; choose one of {', '.join(EXECUTORS)}")
+    if cfg.dataset.name not in DATASETS:
+        raise ValueError(f"unknown dataset {cfg.dataset.name!r}; choose one of {', '.join(DATASETS)}")
+    if cfg.method.name not in METHODS:
+        raise ValueError(f"unknown method {cfg.method.name!r}; choose one of {', '.join(METHODS)}")
+    if cfg.cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cfg.cp_size}")
+    if cfg.context_len < 1 or cfg.context_len % cfg.cp_size:
+        raise ValueError(
+            f"context_len = {cfg.context_len} must be a positive multiple of cp_size = {cfg.cp_size}"
+        )
+    if cfg.num_sequences < 1:
+        raise ValueError(f"num_sequences must be >= 1, got {cfg.num_sequences}")
+    if cfg.workers < 1:
+        raise ValueError(f"workers must be >= 1, got {cfg.workers}")
+    if not cfg.modes:
+        raise ValueError("modes is empty; use [train], [infer] or [train, infer]")
+    for mode in cfg.modes:
+        check_mode(mode)
+    m = cfg.model
+    AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)

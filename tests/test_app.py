@@ -1,0 +1,129 @@
+"""The Hydra app: config composition of every experiment, typed-schema errors, one small sweep end
+to end (rows, provenance, resume, aggregation, figures), and bad configuration values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from experiments.aggregate import aggregate
+from experiments.plot import draw
+from experiments.run import CONF_DIR, run
+from flashcp.config import register_configs
+from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
+
+REPO = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+
+
+def _compose(*overrides: str, hydra_cfg: bool = False):
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes(experiment):
+    cfg = _compose(f"experiment={experiment}", hydra_cfg=True)
+    assert cfg.name == experiment
+    OmegaConf.resolve(cfg)  # every interpolation resolves
+    first = (REPO / "conf" / "experiment" / f"{experiment}.yaml").read_text().splitlines()[0]
+    assert first.startswith("# flashcp-run") and f"experiment={experiment}" in first
+
+
+def test_fig5_sweeps_the_paper_grid():
+    cfg = _compose("experiment=fig5", hydra_cfg=True)
+    params = cfg.hydra.sweeper.params
+    assert params.dataset == "wlb_llm,pile,redpajama"
+    assert set(params.method.split(",")) == {"llama3", "per_doc", "ring", "zigzag", "flashcp"}
+    assert params.cp_size == "4,8" and params.model == "h16,h32"
+    assert cfg.context_len == 131072 and list(cfg.modes) == ["train", "infer"]
+
+
+@pytest.mark.parametrize(
+    "override", ["model.num_headz=4", "cp_sise=4", "dataset=wlb", "method=flashcpp", "cp_size=four"]
+)
+def test_typos_fail_at_compose_time(override):
+    with pytest.raises(Exception) as info:
+        _compose(override)
+    assert type(info.value).__module__.split(".")[0] in ("hydra", "omegaconf")
+
+
+def _small(tmp_path: Path, *overrides: str):
+    return _compose(
+        f"results_dir={tmp_path}", "name=t", "num_sequences=3", "context_len=16384", "cp_size=4",
+        "progress=false", *overrides,
+    )  # fmt: skip
+
+
+def test_run_writes_rows_then_resumes_and_aggregates(tmp_path):
+    frames = []
+    for method in ("llama3", "flashcp", "ring"):
+        cfg = _small(tmp_path, f"method={method}", "dataset=pile")
+        out = run(cfg)
+        df = pd.read_csv(out)
+        frames.append(df)
+        assert len(df) == 3 * 2 and set(df["mode"]) == {"train", "infer"}
+        assert (df["status"] == "ok").all()
+        for col in (*PHASE_COLUMNS, *COMM_COLUMNS, "imbalance_ratio", "comm_saving", "git_commit",
+                    "torch_version", "flashcp_version", "config_hash", "seed", "executor", "hardware"):  # fmt: skip
+            assert col in df, col
+        assert (df["total_ms"] > 0).all()
+        mtime = out.stat().st_mtime_ns
+        assert run(cfg) == out and out.stat().st_mtime_ns == mtime  # finished run is skipped
+    # the same seed gives every method the same sequences
+    assert all((f["num_docs"].values == frames[0]["num_docs"].values).all() for f in frames)
+    summary = aggregate(tmp_path / "t")
+    assert (tmp_path / "t" / "rows.csv").exists()
+    base = summary[summary["method"] == "llama3"]
+    assert (base["speedup_vs_llama3"] == 1.0).all()
+    fl = summary[summary["method"] == "flashcp"]
+    assert (fl["comm_saving_mean"] >= 0).all() and fl["speedup_vs_llama3"].notna().all()
+    png = draw("fig5", tmp_path / "t")
+    assert png.exists() and png.stat().st_size > 10_000
+
+
+def test_changed_config_is_rerun(tmp_path):
+    out = run(_small(tmp_path, "method=per_doc"))
+    before = pd.read_csv(out)["config_hash"].iloc[0]
+    out2 = run(_small(tmp_path, "method=per_doc", "seed=1"))
+    assert out2 == out and pd.read_csv(out)["config_hash"].iloc[0] != before
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("cp_size=3", "context_len = 16384"), ("num_sequences=0", "num_sequences"),
+     ("model.num_kv_heads=5", "num_kv_heads = 5"), ("modes=[training]", "training"),
+     ("dataset.weighting=bytes", "bytes")],
+)  # fmt: skip
+def test_bad_values_raise_before_work(tmp_path, override, needle):
+    with pytest.raises(ValueError, match=needle):
+        run(_small(tmp_path, override))
+    assert not (tmp_path / "t" / "runs").exists() or not any((tmp_path / "t" / "runs").iterdir())
+
+
+def test_multirun_cli_merges_the_sweep(tmp_path):
+    cmd = [
+        sys.executable, "-m", "experiments.run", "-m", "method=flashcp,llama3", "cp_size=2,4",
+        "num_sequences=2", "context_len=8192", f"results_dir={tmp_path}", "name=sweep",
+        "progress=false", "plots=[fig5]",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = pd.read_csv(tmp_path / "sweep" / "rows.csv")
+    assert set(rows["method"]) == {"flashcp", "llama3"} and set(rows["cp_size"]) == {2, 4}
+    assert len(rows) == 2 * 2 * 2 * 2
+    assert (tmp_path / "sweep" / "fig5.png").exists()
+
+
+def test_cli_bad_value_is_one_line_exit_2(tmp_path):
+    cmd = [sys.executable, "-m", "experiments.run", "cp_size=0", f"results_dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("flashcp-run: error: cp_size must be")

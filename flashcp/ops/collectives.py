@@ -1,0 +1,159 @@
+"""Counted collectives and the plan-agreement check.
+
+Every CP op moves data through these wrappers so a :class:`CommCounter` can report the bytes this
+rank *received*, by kind, with the same keys and conventions as :func:`flashcp.comm.comm_volume`:
+
+* all-gather of a per-rank buffer of ``b`` bytes: this rank receives ``(N - 1) * b``;
+* reduce-scatter to an output of ``b`` bytes per rank: this rank receives ``(N - 1) * b``;
+* point-to-point: the bytes of every received buffer (the ring ops call :meth:`CommCounter.add`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "COMM_KINDS",
+    "CommCounter",
+    "all_gather_into_tensor",
+    "check_same_plan",
+    "group_rank",
+    "group_size",
+    "reduce_scatter_tensor",
+]
+
+COMM_KINDS: tuple[str, ...] = ("allgather", "reducescatter", "p2p")
+
+
+class CommCounter:
+    """Bytes received by this rank, by kind of communication.
+
+    ``as_dict()`` gives ``{"allgather_bytes", "reducescatter_bytes", "p2p_bytes", "comm_bytes"}``
+    (the keys of :func:`flashcp.comm.comm_volume`; ``comm_bytes`` is their sum).
+    """
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = dict.fromkeys(COMM_KINDS, 0)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        """Count ``nbytes`` received bytes of ``kind`` (``allgather``, ``reducescatter``, ``p2p``).
+
+        Raises:
+            ValueError: unknown kind or negative byte count.
+        """
+        if kind not in self.bytes:
+            raise ValueError(
+                f"unknown communication kind {kind!r}; choose one of {', '.join(COMM_KINDS)}"
+            )
+        if nbytes < 0:
+            raise ValueError(f"byte count must be >= 0, got {nbytes}")
+        self.bytes[kind] += int(nbytes)
+
+    def reset(self) -> None:
+        """Set every counter back to 0."""
+        for kind in self.bytes:
+            self.bytes[kind] = 0
+
+    def as_dict(self) -> dict[str, int]:
+        out = {f"{kind}_bytes": int(n) for kind, n in self.bytes.items()}
+        out["comm_bytes"] = sum(self.bytes.values())
+        return out
+
+
+def group_size(group=None) -> int:
+    """World size of ``group`` (1 when torch.distributed is not initialised)."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group=None) -> int:
+    """This process's rank in ``group`` (0 when torch.distributed is not initialised)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+# torch >= 2.13 renames the tensor collectives (*_single); older versions have only the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, inp: torch.Tensor, group=None, counter: CommCounter | None = None
+) -> torch.Tensor:
+    """All-gather equal-sized buffers, counted.
+
+    Args:
+        output: (N * n, ...) receives rank j's ``inp`` at rows ``j*n:(j+1)*n``.
+        inp: (n, ...) this rank's contribution, contiguous, same dtype as ``output``.
+    Returns:
+        ``output``. With one rank it is a copy of ``inp`` and nothing is counted.
+    """
+    n = group_size(group)
+    if n == 1:
+        output.copy_(inp)
+        return output
+    _ALL_GATHER(output, inp.contiguous(), group=group)
+    if counter is not None:
+        counter.add("allgather", (n - 1) * _nbytes(inp))
+    return output
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor, inp: torch.Tensor, group=None, counter: CommCounter | None = None
+) -> torch.Tensor:
+    """Sum ``inp`` over ranks and keep this rank's slice, counted.
+
+    Args:
+        output: (n, ...) receives ``sum_j inp_j[rank*n:(rank+1)*n]``.
+        inp: (N * n, ...) contiguous, same dtype as ``output``.
+    Returns:
+        ``output``.
+    """
+    n = group_size(group)
+    if n == 1:
+        output.copy_(inp)
+        return output
+    _REDUCE_SCATTER(output, inp.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    if counter is not None:
+        counter.add("reducescatter", (n - 1) * _nbytes(output))
+    return output
+
+
+def _comm_device(group):
+    """Device for small control tensors: the current CUDA device under NCCL, else CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_same_plan(plan, group=None) -> None:
+    """Check every rank of ``group`` executes the same plan (one all-gather of its digest).
+
+    Call before the first collective of an op that uses ``plan``; a mismatch then fails on every
+    rank with the same message instead of hanging or computing garbage.
+
+    Raises:
+        ValueError: the digests differ; the message lists which ranks hold which digest.
+    """
+    n = group_size(group)
+    if n == 1:
+        return
+    if plan.cp_size != n:
+        raise ValueError(
+            f"plan is for cp_size = {plan.cp_size} but the process group has {n} ranks"
+        )
+    mine = torch.tensor(
+        [int(plan.digest()[:15], 16)], dtype=torch.int64, device=_comm_device(group)
+    )
+    every = torch.empty(n, dtype=torch.int64, device=mine.device)
+    _ALL_GATHER(every, mine, group=group)
+    vals = every.tolist()
+    if len(set(vals)) > 1:
+        by: dict[int, list[int]] = {}
+        for r, x in enumerate(vals):
+            by.setdefault(x, []).append(r)
+        groups = "; ".join(f"ranks {rs} hold {x:015x}" for x, rs in by.items())
+        raise ValueError(f"ranks hold different plans (plan digests differ: {groups})")

@@ -1,0 +1,196 @@
+"""Kernel backends against an independent float64 computation (autograd for gradients)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from flashcp.ops.backends import get_backend
+
+CPU_BACKENDS = [("cpu", None), ("cpu", 40), ("reference", None)]
+
+
+def _backend(name, budget):
+    b = get_backend(name)
+    if budget is not None:
+        b = type(b)(name, block_budget=budget)
+    return b
+
+
+def _naive(q, k, v, cu_q, cu_k, causal, scale):
+    """Per-segment float64 attention with autograd; rows with no key give 0."""
+    g = q.shape[1] // k.shape[1]
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qs = q[cu_q[i] : cu_q[i + 1]].double()
+        ks = k[cu_k[i] : cu_k[i + 1]].double().repeat_interleave(g, 1)
+        vs = v[cu_k[i] : cu_k[i + 1]].double().repeat_interleave(g, 1)
+        sq, sk = qs.shape[0], ks.shape[0]
+        s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        if causal:
+            seen = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + sk - sq
+            s = s.masked_fill(~seen, float("-inf"))
+        m = torch.logsumexp(s, -1, keepdim=True)
+        p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m))
+        outs.append(torch.einsum("hqk,khd->qhd", p, vs))
+    return torch.cat(outs)
+
+
+CASES = [
+    ([0, 5, 5, 12, 13], [0, 3, 9, 20, 21]),  # sq != sk, an empty query segment, rows seeing nothing
+    ([0, 7, 8, 30], [0, 7, 8, 30]),  # self-attention segments incl. a length-1 one
+    ([0, 40], [0, 70]),  # one long shard with a prefix
+    ([0, 0, 3], [0, 4, 4]),  # empty key segment -> rows with no key
+]
+
+
+@pytest.mark.parametrize("name,budget", CPU_BACKENDS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("case", CASES)
+def test_forward_backward(name, budget, causal, heads, case):
+    torch.manual_seed(0)
+    cu_q, cu_k = case
+    h, hkv, d = *heads, 8
+    scale = 1 / math.sqrt(d)
+    q = torch.randn(cu_q[-1], h, d, requires_grad=True)
+    k = torch.randn(cu_k[-1], hkv, d, requires_grad=True)
+    v = torch.randn(cu_k[-1], hkv, d, requires_grad=True)
+    ref = _naive(q, k, v, cu_q, cu_k, causal, scale)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    be = _backend(name, budget)
+    cq, ck = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
+    with torch.no_grad():
+        out, lse = be.forward(q, k, v, cq, ck, 0, 0, causal=causal, softmax_scale=scale)
+        assert out.dtype == q.dtype and lse.dtype == torch.float32
+        assert lse.shape == (h, cu_q[-1]) and not torch.isnan(out).any()
+        torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+        empty = (ref.detach().abs().sum(-1) == 0).t()  # (H, Tq) rows with no visible key
+        assert torch.isneginf(lse[empty]).all() and torch.isfinite(lse[~empty]).all()
+        dq, dk, dv = be.backward(
+            dout.float(), q, k, v, out, lse, cq, ck, 0, 0, causal=causal, softmax_scale=scale
+        )
+    for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        assert got.shape == want.shape and not torch.isnan(got).any()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name,budget", CPU_BACKENDS)
+def test_blockwise_backward_with_global_lse(name, budget):
+    """A causal shard (s queries, prefix p) = non-causal block over the prefix + causal diagonal
+    block. Forward both, merge with their LSE, then backward each block with the *global* out/lse:
+    the contributions must add up to the gradients of the whole shard."""
+    torch.manual_seed(1)
+    s, p, h, hkv, d = 9, 13, 4, 2, 8
+    scale = 0.3
+    q = torch.randn(s, h, d, requires_grad=True)
+    k = torch.randn(p + s, hkv, d, requires_grad=True)
+    v = torch.randn(p + s, hkv, d, requires_grad=True)
+    ref = _naive(q, k, v, [0, s], [0, p + s], True, scale)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    be = _backend(name, budget)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with torch.no_grad():
+        o1, l1 = be.forward(
+            q, k[:p], v[:p], i32(0, s), i32(0, p), 0, 0, causal=False, softmax_scale=scale
+        )
+        o2, l2 = be.forward(
+            q, k[p:], v[p:], i32(0, s), i32(0, s), 0, 0, causal=True, softmax_scale=scale
+        )
+        lse = torch.logaddexp(l1, l2)  # (H, s)
+        w1, w2 = torch.exp(l1 - lse).t()[..., None], torch.exp(l2 - lse).t()[..., None]
+        out = w1 * o1 + w2 * o2
+        torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+        dq1, dk1, dv1 = be.backward(
+            dout.float(),
+            q,
+            k[:p],
+            v[:p],
+            out,
+            lse,
+            i32(0, s),
+            i32(0, p),
+            0,
+            0,
+            causal=False,
+            softmax_scale=scale,
+        )
+        dq2, dk2, dv2 = be.backward(
+            dout.float(),
+            q,
+            k[p:],
+            v[p:],
+            out,
+            lse,
+            i32(0, s),
+            i32(0, s),
+            0,
+            0,
+            causal=True,
+            softmax_scale=scale,
+        )
+    torch.testing.assert_close(dq1 + dq2, q.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat([dk1, dk2]), k.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat([dv1, dv2]), v.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_get_backend_errors():
+    assert get_backend("auto", "cpu").name == "cpu"
+    assert get_backend("reference").name == "reference"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_backend("nope")
+    with pytest.raises(ValueError, match="CUDA"):
+        get_backend("torch_cuda", "cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        get_backend("flash_attn", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["torch_cuda", "flash_attn"])
+@pytest.mark.parametrize("case", CASES[:3])
+def test_cuda_backends(name, case):
+    try:
+        be = get_backend(name, "cuda")
+    except ValueError as e:
+        pytest.skip(str(e))
+    torch.manual_seed(0)
+    cu_q, cu_k = case
+    h, hkv, d = 8, 2, 64
+    dev = "cuda"
+    q = torch.randn(cu_q[-1], h, d, device=dev, dtype=torch.bfloat16, requires_grad=False)
+    k = torch.randn(cu_k[-1], hkv, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(cu_k[-1], hkv, d, device=dev, dtype=torch.bfloat16)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    ref = _naive(*leaves, cu_q, cu_k, True, d**-0.5)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    cq = torch.tensor(cu_q, dtype=torch.int32, device=dev)
+    ck = torch.tensor(cu_k, dtype=torch.int32, device=dev)
+    mq = max(b - a for a, b in itertools.pairwise(cu_q))
+    mk = max(b - a for a, b in itertools.pairwise(cu_k))
+    with torch.no_grad():
+        out, lse = be.forward(q, k, v, cq, ck, mq, mk, causal=True, softmax_scale=d**-0.5)
+        assert lse.shape == (h, cu_q[-1]) and not torch.isnan(out).any()
+        torch.testing.assert_close(out.double().cpu(), ref.detach(), rtol=2e-2, atol=2e-2)
+        grads = be.backward(
+            dout.to(dev, torch.bfloat16),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cq,
+            ck,
+            mq,
+            mk,
+            causal=True,
+            softmax_scale=d**-0.5,
+        )
+    for got, leaf in zip(grads, leaves, strict=True):
+        torch.testing.assert_close(got.double().cpu(), leaf.grad, rtol=5e-2, atol=5e-2)

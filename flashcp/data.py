@@ -1,0 +1,791 @@
+"""Document-length distributions and the seeded sampler that packs them into sequences.
+
+A training sequence of ``context_len`` (C) tokens is built by drawing documents i.i.d. from a
+length distribution and appending them until C is full; the last one is cut to fit (DESIGN.md §5).
+The remainder of a cut document is discarded: the next sequence starts with a fresh draw.
+
+Distributions (:data:`DATASETS`, loaded with :func:`load_distribution`):
+
+* ``wlb_llm`` -- :class:`BinnedDistribution`: pick a bin by its document share, then a length
+  uniformly among the integers inside it. Table ``datasets/wlb_llm.csv`` (WLB-LLM production
+  profile, 128K window, as binned in the public DistCA simulator data).
+* ``pile``, ``redpajama`` -- :class:`LogNormalMixture`: pick a source with probability proportional
+  to its *document count*, then a log-normal length with that source's mean m and shape σ
+  (log-mean ``mu = ln m - σ²/2``, so that the mean is m and the median ``m exp(-σ²/2)``), rounded
+  to the nearest integer and raised to at least 1. Tables ``datasets/pile.csv`` and
+  ``datasets/redpajama.csv``.
+* ``stress`` -- :class:`StressNormal`: ``max(1, round(X))`` with ``X ~ Normal(0.5 C, 0.5 C)``
+  (issue 2: "Normal(0.5·C, 0.5·C), cut to ≥1"); about 16% of its documents have length 1.
+* ``file`` -- :class:`EmpiricalDistribution`: resample a user's list of document lengths (a text,
+  CSV or ``.npy`` file) uniformly.
+
+Sources of every number are in ``datasets/README.md``.
+
+Weighting. ``weighting="documents"`` (default) draws a document as above. ``weighting="tokens"``
+is length-biased: a document of length d is drawn with probability ∝ d·p(d) ("pick a random
+training token and take its document"). Its mean is E[d²]/E[d]. How each class samples it is
+stated in its docstring; all are exact for the law they name (no rejection, no approximation
+beyond floating point), except :class:`StressNormal`, whose tokens law uses the normal density at
+the integers (a midpoint rule, relative error O(1/σ²) ≈ 1e-10 at C = 128K).
+
+Caps. ``cap`` truncates each draw to ``min(d, cap)`` *after* it is drawn (under either weighting:
+the weighting applies to the source law, the cap to the drawn document). Analytic moments,
+:meth:`LengthDistribution.cdf` and :meth:`LengthDistribution.median` ignore the cap.
+
+Units: every length is in tokens; arrays of lengths are int64.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "DATASETS",
+    "WEIGHTINGS",
+    "BinnedDistribution",
+    "EmpiricalDistribution",
+    "LengthDistribution",
+    "LogNormalMixture",
+    "StressNormal",
+    "default_data_dir",
+    "load_distribution",
+    "read_lengths_file",
+    "sample_packed",
+    "sample_sequences",
+]
+
+DATASETS = ("wlb_llm", "pile", "redpajama", "stress", "file")
+"""Names accepted by :func:`load_distribution`."""
+
+WEIGHTINGS = ("documents", "tokens")
+"""Values of the ``weighting`` option (see the module docstring)."""
+
+_TABLE_FILES = {"wlb_llm": "wlb_llm.csv", "pile": "pile.csv", "redpajama": "redpajama.csv"}
+
+# Largest length a float draw is clipped to before the int64 cast (exactly representable).
+_MAX_LEN = 2**53
+
+# Chunk sizes (documents per draw) used by the sequence sampler: they grow from the first to the
+# last value and then stay there. They do not depend on how many sequences are asked for, so the
+# first k sequences of a request are the same for every request of k or more sequences.
+_FIRST_CHUNK = 1 << 12
+_LAST_CHUNK = 1 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks
+
+
+def _check_int(value: Any, what: str, minimum: int) -> int:
+    """Return ``value`` as an int if it is an integer >= ``minimum``; else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_weighting(weighting: Any) -> str:
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown weighting {weighting!r}; valid: {', '.join(WEIGHTINGS)}")
+    return weighting
+
+
+def _check_cap(cap: Any) -> int | None:
+    return None if cap is None else _check_int(cap, "cap", 1)
+
+
+# --------------------------------------------------------------------------------------------
+# standard normal helpers (no scipy dependency)
+
+_erfc = np.frompyfunc(math.erfc, 1, 1)
+
+
+def _norm_cdf(x: Any) -> np.ndarray:
+    """Φ(x) elementwise, float64 (via ``math.erfc``; meant for small arrays)."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.asarray(0.5 * _erfc(-x / math.sqrt(2.0)), dtype=np.float64)
+
+
+def _norm_pdf(x: Any) -> np.ndarray:
+    """φ(x) elementwise, float64."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+
+
+# --------------------------------------------------------------------------------------------
+# distributions
+
+
+class LengthDistribution(ABC):
+    """A law of document lengths (integers >= 1, in tokens).
+
+    Subclasses implement :meth:`_sample` (both weightings), :meth:`moment` and :meth:`cdf`.
+
+    Attributes:
+        name: the dataset name (one of :data:`DATASETS`).
+    """
+
+    name: str
+
+    def sample(
+        self,
+        rng: np.random.Generator,
+        size: int,
+        *,
+        weighting: str = "documents",
+        cap: int | None = None,
+    ) -> np.ndarray:
+        """Draw ``size`` i.i.d. document lengths.
+
+        Args:
+            rng: the random generator (consumed).
+            size: number of documents, >= 0.
+            weighting: ``"documents"`` or ``"tokens"`` (length-biased), see the module docstring.
+            cap: if given (>= 1), each draw is truncated to ``min(d, cap)``.
+        Returns:
+            (size,) int64 lengths, each >= 1 (and <= cap).
+        Raises:
+            ValueError: bad ``size``, ``weighting`` or ``cap``, naming the value.
+        """
+        size = _check_int(size, "size", 0)
+        tokens = _check_weighting(weighting) == "tokens"
+        cap = _check_cap(cap)
+        out = self._sample(rng, size, tokens)
+        if cap is not None:
+            np.minimum(out, cap, out=out)
+        return out
+
+    @abstractmethod
+    def _sample(self, rng: np.random.Generator, size: int, tokens: bool) -> np.ndarray:
+        """(size,) int64 lengths >= 1, uncapped; length-biased when ``tokens``."""
+
+    @abstractmethod
+    def moment(self, k: int) -> float:
+        """Raw moment E[d^k] of the (uncapped) documents-weighted law, for k = 1, 2, 3."""
+
+    @abstractmethod
+    def cdf(self, x: Any) -> np.ndarray:
+        """P(d <= x) under documents weighting (uncapped), elementwise; float64, shape of x."""
+
+    def mean(self, weighting: str = "documents") -> float:
+        """Analytic mean document length in tokens, uncapped.
+
+        ``documents``: E[d]; ``tokens`` (length-biased): E[d²] / E[d].
+        """
+        if _check_weighting(weighting) == "documents":
+            return self.moment(1)
+        return self.moment(2) / self.moment(1)
+
+    def std(self, weighting: str = "documents") -> float:
+        """Analytic standard deviation in tokens, uncapped (tokens: from E[d³]/E[d])."""
+        if _check_weighting(weighting) == "documents":
+            var = self.moment(2) - self.moment(1) ** 2
+        else:
+            var = self.moment(3) / self.moment(1) - self.mean("tokens") ** 2
+        return math.sqrt(max(var, 0.0))
+
+    def quantile(self, q: float) -> int:
+        """Smallest integer length x with P(d <= x) >= q (documents weighting, uncapped)."""
+        if not 0.0 < q <= 1.0:
+            raise ValueError(f"quantile q must be in (0, 1], got {q!r}")
+        lo, hi = 1, 1
+        while float(self.cdf(hi)) < q:
+            lo, hi = hi + 1, 2 * hi
+            if hi > _MAX_LEN:
+                raise ValueError(f"quantile {q} of {self.name} is beyond {_MAX_LEN} tokens")
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if float(self.cdf(mid)) >= q:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def median(self) -> int:
+        """Median document length in tokens (documents weighting, uncapped)."""
+        return self.quantile(0.5)
+
+    def info(self) -> dict[str, Any]:
+        """Summary for logs and result rows: name, kind and analytic statistics (tokens)."""
+        return {
+            "name": self.name,
+            "kind": type(self).__name__,
+            "mean_tokens": self.mean("documents"),
+            "mean_tokens_tokens_weighted": self.mean("tokens"),
+            "median_tokens": self.median(),
+        }
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, mean={self.mean():.1f})"
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _pick(rng: np.random.Generator, weights: np.ndarray, size: int) -> np.ndarray:
+    """(size,) int64 indices drawn with probability ∝ ``weights`` (inverse CDF, one uniform each)."""
+    cum = np.cumsum(weights / weights.sum())
+    cum[-1] = 1.0
+    idx = np.searchsorted(cum, rng.random(size), side="right")
+    return np.minimum(idx, len(weights) - 1).astype(np.int64)
+
+
+class BinnedDistribution(LengthDistribution):
+    """Histogram law: a bin by its document share, then an integer uniformly inside the bin.
+
+    Args:
+        name: dataset name.
+        lo: (n_bins,) int, first length of each bin (inclusive), >= 1.
+        hi: (n_bins,) int, end of each bin (exclusive), > lo.
+        share: (n_bins,) float, document share of each bin (any positive scale; normalised here,
+            e.g. the WLB-LLM percentages sum to 99.997).
+
+    Tokens weighting (exact): a bin with probability ∝ share × (sum of the integers in the bin),
+    then an integer k in [lo, hi) with probability ∝ k by inverting its CDF in closed form
+    (k = the smallest integer with k(k+1)/2 > (lo-1)lo/2 + u·S, S the bin's sum; computed in float64
+    and corrected by exact integer comparisons).
+    """
+
+    def __init__(self, name: str, lo: Sequence[int], hi: Sequence[int], share: Sequence[float]):
+        self.name = name
+        self.lo = _readonly(np.asarray(lo, dtype=np.int64).copy())
+        self.hi = _readonly(np.asarray(hi, dtype=np.int64).copy())
+        self.share = _readonly(np.asarray(share, dtype=np.float64).copy())
+        n = self.lo.shape
+        if self.lo.ndim != 1 or n[0] == 0 or self.hi.shape != n or self.share.shape != n:
+            raise ValueError(f"{name}: lo, hi and share must be equal-length non-empty 1-D lists")
+        if (self.lo < 1).any():
+            raise ValueError(f"{name}: bin starts must be >= 1, got {int(self.lo.min())}")
+        if (self.hi <= self.lo).any():
+            i = int(np.argmax(self.hi <= self.lo))
+            raise ValueError(f"{name}: empty bin [{self.lo[i]}, {self.hi[i]})")
+        if not np.isfinite(self.share).all() or (self.share < 0).any() or self.share.sum() <= 0:
+            raise ValueError(f"{name}: bin shares must be finite, >= 0, not all 0: {self.share}")
+
+    @property
+    def _p(self) -> np.ndarray:
+        return self.share / self.share.sum()
+
+    def _power_sums(self, k: int) -> np.ndarray:
+        """(n_bins,) float64: sum of j^k over the integers j in [lo, hi)."""
+        return np.array(
+            [
+                np.sum(np.arange(a, b, dtype=np.float64) ** k)
+                for a, b in zip(self.lo, self.hi, strict=True)
+            ]
+        )
+
+    def moment(self, k: int) -> float:
+        width = (self.hi - self.lo).astype(np.float64)
+        return float(np.sum(self._p * self._power_sums(k) / width))
+
+    def cdf(self, x: Any) -> np.ndarray:
+        x = np.floor(np.asarray(x, dtype=np.float64))
+        width = (self.hi - self.lo).astype(np.float64)
+        inside = np.clip(x[..., None] - self.lo + 1, 0, width) / width  # (..., n_bins)
+        return np.sum(inside * self._p, axis=-1)
+
+    def _sample(self, rng: np.random.Generator, size: int, tokens: bool) -> np.ndarray:
+        if not tokens:
+            b = _pick(rng, self.share, size)
+            return rng.integers(self.lo[b], self.hi[b])  # (size,) int64, uniform in [lo, hi)
+        bin_mean = (self.lo + self.hi - 1).astype(np.float64) / 2.0
+        sums = bin_mean * (self.hi - self.lo)  # sum of the integers in each bin
+        b = _pick(rng, self.share * bin_mean, size)
+        lo, hi = self.lo[b], self.hi[b]
+        t = (lo - 1) * lo / 2.0 + rng.random(size) * sums[b]  # target in [tri(lo-1), tri(hi-1))
+        k = np.ceil((np.sqrt(8.0 * t + 1.0) - 1.0) / 2.0).astype(np.int64)
+        # exact fix-up: want tri(k-1) <= t < tri(k)
+        k += (k * (k + 1) / 2.0 <= t).astype(np.int64)
+        k -= ((k - 1) * k / 2.0 > t).astype(np.int64)
+        return np.clip(k, lo, hi - 1)
+
+
+class LogNormalMixture(LengthDistribution):
+    """Mixture of log-normal sources, each with a document count, mean m and shape σ.
+
+    A draw picks a source with probability ∝ its document count, then ``X = exp(mu + σ Z)`` with
+    ``mu = ln m - σ²/2`` (so E[X] = m, median m·exp(-σ²/2)), and returns ``max(1, round(X))``.
+
+    Tokens weighting (exact for the continuous law): a source with probability ∝ docs × m, then a
+    log-normal with log-mean ``mu + σ²`` (the length-biased law of a log-normal). The rounding to an
+    integer moves each draw by < 0.5 token.
+
+    Args:
+        name: dataset name.
+        components: (n,) source names.
+        docs: (n,) document counts (any positive scale).
+        means: (n,) mean length m of each source, tokens, > 0.
+        sigmas: (n,) shape σ of each source, >= 0.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        components: Sequence[str],
+        docs: Sequence[float],
+        means: Sequence[float],
+        sigmas: Sequence[float],
+    ):
+        self.name = name
+        self.components = tuple(str(c) for c in components)
+        self.docs = _readonly(np.asarray(docs, dtype=np.float64).copy())
+        self.means = _readonly(np.asarray(means, dtype=np.float64).copy())
+        self.sigmas = _readonly(np.asarray(sigmas, dtype=np.float64).copy())
+        n = (len(self.components),)
+        if n[0] == 0 or self.docs.shape != n or self.means.shape != n or self.sigmas.shape != n:
+            raise ValueError(
+                f"{name}: components, docs, means, sigmas must be equal-length, non-empty"
+            )
+        for what, arr, ok in (
+            ("docs", self.docs, self.docs >= 0),
+            ("mean", self.means, self.means > 0),
+            ("sigma", self.sigmas, self.sigmas >= 0),
+        ):
+            bad = ~(np.isfinite(arr) & ok)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"{name}: bad {what} {arr[i]!r} for {self.components[i]!r}")
+        if self.docs.sum() <= 0:
+            raise ValueError(f"{name}: document counts are all zero")
+        self.mus = _readonly(np.log(self.means) - self.sigmas**2 / 2.0)
+
+    @property
+    def weights(self) -> np.ndarray:
+        """(n,) float64 probability of each source per document draw (∝ document count)."""
+        return self.docs / self.docs.sum()
+
+    def component(self, name: str) -> LogNormalMixture:
+        """The single-source distribution of one named component."""
+        if name not in self.components:
+            raise ValueError(f"{self.name} has no component {name!r}; valid: {self.components}")
+        i = self.components.index(name)
+        return LogNormalMixture(
+            f"{self.name}/{name}", [name], [1.0], [self.means[i]], [self.sigmas[i]]
+        )
+
+    def moment(self, k: int) -> float:
+        # E[X^k] = exp(k mu + k² σ² / 2) for a log-normal
+        return float(np.sum(self.weights * np.exp(k * self.mus + k * k * self.sigmas**2 / 2.0)))
+
+    def cdf(self, x: Any) -> np.ndarray:
+        # round(X) <= x  <=>  X < x + 1/2, for integer x >= 1 (the max(1, .) only lifts values < 1)
+        x = np.floor(np.asarray(x, dtype=np.float64))
+        with np.errstate(divide="ignore"):
+            lx = np.log(np.maximum(x + 0.5, 0.0))[..., None]  # (..., 1)
+        s = np.where(self.sigmas > 0, self.sigmas, 1.0)
+        z = (lx - self.mus) / s
+        point = np.where(lx > self.mus, 1.0, 0.0)  # σ = 0: a point mass at m
+        per = np.where(self.sigmas > 0, _norm_cdf(z), point)
+        out = np.sum(per * self.weights, axis=-1)
+        return np.where(x >= 1, out, 0.0)
+
+    def _sample(self, rng: np.random.Generator, size: int, tokens: bool) -> np.ndarray:
+        if tokens:
+            c = _pick(rng, self.docs * self.means, size)
+            mu = self.mus[c] + self.sigmas[c] ** 2
+        else:
+            c = _pick(rng, self.docs, size)
+            mu = self.mus[c]
+        x = np.exp(mu + self.sigmas[c] * rng.standard_normal(size))
+        return np.clip(np.rint(x), 1, _MAX_LEN).astype(np.int64)
+
+
+class StressNormal(LengthDistribution):
+    """Stress test: ``max(1, round(X))`` with ``X ~ Normal(0.5 C, 0.5 C)`` (issue 2).
+
+    Documents weighting draws X directly. Tokens weighting draws from the integer law
+    P(k) ∝ k·p(k) by inverse CDF over a table of k = 1 .. ceil(μ + 12σ), with p(1) = Φ((1.5-μ)/σ)
+    and p(k) = φ((k-μ)/σ)/σ for k >= 2 (the density at the integers: a midpoint rule whose relative
+    error is O(1/σ²)); the mass beyond μ + 12σ (< 1e-32) is dropped.
+
+    Args:
+        context_len: C in tokens, >= 1.
+    """
+
+    def __init__(self, context_len: int):
+        self.name = "stress"
+        self.context_len = _check_int(context_len, "context_len", 1)
+        self.loc = 0.5 * self.context_len
+        self.scale = 0.5 * self.context_len
+
+    @cached_property
+    def _tokens_table(self) -> np.ndarray:
+        """(K,) float64 cumulative probability of k = 1..K under tokens weighting."""
+        kmax = math.ceil(self.loc + 12.0 * self.scale)
+        k = np.arange(1, kmax + 1, dtype=np.float64)
+        p = _norm_pdf((k - self.loc) / self.scale) / self.scale
+        p[0] = float(_norm_cdf((1.5 - self.loc) / self.scale))
+        cum = np.cumsum(k * p)
+        return _readonly(cum / cum[-1])
+
+    def moment(self, k: int) -> float:
+        # E[Y^k] = P(X < 1.5) + E[X^k; X >= 1.5]; partial moments of Z above a:
+        # M_0 = 1 - Φ(a), M_1 = φ(a), M_j = a^(j-1) φ(a) + (j-1) M_(j-2)
+        a = (1.5 - self.loc) / self.scale
+        pa, fa = float(_norm_cdf(a)), float(_norm_pdf(a))
+        m = [1.0 - pa, fa]
+        for j in range(2, k + 1):
+            m.append(a ** (j - 1) * fa + (j - 1) * m[j - 2])
+        upper = sum(
+            math.comb(k, j) * self.loc ** (k - j) * self.scale**j * m[j] for j in range(k + 1)
+        )
+        return pa + upper
+
+    def cdf(self, x: Any) -> np.ndarray:
+        x = np.floor(np.asarray(x, dtype=np.float64))
+        return np.where(x >= 1, _norm_cdf((x + 0.5 - self.loc) / self.scale), 0.0)
+
+    def _sample(self, rng: np.random.Generator, size: int, tokens: bool) -> np.ndarray:
+        if tokens:
+            cum = self._tokens_table
+            idx = np.searchsorted(cum, rng.random(size), side="right")
+            return np.minimum(idx, len(cum) - 1).astype(np.int64) + 1
+        x = rng.normal(self.loc, self.scale, size)
+        return np.clip(np.rint(x), 1, _MAX_LEN).astype(np.int64)
+
+
+class EmpiricalDistribution(LengthDistribution):
+    """Resample a list of observed document lengths.
+
+    Documents weighting: each listed document with probability 1/n. Tokens weighting (exact): a
+    uniform integer token index in [0, Σd), and the document holding it (probability d_i / Σd).
+
+    Args:
+        lengths: (n,) int document lengths, each >= 1 (checked by ``flashcp.plan.check_doc_lens``).
+        name: dataset name (default ``"file"``).
+        source: where the lengths came from (for :meth:`info`).
+    """
+
+    def __init__(self, lengths: Any, name: str = "file", source: str | None = None):
+        from flashcp.plan import check_doc_lens
+
+        self.name = name
+        self.source = source
+        self.lengths = _readonly(check_doc_lens(lengths).copy())
+        self._cum = _readonly(np.cumsum(self.lengths))
+        self._sorted = _readonly(np.sort(self.lengths))
+
+    def moment(self, k: int) -> float:
+        return float(np.mean(self.lengths.astype(np.float64) ** k))
+
+    def cdf(self, x: Any) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float64)
+        return np.searchsorted(self._sorted, x, side="right") / len(self._sorted)
+
+    def _sample(self, rng: np.random.Generator, size: int, tokens: bool) -> np.ndarray:
+        if tokens:
+            idx = np.searchsorted(
+                self._cum, rng.integers(0, int(self._cum[-1]), size), side="right"
+            )
+        else:
+            idx = rng.integers(0, len(self.lengths), size)
+        return self.lengths[idx].copy()
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "source": self.source, "num_lengths": len(self.lengths)}
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def default_data_dir() -> Path:
+    """The ``datasets/`` folder at the repository root (next to the ``flashcp`` package)."""
+    return Path(__file__).resolve().parent.parent / "datasets"
+
+
+def _read_table(path: Path, columns: Sequence[str]) -> tuple[list[str], dict[str, np.ndarray]]:
+    """Read a CSV table: first column = row labels, plus the named numeric ``columns``."""
+    if not path.is_file():
+        raise ValueError(f"length table {path} not found (set data_dir to the datasets/ folder)")
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise ValueError(f"length table {path} has no rows")
+    header = list(rows[0].keys())
+    missing = [c for c in columns if c not in header]
+    if missing:
+        raise ValueError(f"length table {path} lacks column(s) {missing}; has {header}")
+    out: dict[str, np.ndarray] = {}
+    for c in columns:
+        try:
+            out[c] = np.array([float(r[c]) for r in rows])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"length table {path}: non-numeric value in column {c!r}: {e}") from e
+    return [r[header[0]] for r in rows], out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _parse_length(text: str, where: str) -> int:
+    """Parse one document length (an integer, or an integral float such as ``12.0``), >= 1."""
+    s = text.strip()
+    try:
+        v = int(s)
+    except ValueError:
+        try:
+            f = float(s)
+        except ValueError:
+            raise ValueError(f"{where}: document length {s!r} is not an integer") from None
+        if not math.isfinite(f) or f != round(f):
+            raise ValueError(f"{where}: document length {s!r} is not an integer") from None
+        v = int(f)
+    if v <= 0:
+        raise ValueError(f"{where}: document length must be >= 1, got {s!r}")
+    return v
+
+
+def read_lengths_file(path: str | Path) -> np.ndarray:
+    """Read a user's document lengths.
+
+    Formats: ``.npy`` (a 1-D integer array, or floats with integral values); a CSV (``.csv``, or
+    any file whose first data line has a comma) with a header: the column named ``doc_len``, else
+    the first column whose every value is a number; without a header, the first column;
+    otherwise plain text, one length per line. Blank lines and lines starting with ``#`` are skipped.
+
+    Returns:
+        (n,) int64 lengths, each >= 1.
+    Raises:
+        ValueError: the file is missing or unreadable, holds no lengths, or holds a value that is not
+            an integer or is <= 0; the message names the file, the line and the value.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"length file {str(path)!r} not found")
+    if p.suffix.lower() == ".npy":
+        try:
+            arr = np.load(p, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"length file {p}: cannot read as .npy: {e}") from e
+        arr = np.asarray(arr)
+        if arr.ndim == 2 and 1 in arr.shape:
+            arr = arr.reshape(-1)
+        if arr.ndim != 1:
+            raise ValueError(f"length file {p}: expected a 1-D array, got shape {arr.shape}")
+        if arr.size == 0:
+            raise ValueError(f"length file {p} holds no document lengths")
+        if arr.dtype.kind not in "iuf":
+            raise ValueError(
+                f"length file {p}: document lengths must be integers, got dtype {arr.dtype}"
+            )
+        bad = (
+            ~np.isfinite(arr) | (arr != np.round(arr)) | (arr <= 0)
+            if arr.dtype.kind == "f"
+            else arr <= 0
+        )
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"length file {p}: entry {i} = {arr[i]!r} is not an integer >= 1")
+        return arr.astype(np.int64)
+
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"length file {p}: cannot read: {e}") from e
+    lines = [(i + 1, ln) for i, ln in enumerate(text.splitlines())]
+    lines = [(n, ln) for n, ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    if not lines:
+        raise ValueError(f"length file {p} holds no document lengths")
+    if p.suffix.lower() == ".csv" or "," in lines[0][1]:
+        rows = [
+            (n, [c.strip() for c in r])
+            for (n, _), r in zip(lines, csv.reader(ln for _, ln in lines), strict=True)
+        ]
+        col, start = 0, 0
+        header = rows[0][1]
+        if not all(_is_number(c) for c in header):
+            start = 1
+            names = [c.lower() for c in header]
+            if "doc_len" in names:
+                col = names.index("doc_len")
+            else:
+                cols = [
+                    j
+                    for j in range(len(header))
+                    if all(j < len(r) and _is_number(r[j]) for _, r in rows[1:])
+                ]
+                if not cols:
+                    raise ValueError(
+                        f"length file {p}: no column named doc_len and no numeric column in {header}"
+                    )
+                col = cols[0]
+        if len(rows) <= start:
+            raise ValueError(f"length file {p} holds no document lengths (only a header)")
+        values = []
+        for n, r in rows[start:]:
+            if col >= len(r):
+                raise ValueError(f"{p}:{n}: missing column {col + 1}")
+            values.append(_parse_length(r[col], f"{p}:{n}"))
+        return np.array(values, dtype=np.int64)
+    return np.array([_parse_length(ln, f"{p}:{n}") for n, ln in lines], dtype=np.int64)
+
+
+def load_distribution(
+    name: str,
+    *,
+    context_len: int | None = None,
+    path: str | Path | None = None,
+    data_dir: str | Path | None = None,
+) -> LengthDistribution:
+    """Load one of :data:`DATASETS`.
+
+    Args:
+        name: ``wlb_llm``, ``pile``, ``redpajama`` (tables under ``data_dir``), ``stress`` (needs
+            ``context_len``) or ``file`` (needs ``path``, see :func:`read_lengths_file`).
+        context_len: C in tokens, for ``stress``; ignored otherwise.
+        path: the lengths file, for ``file``.
+        data_dir: folder holding the tables; default :func:`default_data_dir`.
+    Raises:
+        ValueError: unknown name (the message lists the valid ones), a missing argument, or a bad
+            table or file, naming the bad value.
+    """
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; valid: {', '.join(DATASETS)}")
+    if name == "stress":
+        if context_len is None:
+            raise ValueError("dataset 'stress' needs context_len (Normal(0.5 C, 0.5 C))")
+        return StressNormal(context_len)
+    if name == "file":
+        if path is None:
+            raise ValueError("dataset 'file' needs path (a .txt, .csv or .npy file of lengths)")
+        return EmpiricalDistribution(read_lengths_file(path), name="file", source=str(path))
+    table = Path(data_dir) if data_dir is not None else default_data_dir()
+    table = table / _TABLE_FILES[name]
+    if name == "wlb_llm":
+        _, t = _read_table(table, ["lo_tokens", "hi_tokens", "doc_pct"])
+        return BinnedDistribution(name, t["lo_tokens"], t["hi_tokens"], t["doc_pct"])
+    labels, t = _read_table(table, ["docs", "mean_tokens", "sigma"])
+    return LogNormalMixture(name, labels, t["docs"], t["mean_tokens"], t["sigma"])
+
+
+# --------------------------------------------------------------------------------------------
+# packing documents into sequences
+
+
+def _check_seq_args(
+    num_sequences: Any, context_len: Any, seed: Any, weighting: Any, cap: Any
+) -> tuple[int, int, int, str, int]:
+    n = _check_int(num_sequences, "num_sequences", 0)
+    c = _check_int(context_len, "context_len", 1)
+    s = _check_int(seed, "seed", 0)
+    w = _check_weighting(weighting)
+    cap = 4 * c if cap is None else _check_int(cap, "cap", 1)
+    return n, c, s, w, cap
+
+
+def sample_packed(
+    dist: LengthDistribution,
+    num_sequences: int,
+    context_len: int,
+    *,
+    seed: int,
+    weighting: str = "documents",
+    cap: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sample sequences and return them packed in two flat arrays (the fast form).
+
+    Documents are drawn i.i.d. (``dist.sample(..., weighting, cap)``; ``cap`` defaults to
+    ``4 * context_len``) in one stream from ``np.random.default_rng(seed)`` and appended to the
+    current sequence until it holds ``context_len`` tokens; the last one is cut to fit and its rest
+    is discarded. The stream is drawn in chunks whose sizes do not depend on ``num_sequences``, so a
+    request for k sequences returns the first k of any longer request with the same arguments.
+
+    Args:
+        dist: the length distribution.
+        num_sequences: number of sequences, >= 0.
+        context_len: C, tokens per sequence, >= 1.
+        seed: random seed, >= 0.
+        weighting: ``"documents"`` or ``"tokens"``.
+        cap: largest single draw in tokens (before cutting); default ``4 * context_len``.
+    Returns:
+        doc_lens: (total_docs,) int64, every sequence's document lengths in packed order.
+        offsets: (num_sequences + 1,) int64; sequence i is ``doc_lens[offsets[i]:offsets[i+1]]``,
+            which sums to exactly ``context_len``.
+    Raises:
+        ValueError: a bad argument, naming it.
+    """
+    n, c, seed, weighting, cap = _check_seq_args(num_sequences, context_len, seed, weighting, cap)
+    rng = np.random.default_rng(seed)
+    pieces: list[np.ndarray] = []
+    counts: list[np.ndarray] = []
+    pending = np.zeros(0, dtype=np.int64)  # draws not yet used (a started sequence)
+    chunk, done = _FIRST_CHUNK, 0
+    while done < n:
+        buf = np.concatenate([pending, dist.sample(rng, chunk, weighting=weighting, cap=cap)])
+        chunk = min(2 * chunk, _LAST_CHUNK)
+        cs = np.cumsum(buf)  # (m,) tokens up to and including each draw
+        cs_list = cs.tolist()
+        m = len(cs_list)
+        starts: list[int] = []
+        ends: list[int] = []
+        s, base = 0, 0  # base = tokens before draw s
+        while done < n:
+            e = bisect.bisect_left(cs_list, base + c, s)  # first draw reaching C tokens
+            if e == m:
+                break
+            starts.append(s)
+            ends.append(e)
+            done += 1
+            s = e + 1
+            base = cs_list[e]
+        pending = buf[s:]
+        if not starts:
+            continue
+        st = np.asarray(starts, dtype=np.int64)
+        en = np.asarray(ends, dtype=np.int64)
+        # sequences are consecutive in the stream: draws st[0] .. en[-1]; cut each last draw
+        seg = buf[st[0] : en[-1] + 1].copy()
+        # tokens of each sequence before its last draw: cs[e-1] - cs[s-1]
+        before_last = (cs[en] - buf[en]) - (cs[st] - buf[st])
+        seg[en - st[0]] = c - before_last
+        pieces.append(seg)
+        counts.append(en - st + 1)
+    doc_lens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    if counts:
+        np.cumsum(np.concatenate(counts), out=offsets[1:])
+    return doc_lens, offsets
+
+
+def sample_sequences(
+    dist: LengthDistribution,
+    num_sequences: int,
+    context_len: int,
+    *,
+    seed: int,
+    weighting: str = "documents",
+    cap: int | None = None,
+) -> list[np.ndarray]:
+    """Sample ``num_sequences`` packed sequences of exactly ``context_len`` tokens.
+
+    Same arguments and semantics as :func:`sample_packed`.
+
+    Returns:
+        list of ``num_sequences`` arrays, each (n_docs,) int64 document lengths in packed order,
+        each >= 1 and summing to exactly ``context_len``.
+    """
+    doc_lens, offsets = sample_packed(
+        dist, num_sequences, context_len, seed=seed, weighting=weighting, cap=cap
+    )
+    if len(offsets) == 1:
+        return []
+    return np.split(doc_lens, offsets[1:-1])

@@ -1,0 +1,212 @@
+"""Command-line tools outside the Hydra app: ``flashcp plan`` inspects one plan.
+
+Examples::
+
+    flashcp plan --method per_doc --cp-size 2 --doc-lens 4,12 --json
+    flashcp plan --method flashcp --cp-size 4 --doc-lens 9000,3000,500,4000 --context-len 16384 \\
+        --target-imbalance 1.1
+    flashcp plan --method llama3 --cp-size 8 --doc-lens-file lens.npy --context-len 131072
+
+``--context-len C`` packs the lengths the way the sampler does (documents appended in order until
+C tokens are full, the last one cut; fewer than C tokens in all is an error). Without it the
+lengths are used as given and C is their sum.
+
+Bad input (empty or non-integer lengths, lengths <= 0, ``cp_size`` < 1, C not divisible as the
+layout needs, an unknown method, an option the method does not take) exits with status 2 and one
+line on stderr naming the bad value. The checks themselves live in the library (``ValueError``);
+this module only reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import re
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+import numpy as np
+
+from flashcp.data import read_lengths_file
+from flashcp.plan import Plan, check_doc_lens
+from flashcp.registry import METHODS, get_planner
+
+__all__ = ["format_table", "main", "pack_doc_lens", "parse_doc_lens"]
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def parse_doc_lens(text: str) -> list[int]:
+    """Parse ``"4,12"`` (commas and/or whitespace) into a list of ints.
+
+    Raises:
+        ValueError: a token that is not an integer (named). An empty list is returned as is; the
+            library's :func:`~flashcp.plan.check_doc_lens` rejects it.
+    """
+    out = []
+    for token in re.split(r"[,\s]+", text.strip()):
+        if token:
+            try:
+                out.append(int(token))
+            except ValueError:
+                raise ValueError(f"--doc-lens: {token!r} is not an integer") from None
+    return out
+
+
+def pack_doc_lens(doc_lens, context_len: int) -> np.ndarray:
+    """Pack documents into one sequence of exactly ``context_len`` tokens, as the sampler does.
+
+    Documents are taken in order until ``context_len`` tokens are full; the last one taken is cut
+    to fit, and later ones are dropped.
+
+    Args:
+        doc_lens: (n,) int, document lengths (validated by the library).
+        context_len: C >= 1.
+    Returns:
+        (k,) int64, the packed lengths, summing to ``context_len``.
+    Raises:
+        ValueError: bad lengths, ``context_len`` < 1, or lengths summing to less than C.
+    """
+    d = check_doc_lens(doc_lens)
+    if context_len < 1:
+        raise ValueError(f"context_len must be >= 1, got {context_len}")
+    cu = np.cumsum(d)
+    if cu[-1] < context_len:
+        raise ValueError(
+            f"doc_lens sum to {int(cu[-1])}, fewer than context_len = {context_len}: "
+            "not enough tokens to fill the sequence"
+        )
+    k = int(np.searchsorted(cu, context_len))  # first document that reaches C
+    packed = d[: k + 1].copy()
+    packed[k] -= int(cu[k]) - context_len
+    return packed
+
+
+def _shard_text(doc: int, start: int, length: int) -> str:
+    return f"{doc}:{start}+{length}"
+
+
+def format_table(plan: Plan) -> str:
+    """A readable view of a plan: its metrics, then per rank tokens, workload and shards.
+
+    Shards are written ``doc:start+length`` in the order the rank holds them.
+    """
+    s = plan.summary()
+    lines = [
+        f"method {s['method']}  cp_size {s['cp_size']}  context_len {s['context_len']}  "
+        f"docs {s['num_docs']}  status {s['status']}",
+        f"imbalance_ratio {s['imbalance_ratio']:.4f}  comm_tokens {s['comm_tokens']}  "
+        f"comm_tokens_full {s['comm_tokens_full']}  comm_saving {s['comm_saving']:.1%}",
+    ]
+    tok, wl = plan.tokens_per_rank, plan.workload_per_rank
+    wl_width = max(len("workload"), len(str(int(wl.max()))))
+    tok_width = max(len("tokens"), len(str(int(tok.max()))))
+    lines.append(
+        f"{'rank':>4}  {'tokens':>{tok_width}}  {'workload':>{wl_width}}  shards (doc:start+len)"
+    )
+    for r, shards in enumerate(plan.ranks()):
+        text = " ".join(_shard_text(*sh) for sh in shards)
+        lines.append(f"{r:>4}  {int(tok[r]):>{tok_width}}  {int(wl[r]):>{wl_width}}  {text}")
+    return "\n".join(lines)
+
+
+def _takes_target(method: str) -> bool:
+    """Whether ``method``'s planner has a ``target_imbalance`` option (flashcp and its variants)."""
+    return "target_imbalance" in inspect.signature(get_planner(method)).parameters
+
+
+def _json_default(obj):
+    """JSON for numpy scalars and arrays a planner may leave in ``Plan.info``."""
+    if isinstance(obj, np.generic | np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    """``flashcp plan``: build one plan and print it (JSON or table)."""
+    planner = get_planner(args.method)
+    if args.doc_lens_file is not None:
+        doc_lens = read_lengths_file(args.doc_lens_file)
+    else:
+        doc_lens = parse_doc_lens(args.doc_lens)
+    if args.context_len is not None:
+        doc_lens = pack_doc_lens(doc_lens, args.context_len)
+    options = {}
+    if args.target_imbalance is not None:
+        if not _takes_target(args.method):
+            takers = ", ".join(m for m in METHODS if _takes_target(m))
+            raise ValueError(
+                f"--target-imbalance applies only to {takers}, not to method {args.method!r}"
+            )
+        options["target_imbalance"] = args.target_imbalance
+    plan = planner(doc_lens, args.cp_size, **options)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2, default=_json_default))
+    else:
+        print(format_table(plan))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flashcp`` argument parser (subcommand ``plan``)."""
+    parser = _Parser(prog="flashcp", description="FlashCP harness tools.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser(
+        "plan",
+        help="plan one packed sequence and print the shards of every rank",
+        description="Plan one packed sequence with one method and print the plan.",
+    )
+    p.add_argument("--method", required=True, help=f"planner: one of {', '.join(METHODS)}")
+    p.add_argument("--cp-size", type=int, required=True, help="number of CP ranks N (>= 1)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--doc-lens", help="document lengths in tokens, comma-separated, e.g. 4,12")
+    src.add_argument(
+        "--doc-lens-file",
+        metavar="PATH",
+        help="file of document lengths: .npy, text (one per line) or CSV (column doc_len)",
+    )
+    p.add_argument(
+        "--context-len",
+        type=int,
+        help="pack the documents into exactly this many tokens (the last one cut); "
+        "default: use the lengths as given (C = their sum)",
+    )
+    p.add_argument(
+        "--target-imbalance",
+        type=float,
+        help="flashcp only: imbalance ratio to reach (default 1.05)",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_plan_command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``flashcp`` console script.
+
+    Returns:
+        0 on success, 2 on bad input (one line on stderr).
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # usage errors (status 2) and --help (status 0)
+        return int(exc.code or 0)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"flashcp {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

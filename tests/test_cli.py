@@ -1,0 +1,240 @@
+"""Tests of the ``flashcp plan`` command line (run in-process, plus one real ``python -m flashcp``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flashcp.cli import main, pack_doc_lens
+from flashcp.registry import METHODS, make_plan_for
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULTS = (("--method", "per_doc"), ("--cp-size", "2"))  # used where a bad-input case omits them
+RING = "plan --method ring --cp-size 2 --doc-lens-file".split()
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """Run ``flashcp`` in-process; return (exit status, stdout, stderr)."""
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def plan_json(capsys, *argv: str) -> dict:
+    code, out, err = run_cli(capsys, "plan", *argv, "--json")
+    assert code == 0, err
+    assert err == ""
+    return json.loads(out)
+
+
+def assert_json_matches_plan(data: dict, plan) -> None:
+    """The JSON carries the plan's metrics and every rank's shards in local order."""
+    assert data["method"] == plan.method
+    assert data["cp_size"] == plan.cp_size
+    assert data["context_len"] == plan.context_len
+    assert data["imbalance_ratio"] == pytest.approx(plan.imbalance_ratio)
+    assert data["comm_tokens"] == plan.comm_tokens
+    assert data["comm_tokens_full"] == plan.comm_tokens_full
+    assert data["comm_saving"] == pytest.approx(plan.comm_saving)
+    assert [r["rank"] for r in data["ranks"]] == list(range(plan.cp_size))
+    for r, shards in enumerate(plan.ranks()):
+        entry = data["ranks"][r]
+        assert entry["tokens"] == int(plan.tokens_per_rank[r])
+        assert entry["workload"] == int(plan.workload_per_rank[r])
+        assert [(s["doc"], s["start"], s["length"]) for s in entry["shards"]] == [
+            tuple(s) for s in shards
+        ]
+
+
+def test_issue_example_per_doc_json(capsys):
+    data = plan_json(capsys, "--method", "per_doc", "--cp-size", "2", "--doc-lens", "4,12")
+    # every document in 2N = 4 chunks; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert data["method"] == "per_doc" and data["cp_size"] == 2 and data["context_len"] == 16
+    assert data["ranks"] == [
+        {
+            "rank": 0,
+            "tokens": 8,
+            "workload": 44,
+            "shards": [
+                {"doc": 0, "start": 0, "length": 1},
+                {"doc": 0, "start": 3, "length": 1},
+                {"doc": 1, "start": 0, "length": 3},
+                {"doc": 1, "start": 9, "length": 3},
+            ],
+        },
+        {
+            "rank": 1,
+            "tokens": 8,
+            "workload": 44,
+            "shards": [{"doc": 0, "start": 1, "length": 2}, {"doc": 1, "start": 3, "length": 6}],
+        },
+    ]
+    assert data["imbalance_ratio"] == 1.0
+    assert data["comm_tokens"] == data["comm_tokens_full"] == 8
+    assert data["comm_saving"] == 0.0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_json_matches_the_library_plan(capsys, method):
+    lens = [300, 1, 1, 77, 1200, 5, 464]  # C = 2048
+    data = plan_json(
+        capsys, "--method", method, "--cp-size", "4", "--doc-lens", ",".join(map(str, lens))
+    )
+    assert_json_matches_plan(data, make_plan_for(method, lens, 4))
+
+
+def test_llama3_json(capsys):
+    data = plan_json(capsys, "--method", "llama3", "--cp-size", "2", "--doc-lens", "4, 12")
+    assert [[tuple(s.values()) for s in r["shards"]] for r in data["ranks"]] == [
+        [(0, 0, 4), (1, 8, 4)],
+        [(1, 0, 8)],
+    ]
+    assert [r["workload"] for r in data["ranks"]] == [52, 36]
+
+
+def test_context_len_packs_and_cuts(capsys):
+    # 4 + 12 + 9 -> cut to 20: [4, 12, 4]; the document after the cut is dropped
+    data = plan_json(
+        capsys, *"--method ring --cp-size 2 --doc-lens 4,12,9,30 --context-len 20".split()
+    )
+    assert data["context_len"] == 20
+    assert data["doc_lens"] == [4, 12, 4]
+    assert_json_matches_plan(data, make_plan_for("ring", [4, 12, 4], 2))
+    # exactly full: nothing cut
+    data = plan_json(
+        capsys, *"--method ring --cp-size 2 --doc-lens 4,12,9 --context-len 16".split()
+    )
+    assert data["doc_lens"] == [4, 12]
+
+
+def test_pack_doc_lens():
+    np.testing.assert_array_equal(pack_doc_lens([5, 5, 5], 12), [5, 5, 2])
+    np.testing.assert_array_equal(pack_doc_lens([50], 8), [8])
+    np.testing.assert_array_equal(pack_doc_lens([1, 1, 1], 3), [1, 1, 1])
+
+
+def test_target_imbalance_is_passed_to_flashcp(capsys):
+    args = ["--method", "flashcp", "--cp-size", "2", "--doc-lens", "12,4"]
+    loose = plan_json(capsys, *args, "--target-imbalance", "2.0")
+    assert loose["info"]["target_imbalance"] == 2.0
+    assert loose["info"]["per_doc_docs"] == []
+    assert_json_matches_plan(loose, make_plan_for("flashcp", [12, 4], 2, target_imbalance=2.0))
+    default = plan_json(capsys, *args)
+    assert default["info"]["target_imbalance"] == 1.05
+    assert default["info"]["per_doc_docs"] == [0]
+    assert default["status"] == "ok" and default["imbalance_ratio"] <= 1.05
+
+
+def test_table_output(capsys):
+    code, out, err = run_cli(
+        capsys, "plan", "--method", "per_doc", "--cp-size", "2", "--doc-lens", "4,12"
+    )
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert "per_doc" in lines[0] and "cp_size 2" in lines[0] and "context_len 16" in lines[0]
+    assert "imbalance_ratio 1.0000" in lines[1] and "comm_tokens 8" in lines[1]
+    assert lines[2].split()[:3] == ["rank", "tokens", "workload"]
+    assert lines[3].split() == ["0", "8", "44", "0:0+1", "0:3+1", "1:0+3", "1:9+3"]
+    assert lines[4].split() == ["1", "8", "44", "0:1+2", "1:3+6"]
+    assert len(lines) == 5
+
+
+@pytest.mark.parametrize(
+    ("suffix", "content"),
+    [
+        (".txt", "# lengths\n4\n12\n"),
+        (".csv", "4\n12\n"),
+        (".csv", "doc_len\n4\n12\n"),
+        (".csv", "seq,doc_len,source\n0,4,pile\n0,12,pile\n"),
+    ],
+)
+def test_doc_lens_file(capsys, tmp_path, suffix, content):
+    path = tmp_path / f"lens{suffix}"
+    path.write_text(content)
+    data = plan_json(capsys, "--method", "per_doc", "--cp-size", "2", "--doc-lens-file", str(path))
+    assert data["doc_lens"] == [4, 12]
+
+
+def test_doc_lens_file_npy(capsys, tmp_path):
+    path = tmp_path / "lens.npy"
+    np.save(path, np.array([3000, 1, 1, 5000, 200], dtype=np.int32))
+    args = ["--method", "flashcp", "--cp-size", "8", "--context-len", "4096"]
+    data = plan_json(capsys, *args, "--doc-lens-file", str(path))
+    assert data["doc_lens"] == [3000, 1, 1, 1094]
+    assert_json_matches_plan(data, make_plan_for("flashcp", [3000, 1, 1, 1094], 8))
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--doc-lens", ""], "doc_lens is empty"),
+        (["--doc-lens", ","], "doc_lens is empty"),
+        (["--doc-lens", "4,x"], "'x'"),
+        (["--doc-lens", "4.5,11.5"], "'4.5'"),
+        (["--doc-lens", "4,0"], "doc_lens[1] = 0"),
+        (["--doc-lens", "4,-12"], "doc_lens[1] = -12"),
+        (["--doc-lens", "4,12", "--context-len", "20"], "context_len = 20"),
+        (["--doc-lens", "4,12", "--context-len", "0"], "context_len must be >= 1, got 0"),
+        (["--doc-lens", "4,12", "--context-len", "15"], "context_len = 15"),
+        (["--doc-lens", "4,13"], "context_len = 17"),
+        (["--doc-lens", "4,12", "--cp-size", "0"], "cp_size must be >= 1, got 0"),
+        (["--doc-lens", "4,12", "--cp-size", "-2"], "got -2"),
+        (["--doc-lens", "4,12", "--cp-size", "3"], "cp_size = 3"),
+        (["--doc-lens", "4,12", "--cp-size", "two"], "'two'"),
+        (["--doc-lens", "6,12", "--method", "llama3"], "2 * cp_size = 4"),
+        (["--doc-lens", "4,12", "--method", "ulysses"], "'ulysses'"),
+        (["--doc-lens", "4,12", "--target-imbalance", "1.1"], "'per_doc'"),
+        (["--doc-lens", "4,12", "--method", "flashcp", "--target-imbalance", "0.5"], "0.5"),
+        (["--doc-lens", "4,12", "--method", "flashcp", "--target-imbalance", "x"], "'x'"),
+        (["--doc-lens", "4,12", "--doc-lens-file", "lens.txt"], "--doc-lens-file"),
+        ([], "--doc-lens"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(capsys, argv, names):
+    defaults = [x for opt in DEFAULTS if opt[0] not in argv for x in opt]
+    code, out, err = run_cli(capsys, "plan", *defaults, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert err.startswith("flashcp")
+    assert "error" in err and names in err, err
+    assert "Traceback" not in err
+
+
+def test_bad_doc_lens_file(capsys, tmp_path):
+    missing = tmp_path / "nope.txt"
+    code, _, err = run_cli(capsys, *RING, str(missing))
+    assert code == 2 and "nope.txt" in err and err.count("\n") == 1
+    bad = tmp_path / "bad.txt"
+    bad.write_text("4\n12\nseven\n")
+    code, _, err = run_cli(capsys, *RING, str(bad))
+    assert code == 2 and "bad.txt:3" in err and "'seven'" in err and err.count("\n") == 1
+    header = tmp_path / "header.csv"
+    header.write_text("name,source\na,b\n")
+    code, _, err = run_cli(capsys, *RING, str(header))
+    assert code == 2 and "no column named doc_len" in err and err.count("\n") == 1
+    floats = tmp_path / "lens.npy"
+    np.save(floats, np.array([4.5, 11.5]))
+    code, _, err = run_cli(capsys, *RING, str(floats))
+    assert code == 2 and "4.5" in err and err.count("\n") == 1
+
+
+def test_help_exits_0(capsys):
+    assert main(["plan", "--help"]) == 0
+    assert "--doc-lens" in capsys.readouterr().out
+
+
+def test_python_dash_m_entry_point():
+    """``python -m flashcp`` runs the same CLI in a fresh interpreter: JSON out, exit 2 on bad input."""
+    argv = "-m flashcp plan --method per_doc --cp-size 2 --doc-lens 4,12 --json".split()
+    ok = subprocess.run(
+        [sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert ok.returncode == 0, ok.stderr
+    data = json.loads(ok.stdout)
+    assert data["method"] == "per_doc" and [r["tokens"] for r in data["ranks"]] == [8, 8]

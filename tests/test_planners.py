@@ -193,6 +193,54 @@ def test_planner_invariants_context_divisible_by_n(method, seq):
     check_plan(make_plan_for(method, doc_lens, cp_size), doc_lens, cp_size)
 
 
+def global_starts(plan) -> list[list[int]]:
+    """For each rank, the packed-sequence position of each of its shards, in local order."""
+    cu = np.concatenate([[0], np.cumsum(plan.doc_lens)]).tolist()
+    return [[cu[s.doc] + s.start for s in shards] for shards in plan.ranks()]
+
+
+@PROPERTY_SETTINGS
+@given(seq=sequences())
+def test_packed_layouts_match_their_definition(seq):
+    """llama3: 2N equal chunks of the packed sequence, rank r holds chunks r and 2N-1-r; ring: N
+    equal chunks, chunk r on rank r. Each rank holds its pieces in packed order."""
+    doc_lens, cp_size = seq
+    c, n = sum(doc_lens), cp_size
+    chunk = np.arange(c) // (c // (2 * n))
+    expected = np.where(chunk < n, chunk, 2 * n - 1 - chunk)
+    plan = make_plan_for("llama3", doc_lens, cp_size)
+    np.testing.assert_array_equal(owner_array(plan), expected)
+    assert all(g == sorted(g) for g in global_starts(plan))
+    plan = make_plan_for("ring", doc_lens, cp_size)
+    np.testing.assert_array_equal(owner_array(plan), np.arange(c) // (c // n))
+    assert all(g == sorted(g) for g in global_starts(plan))
+
+
+@pytest.mark.parametrize("method", PER_DOC_LAYOUTS)
+@PROPERTY_SETTINGS
+@given(seq=sequences(divisible_by_2n=False))
+def test_per_doc_layout_matches_its_definition(method, seq):
+    """Every document in 2N contiguous chunks of d // 2N or d // 2N + 1 tokens (remainders
+    spread), rank r holding chunks r and 2N-1-r; each rank holds its pieces in packed order."""
+    doc_lens, n = seq
+    plan = make_plan_for(method, doc_lens, n)
+    owner = owner_array(plan)
+    cu = np.concatenate([[0], np.cumsum(doc_lens)])
+    for i, d in enumerate(doc_lens):
+        seg = owner[cu[i] : cu[i + 1]].tolist()
+        # collapse the document's owners into runs; they must visit ranks 0..N-1, N-1..0 in order
+        runs = [(r, len(list(g))) for r, g in itertools.groupby(seg)]
+        order = list(range(n)) + list(range(n - 1, -1, -1))
+        visited = [r for r, _ in runs]
+        it = iter(order)
+        assert all(r in it for r in visited), (d, runs)  # a subsequence of the zigzag order
+        # every chunk holds d // 2N or d // 2N + 1 tokens (the middle run is two chunks)
+        for r, length in runs:
+            chunks = 2 if r == n - 1 else 1
+            assert chunks * (d // (2 * n)) <= length <= chunks * (d // (2 * n) + 1), (d, runs)
+    assert all(g == sorted(g) for g in global_starts(plan))
+
+
 @pytest.mark.parametrize("method", PER_DOC_LAYOUTS)
 @PROPERTY_SETTINGS
 @given(

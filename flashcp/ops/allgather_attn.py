@@ -1,0 +1,343 @@
+"""Shared machinery of the all-gather CP family (``llama3``, ``per_doc``, ``flashcp``).
+
+Every rank contributes a *send buffer* of its local KV rows, padded to the largest rank's, and
+all-gathers the buffers; each local shard ``(doc, start, length)`` is then one causal varlen
+segment with ``sq = length`` queries (its local rows) and ``sk = start + length`` keys (the prefix of
+its document, then itself), aligned bottom-right. One varlen kernel call computes all segments of a
+rank.
+
+* ``llama3`` / ``per_doc`` send every local row (full all-gather; Eq. 4 of the FlashCP paper).
+* ``flashcp`` sends only the rows of *non-last* shards: a shard's KV is needed by another rank only
+  if a later shard of its document exists (Eq. 5). Documents kept whole are never communicated.
+
+Keys are assembled with one index gather from ``source = [local KV (T rows); gathered buffers
+(N * M rows)]``; a rank reads its own rows from the local part. Backward re-gathers the KV (nothing
+is kept between passes), runs the kernel backward, scatter-adds dK/dV into a buffer shaped like
+``source``, reduce-scatters the gathered part (so each owner receives the dK/dV of the rows it
+sent) and adds it to the local part. Communicated volumes equal :func:`flashcp.comm.comm_volume`:
+forward all-gather, backward all-gather again plus a reduce-scatter of the same size.
+
+K and V travel together as one ``(rows, 2, Hkv, D)`` buffer in the model dtype; only KV heads move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from flashcp.ops.backends import VarlenBackend, get_backend
+from flashcp.ops.collectives import (
+    CommCounter,
+    all_gather_into_tensor,
+    check_same_plan,
+    group_rank,
+    group_size,
+    reduce_scatter_tensor,
+)
+from flashcp.ops.timing import as_timer
+from flashcp.plan import Plan
+
+__all__ = [
+    "AllGatherMeta",
+    "allgather_attn_backward",
+    "allgather_attn_forward",
+    "build_allgather_meta",
+    "check_inputs",
+    "resolve_backend",
+    "resolve_scale",
+]
+
+
+@dataclass(eq=False)
+class AllGatherMeta:
+    """Per-rank metadata of one plan, built once per batch and reused by every layer.
+
+    Attributes:
+        method: the plan's method.
+        plan: the plan (its digest is checked across ranks before the first collective).
+        rank: this rank.
+        cp_size: N.
+        tokens: T = C / N local tokens.
+        send_max: M, rows of the padded send buffer (max over ranks of rows sent).
+        send_rows: (n_send,) int64, local rows this rank sends, in buffer order.
+        kv_index: (Tk,) int64, rows of ``source = [local (T); gathered (N*M)]`` forming the keys of
+            every segment, segment after segment.
+        cu_seqlens_q, cu_seqlens_k: (n_seg + 1,) int32; segment i has ``length_i`` queries and
+            ``start_i + length_i`` keys.
+        max_seqlen_q, max_seqlen_k: longest segment.
+    """
+
+    method: str
+    plan: Plan
+    rank: int
+    cp_size: int
+    tokens: int
+    send_max: int
+    send_rows: torch.Tensor
+    kv_index: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    _on_device: dict = field(default_factory=dict, repr=False)
+    _verified: set = field(default_factory=set, repr=False)
+
+    def tensors(self, device) -> tuple[torch.Tensor, ...]:
+        """``(send_rows, kv_index, cu_seqlens_q, cu_seqlens_k)`` on ``device`` (cached)."""
+        key = str(torch.device(device))
+        if key not in self._on_device:
+            self._on_device[key] = tuple(
+                t.to(device)
+                for t in (self.send_rows, self.kv_index, self.cu_seqlens_q, self.cu_seqlens_k)
+            )
+        return self._on_device[key]
+
+    def verify(self, group) -> None:
+        """Check once per process group that every rank holds the same plan (see
+        :func:`flashcp.ops.collectives.check_same_plan`)."""
+        key = id(group)
+        if key not in self._verified:
+            check_same_plan(self.plan, group)
+            self._verified.add(key)
+
+
+def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: bool) -> AllGatherMeta:
+    """Build :class:`AllGatherMeta` for ``rank`` (pure; no process group).
+
+    Args:
+        plan: a valid plan whose ``method`` is ``method``.
+        rank: 0 <= rank < cp_size.
+        method: expected ``plan.method``.
+        sharding_aware: send only non-last shards (FlashCP) instead of every local row.
+    Raises:
+        ValueError: wrong method, rank out of range, or ranks holding unequal token counts.
+    """
+    if plan.method != method:
+        raise ValueError(f"this op runs {method!r} plans, got a plan for {plan.method!r}")
+    n = plan.cp_size
+    if isinstance(rank, bool) or not 0 <= int(rank) < n:
+        raise ValueError(f"rank {rank!r} out of range for cp_size = {n}")
+    rank = int(rank)
+    tok = plan.tokens_per_rank
+    if (tok != tok[0]).any():
+        raise ValueError(f"every rank must hold the same number of tokens, got {tok.tolist()}")
+    t = int(tok[0])
+
+    # token-level view: shards are sorted by rank then local order, so token i of the concatenation
+    # is local row i % T of rank i // T.
+    length = plan.length
+    shard_of = np.repeat(np.arange(plan.num_shards), length)  # (C,)
+    seg_off = np.concatenate([[0], np.cumsum(length)[:-1]])
+    within = np.arange(plan.context_len, dtype=np.int64) - seg_off[shard_of]
+    doc_off = np.concatenate([[0], np.cumsum(plan.doc_lens)[:-1]])
+    packed = doc_off[plan.doc[shard_of]] + plan.start[shard_of] + within  # (C,) packed position
+    where = np.empty(plan.context_len, dtype=np.int64)
+    where[packed] = np.arange(plan.context_len)  # packed position -> concatenation index
+    owner = np.arange(plan.context_len) // t
+    sends = ~plan.is_last[shard_of] if sharding_aware else np.ones(plan.context_len, dtype=bool)
+    # position of each token in its owner's send buffer (-1: not sent)
+    slot = np.full(plan.context_len, -1, dtype=np.int64)
+    counts = sends.reshape(n, t).cumsum(axis=1).reshape(-1) - 1
+    slot[sends] = counts[sends]
+    send_max = int(sends.reshape(n, t).sum(axis=1).max())
+
+    # keys of this rank's segments: prefix + itself of each shard's document
+    doc, start, ln = plan.rank_shards(rank)
+    klen = start + ln
+    k_off = np.concatenate([[0], np.cumsum(klen)[:-1]])
+    k_within = np.arange(int(klen.sum()), dtype=np.int64) - np.repeat(k_off, klen)
+    key_tok = where[np.repeat(doc_off[doc], klen) + k_within]  # concatenation index of each key
+    own = owner[key_tok] == rank
+    if (~own & (slot[key_tok] < 0)).any():
+        raise ValueError("plan inconsistency: a needed key is held by another rank but not sent")
+    kv_index = np.where(own, key_tok - rank * t, t + owner[key_tok] * send_max + slot[key_tok])
+
+    mine = slice(rank * t, (rank + 1) * t)
+    send_rows = np.flatnonzero(sends[mine])
+    cu_q = np.concatenate([[0], np.cumsum(ln)])
+    cu_k = np.concatenate([[0], np.cumsum(klen)])
+    return AllGatherMeta(
+        method=method,
+        plan=plan,
+        rank=rank,
+        cp_size=n,
+        tokens=t,
+        send_max=send_max,
+        send_rows=torch.from_numpy(send_rows.astype(np.int64)),
+        kv_index=torch.from_numpy(kv_index.astype(np.int64)),
+        cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)),
+        cu_seqlens_k=torch.from_numpy(cu_k.astype(np.int32)),
+        max_seqlen_q=int(ln.max()) if ln.size else 0,
+        max_seqlen_k=int(klen.max()) if klen.size else 0,
+    )
+
+
+def resolve_scale(softmax_scale, head_dim: int) -> float:
+    """``softmax_scale`` or ``1 / sqrt(head_dim)``; raises ValueError unless finite and > 0."""
+    scale = head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+    if not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
+    return scale
+
+
+def resolve_backend(backend, device) -> VarlenBackend:
+    """A :class:`VarlenBackend` from a name (see :func:`get_backend`) or an instance."""
+    return backend if isinstance(backend, VarlenBackend) else get_backend(backend, device)
+
+
+def check_inputs(q, k, v, meta, meta_type, method: str, group) -> None:
+    """Validate an op call before any communication.
+
+    Args:
+        q: (T, H, D); k, v: (T, Hkv, D) with ``T == meta.tokens``, ``H % Hkv == 0``, one floating
+            dtype and one device.
+        meta: built by the method's ``prepare_*`` for this rank.
+    Raises:
+        ValueError: naming the first problem (wrong metadata type or method, shapes, dtypes, heads,
+            process-group size or rank).
+    """
+    if not isinstance(meta, meta_type) or getattr(meta, "method", None) != method:
+        raise ValueError(
+            f"{method}_attn needs metadata from prepare_{method}(plan, rank), got {type(meta).__name__}"
+        )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(
+                f"{name} must be a (tokens, heads, head_dim) tensor, got {getattr(x, 'shape', type(x))}"
+            )
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {x.dtype}")
+        if x.shape[0] != meta.tokens:
+            raise ValueError(
+                f"{name} has {x.shape[0]} tokens but the plan gives rank {meta.rank} {meta.tokens}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"num_heads = {q.shape[1]} is not a multiple of num_kv_heads = {k.shape[1]}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+    n, r = group_size(group), group_rank(group)
+    if n != meta.cp_size or r != meta.rank:
+        raise ValueError(
+            f"metadata is for rank {meta.rank} of {meta.cp_size} but this process is rank {r} of a "
+            f"group of {n}"
+        )
+
+
+def _gather_kv(kv_local, meta, send_rows, group, counter, timer):
+    """``source = [kv_local; all-gathered send buffers]``: (T + N*M, 2, Hkv, D)."""
+    n, m = meta.cp_size, meta.send_max
+    with timer.phase("others"):
+        source = kv_local.new_empty((meta.tokens + n * m, *kv_local.shape[1:]))
+        source[: meta.tokens] = kv_local
+        send = kv_local.new_zeros((m, *kv_local.shape[1:]))
+        send[: send_rows.numel()] = kv_local.index_select(0, send_rows)
+    if m:
+        with timer.phase("allgather"):
+            all_gather_into_tensor(source[meta.tokens :], send, group, counter)
+    return source
+
+
+def allgather_attn_forward(
+    q,
+    k,
+    v,
+    meta: AllGatherMeta,
+    group,
+    scale: float,
+    backend: VarlenBackend,
+    counter: CommCounter | None,
+    timer,
+):
+    """Forward of the all-gather family.
+
+    Args:
+        q: (T, H, D); k, v: (T, Hkv, D); validated by :func:`check_inputs`.
+    Returns:
+        out: (T, H, D) in q.dtype; lse: (H, T) float32.
+    """
+    timer = as_timer(timer)
+    send_rows, kv_index, cu_q, cu_k = meta.tensors(q.device)
+    source = _gather_kv(torch.stack((k, v), dim=1), meta, send_rows, group, counter, timer)
+    with timer.phase("others"):
+        k_seg, v_seg = source.index_select(0, kv_index).unbind(1)  # (Tk, Hkv, D) each
+    with timer.phase("attn_fwd"):
+        out, lse = backend.forward(
+            q,
+            k_seg,
+            v_seg,
+            cu_q,
+            cu_k,
+            meta.max_seqlen_q,
+            meta.max_seqlen_k,
+            causal=True,
+            softmax_scale=scale,
+        )
+    return out, lse
+
+
+def allgather_attn_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    meta: AllGatherMeta,
+    group,
+    scale: float,
+    backend: VarlenBackend,
+    counter: CommCounter | None,
+    timer,
+):
+    """Backward of the all-gather family: re-gather KV, kernel backward, reduce-scatter dK/dV.
+
+    Args:
+        dout, out: (T, H, D); q: (T, H, D); k, v: (T, Hkv, D); lse: (H, T) float32.
+    Returns:
+        dq: (T, H, D); dk, dv: (T, Hkv, D); in the input dtypes.
+    """
+    timer = as_timer(timer)
+    send_rows, kv_index, cu_q, cu_k = meta.tensors(q.device)
+    source = _gather_kv(torch.stack((k, v), dim=1), meta, send_rows, group, counter, timer)
+    with timer.phase("others"):
+        k_seg, v_seg = source.index_select(0, kv_index).unbind(1)
+    with timer.phase("attn_bwd"):
+        dq, dk_seg, dv_seg = backend.backward(
+            dout,
+            q,
+            k_seg,
+            v_seg,
+            out,
+            lse,
+            cu_q,
+            cu_k,
+            meta.max_seqlen_q,
+            meta.max_seqlen_k,
+            causal=True,
+            softmax_scale=scale,
+        )
+    with timer.phase("others"):
+        # accumulate in float32; (T + N*M, 2, Hkv, D)
+        dsource = torch.zeros(source.shape, dtype=torch.float32, device=q.device)
+        dsource.index_add_(0, kv_index, torch.stack((dk_seg, dv_seg), dim=1).float())
+        dlocal = dsource[: meta.tokens]
+    if meta.send_max:
+        with timer.phase("others"):
+            rs_in = dsource[meta.tokens :].to(k.dtype)
+            rs_out = rs_in.new_empty((meta.send_max, *rs_in.shape[1:]))
+        with timer.phase("reducescatter"):
+            reduce_scatter_tensor(rs_out, rs_in, group, counter)
+        with timer.phase("others"):
+            dlocal.index_add_(0, send_rows, rs_out[: send_rows.numel()].float())
+    dk, dv = dlocal.to(k.dtype).unbind(1)
+    return dq, dk, dv

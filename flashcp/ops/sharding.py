@@ -1,0 +1,89 @@
+"""Moving packed tensors between the single-device layout and a plan's per-rank layout.
+
+A rank's local tensor holds its shards' tokens one after another, in the order the plan lists
+them (:meth:`flashcp.plan.Plan.rank_shards`). These helpers are pure index arithmetic on the plan.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flashcp.plan import Plan
+
+__all__ = ["global_rows", "position_ids", "shard_tensor", "unshard"]
+
+
+def _check_rank(plan: Plan, rank: int) -> None:
+    if not 0 <= int(rank) < plan.cp_size:
+        raise ValueError(f"rank {rank} out of range for a plan with cp_size = {plan.cp_size}")
+
+
+def global_rows(plan: Plan, rank: int) -> np.ndarray:
+    """Packed-sequence positions of rank ``rank``'s local tokens.
+
+    Returns:
+        (C / N,) int64: local row i holds token ``global_rows[i]`` of the packed sequence.
+    Raises:
+        ValueError: rank out of range.
+    """
+    _check_rank(plan, rank)
+    doc, start, length = plan.rank_shards(rank)
+    doc_off = np.concatenate([[0], np.cumsum(plan.doc_lens)[:-1]])
+    first = doc_off[doc] + start  # (n_shards,) packed position of each shard's first token
+    seg_off = np.concatenate([[0], np.cumsum(length)[:-1]])
+    within = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(seg_off, length)
+    return np.repeat(first, length) + within
+
+
+def position_ids(plan: Plan, rank: int) -> torch.Tensor:
+    """Position of each local token inside its document (for RoPE).
+
+    Returns:
+        (C / N,) int64 tensor.
+    """
+    _check_rank(plan, rank)
+    _, start, length = plan.rank_shards(rank)
+    seg_off = np.concatenate([[0], np.cumsum(length)[:-1]])
+    within = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(seg_off, length)
+    return torch.from_numpy(np.repeat(start, length) + within)
+
+
+def shard_tensor(x: torch.Tensor, plan: Plan, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s local rows of a packed tensor.
+
+    Args:
+        x: (C, ...) in packed order.
+    Returns:
+        (C / N, ...) the rank's tokens in its local (shard) order.
+    Raises:
+        ValueError: ``x.shape[0] != C`` or rank out of range.
+    """
+    if x.shape[0] != plan.context_len:
+        raise ValueError(
+            f"x has {x.shape[0]} rows but the plan covers context_len = {plan.context_len}"
+        )
+    rows = torch.from_numpy(global_rows(plan, rank)).to(x.device)
+    return x.index_select(0, rows)
+
+
+def unshard(locals_: list[torch.Tensor], plan: Plan) -> torch.Tensor:
+    """Inverse of :func:`shard_tensor`: put every rank's local tensor back in packed order.
+
+    Args:
+        locals_: ``cp_size`` tensors, each (C / N, ...) with equal trailing shapes.
+    Returns:
+        (C, ...) packed tensor.
+    Raises:
+        ValueError: wrong number of tensors or rows.
+    """
+    if len(locals_) != plan.cp_size:
+        raise ValueError(f"expected {plan.cp_size} local tensors, got {len(locals_)}")
+    per = plan.context_len // plan.cp_size
+    first = locals_[0]
+    out = first.new_empty((plan.context_len, *first.shape[1:]))
+    for r, t in enumerate(locals_):
+        if t.shape[0] != per:
+            raise ValueError(f"rank {r}'s tensor has {t.shape[0]} rows, expected {per}")
+        out[torch.from_numpy(global_rows(plan, r)).to(out.device)] = t
+    return out

@@ -1,0 +1,244 @@
+"""All-gather CP family (llama3, per_doc, flashcp) on real gloo ranks vs the float64 reference.
+
+One process launch per CP size runs every (case, method); the parent unshards the ranks' outputs
+and gradients and compares them with :func:`flashcp.ops.reference.reference_attention`
+(autograd gradients), and the counted bytes with :func:`flashcp.comm.comm_volume`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mp_utils import run_ranks
+
+from flashcp.comm import AttnShape, comm_volume
+from flashcp.ops import get_attn_op
+from flashcp.ops.collectives import CommCounter
+from flashcp.ops.reference import document_mask, reference_attention
+from flashcp.ops.sharding import shard_tensor, unshard
+from flashcp.registry import COMM_KIND, make_plan_for
+
+METHODS = ("llama3", "per_doc", "flashcp")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The parent computes references; 2 busy cores make torch's thread pool spin badly."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _random_mix(rng, c, max_len):
+    lens = []
+    while sum(lens) < c:
+        lens.append(int(rng.integers(1, max_len + 1)))
+    lens[-1] -= sum(lens) - c
+    return [x for x in lens if x > 0]
+
+
+def _cases(n: int):
+    """(name, doc_lens, H, Hkv, D, dtype) at CP size n; C divisible by 2n."""
+    rng = np.random.default_rng(n)
+    c = 128 if n < 8 else 256
+    cases = [
+        ("random_mix", _random_mix(rng, c, c // 3), 4, 2, 8, torch.float32),
+        ("random_long", _random_mix(rng, c, 2 * c), 2, 2, 16, torch.float32),
+        ("shorter_than_chunks", _random_mix(rng, c, 2 * n - 1), 2, 1, 8, torch.float32),
+        ("len1_docs", [1, 1, c // 2 - 3, 1, c // 2], 2, 2, 8, torch.float32),
+        ("one_doc", [c], 2, 2, 8, torch.float32),
+        ("spans_every_rank", [3, c - 10, 7], 2, 1, 8, torch.float32),
+        ("many_tiny", [1, 2] * (c // 3) + [1] * (c - 3 * (c // 3)), 2, 2, 8, torch.float32),
+        ("gqa_8_over_2", _random_mix(rng, c, c // 2), 8, 2, 8, torch.float32),
+        ("bf16_mix", _random_mix(rng, c, c // 2), 4, 2, 16, torch.bfloat16),
+    ]
+    try:  # the samplers, where present
+        from flashcp.data import load_distribution, sample_sequences
+
+        for name in ("pile", "stress"):
+            dist = load_distribution(name, context_len=c)
+            lens = sample_sequences(dist, 1, c, seed=n)[0]
+            cases.append((f"sampled_{name}", [int(x) for x in lens], 4, 2, 8, torch.float32))
+    except ImportError:
+        pass
+    for name, lens, *_ in cases:
+        assert sum(lens) == c and min(lens) >= 1, name
+    return cases
+
+
+def _inputs(lens, h, hkv, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    c = sum(lens)
+    q, k, v = (torch.randn(c, nh, d, generator=g).to(dtype) for nh in (h, hkv, hkv))
+    dout = torch.randn(c, h, d, generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def _run_cases(rank, n, cases, methods):
+    res = {}
+    for ci, (_, lens, h, hkv, d, dtype) in enumerate(cases):
+        q, k, v, dout = _inputs(lens, h, hkv, d, dtype, ci)
+        for m in methods:
+            plan = make_plan_for(m, lens, n)
+            prepare, attn = get_attn_op(m)
+            meta = prepare(plan, rank)
+            ql, kl, vl = (shard_tensor(x, plan, rank).requires_grad_() for x in (q, k, v))
+            counter = CommCounter()
+            out = attn(ql, kl, vl, meta, backend="cpu", counter=counter)
+            out.backward(shard_tensor(dout, plan, rank))
+            res[ci, m] = (out.detach(), ql.grad, kl.grad, vl.grad, counter.as_dict())
+    return res
+
+
+def _plain_bf16(q, k, v, dout, lens):
+    """Single-device bf16 attention (PyTorch SDPA with the document mask) and its gradients."""
+    g = q.shape[1] // k.shape[1]
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    qb, kb, vb = leaves
+    out = F.scaled_dot_product_attention(
+        qb.transpose(0, 1), kb.repeat_interleave(g, 1).transpose(0, 1),
+        vb.repeat_interleave(g, 1).transpose(0, 1), attn_mask=document_mask(lens),
+    ).transpose(0, 1)  # fmt: skip
+    out.backward(dout)
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+def _err(a, b):
+    return float((a.double() - b.double()).abs().max())
+
+
+def _check(n, cases, methods, results):
+    failures = []
+    for ci, (name, lens, h, hkv, d, dtype) in enumerate(cases):
+        q, k, v, dout = _inputs(lens, h, hkv, d, dtype, ci)
+        leaves = [x.double().requires_grad_() for x in (q, k, v)]
+        ref = reference_attention(*leaves, lens)
+        ref.backward(dout.double())
+        want = [ref.detach()] + [x.grad for x in leaves]
+        if dtype == torch.bfloat16:
+            plain = _plain_bf16(q, k, v, dout, lens)
+            tol = [2 * _err(p, w) + 1e-6 for p, w in zip(plain, want, strict=True)]
+        for m in methods:
+            plan = make_plan_for(m, lens, n)
+            per_rank = [results[r][ci, m] for r in range(n)]
+            got = [unshard([pr[i] for pr in per_rank], plan) for i in range(4)]
+            for what, gt, wt, i in zip(("out", "dq", "dk", "dv"), got, want, range(4), strict=True):
+                assert gt.dtype == dtype
+                if dtype == torch.bfloat16:
+                    ok, bound = _err(gt, wt) <= tol[i], tol[i]
+                else:
+                    rtol = 1e-5 if what == "out" else 1e-4
+                    bound = rtol * max(1.0, float(wt.abs().max()))
+                    ok = _err(gt, wt) <= bound
+                if not ok:
+                    failures.append(
+                        f"{m} N={n} {name} {what}: err {_err(gt, wt):.3g} > {bound:.3g}"
+                    )
+            shape = AttnShape(h, hkv, d, "bfloat16" if dtype == torch.bfloat16 else "float32")
+            expect = comm_volume(plan, COMM_KIND[m], shape, "train")
+            for r, pr in enumerate(per_rank):
+                if pr[4] != expect:
+                    failures.append(f"{m} N={n} {name} rank {r}: counted {pr[4]} != {expect}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_allgather_family_matches_reference(n):
+    cases = _cases(n)
+    results = run_ranks(_run_cases, n, cases, METHODS, timeout_s=240)
+    _check(n, cases, METHODS, results)
+
+
+def test_sharding_roundtrip_and_positions():
+    from flashcp.ops.sharding import position_ids
+
+    lens = [5, 1, 30, 12, 16]
+    x = torch.arange(64)
+    for m in ("llama3", "per_doc", "flashcp", "ring", "zigzag"):
+        plan = make_plan_for(m, lens, 4)
+        locs = [shard_tensor(x, plan, r) for r in range(4)]
+        assert all(t.shape == (16,) for t in locs)
+        assert torch.equal(unshard(locs, plan), x)
+        doc_pos = torch.cat([torch.arange(d) for d in lens])
+        for r in range(4):
+            assert torch.equal(position_ids(plan, r), shard_tensor(doc_pos, plan, r))
+
+
+def _mismatch(rank, n):
+    lens = [40, 24] if rank == 0 else [24, 40]
+    msgs = []
+    for m in METHODS:
+        plan = make_plan_for(m, lens, n)
+        prepare, attn = get_attn_op(m)
+        q = torch.randn(32, 2, 8)
+        try:
+            attn(q, q, q, prepare(plan, rank), backend="cpu")
+        except ValueError as e:
+            msgs.append(str(e))
+    torch.distributed.barrier()  # the group still works: nobody is stuck in a collective
+    return msgs
+
+
+def test_mismatched_plans_raise_on_every_rank():
+    out = run_ranks(_mismatch, 2, timeout_s=60)
+    for msgs in out:
+        assert len(msgs) == len(METHODS)
+        assert all("different plans" in s for s in msgs)
+
+
+def test_bad_metadata_raises_before_communication(monkeypatch):
+    import flashcp.ops.allgather_attn as ag
+
+    def no_comm(*args, **kwargs):
+        raise AssertionError("communication attempted")
+
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "check_same_plan"):
+        monkeypatch.setattr(ag, name, no_comm)
+    lens = [20, 12, 32]
+    for m in METHODS:
+        prepare, attn = get_attn_op(m)
+        plan = make_plan_for(m, lens, 2)
+        meta = prepare(plan, 0)
+        q, kv = torch.randn(32, 4, 8), torch.randn(32, 2, 8)
+        bad = [
+            ((torch.randn(31, 4, 8), kv, kv, meta), "tokens"),
+            ((q, torch.randn(32, 3, 8), torch.randn(32, 3, 8), meta), "multiple of num_kv_heads"),
+            ((q, kv, torch.randn(32, 2, 4), meta), "shapes differ"),
+            ((q, kv.double(), kv.double(), meta), "dtypes differ"),
+            ((q.long(), kv, kv, meta), "floating point"),
+            ((q, kv, kv, {"not": "meta"}), "metadata"),
+            ((q[0], kv, kv, meta), "tokens, heads, head_dim"),
+            ((q, kv, kv, meta), "rank 0 of 2"),  # no process group of 2 ranks here
+        ]
+        for args, match in bad:
+            with pytest.raises(ValueError, match=match):
+                attn(*args, backend="cpu")
+        meta1 = prepare(make_plan_for(m, lens, 1), 0)
+        q1, kv1 = torch.randn(64, 4, 8), torch.randn(64, 2, 8)
+        with pytest.raises(ValueError, match="softmax_scale"):
+            attn(q1, kv1, kv1, meta1, softmax_scale=-1.0, backend="cpu")
+        other = next(x for x in METHODS if x != m)
+        with pytest.raises(ValueError, match="plans, got a plan for"):
+            prepare(make_plan_for(other, lens, 2), 0)
+        with pytest.raises(ValueError, match="out of range"):
+            prepare(plan, 2)
+    with pytest.raises(ValueError, match="unknown method"):
+        get_attn_op("nope")
+
+
+def test_single_rank_without_process_group():
+    """cp_size = 1 runs without torch.distributed and counts no communication."""
+    lens = [7, 9, 16]
+    q, k, v, _ = _inputs(lens, 4, 2, 8, torch.float32, 0)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = reference_attention(*leaves, lens)
+    for m in METHODS:
+        prepare, attn = get_attn_op(m)
+        meta = prepare(make_plan_for(m, lens, 1), 0)
+        counter = CommCounter()
+        out = attn(q, k, v, meta, backend="cpu", counter=counter)
+        torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+        assert counter.as_dict()["comm_bytes"] == 0

@@ -38,8 +38,9 @@ def per_doc_chunk_sizes(doc_lens: np.ndarray, cp_size: int, cursor: int = 0) -> 
 
     Rank r holds chunks r and 2N-1-r of every document. A document of length d gives every chunk
     ``d // 2N`` tokens; its ``d % 2N`` remainder tokens go one per rank, round-robin over ranks with
-    a cursor that carries over from document to document (a rank's first extra token goes to its
-    front chunk r, a second one to its back chunk 2N-1-r). When the remainders of all documents sum
+    a cursor that carries over from document to document. A rank with two extra tokens in a
+    document puts one in each of its chunks; a single extra token goes to its front chunk r and
+    its back chunk 2N-1-r in turn, counted over the rank's extra tokens so far. When the remainders of all documents sum
     to a multiple of N (always true when the documents fill a context divisible by N) every rank
     ends with exactly the same number of tokens, with no padding. When every length divides by 2N
     the workload is perfectly balanced (WLB-LLM's Per-Doc sharding; DESIGN.md §3).
@@ -59,7 +60,10 @@ def per_doc_chunk_sizes(doc_lens: np.ndarray, cp_size: int, cursor: int = 0) -> 
     r = np.arange(n)
     # extra tokens of rank r for doc i: count of k in [0, rem_i) with (first_i + k) % n == r
     extra = rem[:, None] // n + (((r[None, :] - first[:, None]) % n) < (rem[:, None] % n))
-    front = np.minimum(extra, 1)
+    # a rank's single extra token alternates between its front and back chunk from one document to
+    # the next, so short documents do not always give rank 0 the cheap first token
+    prior = np.cumsum(extra, axis=0) - extra
+    front = (extra + (prior % 2 == 0)) // 2
     back = extra - front
     sizes = np.empty((d.size, 2 * n), dtype=np.int64)
     sizes[:, :n] = base[:, None] + front

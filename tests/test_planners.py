@@ -383,13 +383,13 @@ def test_per_doc_hand_checked():
 
 def test_per_doc_remainders_hand_checked():
     # [5, 11], N = 2 (flashcp.layout.per_doc_chunk_sizes): doc 0 = 4 chunks of 1 plus 1 extra token
-    # to rank 0 (front chunk): sizes [2, 1, 1, 1]. Doc 1 = chunks of 2 plus 3 extra tokens, the
-    # round-robin cursor now at rank 1: ranks 1, 0, 1 -> rank 1 front and back, rank 0 front:
-    # sizes [3, 3, 3, 2].
+    # to rank 0 (its first extra: front chunk): sizes [2, 1, 1, 1]. Doc 1 = chunks of 2 plus 3
+    # extra tokens, the round-robin cursor now at rank 1: ranks 1, 0, 1 -> rank 1 front and back,
+    # rank 0 (its second single extra: back chunk): sizes [2, 3, 3, 3].
     plan = make_plan_for("per_doc", [5, 11], 2)
     assert plan.ranks() == [
-        S((0, 0, 2), (0, 4, 1), (1, 0, 3), (1, 9, 2)),
-        S((0, 2, 2), (1, 3, 6)),
+        S((0, 0, 2), (0, 4, 1), (1, 0, 2), (1, 8, 3)),
+        S((0, 2, 2), (1, 2, 6)),
     ]
     # documents shorter than 2N: one token each, round-robin over ranks
     plan = make_plan_for("per_doc", [1, 1, 1, 1], 2)

@@ -1,0 +1,263 @@
+"""Hardware profiles for the analytic simulator (``executor=sim``).
+
+A profile is a flat set of constants with units in their names, read from
+``conf/hardware/<name>.yaml`` (a Hydra config group) or from a dict. Every constant's public source
+is cited in the YAML file; DESIGN.md §8 collects them. The kernel-model constants
+(``*_tile_tflops``, ``*_cta_overhead_us``) are fitted to the published FlashAttention-2 H100 table by
+``experiments/calibrate_kernel.py`` and nothing else.
+
+Collective model (NCCL conventions, nccl-tests ``doc/PERFORMANCE.md``): a collective in which one
+rank receives ``recv_bytes`` takes
+
+    collective_latency_us + recv_bytes / (busbw * falloff(total_bytes))
+
+because bus bandwidth is ``algbw * (n - 1) / n`` and a rank of an all-gather or reduce-scatter over
+a total buffer of S bytes receives ``(n - 1) / n * S``. ``falloff`` is the small-message fraction of
+peak bus bandwidth, taken from a published bus-bandwidth-vs-size curve after removing the latency
+term (see :meth:`HardwareProfile.busbw_fraction`).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from dataclasses import dataclass, field, fields
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["HardwareProfile", "hardware_dir", "list_hardware", "load_hardware"]
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Constants of one GPU type and its interconnect (units in the names).
+
+    Attributes:
+        name: profile name (the YAML file stem).
+        peak_tflops: dense bf16 peak of one GPU, TFLOP/s (an upper bound the fitted rates must obey).
+        num_sms: streaming multiprocessors (a kernel's CTAs run over them).
+        launch_us: fixed cost of one kernel launch, µs.
+        copy_bw_gbps: device-memory copy bandwidth counting read + write bytes, GB/s (1e9 B/s);
+            prices every memory-bound step (KV gathers, LSE merges, backward pre/post kernels).
+        fwd_block_q, fwd_block_k: FlashAttention forward tile (query rows x key columns); one CTA
+            per (segment, query block, head). ``fwd_block_q`` must be a multiple of ``fwd_block_k``.
+        bwd_block_q, bwd_block_k: backward tile; one CTA per (segment, key block, head).
+            ``bwd_block_k`` must be a multiple of ``bwd_block_q``.
+        fwd_tile_tflops, bwd_tile_tflops: steady-state rate of full tiles over the whole GPU,
+            TFLOP/s (fitted).
+        fwd_cta_overhead_us, bwd_cta_overhead_us: fixed SM time per CTA (prologue/epilogue:
+            loading Q, writing O and LSE, or writing dK/dV), µs (fitted).
+        bwd_extra_kernels: memory-bound kernels a FlashAttention-2 backward launches besides the
+            main one (dot(dO, O) with dQ-accumulator clearing; dQ conversion).
+        collective_latency_us: fixed latency of one all-gather / reduce-scatter, µs.
+        allgather_busbw_gbps, reducescatter_busbw_gbps: large-message bus bandwidth, GB/s.
+        busbw_curve_size_kib, busbw_curve_gbps: a published bus-bandwidth-vs-message-size curve
+            (increasing sizes); only its shape is used, as the small-message falloff.
+        busbw_curve_ranks: ranks of the published curve's run.
+        busbw_curve_algbw_factor: bytes moved per rank / message size of the curve's collective
+            (2 (n-1)/n for all-reduce), used to turn its bus bandwidth back into time.
+        p2p_latency_us, p2p_bw_gbps: latency and one-way bandwidth of a send/recv pair, µs, GB/s.
+        lse_merge_kernels: element-wise kernels one log-sum-exp merge of partial outputs launches.
+        grad_accum_kernels: element-wise kernels of one ring backward step's gradient accumulation.
+    Raises:
+        ValueError: (at construction) a non-positive or non-finite constant, block sizes that do
+            not divide, a fitted rate above ``peak_tflops``, or a malformed bandwidth curve.
+    """
+
+    name: str
+    peak_tflops: float
+    num_sms: int
+    launch_us: float
+    copy_bw_gbps: float
+    fwd_block_q: int
+    fwd_block_k: int
+    bwd_block_q: int
+    bwd_block_k: int
+    fwd_tile_tflops: float
+    fwd_cta_overhead_us: float
+    bwd_tile_tflops: float
+    bwd_cta_overhead_us: float
+    bwd_extra_kernels: int
+    collective_latency_us: float
+    allgather_busbw_gbps: float
+    reducescatter_busbw_gbps: float
+    busbw_curve_size_kib: tuple[float, ...]
+    busbw_curve_gbps: tuple[float, ...]
+    busbw_curve_ranks: int
+    busbw_curve_algbw_factor: float
+    p2p_latency_us: float
+    p2p_bw_gbps: float
+    lse_merge_kernels: int
+    grad_accum_kernels: int
+    #: (log sizes, log fractions) of the falloff table, derived at construction
+    _falloff: tuple = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"hardware name must be a non-empty string, got {self.name!r}")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("name", "_falloff"):
+                continue
+            if f.name.startswith("busbw_curve_") and f.type.startswith("tuple"):
+                try:
+                    arr = tuple(float(x) for x in v)
+                except TypeError:
+                    raise ValueError(f"{f.name} must be a list of numbers, got {v!r}") from None
+                object.__setattr__(self, f.name, arr)
+                continue
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ValueError(f"hardware constant {f.name} must be a finite number, got {v!r}")
+            if f.type == "int":
+                if int(v) != v:
+                    raise ValueError(f"hardware constant {f.name} must be an integer, got {v!r}")
+                object.__setattr__(self, f.name, int(v))
+            zero_ok = f.name in ("bwd_extra_kernels", "lse_merge_kernels", "grad_accum_kernels",
+                                 "fwd_cta_overhead_us", "bwd_cta_overhead_us", "launch_us",
+                                 "collective_latency_us", "p2p_latency_us")
+            if v < 0 or (v == 0 and not zero_ok):
+                raise ValueError(f"hardware constant {f.name} must be > 0, got {v!r}")
+        if self.fwd_block_q % self.fwd_block_k:
+            raise ValueError(
+                f"fwd_block_q = {self.fwd_block_q} must be a multiple of fwd_block_k = {self.fwd_block_k}"
+            )
+        if self.bwd_block_k % self.bwd_block_q:
+            raise ValueError(
+                f"bwd_block_k = {self.bwd_block_k} must be a multiple of bwd_block_q = {self.bwd_block_q}"
+            )
+        for key in ("fwd_tile_tflops", "bwd_tile_tflops"):
+            if getattr(self, key) > self.peak_tflops:
+                raise ValueError(f"{key} = {getattr(self, key)} exceeds peak_tflops = {self.peak_tflops}")
+        size, bw = self.busbw_curve_size_kib, self.busbw_curve_gbps
+        if len(size) < 1 or len(size) != len(bw):
+            raise ValueError("busbw_curve_size_kib and busbw_curve_gbps must be non-empty and equally long")
+        if any(b <= a for a, b in pairwise(size)) or min(size) <= 0 or min(bw) <= 0:
+            raise ValueError("busbw_curve_size_kib must increase and both curves must be positive")
+        if min(self._curve_seconds()) <= self.collective_latency_us * 1e-6:
+            raise ValueError(
+                "collective_latency_us is larger than a time of the published bandwidth curve: "
+                "the falloff cannot be derived"
+            )
+        sizes, frac = self.busbw_fraction_table()
+        object.__setattr__(
+            self, "_falloff", (np.log(sizes).tolist(), np.log(frac).tolist())
+        )
+
+    # ---- collectives -------------------------------------------------------------------------
+    def _curve_seconds(self) -> list[float]:
+        """Times implied by the published curve: factor * size / busbw, seconds."""
+        return [
+            self.busbw_curve_algbw_factor * s * 1024 / (b * 1e9)
+            for s, b in zip(self.busbw_curve_size_kib, self.busbw_curve_gbps, strict=True)
+        ]
+
+    def busbw_fraction_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """The falloff table ``(sizes_bytes, fraction)`` derived from the published curve.
+
+        For each published point (size S_i, bus bandwidth B_i) the time is
+        ``t_i = factor * S_i / B_i``; removing the latency L leaves the bandwidth term
+        ``B'_i = factor * S_i / (t_i - L)``; the fraction is ``B'_i / B'_last`` (1 at the largest
+        published size). Returns two (k,) float64 arrays.
+        """
+        sizes = np.asarray(self.busbw_curve_size_kib, dtype=np.float64) * 1024
+        t = np.asarray(self._curve_seconds()) - self.collective_latency_us * 1e-6
+        bw = self.busbw_curve_algbw_factor * sizes / t
+        return sizes, np.minimum(bw / bw[-1], 1.0)
+
+    def busbw_fraction(self, total_bytes: float) -> float:
+        """Fraction of peak bus bandwidth reached by a collective over ``total_bytes`` bytes:
+        log-log interpolation of :meth:`busbw_fraction_table`, constant beyond its ends."""
+        xs, ys = self._falloff
+        if total_bytes <= 0:
+            return math.exp(ys[0])
+        x = math.log(total_bytes)
+        i = bisect_right(xs, x)
+        if i == 0:
+            return math.exp(ys[0])
+        if i == len(xs):
+            return math.exp(ys[-1])
+        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return math.exp(ys[i - 1] + w * (ys[i] - ys[i - 1]))
+
+    def collective_us(self, recv_bytes: float, total_bytes: float, busbw_gbps: float) -> float:
+        """Time of one all-gather / reduce-scatter in which a rank receives ``recv_bytes`` out of a
+        ``total_bytes`` buffer: ``latency + recv_bytes / (busbw * falloff(total_bytes))``, µs.
+        Zero bytes cost nothing (the call is skipped)."""
+        if recv_bytes <= 0:
+            return 0.0
+        bw = busbw_gbps * 1e3 * self.busbw_fraction(total_bytes)  # bytes per µs
+        return self.collective_latency_us + recv_bytes / bw
+
+    def p2p_us(self, nbytes: float) -> float:
+        """Time of one send/recv step moving ``nbytes`` each way, µs (falloff as for collectives)."""
+        if nbytes <= 0:
+            return 0.0
+        return self.p2p_latency_us + nbytes / (self.p2p_bw_gbps * 1e3 * self.busbw_fraction(nbytes))
+
+    def copy_us(self, nbytes_read_plus_write: float) -> float:
+        """Bandwidth term of a memory-bound operation moving the given bytes (read + write), µs."""
+        return nbytes_read_plus_write / (self.copy_bw_gbps * 1e3)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat dict of the constants (lists for the curves), as in the YAML file."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        out["busbw_curve_size_kib"] = list(self.busbw_curve_size_kib)
+        out["busbw_curve_gbps"] = list(self.busbw_curve_gbps)
+        return out
+
+
+def hardware_dir() -> Path:
+    """``conf/hardware`` of the repository (two levels above ``flashcp/sim``)."""
+    return Path(__file__).resolve().parents[2] / "conf" / "hardware"
+
+
+def list_hardware() -> list[str]:
+    """Names of the profiles in :func:`hardware_dir`, sorted."""
+    return sorted(p.stem for p in hardware_dir().glob("*.yaml"))
+
+
+def load_hardware(name_or_dict: str | dict | HardwareProfile) -> HardwareProfile:
+    """Load a profile by name (``conf/hardware/<name>.yaml``) or build it from a flat dict.
+
+    Args:
+        name_or_dict: a profile name, a mapping of constants (e.g. Hydra's composed
+            ``hardware`` group; a Hydra ``defaults`` key is ignored), or a profile (returned as is).
+    Returns:
+        The validated :class:`HardwareProfile`.
+    Raises:
+        ValueError: unknown profile name (listing the valid ones), unknown key (naming it), a
+            missing key, or an invalid constant.
+    """
+    if isinstance(name_or_dict, HardwareProfile):
+        return name_or_dict
+    if isinstance(name_or_dict, str):
+        path = hardware_dir() / f"{name_or_dict}.yaml"
+        if not name_or_dict or "/" in name_or_dict or not path.is_file():
+            raise ValueError(
+                f"unknown hardware profile {name_or_dict!r}; choose one of {', '.join(list_hardware())}"
+            )
+        import yaml
+
+        with path.open() as fh:
+            data = yaml.safe_load(fh)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a mapping of constants")
+        return load_hardware(data)
+    try:
+        data = dict(name_or_dict)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"hardware must be a profile name or a mapping, got {type(name_or_dict).__name__}"
+        ) from None
+    data.pop("defaults", None)
+    known = {f.name for f in fields(HardwareProfile) if f.init}
+    for key in data:
+        if key not in known:
+            raise ValueError(f"unknown hardware key {key!r}; valid keys: {', '.join(sorted(known))}")
+    missing = sorted(known - set(data))
+    if missing:
+        raise ValueError(f"hardware profile is missing key(s): {', '.join(missing)}")
+    return HardwareProfile(**data)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from mp_utils import run_ranks
 
 from flashcp.comm import AttnShape, comm_volume
 from flashcp.ops import get_attn_op
+from flashcp.ops.backends import VarlenBackend, get_backend
 from flashcp.ops.collectives import CommCounter
 from flashcp.ops.reference import document_mask, reference_attention
 from flashcp.ops.sharding import shard_tensor, unshard
@@ -54,6 +54,7 @@ def _cases(n: int):
         ("many_tiny", [1, 2] * (c // 3) + [1] * (c - 3 * (c // 3)), 2, 2, 8, torch.float32),
         ("gqa_8_over_2", _random_mix(rng, c, c // 2), 8, 2, 8, torch.float32),
         ("bf16_mix", _random_mix(rng, c, c // 2), 4, 2, 16, torch.bfloat16),
+        ("bf16_spans_every_rank", [5, c - 9, 4], 8, 2, 16, torch.bfloat16),
     ]
     try:  # the samplers, where present
         from flashcp.data import load_distribution, sample_sequences
@@ -78,30 +79,34 @@ def _inputs(lens, h, hkv, d, dtype, seed):
 
 
 def _run_cases(rank, n, cases, methods):
+    # alternate the cpu backend's two paths: dense blocks (tiny segments) and the aten kernel
+    kernels = (get_backend("cpu"), VarlenBackend("cpu", kernel_min=1))
     res = {}
     for ci, (_, lens, h, hkv, d, dtype) in enumerate(cases):
         q, k, v, dout = _inputs(lens, h, hkv, d, dtype, ci)
+        kernel = kernels[ci % 2]
         for m in methods:
             plan = make_plan_for(m, lens, n)
             prepare, attn = get_attn_op(m)
             meta = prepare(plan, rank)
             ql, kl, vl = (shard_tensor(x, plan, rank).requires_grad_() for x in (q, k, v))
             counter = CommCounter()
-            out = attn(ql, kl, vl, meta, backend="cpu", counter=counter)
+            out = attn(ql, kl, vl, meta, backend=kernel, counter=counter)
             out.backward(shard_tensor(dout, plan, rank))
             res[ci, m] = (out.detach(), ql.grad, kl.grad, vl.grad, counter.as_dict())
     return res
 
 
 def _plain_bf16(q, k, v, dout, lens):
-    """Single-device bf16 attention (PyTorch SDPA with the document mask) and its gradients."""
+    """Plain single-device attention done in the input dtype (every op in bf16, autograd through
+    them): the yardstick of flash-attention's tests (``attention_ref(..., upcast=False)``)."""
     g = q.shape[1] // k.shape[1]
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    qb, kb, vb = leaves
-    out = F.scaled_dot_product_attention(
-        qb.transpose(0, 1), kb.repeat_interleave(g, 1).transpose(0, 1),
-        vb.repeat_interleave(g, 1).transpose(0, 1), attn_mask=document_mask(lens),
-    ).transpose(0, 1)  # fmt: skip
+    qb, kb, vb = (x.transpose(0, 1) for x in leaves)  # (heads, C, D)
+    kb, vb = kb.repeat_interleave(g, 0), vb.repeat_interleave(g, 0)
+    s = torch.matmul(qb, kb.transpose(1, 2)) * q.shape[-1] ** -0.5  # (H, C, C), bf16
+    s = s.masked_fill(~document_mask(lens), float("-inf"))
+    out = torch.matmul(torch.softmax(s, dim=-1), vb).transpose(0, 1)
     out.backward(dout)
     return [out.detach()] + [x.grad for x in leaves]
 

@@ -10,14 +10,28 @@ import torch
 
 from flashcp.ops.backends import get_backend
 
-CPU_BACKENDS = [("cpu", None), ("cpu", 40), ("reference", None)]
+# (name, options): the cpu backend's dense path (default sizes send these tiny segments there), its
+# chunked dense path (tiny budget), its aten-kernel path (kernel_min=1), and the float64 reference
+CPU_BACKENDS = [
+    ("cpu", {}),
+    ("cpu", {"block_budget": 40}),
+    ("cpu", {"kernel_min": 1}),
+    ("reference", {}),
+]
 
 
-def _backend(name, budget):
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Two busy cores make torch's intra-op thread pool spin; these tensors are tiny anyway."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _backend(name, options):
     b = get_backend(name)
-    if budget is not None:
-        b = type(b)(name, block_budget=budget)
-    return b
+    return type(b)(name, **options) if options else b
 
 
 def _naive(q, k, v, cu_q, cu_k, causal, scale):
@@ -47,11 +61,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,budget", CPU_BACKENDS)
+@pytest.mark.parametrize("name,options", CPU_BACKENDS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("case", CASES)
-def test_forward_backward(name, budget, causal, heads, case):
+def test_forward_backward(name, options, causal, heads, case):
     torch.manual_seed(0)
     cu_q, cu_k = case
     h, hkv, d = *heads, 8
@@ -62,7 +76,7 @@ def test_forward_backward(name, budget, causal, heads, case):
     ref = _naive(q, k, v, cu_q, cu_k, causal, scale)
     dout = torch.randn_like(ref)
     ref.backward(dout)
-    be = _backend(name, budget)
+    be = _backend(name, options)
     cq, ck = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
     with torch.no_grad():
         out, lse = be.forward(q, k, v, cq, ck, 0, 0, causal=causal, softmax_scale=scale)
@@ -79,8 +93,8 @@ def test_forward_backward(name, budget, causal, heads, case):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name,budget", CPU_BACKENDS)
-def test_blockwise_backward_with_global_lse(name, budget):
+@pytest.mark.parametrize("name,options", CPU_BACKENDS)
+def test_blockwise_backward_with_global_lse(name, options):
     """A causal shard (s queries, prefix p) = non-causal block over the prefix + causal diagonal
     block. Forward both, merge with their LSE, then backward each block with the *global* out/lse:
     the contributions must add up to the gradients of the whole shard."""
@@ -93,7 +107,7 @@ def test_blockwise_backward_with_global_lse(name, budget):
     ref = _naive(q, k, v, [0, s], [0, p + s], True, scale)
     dout = torch.randn_like(ref)
     ref.backward(dout)
-    be = _backend(name, budget)
+    be = _backend(name, options)
     i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     with torch.no_grad():
         o1, l1 = be.forward(

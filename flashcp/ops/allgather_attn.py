@@ -325,11 +325,12 @@ def allgather_attn_backward(
             meta.max_seqlen_k,
             causal=True,
             softmax_scale=scale,
+            grad_dtype=torch.float32,
         )
     with timer.phase("others"):
         # accumulate in float32; (T + N*M, 2, Hkv, D)
         dsource = torch.zeros(source.shape, dtype=torch.float32, device=q.device)
-        dsource.index_add_(0, kv_index, torch.stack((dk_seg, dv_seg), dim=1).float())
+        dsource.index_add_(0, kv_index, torch.stack((dk_seg, dv_seg), dim=1))
         dlocal = dsource[: meta.tokens]
     if meta.send_max:
         with timer.phase("others"):
@@ -340,4 +341,4 @@ def allgather_attn_backward(
         with timer.phase("others"):
             dlocal.index_add_(0, send_rows, rs_out[: send_rows.numel()].float())
     dk, dv = dlocal.to(k.dtype).unbind(1)
-    return dq, dk, dv
+    return dq.to(q.dtype), dk, dv

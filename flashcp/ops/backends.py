@@ -25,9 +25,11 @@ Backends:
 
 * ``flash_attn``: the ``flash-attn`` package (CUDA).
 * ``torch_cuda``: PyTorch's bundled FlashAttention-2 varlen kernels (``aten::_flash_attention_*``).
-* ``cpu``: blocked dense math in float32 (any device; meant for CPU). Consecutive short segments are
-  packed into one masked dense block and long segments are cut into query chunks, so the work per
-  block stays bounded whatever the document mix.
+* ``cpu``: large segments on PyTorch's flash CPU kernel
+  (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward, which take the LSE), one
+  segment at a time, split into a non-causal prefix block and a causal diagonal block (the kernel's
+  causal flag is top-left aligned); small segments in blocked dense float32 math, consecutive ones
+  merged into one masked block so that many tiny documents cost few calls.
 * ``reference``: the same formulas in float64, one segment at a time (tests).
 """
 
@@ -115,23 +117,28 @@ def _row_windows(
     return lo, lo + width
 
 
-def _blocks(cu_q: list[int], cu_k: list[int], causal: bool, budget: int | None):
+def _blocks(cu_q: list[int], cu_k: list[int], causal: bool, budget: int | None, skip=None):
     """Dense blocks ``(q0, q1, k0, k1)`` covering every visible (query, key) pair.
 
     Consecutive segments are merged while the block's ``nq * nk`` stays within ``budget``; a
     segment larger than the budget is cut into query chunks, each with only the keys it can see.
-    ``budget=None`` gives one block per segment. Blocks have disjoint query ranges.
+    ``budget=None`` gives one block per segment. Blocks have disjoint query ranges. Segments
+    flagged in ``skip`` are left out (and never merged across).
     """
     n = len(cu_q) - 1
     out = []
     i = 0
     while i < n:
-        if cu_q[i + 1] == cu_q[i] or cu_k[i + 1] == cu_k[i]:
+        if cu_q[i + 1] == cu_q[i] or cu_k[i + 1] == cu_k[i] or (skip is not None and skip[i]):
             i += 1
             continue
         j = i
         if budget is not None:
-            while j + 1 < n and (cu_q[j + 2] - cu_q[i]) * (cu_k[j + 2] - cu_k[i]) <= budget:
+            while (
+                j + 1 < n
+                and (skip is None or not skip[j + 1])
+                and (cu_q[j + 2] - cu_q[i]) * (cu_k[j + 2] - cu_k[i]) <= budget
+            ):
                 j += 1
         q0, q1, k0, k1 = cu_q[i], cu_q[j + 1], cu_k[i], cu_k[j + 1]
         if budget is None or j > i or (q1 - q0) * (k1 - k0) <= budget:
@@ -164,15 +171,16 @@ def _scores(q, k, lo, hi, q0, q1, k0, k1, scale, dtype):
     return s, qh, kh
 
 
-def _dense_forward(q, k, v, cu_q, cu_k, causal, scale, dtype, budget):
-    """Blocked dense forward in ``dtype``; returns out (Tq, H, D) q.dtype, lse (H, Tq) float32."""
+def _dense_forward(q, k, v, cu_q, cu_k, causal, scale, dtype, budget, skip=None):
+    """Blocked dense forward in ``dtype``; returns out (Tq, H, D) in ``dtype``, lse (H, Tq)
+    float32. Rows of ``skip``-ped segments are left at out = 0, lse = -inf."""
     tq, h, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
     out = torch.zeros(tq, h, d, dtype=dtype, device=q.device)
     lse = torch.full((h, tq), float("-inf"), dtype=dtype, device=q.device)
     lo, hi = _row_windows(cu_q, cu_k, causal, q.device)
-    for q0, q1, k0, k1 in _blocks(cu_q, cu_k, causal, budget):
+    for q0, q1, k0, k1 in _blocks(cu_q, cu_k, causal, budget, skip):
         nq = q1 - q0
         s, _, _ = _scores(q, k, lo, hi, q0, q1, k0, k1, scale, dtype)
         m = torch.logsumexp(s, dim=-1)  # (Hkv, g, nq); -inf for rows with no visible key
@@ -181,11 +189,12 @@ def _dense_forward(q, k, v, cu_q, cu_k, causal, scale, dtype, budget):
         o = torch.matmul(p.view(hkv, g * nq, -1), vh)  # (Hkv, g*nq, D)
         out[q0:q1] = o.view(hkv, g, nq, d).permute(2, 0, 1, 3).reshape(nq, h, d)
         lse[:, q0:q1] = m.reshape(h, nq)
-    return out.to(q.dtype), lse.float()
+    return out, lse.float()
 
 
-def _dense_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, dtype, budget):
-    """Blocked dense backward from the given (possibly global) out and lse; see module docstring."""
+def _dense_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, dtype, budget, skip=None):
+    """Blocked dense backward from the given (possibly global) out and lse (module docstring);
+    returns dq, dk, dv in ``dtype`` (zero for ``skip``-ped segments)."""
     tq, h, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
@@ -195,7 +204,7 @@ def _dense_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, dtype, b
     lo, hi = _row_windows(cu_q, cu_k, causal, q.device)
     drow = (dout.to(dtype) * out.to(dtype)).sum(-1).t()  # (H, Tq)
     lse_safe = torch.where(torch.isinf(lse), 0.0, lse).to(dtype)  # -inf rows see no key: P = 0
-    for q0, q1, k0, k1 in _blocks(cu_q, cu_k, causal, budget):
+    for q0, q1, k0, k1 in _blocks(cu_q, cu_k, causal, budget, skip):
         nq, nk = q1 - q0, k1 - k0
         s, qh, kh = _scores(q, k, lo, hi, q0, q1, k0, k1, scale, dtype)
         p = torch.exp(s - lse_safe[:, q0:q1].reshape(hkv, g, nq, 1)).view(hkv, g * nq, nk)
@@ -206,7 +215,71 @@ def _dense_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, dtype, b
         ds = p.mul_(dp.sub_(drow[:, q0:q1].reshape(hkv, g * nq, 1))).mul_(scale)
         dq[q0:q1] = torch.matmul(ds, kh).view(hkv, g, nq, d).permute(2, 0, 1, 3).reshape(nq, h, d)
         dk[k0:k1] += torch.matmul(ds.transpose(1, 2), qh).permute(1, 0, 2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv
+
+
+# ---- the aten flash CPU kernel, one large segment at a time ----------------------------------------
+# torch.ops.aten._scaled_dot_product_flash_attention_for_cpu takes (B, H, S, D) views, supports GQA
+# (fewer KV heads) and returns the LSE; its backward op computes P from the given LSE and the row
+# term from the given out, so blocks computed separately and merged have additive gradients. Its
+# causal flag is top-left aligned, so a bottom-right causal segment (sq, sk = p + sq) is computed as
+# a non-causal block over the p prefix keys plus a causal sq x sq diagonal block, merged by LSE; when
+# sk < sq the first sq - sk rows see nothing and the rest form a causal sk x sk block.
+
+
+def _seg_blocks(sq: int, sk: int, causal: bool):
+    """Blocks ``(q0, k0, k1, causal)`` of one segment (queries q0:sq) for the aten kernel."""
+    if not causal:
+        return [(0, 0, sk, False)]
+    if sk < sq:
+        return [(sq - sk, 0, sk, True)]
+    p = sk - sq
+    return ([(0, 0, p, False)] if p else []) + [(0, p, sk, True)]
+
+
+def _f32(x):
+    """Half-precision inputs are computed in float32 (a CPU kernel gains nothing from bf16)."""
+    return x.float() if x.element_size() < 4 else x
+
+
+def _bhsd(x):
+    return x.transpose(0, 1).unsqueeze(0)  # (S, H, D) -> (1, H, S, D) view
+
+
+def _aten_segment_forward(q, k, v, causal, scale):
+    """One segment with the aten kernel: q (sq, H, D), k, v (sk, Hkv, D) -> out (sq, H, D)
+    float32, lse (H, sq) float32."""
+    q, k, v = _f32(q), _f32(k), _f32(v)
+    sq, h, d = q.shape
+    out = torch.zeros(sq, h, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    for q0, k0, k1, blk_causal in _seg_blocks(sq, k.shape[0], causal):
+        o, lb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _bhsd(q[q0:]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]), 0.0, blk_causal, scale=scale
+        )
+        o, lb = o[0].transpose(0, 1).float(), lb[0].float()  # (n, H, D), (H, n)
+        new = torch.logaddexp(lse[:, q0:], lb)
+        out[q0:] = (out[q0:] * torch.exp(lse[:, q0:] - new).t()[..., None]
+                    + o * torch.exp(lb - new).t()[..., None])  # fmt: skip
+        lse[:, q0:] = new
+    return out, lse
+
+
+def _aten_segment_backward(dout, q, k, v, out, lse, causal, scale):
+    """Backward of one segment from its given (global) out and lse; float32 dq, dk, dv."""
+    dout, q, k, v, out = _f32(dout), _f32(q), _f32(k), _f32(v), _f32(out)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for q0, k0, k1, blk_causal in _seg_blocks(q.shape[0], k.shape[0], causal):
+        g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _bhsd(dout[q0:]), _bhsd(q[q0:]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]),
+            _bhsd(out[q0:]), lse[None, :, q0:].contiguous(), 0.0, blk_causal, scale=scale,
+        )  # fmt: skip
+        dq[q0:] += g[0][0].transpose(0, 1)
+        dk[k0:k1] += g[1][0].transpose(0, 1)
+        dv[k0:k1] += g[2][0].transpose(0, 1)
+    return dq, dk, dv
 
 
 # ---- backends ------------------------------------------------------------------------------------
@@ -218,11 +291,16 @@ class VarlenBackend:
 
     Attributes:
         name: ``flash_attn``, ``torch_cuda``, ``cpu`` or ``reference``.
-        block_budget: (cpu backend) largest query x key block per head computed densely at once.
+        block_budget: (cpu) largest query x key block per head that merges consecutive small
+            segments into one dense masked computation.
+        kernel_min: (cpu) segments with ``sq * sk >= kernel_min`` run on PyTorch's flash CPU
+            kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``) one at a time; smaller
+            ones (and every segment of the ``reference`` backend) use the dense blocked math.
     """
 
     name: str
-    block_budget: int = 1 << 18
+    block_budget: int = 1 << 14
+    kernel_min: int = 1 << 12
 
     def forward(
         self,
@@ -273,17 +351,8 @@ class VarlenBackend:
                 causal,
                 softmax_scale,
             )
-        dtype, budget = self._dense()
-        return _dense_forward(
-            q,
-            k,
-            v,
-            cu_seqlens_q.tolist(),
-            cu_seqlens_k.tolist(),
-            causal,
-            softmax_scale,
-            dtype,
-            budget,
+        return self._cpu_forward(
+            q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), causal, float(softmax_scale)
         )
 
     def backward(
@@ -301,67 +370,62 @@ class VarlenBackend:
         *,
         causal: bool,
         softmax_scale: float,
+        grad_dtype: torch.dtype | None = None,
     ):
         """Varlen attention backward from the given ``out`` and ``lse`` (which may be the global
         merged values of a blockwise computation).
 
         Args:
             dout, out: (Tq, H, D); q: (Tq, H, D); k, v: (Tk, Hkv, D); lse: (H, Tq) float32.
+            grad_dtype: dtype of the returned gradients (default: q.dtype for dq, k.dtype for
+                dk and dv); callers that add up partial gradients can ask for float32 to round
+                once at the end. The CUDA kernels round to the input dtype first.
             Others as in :meth:`forward`.
         Returns:
-            dq: (Tq, H, D) in q.dtype; dk, dv: (Tk, Hkv, D) in k.dtype, summed over the query
-            heads of each KV group.
+            dq: (Tq, H, D); dk, dv: (Tk, Hkv, D), summed over the query heads of each KV group.
         """
+        args = (dout, q, k, v, out, lse)
         if self.name == "flash_attn":
-            return _fa_backward(
-                dout,
-                q,
-                k,
-                v,
-                out,
-                lse,
-                cu_seqlens_q,
-                cu_seqlens_k,
-                max_seqlen_q,
-                max_seqlen_k,
-                causal,
-                softmax_scale,
-            )
-        if self.name == "torch_cuda":
-            return _torch_cuda_backward(
-                dout,
-                q,
-                k,
-                v,
-                out,
-                lse,
-                cu_seqlens_q,
-                cu_seqlens_k,
-                max_seqlen_q,
-                max_seqlen_k,
-                causal,
-                softmax_scale,
-            )
-        dtype, budget = self._dense()
-        return _dense_backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            cu_seqlens_q.tolist(),
-            cu_seqlens_k.tolist(),
-            causal,
-            softmax_scale,
-            dtype,
-            budget,
-        )
+            grads = _fa_backward(*args, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 causal, softmax_scale)  # fmt: skip
+        elif self.name == "torch_cuda":
+            grads = _torch_cuda_backward(*args, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, causal, softmax_scale)  # fmt: skip
+        else:
+            grads = self._cpu_backward(*args, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), causal,
+                                       float(softmax_scale))  # fmt: skip
+        dtypes = (q.dtype, k.dtype, v.dtype) if grad_dtype is None else (grad_dtype,) * 3
+        return tuple(g.to(dt) for g, dt in zip(grads, dtypes, strict=True))
 
-    def _dense(self):
+    def _split(self, cu_q: list[int], cu_k: list[int]):
+        """(compute dtype, dense budget, per-segment flags: run on the aten kernel)."""
         if self.name == "reference":
-            return torch.float64, None
-        return torch.float32, self.block_budget
+            return torch.float64, None, [False] * (len(cu_q) - 1)
+        big = [
+            (cu_q[i + 1] - cu_q[i]) * (cu_k[i + 1] - cu_k[i]) >= self.kernel_min
+            for i in range(len(cu_q) - 1)
+        ]
+        return torch.float32, self.block_budget, big
+
+    def _cpu_forward(self, q, k, v, cu_q, cu_k, causal, scale):
+        dtype, budget, big = self._split(cu_q, cu_k)
+        out, lse = _dense_forward(q, k, v, cu_q, cu_k, causal, scale, dtype, budget, big)
+        for i in (i for i, b in enumerate(big) if b):
+            qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            out[qs], lse[:, qs] = _aten_segment_forward(q[qs], k[ks], v[ks], causal, scale)
+        return out.to(q.dtype), lse
+
+    def _cpu_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
+        dtype, budget, big = self._split(cu_q, cu_k)
+        dq, dk, dv = _dense_backward(
+            dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, dtype, budget, big
+        )
+        for i in (i for i, b in enumerate(big) if b):
+            qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            dq[qs], dk[ks], dv[ks] = _aten_segment_backward(
+                dout[qs], q[qs], k[ks], v[ks], out[qs], lse[:, qs], causal, scale
+            )
+        return dq, dk, dv  # compute dtype; backward() casts
 
 
 def _flash_attn_available() -> bool:

@@ -34,6 +34,8 @@ def get_attn_op(method: str) -> tuple[Callable, Callable]:
     try:
         module, prepare, attn = ATTN_OPS[method]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(ATTN_OPS)}") from None
+        raise ValueError(
+            f"unknown method {method!r}; choose one of {', '.join(ATTN_OPS)}"
+        ) from None
     mod = importlib.import_module(module)
     return getattr(mod, prepare), getattr(mod, attn)

@@ -14,12 +14,13 @@ q_len = s, kv_len = p + s, causal bottom-right (DESIGN.md §2).
   reduce-scatter of dK/dV. Each collective costs ``latency + recv_bytes / (busbw * falloff)``
   (:meth:`HardwareProfile.collective_us`); ``allgather_ms`` sums the forward and backward ones.
 * ``others_ms``, data copies (bytes read + written over ``copy_bw_gbps`` plus one launch per
-  copy), the same rule for all three methods: a segment with p > 0 assembles its contiguous KV
-  ``[0, p + s)`` from the gathered buffer with one copy per earlier shard of its document (the
-  non-last shards it needs) plus one for its own piece; a segment with p = 0 (a Whole-Doc
-  document, or a first chunk) reads its local KV in place. ``allgather_sharded`` also packs the
-  rank's non-last shards into the compact send buffer (one copy per such shard); the full
-  all-gather sends the rank's local buffer as it is. Training repeats gather and pack for the
+  copy): every segment with p > 0 assembles its contiguous KV ``[0, p + s)`` (p + s tokens); a
+  segment with p = 0 (a Whole-Doc document, a first chunk) reads its local KV in place.
+  ``allgather_full`` takes it from the full gathered KV with one copy per such shard;
+  ``allgather_sharded`` takes it from the compact buffer with one copy per non-last shard it
+  needs (the earlier shards of its document), and also packs the rank's non-last shards into
+  the compact send buffer (one copy per such shard), whereas the full all-gather sends the
+  rank's local buffer as it is. Training repeats gather and pack for the
   backward all-gather and scatters dK/dV back (the gather's copies again) before the
   reduce-scatter.
 * ``total_ms`` = allgather + attn_fwd + attn_bwd + reducescatter + others (no overlap assumed).
@@ -43,6 +44,10 @@ while dK/dV and KV travel on (``comm_volume``'s backward bytes / (N - 1) per ste
 ``attn_fwd_ms`` / ``attn_bwd_ms`` = sum over steps of the slowest rank's attention;
 ``others_ms`` = the merge/accumulation share of ``compute_t``; ``p2p_ms`` = P2P time not hidden
 behind compute. So ``total_ms`` = sum of the phase columns for every method.
+
+Not modelled (all methods alike): overlap of the all-gather with other work, SMs taken by NCCL
+kernels while they overlap attention, host-side launch overhead (assumed hidden by asynchronous
+launches), and the early-exiting CTAs of a varlen grid sized by the longest segment.
 
 Speed: a plan's tile counts, segment lists and copy counts do not depend on heads, head_dim,
 dtype or mode; :func:`simulate_many` computes them once and then prices each (shape, mode) with a
@@ -79,20 +84,21 @@ def _check_comm_kind(plan: Plan, comm_kind: str | None) -> str:
     return comm_kind
 
 
-def _group_max(values: np.ndarray, keys: np.ndarray, size: int) -> np.ndarray:
-    """(size,) max of ``values`` per key (0 where a key is absent)."""
-    out = np.zeros(size, dtype=np.int64)
-    np.maximum.at(out, keys, values)
-    return out
+def _stats(keys: np.ndarray, size: int, ctas, tiles, mx) -> TileStats:
+    """Sum CTAs and tiles and max the largest CTA per key; (size,) float64 arrays.
 
-
-def _stats(keys, size, ctas, tiles, mx) -> TileStats:
-    """Sum CTAs and tiles, max the largest CTA, per key; (size,) arrays."""
-    return TileStats(
-        np.bincount(keys, weights=ctas, minlength=size),
-        np.bincount(keys, weights=tiles, minlength=size),
-        _group_max(mx, keys, size),
-    )
+    ``keys`` must be sorted (non-decreasing), in ``[0, size)``.
+    """
+    if keys.size == 0:
+        z = np.zeros(size)
+        return TileStats(z, z, z)
+    head = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
+    out = []
+    for arr, red in ((ctas, np.add), (tiles, np.add), (mx, np.maximum)):
+        dense = np.zeros(size)
+        dense[keys[head]] = red.reduceat(arr, head)
+        out.append(dense)
+    return TileStats(*out)
 
 
 class PlanCost:
@@ -127,17 +133,21 @@ class PlanCost:
         self.bwd = _stats(rank, n, *bwd_tile_counts(length, kv, causal, hw.bwd_block_q, hw.bwd_block_k))
         self.q_rows = np.bincount(rank, weights=length, minlength=n)
         self.kv_rows = np.bincount(rank, weights=kv, minlength=n)
-        # earlier shards of the same document: the pieces a segment's KV prefix is made of
-        order = np.lexsort((start, plan.doc))
-        d_sorted = plan.doc[order]
-        first = np.ones(d_sorted.size, dtype=bool)
-        first[1:] = d_sorted[1:] != d_sorted[:-1]
-        idx = np.arange(d_sorted.size)
-        earlier = np.empty(d_sorted.size, dtype=np.int64)
-        earlier[order] = idx - np.maximum.accumulate(np.where(first, idx, 0))
         has_prefix = start > 0
-        self.gather_copies = np.bincount(rank, weights=np.where(has_prefix, earlier + 1, 0), minlength=n)
         self.gather_tokens = np.bincount(rank, weights=np.where(has_prefix, kv, 0), minlength=n)
+        if self.comm_kind == "allgather_full":
+            # one copy per shard (with a prefix) out of the full gathered KV
+            self.gather_copies = np.bincount(rank, weights=has_prefix, minlength=n)
+        else:
+            # one copy per non-last shard a segment needs: the earlier shards of its document
+            order = np.lexsort((start, plan.doc))
+            d_sorted = plan.doc[order]
+            first = np.ones(d_sorted.size, dtype=bool)
+            first[1:] = d_sorted[1:] != d_sorted[:-1]
+            idx = np.arange(d_sorted.size)
+            earlier = np.empty(d_sorted.size, dtype=np.int64)
+            earlier[order] = idx - np.maximum.accumulate(np.where(first, idx, 0))
+            self.gather_copies = np.bincount(rank, weights=earlier, minlength=n)
         if self.comm_kind == "allgather_sharded":
             not_last = ~plan.is_last
             self.pack_copies = np.bincount(rank, weights=not_last, minlength=n)
@@ -184,37 +194,36 @@ class PlanCost:
         rank, doc, start, length = plan.rank, plan.doc, plan.start, plan.length
         n_docs = plan.num_docs
         # step 0: one causal segment per (rank, document) over the rank's own tokens
-        key0, inv0 = np.unique(rank * n_docs + doc, return_inverse=True)
-        q0 = np.bincount(inv0, weights=length).astype(np.int64)
+        own = np.bincount(rank * n_docs + doc, weights=length, minlength=n * n_docs)
+        key0 = np.flatnonzero(own)
+        q0 = own[key0].astype(np.int64)
         seg_key = [key0 // n_docs]  # step-rank key t * N + r with t = 0
         seg_q, seg_kv, seg_causal = [q0], [q0], [np.ones(q0.size, dtype=bool)]
         if n > 1:
-            # all (local piece i, source piece j) pairs of the same document on different ranks
-            order = np.argsort(doc, kind="stable")
-            d_s = doc[order]
-            counts = np.bincount(d_s, minlength=n_docs)
-            ci = counts[d_s]
-            first = np.concatenate([[0], np.cumsum(counts)[:-1]])[d_s]
-            total = int(ci.sum())
-            i_s = np.repeat(np.arange(d_s.size), ci)
-            j_s = np.repeat(first, ci) + (np.arange(total) - np.repeat(np.cumsum(ci) - ci, ci))
-            i, j = order[i_s], order[j_s]
-            t = (rank[i] - rank[j]) % n
-            vis = (t > 0) & (start[j] < start[i])
-            i, j, t = i[vis], j[vis], t[vis]
-            # a local piece counts once per step if it sees anything; a source piece once if seen
-            qi = np.unique(i * n + t)
-            kj = np.unique(j * n + t)
-            qi_piece, qi_t = qi // n, qi % n
-            kj_piece, kj_t = kj // n, kj % n
-            q_key = (qi_t * n + rank[qi_piece]) * n_docs + doc[qi_piece]
-            k_key = (kj_t * n + (rank[kj_piece] + kj_t) % n) * n_docs + doc[kj_piece]
-            keys, inv = np.unique(np.concatenate([q_key, k_key]), return_inverse=True)
-            w_q = np.concatenate([length[qi_piece], np.zeros(kj.size, dtype=np.int64)])
-            w_k = np.concatenate([np.zeros(qi.size, dtype=np.int64), length[kj_piece]])
+            # first and last piece start of every document on every rank: (n_docs, N)
+            dr = doc * n + rank
+            min_start = np.full(n_docs * n, np.iinfo(np.int64).max)
+            max_start = np.full(n_docs * n, -1, dtype=np.int64)
+            np.minimum.at(min_start, dr, start)
+            np.maximum.at(max_start, dr, start)
+            t = np.arange(1, n)[None, :]  # (1, N-1)
+            # local piece i sees something of source rank (r - t) iff that rank holds an earlier
+            # piece of its document; source piece j is seen on rank (r + t) iff a later one is there
+            src = rank[:, None] - t  # (n_shards, N-1), mod N
+            src += n * (src < 0)
+            dst = rank[:, None] + t
+            dst -= n * (dst >= n)
+            q_vis = min_start[doc[:, None] * n + src] < start[:, None]
+            k_vis = max_start[doc[:, None] * n + dst] > start[:, None]
+            size = n * n * n_docs
+            q_key = ((t * n + rank[:, None]) * n_docs + doc[:, None]).ravel()
+            k_key = ((t * n + dst) * n_docs + doc[:, None]).ravel()
+            q_sum = np.bincount(q_key, weights=(length[:, None] * q_vis).ravel(), minlength=size)
+            k_sum = np.bincount(k_key, weights=(length[:, None] * k_vis).ravel(), minlength=size)
+            keys = np.flatnonzero(q_sum)
             seg_key.append(keys // n_docs)
-            seg_q.append(np.bincount(inv, weights=w_q, minlength=keys.size).astype(np.int64))
-            seg_kv.append(np.bincount(inv, weights=w_k, minlength=keys.size).astype(np.int64))
+            seg_q.append(q_sum[keys].astype(np.int64))
+            seg_kv.append(k_sum[keys].astype(np.int64))
             seg_causal.append(np.zeros(keys.size, dtype=bool))
         key = np.concatenate(seg_key)
         q = np.concatenate(seg_q)
@@ -247,7 +256,7 @@ class PlanCost:
         c_t = compute.max(axis=1)
         a_t = attn.max(axis=1)
         steps = np.maximum(c_t[:-1], p2p_us).sum() + c_t[-1]
-        return float(a_t.sum()), float(c_t.sum() - a_t.sum()), float(steps - c_t.sum())
+        return float(a_t.sum()), float(c_t.sum() - a_t.sum()), max(0.0, float(steps - c_t.sum()))
 
     def _step_ring(self, shape: AttnShape, train: bool, vol: dict[str, int], fwd_p2p: int) -> dict[str, float]:
         hw, n = self.hw, self.n

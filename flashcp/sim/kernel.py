@@ -51,7 +51,9 @@ BWD_FLOP_RATIO = 2.5
 
 
 def _cdiv(a: np.ndarray, b: int) -> np.ndarray:
-    return -(-a // b)
+    """ceil(a / b) of float64 integers (exact: a correctly rounded quotient of integers below 2**52
+    is an integer only when the division is exact)."""
+    return np.ceil(a / b)
 
 
 def fwd_tile_counts(
@@ -64,7 +66,7 @@ def fwd_tile_counts(
         causal: (n,) bool, bottom-right causal (else a full rectangle).
         block_q, block_k: tile shape; ``block_q`` a multiple of ``block_k``.
     Returns:
-        ``(ctas, tiles, max_tiles)``: (n,) int64 each: query blocks ``ceil(q / block_q)``, tiles
+        ``(ctas, tiles, max_tiles)``: (n,) float64 each (integer values): query blocks ``ceil(q / block_q)``, tiles
         over all of them, and tiles of the segment's largest CTA.
 
     Causal: query block i (rows ``[i*Bq, (i+1)*Bq)``) needs key blocks up to column
@@ -72,13 +74,14 @@ def fwd_tile_counts(
     but the last (rho = Bq/Bk) and ``ceil(kv/Bk)`` for the last, so
     ``tiles = (m-1)*ceil(a/Bk) + rho*m*(m-1)/2 + ceil(kv/Bk)`` with ``m = ceil(q/Bq)``.
     """
-    q = np.asarray(q_len, dtype=np.int64)
-    k = np.asarray(kv_len, dtype=np.int64)
+    q = np.asarray(q_len, dtype=np.float64)
+    k = np.asarray(kv_len, dtype=np.float64)
     rho = block_q // block_k
     m = _cdiv(q, block_q)
     nk = _cdiv(k, block_k)
     a_blocks = _cdiv(k - q, block_k)
-    causal_tiles = np.maximum(m - 1, 0) * a_blocks + rho * m * np.maximum(m - 1, 0) // 2 + nk
+    m1 = np.maximum(m - 1, 0)
+    causal_tiles = m1 * a_blocks + (rho * 0.5) * m * m1 + nk
     tiles = np.where(causal, causal_tiles, m * nk)
     return m, np.where(m > 0, tiles, 0), np.where(m > 0, nk, 0)
 
@@ -92,7 +95,7 @@ def bwd_tile_counts(
         q_len, kv_len, causal: as in :func:`fwd_tile_counts`.
         block_q, block_k: backward tile shape; ``block_k`` a multiple of ``block_q``.
     Returns:
-        ``(ctas, tiles, max_tiles)``: key blocks ``ceil(kv / block_k)``, tiles over all of them,
+        ``(ctas, tiles, max_tiles)``: (n,) float64 each (integer values): key blocks ``ceil(kv / block_k)``, tiles over all of them,
         and the largest CTA's tiles (``ceil(q / block_q)``, key block 0).
 
     Causal: key block j (columns from ``j*Bk``) is seen from query row ``max(0, j*Bk - a)`` on, so
@@ -100,14 +103,14 @@ def bwd_tile_counts(
     ``J0 = floor(a/Bk)`` and rho = Bk/Bq the sum is
     ``nk*mq - rho*(sum of j for J0 < j < nk) + (nk - 1 - J0)*ceil(a/Bq)``.
     """
-    q = np.asarray(q_len, dtype=np.int64)
-    k = np.asarray(kv_len, dtype=np.int64)
+    q = np.asarray(q_len, dtype=np.float64)
+    k = np.asarray(kv_len, dtype=np.float64)
     rho = block_k // block_q
     nk = np.where(q > 0, _cdiv(k, block_k), 0)
     mq = _cdiv(q, block_q)
     a = k - q
-    j0 = np.minimum(a // block_k, np.maximum(nk - 1, 0))
-    sum_j = (nk - 1) * nk // 2 - j0 * (j0 + 1) // 2
+    j0 = np.minimum(np.floor(a / block_k), np.maximum(nk - 1, 0))
+    sum_j = 0.5 * ((nk - 1) * nk - j0 * (j0 + 1))
     causal_tiles = nk * mq - rho * sum_j + (nk - 1 - j0) * _cdiv(a, block_q)
     tiles = np.where(causal, causal_tiles, nk * mq)
     return nk, np.where(nk > 0, tiles, 0), np.where(nk > 0, mq, 0)

@@ -45,7 +45,6 @@ MAGI_FWD_RATIO = (0.21, 0.37, 0.54, 0.73, 0.81, 0.86)
 MAGI_BWD_RATIO = (0.25, 0.32, 0.45, 0.62, 0.67, 0.73)
 
 
-
 def fa2_bench_ms(seqlen: int, hw: HardwareProfile, backward: bool) -> float:
     """Modelled time of the FA2 benchmark call: batch 16K/seqlen causal sequences, ms."""
     b = TOKENS_PER_BATCH // seqlen
@@ -93,26 +92,39 @@ def fit(hw: HardwareProfile) -> HardwareProfile:
         (("fwd_tile_tflops", "fwd_cta_overhead_us"), FA2_FWD_CAUSAL, 0),
         (("bwd_tile_tflops", "bwd_cta_overhead_us"), FA2_FWDBWD_CAUSAL, 1),
     ):
+
         def score(cand, col=col, idx=idx):
             return rms_log_err(model_tflops(cand)[idx], col)
 
         _, a, b = search(keys, (np.arange(250, 500, 5.0), np.arange(0, 10.01, 0.25)), score)
         _, a, b = search(
-            keys, (np.arange(a - 5, a + 5.01, 0.5), np.arange(max(b - 0.25, 0), b + 0.2501, 0.025)), score
+            keys,
+            (np.arange(a - 5, a + 5.01, 0.5), np.arange(max(b - 0.25, 0), b + 0.2501, 0.025)),
+            score,
         )
-        hw_cur[0] = dataclasses.replace(hw_cur[0], **{keys[0]: round(float(a), 1), keys[1]: round(float(b), 3)})
+        hw_cur[0] = dataclasses.replace(
+            hw_cur[0], **{keys[0]: round(float(a), 1), keys[1]: round(float(b), 3)}
+        )
     return hw_cur[0]
 
 
 def report_kernel(hw: HardwareProfile) -> None:
     fwd, fb = model_tflops(hw)
-    print(f"FlashAttention-2 kernel model vs published FA2 H100 (causal, hdim 128, 16K tokens, 16 heads); profile {hw.name}")
-    print(f"{'seqlen':>7} | {'fwd pub':>7} {'model':>6} {'err%':>6} | {'fwd+bwd pub':>11} {'model':>6} {'err%':>6}")
+    print(
+        f"FlashAttention-2 kernel model vs published FA2 H100 (causal, hdim 128, 16K tokens, 16 heads); profile {hw.name}"
+    )
+    print(
+        f"{'seqlen':>7} | {'fwd pub':>7} {'model':>6} {'err%':>6} | {'fwd+bwd pub':>11} {'model':>6} {'err%':>6}"
+    )
     for s, pf, mf, pb, mb in zip(SEQLENS, FA2_FWD_CAUSAL, fwd, FA2_FWDBWD_CAUSAL, fb, strict=True):
-        print(f"{s:>7} | {pf:>7} {mf:>6.0f} {100 * (mf / pf - 1):>+6.1f} | {pb:>11} {mb:>6.0f} {100 * (mb / pb - 1):>+6.1f}")
+        print(
+            f"{s:>7} | {pf:>7} {mf:>6.0f} {100 * (mf / pf - 1):>+6.1f} | {pb:>11} {mb:>6.0f} {100 * (mb / pb - 1):>+6.1f}"
+        )
     for name, m, ref in (("fwd", fwd, FA2_FWD_CAUSAL), ("fwd+bwd", fb, FA2_FWDBWD_CAUSAL)):
         rel = m / np.asarray(ref) - 1
-        print(f"  {name}: RMS log error {100 * rms_log_err(m, ref):.1f}%, max |error| {100 * np.abs(rel).max():.1f}%")
+        print(
+            f"  {name}: RMS log error {100 * rms_log_err(m, ref):.1f}%, max |error| {100 * np.abs(rel).max():.1f}%"
+        )
     print()
 
 
@@ -131,7 +143,9 @@ def report_packed(hw: HardwareProfile) -> None:
     shape = AttnShape(num_heads=64, num_kv_heads=8, head_dim=128)
     rng = np.random.default_rng(0)
     print("Check (not fitted): packed documents vs one causal sequence of equal total length,")
-    print("FLOP/s ratio (same useful FLOPs); published = MagiAttention FA3 varlen / causal (doc lengths capped at 1/4)")
+    print(
+        "FLOP/s ratio (same useful FLOPs); published = MagiAttention FA3 varlen / causal (doc lengths capped at 1/4)"
+    )
     print(f"{'total':>6} | {'fwd pub':>7} {'model':>6} | {'bwd pub':>7} {'model':>6}")
     for total, pf, pb in zip(MAGI_TOTALS, MAGI_FWD_RATIO, MAGI_BWD_RATIO, strict=True):
         rf, rb = [], []
@@ -148,19 +162,28 @@ def report_packed(hw: HardwareProfile) -> None:
 
 def report_collectives(hw: HardwareProfile) -> None:
     n = hw.busbw_curve_ranks
-    print(f"Collectives ({hw.name}): bus bandwidth vs the published curve in the profile ({n} ranks;")
+    print(
+        f"Collectives ({hw.name}): bus bandwidth vs the published curve in the profile ({n} ranks;"
+    )
     print("h100_sxm: nccl-tests all-reduce on 8x H100 SXM, DESIGN.md §8)")
     print(f"{'size':>9} | {'published GB/s':>14} {'model':>7}")
     # peak of the bandwidth term: the largest published point with the latency removed
-    t_last = hw.busbw_curve_algbw_factor * hw.busbw_curve_size_kib[-1] * 1024 / (hw.busbw_curve_gbps[-1] * 1e9)
+    t_last = (
+        hw.busbw_curve_algbw_factor
+        * hw.busbw_curve_size_kib[-1]
+        * 1024
+        / (hw.busbw_curve_gbps[-1] * 1e9)
+    )
     ar_peak = hw.busbw_curve_gbps[-1] * t_last / (t_last - hw.collective_latency_us * 1e-6)
     for kib, pub in zip(hw.busbw_curve_size_kib, hw.busbw_curve_gbps, strict=True):
         size = kib * 1024
         moved = hw.busbw_curve_algbw_factor * size
         t_us = hw.collective_us(moved, size, ar_peak)
         print(f"{int(kib):>6}KiB | {pub:>14.0f} {moved / (t_us * 1e3):>7.0f}")
-    print(f"all-gather, {n} ranks: modelled bus bandwidth (profile's large-message value "
-          f"{hw.allgather_busbw_gbps:g} GB/s; published for 8x H100 SXM NVLink: 360-370 GB/s)")
+    print(
+        f"all-gather, {n} ranks: modelled bus bandwidth (profile's large-message value "
+        f"{hw.allgather_busbw_gbps:g} GB/s; published for 8x H100 SXM NVLink: 360-370 GB/s)"
+    )
     for mib in (1, 16, 256, 1024, 2048):
         total = mib * 2**20
         recv = total * (n - 1) / n
@@ -172,13 +195,20 @@ def report_collectives(hw: HardwareProfile) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hardware", default="h100_sxm", help="profile name in conf/hardware")
-    ap.add_argument("--fit", action="store_true", help="refit the kernel constants to the FA2 table")
+    ap.add_argument(
+        "--fit", action="store_true", help="refit the kernel constants to the FA2 table"
+    )
     args = ap.parse_args(argv)
     hw = load_hardware(args.hardware)
     if args.fit:
         hw = fit(hw)
         print("fitted constants (paste into conf/hardware/*.yaml):")
-        for k in ("fwd_tile_tflops", "fwd_cta_overhead_us", "bwd_tile_tflops", "bwd_cta_overhead_us"):
+        for k in (
+            "fwd_tile_tflops",
+            "fwd_cta_overhead_us",
+            "bwd_tile_tflops",
+            "bwd_cta_overhead_us",
+        ):
             print(f"  {k}: {getattr(hw, k)}")
         print()
     report_kernel(hw)

@@ -35,7 +35,11 @@ def _doc_lens(seed: int, context_len: int = 32768, long_frac: float = 0.3) -> np
     rng = np.random.default_rng(seed)
     out, left = [], context_len
     while left > 0:
-        d = int(rng.integers(1, context_len // 2)) if rng.random() < long_frac else int(rng.integers(1, 2048))
+        d = (
+            int(rng.integers(1, context_len // 2))
+            if rng.random() < long_frac
+            else int(rng.integers(1, 2048))
+        )
         d = min(d, left)
         out.append(d)
         left -= d
@@ -101,7 +105,9 @@ def test_many_short_segments_cost_more_than_one_long(backward):
     t_long = attention_kernel_ms([16384], [16384], True, SHAPE, HW, backward)
     assert t_short > t_long
     # and shards with a prefix: 8 chunks of one document vs the whole document
-    t_chunks = sum(attention_kernel_ms([2048], [2048 * (i + 1)], True, SHAPE, HW, backward) for i in range(8))
+    t_chunks = sum(
+        attention_kernel_ms([2048], [2048 * (i + 1)], True, SHAPE, HW, backward) for i in range(8)
+    )
     assert t_chunks > t_long
 
 
@@ -120,7 +126,9 @@ def test_kernel_monotone_in_work(backward):
         k3 = k.copy()
         k3[i] += int(rng.integers(1, 300))
         assert attention_kernel_ms(q, k3, True, SHAPE, HW, backward) >= base
-        assert attention_kernel_ms(np.append(q, 7), np.append(k, 9), True, SHAPE, HW, backward) >= base
+        assert (
+            attention_kernel_ms(np.append(q, 7), np.append(k, 9), True, SHAPE, HW, backward) >= base
+        )
         more_heads = AttnShape(num_heads=64, num_kv_heads=32, head_dim=128)
         assert attention_kernel_ms(q, k, True, more_heads, HW, backward) >= base
 
@@ -166,13 +174,18 @@ def test_monotone_in_heads_and_tokens(method):
         plan = make_plan_for(method, d, 4)
         for mode in ("train", "infer"):
             t = [
-                simulate(plan, AttnShape(num_heads=h, num_kv_heads=h, head_dim=128), HW, mode)["total_ms"]
+                simulate(plan, AttnShape(num_heads=h, num_kv_heads=h, head_dim=128), HW, mode)[
+                    "total_ms"
+                ]
                 for h in (8, 16, 32)
             ]
             assert t[0] <= t[1] <= t[2]
             # the same documents twice as long (context doubled): never cheaper
             big = make_plan_for(method, 2 * d, 4)
-            assert simulate(big, SHAPE, HW, mode)["total_ms"] >= simulate(plan, SHAPE, HW, mode)["total_ms"]
+            assert (
+                simulate(big, SHAPE, HW, mode)["total_ms"]
+                >= simulate(plan, SHAPE, HW, mode)["total_ms"]
+            )
 
 
 def test_whole_doc_plan_has_zero_communication():
@@ -253,7 +266,10 @@ def test_profiles_load():
         assert load_hardware(hw.to_dict()) == hw
     ib = load_hardware("h100_ib")
     plan = make_plan_for("llama3", _doc_lens(0), 8)
-    assert simulate(plan, SHAPE, ib, "train")["allgather_ms"] > simulate(plan, SHAPE, HW, "train")["allgather_ms"]
+    assert (
+        simulate(plan, SHAPE, ib, "train")["allgather_ms"]
+        > simulate(plan, SHAPE, HW, "train")["allgather_ms"]
+    )
 
 
 def test_loader_rejects_bad_input():
@@ -284,3 +300,43 @@ def test_collective_model():
     assert all(b2 >= b1 for b1, b2 in pairwise(bw))
     assert bw[-1] == pytest.approx(HW.allgather_busbw_gbps * 1e3, rel=0.02)
     assert HW.collective_us(0, 0, HW.allgather_busbw_gbps) == 0.0
+
+
+def _ring_reference(plan):
+    """Per (step, rank) query rows, key rows and forward tiles by brute force over pieces."""
+    n = plan.cp_size
+    q_rows = np.zeros((n, n))
+    kv_rows = np.zeros((n, n))
+    tiles = np.zeros((n, n))
+    ranks = plan.ranks()
+    for t in range(n):
+        for r in range(n):
+            local, source = ranks[r], ranks[(r - t) % n]
+            for doc in {sh.doc for sh in local}:
+                mine = [sh for sh in local if sh.doc == doc]
+                if t == 0:
+                    q = k = sum(sh.length for sh in mine)
+                    causal = True
+                else:
+                    theirs = [sh for sh in source if sh.doc == doc]
+                    q = sum(sh.length for sh in mine if any(o.start < sh.start for o in theirs))
+                    k = sum(o.length for o in theirs if any(o.start < sh.start for sh in mine))
+                    causal = False
+                if q:
+                    q_rows[t, r] += q
+                    kv_rows[t, r] += k
+                    tiles[t, r] += _brute_fwd(q, k, causal, HW.fwd_block_q, HW.fwd_block_k)[1]
+    return q_rows, kv_rows, tiles
+
+
+@pytest.mark.parametrize("method", ["ring", "zigzag"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ring_segments_match_brute_force(method, seed):
+    from flashcp.sim import PlanCost
+
+    plan = make_plan_for(method, _doc_lens(seed, context_len=8192), 4)
+    cost = PlanCost(plan, HW, "p2p_ring")
+    q_rows, kv_rows, tiles = _ring_reference(plan)
+    np.testing.assert_array_equal(cost.q_rows, q_rows)
+    np.testing.assert_array_equal(cost.kv_rows, kv_rows)
+    np.testing.assert_array_equal(cost.fwd.tiles, tiles)

@@ -129,8 +129,12 @@ class PlanCost:
         rank, start, length = plan.rank, plan.start, plan.length
         kv = start + length
         causal = np.ones(rank.size, dtype=bool)
-        self.fwd = _stats(rank, n, *fwd_tile_counts(length, kv, causal, hw.fwd_block_q, hw.fwd_block_k))
-        self.bwd = _stats(rank, n, *bwd_tile_counts(length, kv, causal, hw.bwd_block_q, hw.bwd_block_k))
+        self.fwd = _stats(
+            rank, n, *fwd_tile_counts(length, kv, causal, hw.fwd_block_q, hw.fwd_block_k)
+        )
+        self.bwd = _stats(
+            rank, n, *bwd_tile_counts(length, kv, causal, hw.bwd_block_q, hw.bwd_block_k)
+        )
         self.q_rows = np.bincount(rank, weights=length, minlength=n)
         self.kv_rows = np.bincount(rank, weights=kv, minlength=n)
         has_prefix = start > 0
@@ -161,7 +165,9 @@ class PlanCost:
         hw = self.hw
         return copies * hw.launch_us + hw.copy_us(2.0 * shape.kv_bytes(tokens))
 
-    def _step_allgather(self, shape: AttnShape, train: bool, vol: dict[str, int]) -> dict[str, float]:
+    def _step_allgather(
+        self, shape: AttnShape, train: bool, vol: dict[str, int]
+    ) -> dict[str, float]:
         hw, n = self.hw, self.n
         h, d = shape.num_heads, shape.head_dim
         n_ag = 2 if train else 1
@@ -176,7 +182,9 @@ class PlanCost:
         others_us = float((gather + pack).max())
         bwd_us = 0.0
         if train:
-            bwd = kernel_us(self.bwd, h, d, hw, True) + bwd_extra_us(self.q_rows, self.kv_rows, shape, hw)
+            bwd = kernel_us(self.bwd, h, d, hw, True) + bwd_extra_us(
+                self.q_rows, self.kv_rows, shape, hw
+            )
             bwd_us = float(bwd.max())
             others_us += float((2.0 * gather + pack).max())
         return {
@@ -248,7 +256,9 @@ class PlanCost:
         self.launched = lo[src] < hi[None, :]
         self.launched[0] = True
 
-    def _ring_pass(self, compute: np.ndarray, attn: np.ndarray, p2p_us: float) -> tuple[float, float, float]:
+    def _ring_pass(
+        self, compute: np.ndarray, attn: np.ndarray, p2p_us: float
+    ) -> tuple[float, float, float]:
         """Compose one ring pass from per-step, per-rank compute and attention (µs, (N, N)).
 
         Returns ``(attention, others, exposed_p2p)`` in µs summing to the pass time.
@@ -258,7 +268,9 @@ class PlanCost:
         steps = np.maximum(c_t[:-1], p2p_us).sum() + c_t[-1]
         return float(a_t.sum()), float(c_t.sum() - a_t.sum()), max(0.0, float(steps - c_t.sum()))
 
-    def _step_ring(self, shape: AttnShape, train: bool, vol: dict[str, int], fwd_p2p: int) -> dict[str, float]:
+    def _step_ring(
+        self, shape: AttnShape, train: bool, vol: dict[str, int], fwd_p2p: int
+    ) -> dict[str, float]:
         hw, n = self.hw, self.n
         h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
         steps = max(n - 1, 1)
@@ -312,8 +324,12 @@ class PlanCost:
         else:
             out = self._step_allgather(shape, train, vol)
         out["total_ms"] = (
-            out["allgather_ms"] + out["attn_fwd_ms"] + out["attn_bwd_ms"]
-            + out["reducescatter_ms"] + out["p2p_ms"] + out["others_ms"]
+            out["allgather_ms"]
+            + out["attn_fwd_ms"]
+            + out["attn_bwd_ms"]
+            + out["reducescatter_ms"]
+            + out["p2p_ms"]
+            + out["others_ms"]
         )
         for col in COMM_COLUMNS:
             out[col] = vol[col]

@@ -115,9 +115,16 @@ class HardwareProfile:
                 if int(v) != v:
                     raise ValueError(f"hardware constant {f.name} must be an integer, got {v!r}")
                 object.__setattr__(self, f.name, int(v))
-            zero_ok = f.name in ("bwd_extra_kernels", "lse_merge_kernels", "grad_accum_kernels",
-                                 "fwd_cta_overhead_us", "bwd_cta_overhead_us", "launch_us",
-                                 "collective_latency_us", "p2p_latency_us")
+            zero_ok = f.name in (
+                "bwd_extra_kernels",
+                "lse_merge_kernels",
+                "grad_accum_kernels",
+                "fwd_cta_overhead_us",
+                "bwd_cta_overhead_us",
+                "launch_us",
+                "collective_latency_us",
+                "p2p_latency_us",
+            )
             if v < 0 or (v == 0 and not zero_ok):
                 raise ValueError(f"hardware constant {f.name} must be > 0, got {v!r}")
         if self.fwd_block_q % self.fwd_block_k:
@@ -130,10 +137,14 @@ class HardwareProfile:
             )
         for key in ("fwd_tile_tflops", "bwd_tile_tflops"):
             if getattr(self, key) > self.peak_tflops:
-                raise ValueError(f"{key} = {getattr(self, key)} exceeds peak_tflops = {self.peak_tflops}")
+                raise ValueError(
+                    f"{key} = {getattr(self, key)} exceeds peak_tflops = {self.peak_tflops}"
+                )
         size, bw = self.busbw_curve_size_kib, self.busbw_curve_gbps
         if len(size) < 1 or len(size) != len(bw):
-            raise ValueError("busbw_curve_size_kib and busbw_curve_gbps must be non-empty and equally long")
+            raise ValueError(
+                "busbw_curve_size_kib and busbw_curve_gbps must be non-empty and equally long"
+            )
         if any(b <= a for a, b in pairwise(size)) or min(size) <= 0 or min(bw) <= 0:
             raise ValueError("busbw_curve_size_kib must increase and both curves must be positive")
         if min(self._curve_seconds()) <= self.collective_latency_us * 1e-6:
@@ -142,9 +153,7 @@ class HardwareProfile:
                 "the falloff cannot be derived"
             )
         sizes, frac = self.busbw_fraction_table()
-        object.__setattr__(
-            self, "_falloff", (np.log(sizes).tolist(), np.log(frac).tolist())
-        )
+        object.__setattr__(self, "_falloff", (np.log(sizes).tolist(), np.log(frac).tolist()))
 
     # ---- collectives -------------------------------------------------------------------------
     def _curve_seconds(self) -> list[float]:
@@ -256,7 +265,9 @@ def load_hardware(name_or_dict: str | dict | HardwareProfile) -> HardwareProfile
     known = {f.name for f in fields(HardwareProfile) if f.init}
     for key in data:
         if key not in known:
-            raise ValueError(f"unknown hardware key {key!r}; valid keys: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"unknown hardware key {key!r}; valid keys: {', '.join(sorted(known))}"
+            )
     missing = sorted(known - set(data))
     if missing:
         raise ValueError(f"hardware profile is missing key(s): {', '.join(missing)}")

@@ -196,7 +196,9 @@ def attention_kernel_ms(
     q = np.atleast_1d(np.asarray(q_lens, dtype=np.int64))
     k = np.atleast_1d(np.asarray(kv_lens, dtype=np.int64))
     if q.shape != k.shape or q.ndim != 1:
-        raise ValueError(f"q_lens and kv_lens must be 1-D of equal length, got {q.shape} and {k.shape}")
+        raise ValueError(
+            f"q_lens and kv_lens must be 1-D of equal length, got {q.shape} and {k.shape}"
+        )
     c = np.broadcast_to(np.asarray(causal, dtype=bool), q.shape)
     if (q < 0).any() or (k < 0).any():
         raise ValueError("segment lengths must be >= 0")

@@ -303,11 +303,12 @@ def test_collective_model():
 
 
 def _ring_reference(plan):
-    """Per (step, rank) query rows, key rows and forward tiles by brute force over pieces."""
+    """Per (step, rank) query rows, key rows, forward and backward tiles, by brute force."""
     n = plan.cp_size
     q_rows = np.zeros((n, n))
     kv_rows = np.zeros((n, n))
     tiles = np.zeros((n, n))
+    bwd_tiles = np.zeros((n, n))
     ranks = plan.ranks()
     for t in range(n):
         for r in range(n):
@@ -326,7 +327,8 @@ def _ring_reference(plan):
                     q_rows[t, r] += q
                     kv_rows[t, r] += k
                     tiles[t, r] += _brute_fwd(q, k, causal, HW.fwd_block_q, HW.fwd_block_k)[1]
-    return q_rows, kv_rows, tiles
+                    bwd_tiles[t, r] += _brute_bwd(q, k, causal, HW.bwd_block_q, HW.bwd_block_k)[1]
+    return q_rows, kv_rows, tiles, bwd_tiles
 
 
 @pytest.mark.parametrize("method", ["ring", "zigzag"])
@@ -336,7 +338,18 @@ def test_ring_segments_match_brute_force(method, seed):
 
     plan = make_plan_for(method, _doc_lens(seed, context_len=8192), 4)
     cost = PlanCost(plan, HW, "p2p_ring")
-    q_rows, kv_rows, tiles = _ring_reference(plan)
+    q_rows, kv_rows, tiles, bwd_tiles = _ring_reference(plan)
     np.testing.assert_array_equal(cost.q_rows, q_rows)
     np.testing.assert_array_equal(cost.kv_rows, kv_rows)
     np.testing.assert_array_equal(cost.fwd.tiles, tiles)
+    np.testing.assert_array_equal(cost.bwd.tiles, bwd_tiles)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_edge_inputs(method):
+    # thousands of length-1 documents, documents shorter than 2N, a single document
+    for d in ([1] * 3000 + [5 * 1024 - 3000 + 7 * 1024], [3] * 64, [8192]):
+        plan = make_plan_for(method, d, 8)
+        for mode in ("train", "infer"):
+            row = simulate(plan, SHAPE, HW, mode)
+            assert np.isfinite(row["total_ms"]) and row["total_ms"] > 0

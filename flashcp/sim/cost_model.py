@@ -204,9 +204,19 @@ class PlanCost:
         # step 0: one causal segment per (rank, document) over the rank's own tokens
         own = np.bincount(rank * n_docs + doc, weights=length, minlength=n * n_docs)
         key0 = np.flatnonzero(own)
-        q0 = own[key0].astype(np.int64)
-        seg_key = [key0 // n_docs]  # step-rank key t * N + r with t = 0
-        seg_q, seg_kv, seg_causal = [q0], [q0], [np.ones(q0.size, dtype=bool)]
+        q0 = own[key0]
+        r0 = key0 // n_docs  # sorted
+        causal = np.ones(q0.size, dtype=bool)
+        f0 = _stats(r0, n, *fwd_tile_counts(q0, q0, causal, hw.fwd_block_q, hw.fwd_block_k))
+        b0 = _stats(r0, n, *bwd_tile_counts(q0, q0, causal, hw.bwd_block_q, hw.bwd_block_k))
+        fwd = [np.zeros((n, n)) for _ in range(3)]
+        bwd = [np.zeros((n, n)) for _ in range(3)]
+        for dense, row in ((fwd, f0), (bwd, b0)):
+            for k in range(3):
+                dense[k][0] = row[k]
+        self.q_rows = np.zeros((n, n))
+        self.kv_rows = np.zeros((n, n))
+        self.q_rows[0] = self.kv_rows[0] = np.bincount(rank, weights=length, minlength=n)
         if n > 1:
             # first and last piece start of every document on every rank: (n_docs, N)
             dr = doc * n + rank
@@ -226,24 +236,20 @@ class PlanCost:
             size = n * n * n_docs
             q_key = ((t * n + rank[:, None]) * n_docs + doc[:, None]).ravel()
             k_key = ((t * n + dst) * n_docs + doc[:, None]).ravel()
-            q_sum = np.bincount(q_key, weights=(length[:, None] * q_vis).ravel(), minlength=size)
-            k_sum = np.bincount(k_key, weights=(length[:, None] * k_vis).ravel(), minlength=size)
-            keys = np.flatnonzero(q_sum)
-            seg_key.append(keys // n_docs)
-            seg_q.append(q_sum[keys].astype(np.int64))
-            seg_kv.append(k_sum[keys].astype(np.int64))
-            seg_causal.append(np.zeros(keys.size, dtype=bool))
-        key = np.concatenate(seg_key)
-        q = np.concatenate(seg_q)
-        kv = np.concatenate(seg_kv)
-        causal = np.concatenate(seg_causal)
-        size = n * n
-        fwd = _stats(key, size, *fwd_tile_counts(q, kv, causal, hw.fwd_block_q, hw.fwd_block_k))
-        bwd = _stats(key, size, *bwd_tile_counts(q, kv, causal, hw.bwd_block_q, hw.bwd_block_k))
-        self.fwd = TileStats(*(a.reshape(n, n) for a in fwd))
-        self.bwd = TileStats(*(a.reshape(n, n) for a in bwd))
-        self.q_rows = np.bincount(key, weights=q, minlength=size).reshape(n, n)
-        self.kv_rows = np.bincount(key, weights=kv, minlength=size).reshape(n, n)
+            # (N, N, n_docs) rectangle [t, r, doc]: query rows x key rows (both 0 or both > 0)
+            qs = np.bincount(q_key, weights=(length[:, None] * q_vis).ravel(), minlength=size)
+            ks = np.bincount(k_key, weights=(length[:, None] * k_vis).ravel(), minlength=size)
+            qs = qs.reshape(n, n, n_docs)[1:]
+            ks = ks.reshape(n, n, n_docs)[1:]
+            # full rectangles: forward CTAs ceil(q/Bq) x ceil(k/Bk) tiles, backward transposed
+            fq, fk = np.ceil(qs / hw.fwd_block_q), np.ceil(ks / hw.fwd_block_k)
+            bq, bk = np.ceil(qs / hw.bwd_block_q), np.ceil(ks / hw.bwd_block_k)
+            fwd[0][1:], fwd[1][1:], fwd[2][1:] = fq.sum(2), (fq * fk).sum(2), fk.max(2)
+            bwd[0][1:], bwd[1][1:], bwd[2][1:] = bk.sum(2), (bq * bk).sum(2), bq.max(2)
+            self.q_rows[1:] = qs.sum(2)
+            self.kv_rows[1:] = ks.sum(2)
+        self.fwd = TileStats(*fwd)
+        self.bwd = TileStats(*bwd)
         # block-level causal skip: launch unless the source block starts after the local one ends
         cu = np.concatenate([[0], np.cumsum(plan.doc_lens)])
         pos = cu[doc] + start

@@ -30,7 +30,7 @@ RUN_KEYS = [
 #: runs that differ only in the method are compared with each other
 PEER_KEYS = [k for k in RUN_KEYS if k not in ("method", "name")]
 METRICS = [
-    "imbalance_ratio", "comm_saving", "comm_tokens", "comm_tokens_full", "plan_ms",
+    "imbalance_ratio", "comm_saving", "comm_tokens", "comm_tokens_full", "comm_tokens_sharded", "plan_ms",
     "num_split_docs", "max_shards_per_rank",
 ]  # fmt: skip
 

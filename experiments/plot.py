@@ -74,9 +74,10 @@ def plot_fig5(summary: pd.DataFrame, out: Path) -> Path:
             ax.set_title(f"{ds} — {'training' if mode == 'train' else 'inference'}", fontsize=10)
             if j == 0:
                 ax.set_ylabel("speedup over llama3")
-    axes[0][0].legend(fontsize=7, ncol=2)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(methods), fontsize=8, frameon=False)
     fig.suptitle(f"Attention-layer speedup over Llama3 CP ({_subtitle(summary)})", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(out, dpi=130)
     plt.close(fig)
     return out

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flashcp.comm import AttnShape
 from flashcp.config import check_config, register_configs
+from flashcp.plan import Plan
 from flashcp.registry import COMM_KIND, get_planner
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS, config_hash, provenance, write_csv_atomic
 
@@ -63,6 +64,27 @@ def sample(cfg: DictConfig) -> list[np.ndarray]:
     )
 
 
+def plan_metrics(plan: Plan, comm_kind: str) -> dict[str, Any]:
+    """Plan columns of a row.
+
+    ``comm_tokens`` is what the method really moves: KV tokens one rank receives per pass, per K or
+    V, per KV head — Eq. 4 for full all-gather and for the ring, Eq. 5 for sharding-aware
+    all-gather — and ``comm_saving`` = 1 - comm_tokens / comm_tokens_full. ``comm_tokens_sharded``
+    is Eq. 5 on the method's layout: what sharding-aware communication would move for it.
+    """
+    full = plan.comm_tokens_full
+    moved = plan.comm_tokens if comm_kind == "allgather_sharded" else full
+    return {
+        "imbalance_ratio": plan.imbalance_ratio,
+        "comm_tokens": moved,
+        "comm_tokens_full": full,
+        "comm_saving": 1.0 - moved / full if full else 0.0,
+        "comm_tokens_sharded": plan.comm_tokens,
+        "num_split_docs": int(plan.split_docs.size),
+        "max_shards_per_rank": int(plan.shards_per_rank.max()),
+    }
+
+
 def plan_rows(
     seqs: list[np.ndarray],
     first_idx: int,
@@ -96,16 +118,7 @@ def plan_rows(
                 for mode in modes
             )
             continue
-        metrics = {
-            "plan_status": plan.status,
-            "plan_ms": plan_ms,
-            "imbalance_ratio": plan.imbalance_ratio,
-            "comm_tokens": plan.comm_tokens,
-            "comm_tokens_full": plan.comm_tokens_full,
-            "comm_saving": plan.comm_saving,
-            "num_split_docs": int(plan.split_docs.size),
-            "max_shards_per_rank": int(plan.shards_per_rank.max()),
-        }
+        metrics = {"plan_status": plan.status, "plan_ms": plan_ms, **plan_metrics(plan, comm_kind)}
         for mode, sim in zip(modes, sims, strict=True):
             rows.append({**base, **metrics, "mode": mode, "status": "ok", **sim})
     return rows
@@ -117,8 +130,9 @@ def _plan_rows_star(args: tuple) -> list[dict[str, Any]]:
 
 def run_sim(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]]:
     """Plan + simulate every sequence, in ``cfg.workers`` processes, with a progress bar."""
-    from flashcp.sim import load_hardware
     from tqdm import tqdm
+
+    from flashcp.sim import load_hardware
 
     hw = load_hardware(OmegaConf.to_container(cfg.hardware, resolve=True))
     shape = attn_shape(cfg)
@@ -149,6 +163,7 @@ def run_dist(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]] | 
     """Run every plan for real on the torchrun process group; rows on rank 0, None elsewhere."""
     import torch
     import torch.distributed as dist
+
     from flashcp.executors.dist import init_from_env, measure_step
 
     group = init_from_env(float(cfg.executor.timeout_s))
@@ -167,15 +182,7 @@ def run_dist(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]] | 
     for i, d in enumerate(seqs):
         base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
         plan = planner(d, int(cfg.cp_size), **options)
-        metrics = {
-            "plan_status": plan.status,
-            "imbalance_ratio": plan.imbalance_ratio,
-            "comm_tokens": plan.comm_tokens,
-            "comm_tokens_full": plan.comm_tokens_full,
-            "comm_saving": plan.comm_saving,
-            "num_split_docs": int(plan.split_docs.size),
-            "max_shards_per_rank": int(plan.shards_per_rank.max()),
-        }
+        metrics = {"plan_status": plan.status, **plan_metrics(plan, COMM_KIND[cfg.method.name])}
         for mode in cfg.modes:
             res = measure_step(
                 plan, shape, mode, group=group, device=device, backend=cfg.executor.backend,

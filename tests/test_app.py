@@ -33,8 +33,10 @@ def test_every_experiment_composes(experiment):
     cfg = _compose(f"experiment={experiment}", hydra_cfg=True)
     assert cfg.name == experiment
     OmegaConf.resolve(cfg)  # every interpolation resolves
-    first = (REPO / "conf" / "experiment" / f"{experiment}.yaml").read_text().splitlines()[0]
-    assert first.startswith("# flashcp-run") and f"experiment={experiment}" in first
+    # line 1 is Hydra's package header; the first comment after it is the command that runs it
+    lines = (REPO / "conf" / "experiment" / f"{experiment}.yaml").read_text().splitlines()
+    assert lines[0] == "# @package _global_"
+    assert lines[1].startswith("# flashcp-run") and f"experiment={experiment}" in lines[1]
 
 
 def test_fig5_sweeps_the_paper_grid():

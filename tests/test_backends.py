@@ -208,3 +208,26 @@ def test_cuda_backends(name, case):
         )
     for got, leaf in zip(grads, leaves, strict=True):
         torch.testing.assert_close(got.double().cpu(), leaf.grad, rtol=5e-2, atol=5e-2)
+
+
+def test_bad_varlen_arguments_raise():
+    be = get_backend("cpu")
+    q, k = torch.randn(6, 4, 8), torch.randn(6, 2, 8)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    kw = {"causal": True, "softmax_scale": 0.3}
+    out, lse = be.forward(q, k, k, cu, cu, 4, 4, **kw)
+    bad_forward = [
+        ((q, torch.randn(6, 3, 8), torch.randn(6, 3, 8), cu, cu), "multiple of num_kv_heads"),
+        ((q, k, k, cu.long(), cu), "int32"),
+        ((q, k, k, torch.tensor([0, 2, 5], dtype=torch.int32), cu), "rise from 0 to 6"),
+        ((q, k, k, cu, torch.tensor([0, 6], dtype=torch.int32)), "same segments"),
+        ((q, k.double(), k.double(), cu, cu), "dtypes differ"),
+    ]
+    for args, match in bad_forward:
+        with pytest.raises(ValueError, match=match):
+            be.forward(*args, 4, 4, **kw)
+    for bad_lse in (lse.t(), lse.double(), lse[:, :3]):
+        with pytest.raises(ValueError, match="lse must be"):
+            be.backward(out, q, k, k, out, bad_lse, cu, cu, 4, 4, **kw)
+    with pytest.raises(ValueError, match="out must have"):
+        be.backward(out, q, k, k, out[:3], lse, cu, cu, 4, 4, **kw)

@@ -47,13 +47,16 @@ __all__ = ["BACKENDS", "VarlenBackend", "check_varlen_args", "default_scale", "g
 BACKENDS: tuple[str, ...] = ("auto", "flash_attn", "torch_cuda", "cpu", "reference")
 
 
-def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
-    """Validate shapes of a varlen call.
+def check_varlen_args(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, out=None, lse=None, dout=None
+) -> None:
+    """Validate a varlen call (every backend runs this before its kernel).
 
     Args:
-        q: (Tq, H, D); k, v: (Tk, Hkv, D), same dtype and device as q.
-        cu_seqlens_q, cu_seqlens_k: (n_seg + 1,) int32, non-decreasing, starting at 0 and ending
-            at Tq / Tk.
+        q: (Tq, H, D); k, v: (Tk, Hkv, D), one dtype; ``H % Hkv == 0``.
+        cu_seqlens_q, cu_seqlens_k: (n_seg + 1,) int32; on CPU also checked to rise from 0 to
+            Tq / Tk (on CUDA that would cost a device sync per call).
+        out, dout: (Tq, H, D) and lse: (H, Tq) float32, for backward.
     Raises:
         ValueError: naming the inconsistency.
     """
@@ -74,6 +77,14 @@ def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("out", out), ("dout", dout)):
+        if t is not None and t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+    if lse is not None and (lse.shape != (q.shape[1], q.shape[0]) or lse.dtype != torch.float32):
+        raise ValueError(
+            f"lse must be (num_heads, Tq) = {(q.shape[1], q.shape[0])} float32, got "
+            f"{tuple(lse.shape)} {lse.dtype}"
+        )
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
             raise ValueError(f"{name} must be a 1-D int32 tensor, got {cu.dtype} {tuple(cu.shape)}")
@@ -82,6 +93,8 @@ def check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
             f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has "
             f"{cu_seqlens_k.numel()}: both describe the same segments"
         )
+    if cu_seqlens_q.device.type != "cpu":
+        return
     for name, cu, total in (
         ("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
         ("cu_seqlens_k", cu_seqlens_k, k.shape[0]),
@@ -327,6 +340,7 @@ class VarlenBackend:
             out: (Tq, H, D) in q.dtype (0 where a row sees no key);
             lse: (H, Tq) float32 (-inf where a row sees no key).
         """
+        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k)
         if self.name == "flash_attn":
             return _fa_forward(
                 q,
@@ -384,6 +398,7 @@ class VarlenBackend:
         Returns:
             dq: (Tq, H, D); dk, dv: (Tk, Hkv, D), summed over the query heads of each KV group.
         """
+        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, out=out, lse=lse, dout=dout)
         args = (dout, q, k, v, out, lse)
         if self.name == "flash_attn":
             grads = _fa_backward(*args, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

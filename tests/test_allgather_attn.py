@@ -247,3 +247,30 @@ def test_single_rank_without_process_group():
         out = attn(q, k, v, meta, backend="cpu", counter=counter)
         torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-5)
         assert counter.as_dict()["comm_bytes"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["torch_cuda", "flash_attn"])
+def test_cuda_kernels_single_rank(backend):
+    """The ops on a GPU kernel (cp_size = 1, no process group), bf16, vs the float64 reference:
+    within 2x of plain single-device bf16 math."""
+    try:
+        get_backend(backend, "cuda")
+    except ValueError as e:
+        pytest.skip(str(e))
+    lens = [100, 1, 300, 111]
+    q, k, v, dout = _inputs(lens, 8, 2, 64, torch.bfloat16, 0)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = reference_attention(*leaves, lens)
+    ref.backward(dout.double())
+    want = [ref.detach()] + [x.grad for x in leaves]
+    plain = _plain_bf16(q, k, v, dout, lens)
+    for m in METHODS:
+        prepare, attn = get_attn_op(m)
+        meta = prepare(make_plan_for(m, lens, 1), 0)
+        ql, kl, vl = (x.cuda().requires_grad_() for x in (q, k, v))
+        out = attn(ql, kl, vl, meta, backend=backend)
+        out.backward(dout.cuda())
+        for got, p, w in zip((out, ql.grad, kl.grad, vl.grad), plain, want, strict=True):
+            assert _err(got.cpu(), w) <= 2 * _err(p, w) + 1e-6

@@ -79,12 +79,16 @@ def _inputs(lens, h, hkv, d, dtype, seed):
 
 
 def _run_cases(rank, n, cases, methods):
-    # alternate the cpu backend's two paths: dense blocks (tiny segments) and the aten kernel
-    kernels = (get_backend("cpu"), VarlenBackend("cpu", kernel_min=1))
+    # rotate the cpu backend's paths: aten kernel only, dense blocks only, the default split
+    kernels = (
+        VarlenBackend("cpu", kernel_min=1),
+        VarlenBackend("cpu", kernel_min=1 << 30),
+        get_backend("cpu"),
+    )
     res = {}
     for ci, (_, lens, h, hkv, d, dtype) in enumerate(cases):
         q, k, v, dout = _inputs(lens, h, hkv, d, dtype, ci)
-        kernel = kernels[ci % 2]
+        kernel = kernels[ci % 3]
         for m in methods:
             plan = make_plan_for(m, lens, n)
             prepare, attn = get_attn_op(m)

@@ -10,11 +10,12 @@ import torch
 
 from flashcp.ops.backends import get_backend
 
-# (name, options): the cpu backend's dense path (default sizes send these tiny segments there), its
-# chunked dense path (tiny budget), its aten-kernel path (kernel_min=1), and the float64 reference
+# (name, options): the cpu backend with its default split, only its dense path (whole and cut into
+# query chunks by a tiny budget), only the aten-kernel path, and the float64 reference
 CPU_BACKENDS = [
     ("cpu", {}),
-    ("cpu", {"block_budget": 40}),
+    ("cpu", {"kernel_min": 1 << 30}),
+    ("cpu", {"kernel_min": 1 << 30, "block_budget": 40}),
     ("cpu", {"kernel_min": 1}),
     ("reference", {}),
 ]

@@ -312,8 +312,8 @@ class VarlenBackend:
     """
 
     name: str
-    block_budget: int = 1 << 14
-    kernel_min: int = 1 << 12
+    block_budget: int = 1 << 12
+    kernel_min: int = 1 << 8
 
     def forward(
         self,

@@ -3,6 +3,15 @@
 Every method module exposes ``prepare_<method>(plan, rank) -> meta`` (pure: no process group) and
 ``<method>_attn(q, k, v, meta, group=None, *, softmax_scale=None, backend="auto", counter=None,
 timer=None) -> out``. :func:`get_attn_op` finds them by method name without importing every module.
+
+Typical use inside a training step (one plan per batch, shared by every layer)::
+
+    plan = make_plan_for("flashcp", doc_lens, cp_size)          # pure, same on every rank
+    prepare, attn = get_attn_op("flashcp")
+    meta = prepare(plan, rank)                                   # once per batch
+    x_local = shard_tensor(x, plan, rank)                        # (C / N, ...) local tokens
+    pos = position_ids(plan, rank)                               # RoPE positions
+    out = attn(q, k, v, meta, group)                             # per layer; autograd works
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from flashcp.comm import AttnShape
-from flashcp.plan import Plan
+from flashcp.plan import Plan, shard_workload
 from flashcp.registry import make_plan_for
 from flashcp.results import provenance, write_csv_atomic
 
@@ -68,16 +68,17 @@ def _segments_ring(plan: Plan) -> list[list[tuple[np.ndarray, np.ndarray, bool]]
 
 
 def _pairs(q: np.ndarray, k: np.ndarray, causal: bool) -> float:
-    if causal:  # q == k for these segments
-        return float((q * (q + 1) // 2).sum())
+    """Query-key pairs of segments (q_len, kv_len): Eq. 3 with prefix kv_len - q_len when causal
+    (bottom-right aligned), q_len * kv_len otherwise."""
+    if causal:
+        return float(shard_workload(k - q, q).sum())
     return float((q * k).sum())
 
 
 def run_fig3(cfg: DictConfig) -> Path:
     """Write ``fig3.csv`` (case, layout, pass, tflops, kernel_ms, flops) and ``fig3.png``."""
-    from flashcp.sim import attention_kernel_ms, load_hardware
-
     from experiments.plot import draw
+    from flashcp.sim import attention_kernel_ms, load_hardware
 
     hw = load_hardware(OmegaConf.to_container(cfg.hardware, resolve=True))
     m = cfg.model

@@ -13,7 +13,8 @@ step, taking the largest rank (collectives are synchronous). KV bytes = tokens x
 * ``allgather_sharded`` (``flashcp``; Eq. 5): the same with ``comm_tokens`` (each rank's
   contribution is padded to the largest rank's compact buffer).
 * ``p2p_ring`` (``ring``, ``zigzag``): N-1 steps, each receiving one KV block of C/N tokens
-  (forward); training passes the KV blocks around again and the dK/dV blocks too.
+  (forward); training passes the KV blocks around again and the dK/dV partial sums too, N-1 hops
+  in float32 (at least: summing in bfloat16 would round the growing sum at every hop).
 """
 
 from __future__ import annotations
@@ -98,8 +99,11 @@ def comm_volume(plan: Plan, comm_kind: str, shape: AttnShape, mode: Mode) -> dic
         ag = 2 * one if train else one
         rs = one if train else 0
     elif comm_kind == "p2p_ring":
-        one = (n - 1) * shape.kv_bytes(plan.context_len // n)
-        p2p = 3 * one if train else one  # fwd KV; bwd KV again + dK/dV
+        tokens = (n - 1) * (plan.context_len // n)
+        one = shape.kv_bytes(tokens)
+        # fwd KV; bwd KV again + dK/dV partial sums in float32 (or wider)
+        grad = kv_bytes(tokens, shape.num_kv_heads, shape.head_dim, max(shape.dtype_bytes, 4))
+        p2p = 2 * one + grad if train else one
     else:
         raise ValueError(
             f"unknown comm_kind {comm_kind!r}; choose allgather_full, allgather_sharded or p2p_ring"

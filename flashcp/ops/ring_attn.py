@@ -33,12 +33,13 @@ in float32, and the dK/dV partial sums of each block travel *with* the ring, one
 rank ``src + 1`` starts the partial sum of block ``src`` (step 1), each following rank adds its
 contribution and passes it on, and rank ``src - 1`` (step N-1) sends the sum home, where the
 owner adds its own step-0 contribution, kept locally. That is ``N - 1`` dK/dV hops, so a training
-step receives ``3 (N - 1)`` blocks of ``C/N`` KV tokens per rank, exactly
-:func:`flashcp.comm.comm_volume` for ``p2p_ring``. The partial sums travel in the model dtype,
-as that formula assumes (the ``ring-flash-attn`` package sends them in float32 and takes one hop
-more). In bfloat16 each hop rounds the growing sum, so at CP 8 dK/dV err up to ~3x a single-device
-bfloat16 computation; ``grad_comm_dtype=torch.float32`` keeps them within 2x for twice the dK/dV
-bytes. Each block's gradients come from the backend backward fed with the *global* merged ``out``
+step receives ``2 (N - 1)`` KV blocks of ``C/N`` tokens per rank plus ``N - 1`` dK/dV blocks,
+exactly :func:`flashcp.comm.comm_volume` for ``p2p_ring``. The partial sums travel in float32 by
+default (at least; float64 stays float64), as :func:`~flashcp.comm.comm_volume` counts and as the
+``ring-flash-attn`` package does (it takes one hop more): summing in bfloat16 would round the
+growing sum at each hop, which at CP 8 puts dK/dV errors at up to ~3x a single-device bfloat16
+computation instead of within 2x. ``grad_comm_dtype=torch.bfloat16`` halves those bytes at that
+cost. Each block's gradients come from the backend backward fed with the *global* merged ``out``
 and ``lse`` (FlashAttention-2 backward, Dao 2023), which makes the per-block contributions add up
 to the exact gradient.
 """
@@ -383,12 +384,13 @@ def ring_backward(
     Args:
         dout, out: (T_local, H, D); q: (T_local, H, D); k, v: (T_local, Hkv, D);
         lse: (H, T_local) float32, the merged forward LSE. Others as in :func:`ring_forward`.
-        grad_comm_dtype: dtype of the dK/dV partial sums sent around the ring (default k.dtype).
+        grad_comm_dtype: dtype of the dK/dV partial sums sent around the ring (default: k.dtype
+            promoted to at least float32).
     Returns:
         dq: (T_local, H, D) in q.dtype; dk, dv: (T_local, Hkv, D) in k.dtype.
     """
     n = meta.cp_size
-    gdt = k.dtype if grad_comm_dtype is None else grad_comm_dtype
+    gdt = torch.promote_types(k.dtype, torch.float32) if grad_comm_dtype is None else grad_comm_dtype
     dout = dout.contiguous()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])
@@ -538,10 +540,10 @@ def ring_attention(
         counter: optional ``CommCounter`` (adds received ``p2p`` bytes).
         timer: optional ``PhaseTimer`` (phases ``attn_fwd``, ``attn_bwd``, ``p2p``, ``others``).
         grad_comm_dtype: dtype of the dK/dV partial sums passed around the ring in the backward.
-            Default (None) is k.dtype, which is what :func:`flashcp.comm.comm_volume` counts.
-            In bfloat16 each of the N-1 hops rounds the growing partial sum; ``torch.float32``
-            (what ``ring-flash-attn`` sends) keeps dK/dV within 2x of a single-device bfloat16
-            computation at CP 8, for twice the dK/dV bytes.
+            Default (None): k.dtype promoted to at least float32, which is what
+            :func:`flashcp.comm.comm_volume` counts and keeps dK/dV within 2x of a single-device
+            bfloat16 computation at CP 8. ``torch.bfloat16`` halves those bytes but each of the
+            N-1 hops then rounds the growing partial sum (up to ~3x the error at CP 8).
     Returns:
         out: (T_local, num_heads, head_dim) in q.dtype, differentiable w.r.t. q, k, v.
     Raises:

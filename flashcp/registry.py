@@ -23,6 +23,8 @@ _PLANNERS = MappingProxyType(
         "ring": "baselines.ring:plan_ring",
         "zigzag": "baselines.zigzag:plan_zigzag",
         "flashcp": "flashcp.heuristic:plan_flashcp",
+        "flashcp_refined": "flashcp.refined:plan_flashcp_refined",
+        "ilp": "flashcp.ilp:plan_ilp",
     }
 )
 
@@ -33,6 +35,8 @@ COMM_KIND = MappingProxyType(
         "llama3": "allgather_full",
         "per_doc": "allgather_full",
         "flashcp": "allgather_sharded",
+        "flashcp_refined": "allgather_sharded",
+        "ilp": "allgather_sharded",
         "ring": "p2p_ring",
         "zigzag": "p2p_ring",
     }

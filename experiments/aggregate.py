@@ -2,7 +2,7 @@
 
     python -m experiments.aggregate results/fig5
 
-Reads ``<exp_dir>/runs/*/rows.csv`` and writes ``<exp_dir>/rows.csv`` (all rows) and
+Reads ``<exp_dir>/runs/*/rows.csv`` (the Hydra callback passes only the runs of its sweep) and writes ``<exp_dir>/rows.csv`` (all rows) and
 ``<exp_dir>/summary.csv``: one row per (run, mode) with the count of rows, the mean, median and
 p90 of ``total_ms`` and the mean of every phase and plan metric, plus ``speedup_vs_llama3`` =
 mean ``total_ms`` of ``llama3`` / mean ``total_ms`` of the method on the same (dataset, weighting,
@@ -35,13 +35,16 @@ METRICS = [
 ]  # fmt: skip
 
 
-def merge_rows(exp_dir: Path) -> pd.DataFrame | None:
-    """Concatenate every finished run's rows.csv under ``exp_dir/runs`` (None if there are none)."""
-    parts = sorted(Path(exp_dir).glob("runs/*/rows.csv"))
+def merge_rows(exp_dir: Path, run_dirs: list[Path] | None = None) -> pd.DataFrame | None:
+    """Concatenate the rows.csv of ``run_dirs`` (default: every run under ``exp_dir/runs``) that
+    exist; None if there are none."""
+    dirs = sorted(Path(exp_dir).glob("runs/*")) if run_dirs is None else run_dirs
+    parts = [Path(d) / "rows.csv" for d in dirs if (Path(d) / "rows.csv").exists()]
     if not parts:
-        log.warning("no runs under %s", exp_dir)
+        log.warning("no finished runs under %s", exp_dir)
         return None
-    return pd.concat([pd.read_csv(p) for p in parts], ignore_index=True)
+    text = {"config_hash": str, "git_commit": str}  # hex strings that may look like numbers
+    return pd.concat([pd.read_csv(p, dtype=text) for p in parts], ignore_index=True)
 
 
 def summarise(rows: pd.DataFrame) -> pd.DataFrame:
@@ -80,10 +83,11 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
     return out.drop(columns=["llama3_total_ms_mean"])
 
 
-def aggregate(exp_dir: str | Path) -> pd.DataFrame | None:
-    """Merge ``exp_dir``'s runs into ``rows.csv`` and ``summary.csv``; return the summary."""
+def aggregate(exp_dir: str | Path, run_dirs: list[Path] | None = None) -> pd.DataFrame | None:
+    """Merge runs (``run_dirs``, default all under ``exp_dir/runs``) into ``exp_dir/rows.csv`` and
+    ``exp_dir/summary.csv``; return the summary (None when no run has finished)."""
     exp_dir = Path(exp_dir)
-    rows = merge_rows(exp_dir)
+    rows = merge_rows(exp_dir, run_dirs)
     if rows is None:
         return None
     write_csv_atomic(rows, exp_dir / "rows.csv")

@@ -1,4 +1,4 @@
-"""Hydra callback that merges a sweep's runs and draws its figures when the sweep (or run) ends."""
+"""Hydra callback that merges the runs of one invocation and draws its figures when it ends."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
@@ -14,8 +15,19 @@ log = logging.getLogger(__name__)
 
 
 class AggregateResults(Callback):
-    """On the end of a run or multirun: ``experiments.aggregate.aggregate`` over
-    ``${results_dir}/${name}``, then the figures named in ``plots``."""
+    """When a run or a sweep ends: merge the rows of the runs it executed (or skipped as already
+    finished) into ``${results_dir}/${name}/rows.csv`` and ``summary.csv``
+    (:func:`experiments.aggregate.aggregate`), then draw the figures named in ``plots``.
+
+    Runs of earlier invocations with other configs stay in ``runs/`` but are not merged;
+    ``python -m experiments.aggregate DIR`` merges every run of a folder.
+    """
+
+    def __init__(self) -> None:
+        self.run_dirs: list[Path] = []
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        self.run_dirs.append(Path(job_return.hydra_cfg.hydra.runtime.output_dir))
 
     def _finish(self, config: DictConfig) -> None:
         if config.get("task", "main") != "main" or os.environ.get("RANK", "0") != "0":
@@ -24,12 +36,11 @@ class AggregateResults(Callback):
         from experiments.plot import draw
 
         exp_dir = Path(config.results_dir) / config.name
-        summary = aggregate(exp_dir)
+        summary = aggregate(exp_dir, self.run_dirs)
         if summary is None:
             return
         for fig in config.get("plots", []):
-            path = draw(fig, exp_dir)
-            log.info("figure %s -> %s", fig, path)
+            log.info("figure %s -> %s", fig, draw(fig, exp_dir))
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._finish(config)

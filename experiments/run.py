@@ -234,7 +234,7 @@ def run(cfg: DictConfig) -> Path | None:
     chash = config_hash(resolved)
     out = Path(cfg.results_dir) / cfg.name / "runs" / cfg.run_key / "rows.csv"
     if out.exists():
-        done = pd.read_csv(out, usecols=["config_hash"], nrows=1)
+        done = pd.read_csv(out, usecols=["config_hash"], nrows=1, dtype=str)
         if len(done) and done["config_hash"].iloc[0] == chash:
             log.info("%s: already done (config %s), skipping", cfg.run_key, chash)
             return out

@@ -121,9 +121,34 @@ class RunConfig:
     table2: dict[str, Any] = field(default_factory=dict)
 
 
+#: config fields that change a run's results; their hash names the run's folder
+RESULT_KEYS = (
+    "task", "dataset", "method", "model", "hardware", "executor", "cp_size", "context_len",
+    "num_sequences", "seed", "modes",
+)  # fmt: skip
+
+
+def run_hash(*, _root_: Any) -> str:
+    """OmegaConf resolver ``${run_hash:}``: 6 hex digits of the fields in :data:`RESULT_KEYS`, so
+    two runs that differ in any of them (e.g. a swept ``model.num_heads``) get different folders,
+    and rerunning the same config finds its finished folder again."""
+    from omegaconf import OmegaConf
+
+    from flashcp.results import config_hash
+
+    picked = {
+        k: OmegaConf.to_container(_root_[k], resolve=True) if OmegaConf.is_config(_root_[k]) else _root_[k]
+        for k in RESULT_KEYS
+    }
+    return config_hash(picked)[:6]
+
+
 def register_configs() -> None:
-    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    """Register the schemas in Hydra's ConfigStore and the ``run_hash`` resolver (idempotent)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("run_hash", run_hash, replace=True)
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)

@@ -93,9 +93,13 @@ def test_run_writes_rows_then_resumes_and_aggregates(tmp_path):
 
 def test_changed_config_is_rerun(tmp_path):
     out = run(_small(tmp_path, "method=per_doc"))
-    before = pd.read_csv(out)["config_hash"].iloc[0]
+    before = pd.read_csv(out, dtype=str)["config_hash"].iloc[0]
     out2 = run(_small(tmp_path, "method=per_doc", "seed=1"))
-    assert out2 == out and pd.read_csv(out)["config_hash"].iloc[0] != before
+    assert out2 != out and out.exists()  # its own folder: the finished run is kept
+    assert pd.read_csv(out2, dtype=str)["config_hash"].iloc[0] != before
+    # a swept field that is not in the readable part of the folder name still gets its own folder
+    out3 = run(_small(tmp_path, "method=per_doc", "model.num_heads=16"))
+    assert out3 not in (out, out2)
 
 
 @pytest.mark.parametrize(

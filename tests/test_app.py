@@ -98,7 +98,7 @@ def test_changed_config_is_rerun(tmp_path):
     assert out2 != out and out.exists()  # its own folder: the finished run is kept
     assert pd.read_csv(out2, dtype=str)["config_hash"].iloc[0] != before
     # a swept field that is not in the readable part of the folder name still gets its own folder
-    out3 = run(_small(tmp_path, "method=per_doc", "model.num_heads=16"))
+    out3 = run(_small(tmp_path, "method=per_doc", "model.num_kv_heads=8"))
     assert out3 not in (out, out2)
 
 

@@ -2,10 +2,11 @@
 
 Three sweeps, each a list of result rows (written to CSV, then printed as a table):
 
-* ILP solve time vs granularity: one Pile sequence (C = 128K, N = 4), ``block_size`` in
-  ``block_sizes``; model size (pieces, binaries), wall time, status, gap, comm saving.
-* ILP solve time vs number of documents: sequences of C = ``docs_context_len`` tokens cut into
-  ``n`` random documents (Dirichlet lengths) for ``n`` in ``num_docs``.
+* ILP solve time vs granularity (N = 4): one Pile 128K sequence (warm start ``flashcp``) and one
+  8K sequence of 12 random documents (from scratch), over block sizes; model size (pieces,
+  binaries), wall time, status, gap, comm saving.
+* ILP solve time vs number of documents: 4K-token sequences cut into n random documents
+  (Dirichlet lengths), from scratch, 256-token blocks.
 * Heuristic time per sequence: ``flashcp`` and ``flashcp_refined`` on ``num_sequences`` Pile
   sequences at 128K with N = 4 and 8; per sequence the median of ``repeats`` runs, then the median
   and p90 over sequences.
@@ -55,61 +56,67 @@ def _ilp_row(sweep: str, doc_lens: np.ndarray, cp_size: int, **opts) -> dict:
     }
 
 
+def _random_docs(rng: np.random.Generator, num_docs: int, context_len: int) -> np.ndarray:
+    """``num_docs`` document lengths (Dirichlet shares, alpha 0.7) summing to ``context_len``."""
+    share = rng.dirichlet(np.full(num_docs, 0.7))
+    d = np.maximum(1, np.floor(share * context_len).astype(np.int64))
+    d[np.argmax(d)] += context_len - int(d.sum())
+    return d
+
+
 def bench_ilp_granularity(
     block_sizes=(4096, 2048, 1024, 512),
+    small_block_sizes=(1024, 512, 256, 128),
     time_limit_s: float = 20.0,
     seed: int = 0,
     solver: str = "cbc",
 ) -> list[dict]:
-    """ILP on one Pile 128K sequence, N = 4, for each block size (tokens)."""
+    """ILP at N = 4 for each block size (tokens): on one Pile 128K sequence (warm-started from
+    ``flashcp``, imbalance cap 1.02), and on a small 8K sequence of 12 random documents (from
+    scratch, no cap: objective imbalance + communication)."""
     from flashcp.data import load_distribution, sample_sequences
 
     d = sample_sequences(load_distribution("pile"), 1, 131072, seed=seed)[0]
-    return [
+    opts = dict(time_limit_s=time_limit_s, solver=solver, threads=1)
+    rows = [
         _ilp_row(
-            "granularity",
-            d,
-            4,
-            block_size=b,
-            time_limit_s=time_limit_s,
-            solver=solver,
-            max_imbalance=1.02,
-            warm_start="flashcp",
-            threads=1,
+            "granularity_128k", d, 4, block_size=b, warm_start="flashcp", max_imbalance=1.02, **opts
         )
         for b in block_sizes
     ]
+    small = _random_docs(np.random.default_rng(seed), 12, 8192)
+    rows += [
+        _ilp_row("granularity_8k", small, 4, block_size=b, warm_start=None, **opts)
+        for b in small_block_sizes
+    ]
+    return rows
 
 
 def bench_ilp_docs(
-    num_docs=(4, 8, 16, 32, 64),
-    context_len: int = 32768,
-    block_size: int = 512,
+    num_docs=(2, 4, 8, 16, 32),
+    context_len: int = 4096,
+    block_size: int = 256,
     time_limit_s: float = 20.0,
     seed: int = 0,
     solver: str = "cbc",
 ) -> list[dict]:
-    """ILP, N = 4, on sequences of ``context_len`` tokens cut into n random documents."""
+    """ILP, N = 4, from scratch and without an imbalance cap, on sequences of ``context_len``
+    tokens cut into n random documents (about ``context_len / block_size + n`` pieces)."""
     rng = np.random.default_rng(seed)
-    rows = []
-    for n in num_docs:
-        share = rng.dirichlet(np.full(n, 0.7))
-        d = np.maximum(1, np.floor(share * context_len).astype(np.int64))
-        d[np.argmax(d)] += context_len - int(d.sum())
-        rows.append(
-            _ilp_row(
-                "num_docs",
-                d,
-                4,
-                block_size=block_size,
-                time_limit_s=time_limit_s,
-                solver=solver,
-                max_imbalance=1.02,
-                warm_start="flashcp",
-                threads=1,
-            )
+    return [
+        _ilp_row(
+            "num_docs",
+            _random_docs(rng, n, context_len),
+            4,
+            block_size=block_size,
+            time_limit_s=time_limit_s,
+            solver=solver,
+            max_imbalance=None,
+            warm_start=None,
+            threads=1,
         )
-    return rows
+        for n in num_docs
+    ]
 
 
 def bench_heuristics(num_sequences: int = 20, repeats: int = 5, seed: int = 0) -> list[dict]:

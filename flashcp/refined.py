@@ -117,6 +117,8 @@ def _tail_heads(
         tokens[r] += lo
         others = sorted((q for q in range(n) if spread_all or q != r), key=work.__getitem__)
         head = length - lo
+        if not others:  # N = 1: nothing to split over
+            return None
         # water-fill: chunk sizes that even out the ranks' sends (Eq. 5 is a max over ranks)
         sizes = _water_fill([send[q] for q in others], head)
         p = 0

@@ -192,6 +192,9 @@ def test_refined_is_deterministic_and_rejects_bad_target():
     assert a.digest() == b.digest()
     with pytest.raises(ValueError, match="target_imbalance"):
         plan_flashcp_refined(d, 4, target_imbalance=0.9)
+    # edge cases: one rank, one document spanning the context, documents shorter than 2N
+    for lens, n in [([8], 1), ([8, 4], 1), ([4096], 4), ([1] * 16, 4), ([96, 2, 1, 1], 4)]:
+        plan_flashcp_refined(lens, n).validate()
 
 
 def test_registry_knows_the_new_planners():

@@ -378,8 +378,9 @@ def make_plan(
     """Build a :class:`Plan` from shard columns given in each rank's local order.
 
     Rows are stably sorted by rank (keeping each rank's order), empty pieces are dropped, and
-    consecutive pieces of one rank that continue the same document are merged into one shard (so
-    a rank holding chunks N-1 and N of a document holds one segment, not two).
+    pieces of one rank that continue each other inside a document are merged into one shard at
+    the place of the first of them (so a rank holding chunks N-1 and N of a document holds one
+    segment, not two, and a rank holding a document's whole tail in pieces sends none of it).
 
     Args:
         method: planner name stored in the plan.
@@ -403,12 +404,22 @@ def make_plan(
         order = np.argsort(rank, kind="stable")
         rank, doc, start, length = rank[order], doc[order], start[order], length[order]
     if rank.size > 1:
-        cont = (rank[1:] == rank[:-1]) & (doc[1:] == doc[:-1]) & (start[1:] == start[:-1] + length[:-1])
+        # merge pieces of one rank that continue each other inside a document, wherever they sit
+        # in the rank's order: the merged shard takes the place of its first piece
+        by = np.lexsort((start, doc, rank))
+        r_, d_, s_, n_ = rank[by], doc[by], start[by], length[by]
+        cont = (r_[1:] == r_[:-1]) & (d_[1:] == d_[:-1]) & (s_[1:] == s_[:-1] + n_[:-1])
         if cont.any():
-            head = np.concatenate([[True], ~cont])
-            group = np.cumsum(head) - 1
-            length = np.bincount(group, weights=length).astype(np.int64)
-            rank, doc, start = rank[head], doc[head], start[head]
+            group_sorted = np.cumsum(np.concatenate([[True], ~cont])) - 1
+            group = np.empty_like(group_sorted)
+            group[by] = group_sorted  # group of each piece, in the given order
+            total = np.bincount(group_sorted, weights=n_).astype(np.int64)
+            first_start = np.full(total.size, np.iinfo(np.int64).max)
+            np.minimum.at(first_start, group_sorted, s_)
+            _, keep = np.unique(group, return_index=True)  # first piece of each group, in order
+            keep.sort()
+            g = group[keep]
+            rank, doc, start, length = rank[keep], doc[keep], first_start[g], total[g]
     plan = Plan(method, int(cp_size), doc_lens, rank, doc, start, length, status, dict(info or {}))
     if validate:
         plan.validate()

@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from flashcp.plan import Plan
 
-__all__ = ["COMM_KIND", "METHODS", "get_planner", "make_plan_for"]
+__all__ = ["COMM_KIND", "FAST_METHODS", "METHODS", "get_planner", "make_plan_for"]
 
 # method -> "module:function"; imported lazily so that `flashcp` does not import `baselines` eagerly
 _PLANNERS = MappingProxyType(
@@ -43,6 +43,8 @@ COMM_KIND = MappingProxyType(
 )
 
 METHODS: tuple[str, ...] = tuple(_PLANNERS)
+#: planners that run in milliseconds (every method but the ILP, which solves a MIP per sequence)
+FAST_METHODS: tuple[str, ...] = tuple(m for m in METHODS if m != "ilp")
 
 
 def get_planner(method: str) -> Callable[..., Plan]:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from flashcp.cli import main, pack_doc_lens
-from flashcp.registry import METHODS, make_plan_for
+from flashcp.registry import FAST_METHODS as METHODS
+from flashcp.registry import make_plan_for
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULTS = (("--method", "per_doc"), ("--cp-size", "2"))  # used where a bad-input case omits them

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashcp.plan import Shard, check_cp_args, check_doc_lens, make_plan
-from flashcp.registry import METHODS, get_planner, make_plan_for
+from flashcp.registry import FAST_METHODS as METHODS
+from flashcp.registry import get_planner, make_plan_for
 
 PER_DOC_LAYOUTS = ("per_doc", "zigzag")
 PROPERTY_SETTINGS = settings(

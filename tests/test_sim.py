@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flashcp.comm import AttnShape, comm_volume
-from flashcp.registry import COMM_KIND, METHODS, make_plan_for
+from flashcp.registry import COMM_KIND, FAST_METHODS, make_plan_for
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim import attention_kernel_ms, list_hardware, load_hardware, simulate, simulate_many
 from flashcp.sim.kernel import bwd_tile_counts, fwd_tile_counts
@@ -143,7 +143,7 @@ def test_kernel_bad_input():
 
 
 # ---- step model --------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", FAST_METHODS)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_columns_total_and_bytes(method, seed):
     plan = make_plan_for(method, _doc_lens(seed), 4)
@@ -158,7 +158,7 @@ def test_columns_total_and_bytes(method, seed):
             assert row["attn_bwd_ms"] == row["reducescatter_ms"] == 0.0
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", FAST_METHODS)
 def test_infer_cheaper_than_train(method):
     for seed in range(3):
         plan = make_plan_for(method, _doc_lens(seed), 8)
@@ -167,7 +167,7 @@ def test_infer_cheaper_than_train(method):
         assert 0 < infer < train
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", FAST_METHODS)
 def test_monotone_in_heads_and_tokens(method):
     for seed in range(3):
         d = _doc_lens(seed)
@@ -226,7 +226,7 @@ def test_fewer_kv_heads_communicate_less():
     assert gqa["comm_bytes"] * 4 == mha["comm_bytes"]
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", FAST_METHODS)
 def test_cp_size_one(method):
     plan = make_plan_for(method, [3000, 1000], 1)
     row = simulate(plan, SHAPE, HW, "train")
@@ -234,7 +234,7 @@ def test_cp_size_one(method):
     assert row["total_ms"] > 0
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", FAST_METHODS)
 def test_simulate_many_matches_simulate(method):
     plan = make_plan_for(method, _doc_lens(3), 8)
     shapes = [SHAPE, AttnShape(num_heads=16, num_kv_heads=4, head_dim=64, dtype="float32")]
@@ -345,7 +345,7 @@ def test_ring_segments_match_brute_force(method, seed):
     np.testing.assert_array_equal(cost.bwd.tiles, bwd_tiles)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", FAST_METHODS)
 def test_edge_inputs(method):
     # thousands of length-1 documents, documents shorter than 2N, a single document
     for d in ([1] * 3000 + [5 * 1024 - 3000 + 7 * 1024], [3] * 64, [8192]):

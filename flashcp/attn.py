@@ -13,6 +13,8 @@ machinery is shared with the other all-gather methods in :mod:`flashcp.ops.allga
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from flashcp.ops.allgather_attn import (
@@ -25,6 +27,7 @@ from flashcp.ops.allgather_attn import (
     resolve_scale,
 )
 from flashcp.plan import Plan
+from flashcp.registry import COMM_KIND
 
 __all__ = [
     "FlashCPAttn",
@@ -36,12 +39,21 @@ __all__ = [
 
 
 def prepare_flashcp(plan: Plan, rank: int) -> AllGatherMeta:
-    """Metadata of ``rank`` for a ``flashcp`` plan, built once per batch (pure: no process group).
+    """Metadata of ``rank`` for a plan of any sharding-aware method (``flashcp``,
+    ``flashcp_refined``, ``ilp``: :data:`flashcp.registry.COMM_KIND` ``allgather_sharded``), built
+    once per batch (pure: no process group).
 
     Raises:
-        ValueError: the plan is not a ``flashcp`` plan, or ``rank`` is out of range.
+        ValueError: the plan's method does not use sharding-aware all-gather, or ``rank`` is out
+            of range.
     """
-    return build_allgather_meta(plan, rank, "flashcp", sharding_aware=True)
+    if COMM_KIND.get(plan.method) != "allgather_sharded":
+        raise ValueError(
+            "this op runs sharding-aware (flashcp, flashcp_refined, ilp) plans, got a plan for "
+            f"{plan.method!r}"
+        )
+    # same shards, same digest: the op itself does not depend on which planner made the plan
+    return build_allgather_meta(replace(plan, method="flashcp"), rank, "flashcp", sharding_aware=True)
 
 
 def flashcp_attn_forward(q, k, v, meta: AllGatherMeta, group, scale, backend, counter, timer):

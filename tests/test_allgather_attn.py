@@ -161,6 +161,14 @@ def test_allgather_family_matches_reference(n):
     _check(n, cases, METHODS, results)
 
 
+def test_other_sharding_aware_planners_run_through_the_flashcp_op():
+    """flashcp_refined plans (same comm kind as flashcp) through the FlashCP op, CP 4."""
+    methods = ("flashcp_refined",)
+    cases = _cases(4)[:6]
+    results = run_ranks(_run_cases, 4, cases, methods, timeout_s=240)
+    _check(4, cases, methods, results)
+
+
 def test_sharding_roundtrip_and_positions():
     from flashcp.ops.sharding import position_ids
 

@@ -28,6 +28,9 @@ ATTN_OPS = MappingProxyType(
         "llama3": ("baselines.llama3_attn", "prepare_llama3", "llama3_attn"),
         "per_doc": ("baselines.per_doc_attn", "prepare_per_doc", "per_doc_attn"),
         "flashcp": ("flashcp.attn", "prepare_flashcp", "flashcp_attn"),
+        # other planners of the sharding-aware family run through the FlashCP op
+        "flashcp_refined": ("flashcp.attn", "prepare_flashcp", "flashcp_attn"),
+        "ilp": ("flashcp.attn", "prepare_flashcp", "flashcp_attn"),
         "ring": ("baselines.ring_attn", "prepare_ring", "ring_attn"),
         "zigzag": ("baselines.zigzag_attn", "prepare_zigzag", "zigzag_attn"),
     }

@@ -225,7 +225,11 @@ def run(cfg: DictConfig) -> Path | None:
         from experiments.table2 import run_table2
 
         out_dir = Path(cfg.results_dir) / cfg.name
-        run_table2(out_dir=str(out_dir), seed=int(cfg.seed), **cfg.table2)
+        run_table2(
+            out_dir=str(out_dir), seed=int(cfg.seed), dataset=cfg.dataset.name,
+            cp_size=int(cfg.cp_size), context_len=int(cfg.context_len),
+            **OmegaConf.to_container(cfg.table2, resolve=True),
+        )  # fmt: skip
         return out_dir / "table2.csv"
 
     resolved = OmegaConf.to_container(cfg, resolve=True)

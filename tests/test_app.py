@@ -91,6 +91,18 @@ def test_run_writes_rows_then_resumes_and_aggregates(tmp_path):
     assert png.exists() and png.stat().st_size > 10_000
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [("method=flashcp_refined",),
+     ("method=ilp", "method.options.time_limit_s=10", "method.options.block_size=1024")],
+)  # fmt: skip
+def test_issue4_planners_run_in_the_app(tmp_path, overrides):
+    out = run(_small(tmp_path, *overrides, "num_sequences=1"))
+    df = pd.read_csv(out)
+    assert (df["status"] == "ok").all() and (df["comm_saving"] >= 0).all()
+    assert df["plan_status"].iloc[0] in ("ok", "time_limit", "fallback", "target_not_met")
+
+
 def test_changed_config_is_rerun(tmp_path):
     out = run(_small(tmp_path, "method=per_doc"))
     before = pd.read_csv(out, dtype=str)["config_hash"].iloc[0]

@@ -14,6 +14,21 @@ from omegaconf import DictConfig
 log = logging.getLogger(__name__)
 
 
+def release_process_group() -> None:
+    """Under torchrun (executor=dist), tear the process group down on every rank together once the
+    runs are over: a rank that exits while another still holds the group aborts the job. The
+    group lives across the runs of a sweep because re-creating it on the same store hangs."""
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return  # never imported: no group (keeps the simulator free of torch)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 class AggregateResults(Callback):
     """When a run or a sweep ends: merge the rows of the runs it executed (or skipped as already
     finished) into ``${results_dir}/${name}/rows.csv`` and ``summary.csv``
@@ -30,6 +45,7 @@ class AggregateResults(Callback):
         self.run_dirs.append(Path(job_return.hydra_cfg.hydra.runtime.output_dir))
 
     def _finish(self, config: DictConfig) -> None:
+        release_process_group()
         if config.get("task", "main") != "main" or os.environ.get("RANK", "0") != "0":
             return  # other tasks write their own tables; under torchrun only rank 0 aggregates
         from experiments.aggregate import aggregate

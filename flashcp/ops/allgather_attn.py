@@ -40,7 +40,9 @@ from flashcp.ops.timing import as_timer
 from flashcp.plan import Plan
 
 __all__ = [
+    "AllGatherAttn",
     "AllGatherMeta",
+    "allgather_attention",
     "allgather_attn_backward",
     "allgather_attn_forward",
     "build_allgather_meta",
@@ -342,3 +344,53 @@ def allgather_attn_backward(
             dlocal.index_add_(0, send_rows, rs_out[: send_rows.numel()].float())
     dk, dv = dlocal.to(k.dtype).unbind(1)
     return dq.to(q.dtype), dk, dv
+
+
+class AllGatherAttn(torch.autograd.Function):
+    """Autograd glue of the all-gather family: saves (q, k, v, out, lse) and the call's context,
+    delegates both passes to :func:`allgather_attn_forward` / :func:`allgather_attn_backward`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, meta, group, scale, backend, counter, timer):
+        out, lse = allgather_attn_forward(q, k, v, meta, group, scale, backend, counter, timer)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call = (meta, group, scale, backend, counter, timer)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = allgather_attn_backward(dout.contiguous(), q, k, v, out, lse, *ctx.call)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def allgather_attention(
+    q, k, v, meta: AllGatherMeta, group=None, *, method: str, softmax_scale=None,
+    backend="auto", counter=None, timer=None,
+):  # fmt: skip
+    """CP attention of the all-gather family for this rank's tokens (document-masked causal).
+
+    The public ops (``llama3_attn``, ``per_doc_attn``, ``flashcp_attn``) are thin wrappers that
+    name their ``method``.
+
+    Args:
+        q: (T_local, num_heads, head_dim); k, v: (T_local, num_kv_heads, head_dim), laid out as the
+            plan gives this rank (see :func:`flashcp.ops.sharding.shard_tensor`).
+        meta: from the method's ``prepare_<method>(plan, rank)``; reuse it for every layer.
+        group: process group of the CP ranks (default: the world); size ``cp_size``.
+        method: the method whose metadata ``meta`` must be.
+        softmax_scale: default ``head_dim ** -0.5``.
+        backend: kernel backend name or instance (:func:`flashcp.ops.backends.get_backend`).
+        counter: :class:`~flashcp.ops.collectives.CommCounter` receiving the bytes moved.
+        timer: :class:`~flashcp.ops.timing.PhaseTimer` receiving per-phase times.
+    Returns:
+        out: (T_local, num_heads, head_dim), differentiable w.r.t. q, k, v.
+    Raises:
+        ValueError: bad metadata, shapes, dtypes or group (before any communication), or ranks
+            holding different plans (checked once per group before the first collective).
+    """
+    check_inputs(q, k, v, meta, AllGatherMeta, method, group)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    kernel = resolve_backend(backend, q.device)
+    meta.verify(group)
+    return AllGatherAttn.apply(q, k, v, meta, group, scale, kernel, counter, timer)

@@ -39,17 +39,37 @@ def _methods(df: pd.DataFrame) -> list[str]:
     return [m for m in METHOD_ORDER if m in present] + sorted(present - set(METHOD_ORDER))
 
 
-def _subtitle(df: pd.DataFrame) -> str:
+def _subtitle(df: pd.DataFrame, per: str = "bar") -> str:
     hw = ", ".join(sorted(set(map(str, df["hardware"])))) if "hardware" in df else "?"
     ex = ", ".join(sorted(set(map(str, df["executor"])))) if "executor" in df else "?"
     n = int(df["num_ok"].min()) if "num_ok" in df else 0
-    return f"executor {ex}, hardware {hw}, >= {n} sequences per bar"
+    return f"executor {ex}, hardware {hw}, >= {n} sequences per {per}"
+
+
+def _require(df: pd.DataFrame, fig: str, **needs: int) -> None:
+    """Raise ValueError unless ``df`` has at least ``needs[col]`` distinct values of each column
+    (a figure drawn from data it cannot show would silently mislead)."""
+    for col, k in needs.items():
+        got = df[col].nunique() if col in df else 0
+        if got < k:
+            raise ValueError(f"{fig} needs >= {k} distinct {col} in the summary, found {got}")
+    if fig in ("fig5", "fig7") and "llama3" not in set(df["method"]):
+        raise ValueError(f"{fig} plots speedup over llama3, but the summary has no llama3 runs")
+
+
+DATASET_ORDER = ["wlb_llm", "pile", "redpajama"]
+
+
+def _datasets(df: pd.DataFrame) -> list[str]:
+    present = set(df["dataset"])
+    return [d for d in DATASET_ORDER if d in present] + sorted(present - set(DATASET_ORDER))
 
 
 def plot_fig5(summary: pd.DataFrame, out: Path) -> Path:
     """Fig. 5-style speedup bars normalised to llama3."""
+    _require(summary, "fig5")
     modes = [m for m in ("train", "infer") if m in set(summary["mode"])]
-    datasets = sorted(set(summary["dataset"]))
+    datasets = _datasets(summary)
     methods = _methods(summary)
     groups = summary[["num_heads", "cp_size"]].drop_duplicates().sort_values(["num_heads", "cp_size"])
     groups = list(groups.itertuples(index=False, name=None))
@@ -87,9 +107,9 @@ def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
     """Fig. 6-style stacked latency breakdown per method (training, largest CP size)."""
     sub = summary[summary["mode"] == "train"] if "train" in set(summary["mode"]) else summary
     sub = sub[sub["cp_size"] == sub["cp_size"].max()]
-    datasets = sorted(set(sub["dataset"]))
+    datasets = _datasets(sub)
     methods = _methods(sub)
-    fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(datasets), figsize=(max(7.5, 4.5 * len(datasets)), 3.6), squeeze=False)
     for j, ds in enumerate(datasets):
         ax = axes[0][j]
         d = sub[sub["dataset"] == ds].set_index("method").reindex(methods)
@@ -113,9 +133,13 @@ def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
 
 def plot_fig7(summary: pd.DataFrame, out: Path) -> Path:
     """Fig. 7-style speedup over llama3 vs context length."""
+    _require(summary, "fig7", context_len=2)
+    for col in ("dataset", "cp_size", "num_heads"):
+        if summary[col].nunique() > 1:
+            raise ValueError(f"fig7 draws one line per method; the summary mixes several {col}")
     modes = [m for m in ("train", "infer") if m in set(summary["mode"])]
     methods = _methods(summary)
-    fig, axes = plt.subplots(1, len(modes), figsize=(4.5 * len(modes), 3.4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(modes), figsize=(max(7.5, 4.5 * len(modes)), 3.4), squeeze=False, sharey=True)
     for i, mode in enumerate(modes):
         ax = axes[0][i]
         sub = summary[summary["mode"] == mode]
@@ -129,7 +153,9 @@ def plot_fig7(summary: pd.DataFrame, out: Path) -> Path:
         if i == 0:
             ax.set_ylabel("speedup over llama3")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"Speedup vs context length ({_subtitle(summary)})", fontsize=10)
+    ds, cp, h = summary["dataset"].iloc[0], summary["cp_size"].iloc[0], summary["num_heads"].iloc[0]
+    fig.suptitle(f"Speedup vs context length: {ds}, CP{cp}, {h} heads ({_subtitle(summary, 'point')})",
+                 fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(out, dpi=130)
     plt.close(fig)
@@ -156,10 +182,11 @@ def plot_fig3(table: pd.DataFrame, out: Path) -> Path:
         ax.set_title(ps, fontsize=10)
         if i == 0:
             ax.set_ylabel("attention TFLOP/s (useful FLOPs)")
-    axes[0][0].legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(layouts), fontsize=8, frameon=False)
     hw = ", ".join(sorted(set(map(str, table.get("hardware", ["?"])))))
     fig.suptitle(f"Kernel efficiency by layout (simulated, {hw})", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(out, dpi=130)
     plt.close(fig)
     return out

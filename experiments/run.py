@@ -16,6 +16,7 @@ every run of ``${results_dir}/${name}`` into ``rows.csv`` / ``summary.csv`` and 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -64,25 +65,18 @@ def sample(cfg: DictConfig) -> list[np.ndarray]:
     )
 
 
-def plan_metrics(plan: Plan, comm_kind: str) -> dict[str, Any]:
-    """Plan columns of a row.
+def plan_metrics(plan: Plan) -> dict[str, Any]:
+    """Plan columns of a row (from :meth:`flashcp.plan.Plan.summary`).
 
     ``comm_tokens`` is what the method really moves: KV tokens one rank receives per pass, per K or
     V, per KV head — Eq. 4 for full all-gather and for the ring, Eq. 5 for sharding-aware
     all-gather — and ``comm_saving`` = 1 - comm_tokens / comm_tokens_full. ``comm_tokens_sharded``
     is Eq. 5 on the method's layout: what sharding-aware communication would move for it.
     """
-    full = plan.comm_tokens_full
-    moved = plan.comm_tokens if comm_kind == "allgather_sharded" else full
-    return {
-        "imbalance_ratio": plan.imbalance_ratio,
-        "comm_tokens": moved,
-        "comm_tokens_full": full,
-        "comm_saving": 1.0 - moved / full if full else 0.0,
-        "comm_tokens_sharded": plan.comm_tokens,
-        "num_split_docs": int(plan.split_docs.size),
-        "max_shards_per_rank": int(plan.shards_per_rank.max()),
-    }
+    s = plan.summary()
+    keys = ("imbalance_ratio", "comm_tokens", "comm_tokens_full", "comm_saving",
+            "comm_tokens_sharded", "num_split_docs", "max_shards_per_rank")  # fmt: skip
+    return {k: s[k] for k in keys}
 
 
 def plan_rows(
@@ -118,7 +112,7 @@ def plan_rows(
                 for mode in modes
             )
             continue
-        metrics = {"plan_status": plan.status, "plan_ms": plan_ms, **plan_metrics(plan, comm_kind)}
+        metrics = {"plan_status": plan.status, "plan_ms": plan_ms, **plan_metrics(plan)}
         for mode, sim in zip(modes, sims, strict=True):
             rows.append({**base, **metrics, "mode": mode, "status": "ok", **sim})
     return rows
@@ -144,7 +138,7 @@ def run_sim(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]]:
         for i in range(0, len(seqs), chunk)
     ]
     rows: list[dict[str, Any]] = []
-    bar = tqdm(total=len(seqs), desc=cfg.run_key, unit="seq", disable=not cfg.progress, leave=False)
+    bar = tqdm(total=len(seqs), desc=cfg.run_key, unit="seq", disable=not (cfg.progress and sys.stderr.isatty()), leave=False)
     with bar:
         if int(cfg.workers) == 1:
             results = map(_plan_rows_star, jobs)
@@ -182,7 +176,7 @@ def run_dist(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]] | 
     for i, d in enumerate(seqs):
         base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
         plan = planner(d, int(cfg.cp_size), **options)
-        metrics = {"plan_status": plan.status, **plan_metrics(plan, COMM_KIND[cfg.method.name])}
+        metrics = {"plan_status": plan.status, **plan_metrics(plan)}
         for mode in cfg.modes:
             res = measure_step(
                 plan, shape, mode, group=group, device=device, backend=cfg.executor.backend,
@@ -220,7 +214,9 @@ def run(cfg: DictConfig) -> Path | None:
     if cfg.task == "kernel_efficiency":
         from experiments.fig3 import run_fig3
 
-        return run_fig3(cfg)
+        out = run_fig3(cfg)
+        log.info("kernel efficiency -> %s and fig3.png", out)
+        return out
     if cfg.task == "table2":
         from experiments.table2 import run_table2
 
@@ -230,6 +226,7 @@ def run(cfg: DictConfig) -> Path | None:
             cp_size=int(cfg.cp_size), context_len=int(cfg.context_len),
             **OmegaConf.to_container(cfg.table2, resolve=True),
         )  # fmt: skip
+        log.info("Table 2 -> %s/table2.{csv,md,tex}", out_dir)
         return out_dir / "table2.csv"
 
     resolved = OmegaConf.to_container(cfg, resolve=True)

@@ -191,3 +191,38 @@ def check_config(cfg: Any) -> None:
         check_mode(mode)
     m = cfg.model
     AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
+    check_method_options(cfg.method.name, cfg.method.options, int(cfg.context_len), int(cfg.cp_size))
+
+
+def check_method_options(method: str, options: Any, context_len: int, cp_size: int) -> None:
+    """Reject planner options the planner does not take, and values it rejects, before any work:
+    the planner runs once on a trial sequence (one document filling the context, which also checks
+    the layout's divisibility of ``context_len``).
+
+    Raises:
+        ValueError: naming the bad option or value.
+    """
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from flashcp.registry import get_planner
+
+    planner = get_planner(method)
+    opts = OmegaConf.to_container(options, resolve=True) if OmegaConf.is_config(options) else dict(options)
+    params = inspect.signature(planner).parameters
+    allowed = [p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY and p != "validate"]
+    for key in opts:
+        if key not in allowed:
+            raise ValueError(
+                f"method {method!r} has no option {key!r}; its options: {', '.join(allowed) or 'none'}"
+            )
+    if method == "ilp":  # a trial solve is too slow to run here; its options are checked by name
+        from flashcp.plan import check_cp_args
+
+        check_cp_args(context_len, cp_size)
+        return
+    try:
+        planner([context_len], cp_size, **opts)
+    except TypeError as exc:  # e.g. a string where a number belongs
+        raise ValueError(f"method {method!r}: bad option value in {opts}: {exc}") from None

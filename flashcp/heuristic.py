@@ -128,7 +128,11 @@ def plan_flashcp(
     d = check_doc_lens(doc_lens)
     n = cp_size
     check_cp_args(int(d.sum()), n)
-    if not np.isfinite(target_imbalance) or target_imbalance < 1.0:
+    try:
+        ok = np.isfinite(float(target_imbalance)) and float(target_imbalance) >= 1.0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
         raise ValueError(f"target_imbalance must be a number >= 1, got {target_imbalance!r}")
     context_len = int(d.sum())
     tpr = context_len // n

@@ -329,7 +329,18 @@ class Plan:
             )
 
     def summary(self) -> dict[str, Any]:
-        """Scalar metrics of the plan (JSON-serialisable)."""
+        """Scalar metrics of the plan (JSON-serialisable).
+
+        ``comm_tokens`` / ``comm_saving`` are what the plan's *method* moves: Eq. 5 for a
+        sharding-aware method (:data:`flashcp.registry.COMM_KIND` ``allgather_sharded``, and any
+        unregistered method name), Eq. 4 for full all-gather and ring methods, which move the whole
+        KV whatever the layout. ``comm_tokens_sharded`` is Eq. 5 on the layout in every case.
+        """
+        from flashcp.registry import COMM_KIND
+
+        full = self.comm_tokens_full
+        sharded = COMM_KIND.get(self.method, "allgather_sharded") == "allgather_sharded"
+        moved = self.comm_tokens if sharded else full
         return {
             "method": self.method,
             "cp_size": self.cp_size,
@@ -337,9 +348,10 @@ class Plan:
             "num_docs": self.num_docs,
             "status": self.status,
             "imbalance_ratio": self.imbalance_ratio,
-            "comm_tokens": self.comm_tokens,
-            "comm_tokens_full": self.comm_tokens_full,
-            "comm_saving": self.comm_saving,
+            "comm_tokens": moved,
+            "comm_tokens_full": full,
+            "comm_saving": 1.0 - moved / full if full else 0.0,
+            "comm_tokens_sharded": self.comm_tokens,
             "num_split_docs": int(self.split_docs.size),
             "max_shards_per_rank": int(self.shards_per_rank.max()),
         }

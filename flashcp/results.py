@@ -25,7 +25,8 @@ COMM_COLUMNS: tuple[str, ...] = ("allgather_bytes", "reducescatter_bytes", "p2p_
 
 
 def provenance(repo_dir: str | None = None) -> dict[str, object]:
-    """Where a row comes from: git commit and dirty flag of the harness, package versions.
+    """Where a row comes from: git commit and dirty flag of the harness (tracked files outside
+    ``results/`` differ from the commit), package versions.
 
     Versions are read from installed package metadata (torch is not imported). Missing git gives
     ``git_commit = "unknown"``.
@@ -52,7 +53,8 @@ def provenance(repo_dir: str | None = None) -> dict[str, object]:
             return "not installed"
 
     commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
+    # results/ is the output, not the code: rewriting it does not make the harness dirty
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
     return {
         "git_commit": commit or "unknown",
         "git_dirty": bool(status) if status is not None else None,

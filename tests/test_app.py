@@ -118,11 +118,13 @@ def test_changed_config_is_rerun(tmp_path):
     ("override", "needle"),
     [("cp_size=3", "context_len = 16384"), ("num_sequences=0", "num_sequences"),
      ("model.num_kv_heads=5", "num_kv_heads = 5"), ("modes=[training]", "training"),
-     ("dataset.weighting=bytes", "bytes")],
+     ("dataset.weighting=bytes", "bytes"), ("method.options.target_imbalance=0.5", "0.5"),
+     ("method.options.target_imbalance=abc", "abc"), ("+method.options.bogus=1", "bogus"),
+     ("method=llama3 context_len=16380", "16380")],
 )  # fmt: skip
 def test_bad_values_raise_before_work(tmp_path, override, needle):
     with pytest.raises(ValueError, match=needle):
-        run(_small(tmp_path, override))
+        run(_small(tmp_path, *override.split()))
     assert not (tmp_path / "t" / "runs").exists() or not any((tmp_path / "t" / "runs").iterdir())
 
 
@@ -145,3 +147,14 @@ def test_cli_bad_value_is_one_line_exit_2(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("flashcp-run: error: cp_size must be")
+
+
+def test_plots_refuse_data_they_cannot_show(tmp_path):
+    run(_small(tmp_path, "method=llama3"))
+    run(_small(tmp_path, "method=flashcp"))
+    aggregate(tmp_path / "t")
+    with pytest.raises(ValueError, match="context_len"):
+        draw("fig7", tmp_path / "t")  # a single context length: no line to draw
+    with pytest.raises(ValueError, match="unknown figure"):
+        draw("fig9", tmp_path / "t")
+    assert draw("fig5", tmp_path / "t").exists()

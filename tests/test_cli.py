@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from flashcp.cli import main, pack_doc_lens
+from flashcp.registry import COMM_KIND, make_plan_for
 from flashcp.registry import FAST_METHODS as METHODS
-from flashcp.registry import make_plan_for
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULTS = (("--method", "per_doc"), ("--cp-size", "2"))  # used where a bad-input case omits them
@@ -39,9 +39,15 @@ def assert_json_matches_plan(data: dict, plan) -> None:
     assert data["cp_size"] == plan.cp_size
     assert data["context_len"] == plan.context_len
     assert data["imbalance_ratio"] == pytest.approx(plan.imbalance_ratio)
-    assert data["comm_tokens"] == plan.comm_tokens
+    # what the method moves: Eq. 5 for sharding-aware methods, the full KV (Eq. 4) otherwise
+    sharded = COMM_KIND[plan.method] == "allgather_sharded"
+    moved = plan.comm_tokens if sharded else plan.comm_tokens_full
+    assert data["comm_tokens"] == moved
+    assert data["comm_tokens_sharded"] == plan.comm_tokens
     assert data["comm_tokens_full"] == plan.comm_tokens_full
-    assert data["comm_saving"] == pytest.approx(plan.comm_saving)
+    assert data["comm_saving"] == pytest.approx(1 - moved / plan.comm_tokens_full)
+    if not sharded:
+        assert data["comm_saving"] == 0.0
     assert [r["rank"] for r in data["ranks"]] == list(range(plan.cp_size))
     for r, shards in enumerate(plan.ranks()):
         entry = data["ranks"][r]

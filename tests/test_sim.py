@@ -232,6 +232,9 @@ def test_cp_size_one(method):
     row = simulate(plan, SHAPE, HW, "train")
     assert row["allgather_ms"] == row["p2p_ms"] == row["reducescatter_ms"] == 0.0
     assert row["total_ms"] > 0
+    # one rank is one device running the whole sequence: every method costs the same
+    ref = simulate(make_plan_for("llama3", [3000, 1000], 1), SHAPE, HW, "train")
+    assert row["total_ms"] == pytest.approx(ref["total_ms"], rel=1e-9)
 
 
 @pytest.mark.parametrize("method", FAST_METHODS)

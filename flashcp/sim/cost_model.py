@@ -298,8 +298,11 @@ class PlanCost:
                 + empty_launch
             )
             acc_bytes = (self.q_rows * h + self.kv_rows * 2 * hkv) * d * (8 + e)
+            # step 0 writes the gradients directly; later steps accumulate into them
+            acc_rows = self.q_rows.copy()
+            acc_rows[0] = 0
             accum = np.where(
-                self.q_rows > 0, hw.grad_accum_kernels * hw.launch_us + hw.copy_us(acc_bytes), 0.0
+                acc_rows > 0, hw.grad_accum_kernels * hw.launch_us + hw.copy_us(acc_bytes), 0.0
             )
             bwd_p2p = (vol["p2p_bytes"] - fwd_p2p) / steps
             ba, bo, bp = self._ring_pass(attn_b + accum, attn_b, hw.p2p_us(bwd_p2p))

@@ -23,16 +23,16 @@ from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS, write_csv_atomic
 
 log = logging.getLogger(__name__)
 
-RUN_KEYS = [
+RUN_KEYS = (
     "name", "dataset", "weighting", "method", "cp_size", "context_len", "model", "num_heads",
     "num_kv_heads", "head_dim", "dtype", "executor", "hardware", "seed", "mode",
-]  # fmt: skip
+)  # fmt: skip
 #: runs that differ only in the method are compared with each other
-PEER_KEYS = [k for k in RUN_KEYS if k not in ("method", "name")]
-METRICS = [
+PEER_KEYS = tuple(k for k in RUN_KEYS if k not in ("method", "name"))
+METRICS = (
     "imbalance_ratio", "comm_saving", "comm_tokens", "comm_tokens_full", "comm_tokens_sharded", "plan_ms",
     "num_split_docs", "max_shards_per_rank",
-]  # fmt: skip
+)  # fmt: skip
 
 
 def merge_rows(exp_dir: Path, run_dirs: list[Path] | None = None) -> pd.DataFrame | None:

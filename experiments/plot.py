@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import MappingProxyType
 
 import matplotlib
 
@@ -22,16 +23,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
-METHOD_ORDER = ["llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "ilp"]
-COLORS = {
+METHOD_ORDER = ("llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "ilp")
+COLORS = MappingProxyType({
     "llama3": "#7f7f7f", "per_doc": "#1f77b4", "ring": "#ff7f0e", "zigzag": "#2ca02c",
     "flashcp": "#d62728", "flashcp_refined": "#9467bd", "ilp": "#8c564b",
-}  # fmt: skip
-PHASES = [
+})  # fmt: skip
+PHASES = (
     ("allgather_ms_mean", "AllGather"), ("attn_fwd_ms_mean", "Attention FWD"),
     ("attn_bwd_ms_mean", "Attention BWD"), ("reducescatter_ms_mean", "ReduceScatter"),
     ("p2p_ms_mean", "P2P (not hidden)"), ("others_ms_mean", "Others"),
-]  # fmt: skip
+)  # fmt: skip
 
 
 def _methods(df: pd.DataFrame) -> list[str]:
@@ -57,7 +58,7 @@ def _require(df: pd.DataFrame, fig: str, **needs: int) -> None:
         raise ValueError(f"{fig} plots speedup over llama3, but the summary has no llama3 runs")
 
 
-DATASET_ORDER = ["wlb_llm", "pile", "redpajama"]
+DATASET_ORDER = ("wlb_llm", "pile", "redpajama")
 
 
 def _datasets(df: pd.DataFrame) -> list[str]:

@@ -20,13 +20,14 @@ step, taking the largest rank (collectives are synchronous). KV bytes = tokens x
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal
 
 from flashcp.plan import Plan, kv_bytes
 
 __all__ = ["DTYPE_BYTES", "MODES", "AttnShape", "comm_volume"]
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+DTYPE_BYTES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8})
 MODES = ("train", "infer")
 Mode = Literal["train", "infer"]
 

@@ -44,6 +44,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -69,7 +70,9 @@ DATASETS = ("wlb_llm", "pile", "redpajama", "stress", "file")
 WEIGHTINGS = ("documents", "tokens")
 """Values of the ``weighting`` option (see the module docstring)."""
 
-_TABLE_FILES = {"wlb_llm": "wlb_llm.csv", "pile": "pile.csv", "redpajama": "redpajama.csv"}
+_TABLE_FILES = MappingProxyType(
+    {"wlb_llm": "wlb_llm.csv", "pile": "pile.csv", "redpajama": "redpajama.csv"}
+)
 
 # Largest length a float draw is clipped to before the int64 cast (exactly representable).
 _MAX_LEN = 2**53

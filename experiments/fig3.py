@@ -1,18 +1,16 @@
 """Kernel efficiency by layout (the paper's Fig. 3), simulated: ``flashcp-run experiment=fig3``.
 
 Two packed sequences of ``context_len`` tokens — one document filling it, and 16 equal documents —
-laid out three ways over ``cp_size`` ranks:
+laid out ``whole`` (one device), ``per_doc`` (2N chunks per document, one varlen call per rank) and
+``zigzag`` (the same layout run as ring-flash-attn's zigzag ring, with its merges and gradient
+accumulations). The compute of each layout comes from the step model itself
+(:mod:`flashcp.sim.fig3`, :meth:`flashcp.sim.cost_model.PlanCost.attention_us`), so Fig. 3, the
+calibration and the CP step model use one model of each layout's work.
 
-* ``whole``: documents kept whole. One 128K document is then one segment on one device (the
-  ceiling: the best a kernel can do with this work); 16 documents go two per rank (CP 8).
-* ``per_doc``: every document in 2N chunks (``baselines.per_doc``); each rank runs one varlen call
-  over its chunks (q_len = s, kv_len = p + s).
-* ``zigzag``: the same layout run as a ring: at step t rank r attends its chunks to the KV block of
-  rank r - t; each non-empty step is one causal or non-causal varlen call on short blocks.
-
-Efficiency is useful FLOPs / kernel time summed over all ranks and calls, in TFLOP/s, with FLOPs =
-4 · head_dim · num_heads · (query-key pairs) (FlashAttention convention, DESIGN.md §8; pairs from
-Eq. 3 for causal segments, s_q · s_k for non-causal ones); backward = 2.5 x forward FLOPs.
+Rows per (case, layout, pass): ``kernel_ms`` (summed over ranks and steps), ``flops`` (useful:
+4 · head_dim · num_heads · query-key pairs of Eq. 3; backward 2.5x forward; docs/design.md §8),
+``tflops`` = flops / kernel time, and ``latency_vs_whole`` (forward + backward over ``whole``, the
+quantity the paper's Fig. 3 plots).
 """
 
 from __future__ import annotations
@@ -24,61 +22,20 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from flashcp.comm import AttnShape
-from flashcp.plan import Plan, shard_workload
-from flashcp.registry import make_plan_for
+from flashcp.plan import doc_workload
 from flashcp.results import provenance, write_csv_atomic
 
 
-def _segments_whole(plan_lens: np.ndarray, cp_size: int) -> list[list[tuple[np.ndarray, np.ndarray, bool]]]:
-    """Kernel calls of the whole-document layout: per device, one causal call over its documents."""
-    if plan_lens.size == 1:  # one document: the whole sequence on one device
-        return [[(plan_lens, plan_lens, True)]]
-    groups = np.array_split(plan_lens, cp_size)
-    return [[(g, g, True)] for g in groups if g.size]
-
-
-def _segments_varlen(plan: Plan) -> list[list[tuple[np.ndarray, np.ndarray, bool]]]:
-    """Kernel calls of an all-gather layout: per rank, one causal call (q = s, kv = p + s)."""
-    calls = []
-    for r in range(plan.cp_size):
-        _, start, length = plan.rank_shards(r)
-        calls.append([(length, start + length, True)])
-    return calls
-
-
-def _segments_ring(plan: Plan) -> list[list[tuple[np.ndarray, np.ndarray, bool]]]:
-    """Kernel calls of a ring over the plan's layout: per rank and step, the causal pairs (a shard
-    with itself) and the non-causal pairs (a shard with an earlier shard of its document)."""
-    n = plan.cp_size
-    shards = [plan.rank_shards(r) for r in range(n)]
-    calls: list[list[tuple[np.ndarray, np.ndarray, bool]]] = []
-    for r in range(n):
-        qd, qs, ql = shards[r]
-        rank_calls = []
-        for t in range(n):
-            kd, ks, kl = shards[(r - t) % n]
-            same = (qd[:, None] == kd[None, :]) & (ks[None, :] + kl[None, :] <= qs[:, None])
-            qi, ki = np.nonzero(same)
-            if qi.size:
-                rank_calls.append((ql[qi], kl[ki], False))
-            if t == 0:
-                rank_calls.append((ql, ql, True))
-        calls.append(rank_calls)
-    return calls
-
-
-def _pairs(q: np.ndarray, k: np.ndarray, causal: bool) -> float:
-    """Query-key pairs of segments (q_len, kv_len): Eq. 3 with prefix kv_len - q_len when causal
-    (bottom-right aligned), q_len * kv_len otherwise."""
-    if causal:
-        return float(shard_workload(k - q, q).sum())
-    return float((q * k).sum())
-
-
 def run_fig3(cfg: DictConfig) -> Path:
-    """Write ``fig3.csv`` (case, layout, pass, tflops, kernel_ms, flops) and ``fig3.png``."""
+    """Write ``fig3.csv`` (case, layout, pass, tflops, kernel_ms, flops, latency_vs_whole) and
+    ``fig3.png``.
+
+    Raises:
+        ValueError: ``context_len`` not divisible by 16, or a bad hardware profile.
+    """
     from experiments.plot import draw
-    from flashcp.sim import attention_kernel_ms, load_hardware
+    from flashcp.sim import load_hardware
+    from flashcp.sim.fig3 import FIG3_LAYOUTS, fig3_compute_us
 
     hw = load_hardware(OmegaConf.to_container(cfg.hardware, resolve=True))
     m = cfg.model
@@ -89,24 +46,23 @@ def run_fig3(cfg: DictConfig) -> Path:
     cases = {f"1x{c // 1024}K": np.array([c]), f"16x{c // 16 // 1024}K": np.full(16, c // 16)}
     rows = []
     for case, lens in cases.items():
-        layouts = {
-            "whole": _segments_whole(lens, n),
-            "per_doc": _segments_varlen(make_plan_for("per_doc", lens, n)),
-            "zigzag": _segments_ring(make_plan_for("zigzag", lens, n)),
+        pairs = float(doc_workload(lens).sum())
+        flops_fwd = 4.0 * shape.head_dim * shape.num_heads * pairs
+        per_layout = {
+            layout: fig3_compute_us(hw, lens, layout, n, shape) for layout in FIG3_LAYOUTS
         }
-        for layout, calls in layouts.items():
-            for backward, pass_name in ((False, "forward"), (True, "backward")):
-                flops = ms = 0.0
-                for rank_calls in calls:
-                    for q, k, causal in rank_calls:
-                        pairs = _pairs(np.asarray(q), np.asarray(k), causal)
-                        flops += 4.0 * shape.head_dim * shape.num_heads * pairs * (2.5 if backward else 1.0)
-                        ms += attention_kernel_ms(q, k, causal, shape, hw, backward=backward)
+        whole = sum(per_layout["whole"][:2])
+        for layout, (f_us, b_us, calls) in per_layout.items():
+            for pass_name, us, flops in (
+                ("forward", f_us, flops_fwd),
+                ("backward", b_us, 2.5 * flops_fwd),
+            ):
                 rows.append({
                     "case": case, "layout": layout, "pass": pass_name, "cp_size": n,
-                    "num_calls": sum(len(rc) for rc in calls), "flops": flops, "kernel_ms": ms,
-                    "tflops": flops / (ms * 1e-3) / 1e12, "hardware": hw.name,
-                    "num_heads": shape.num_heads, "head_dim": shape.head_dim, "executor": "sim",
+                    "num_calls": calls, "flops": flops, "kernel_ms": us / 1e3,
+                    "tflops": flops / (us * 1e-6) / 1e12, "latency_vs_whole": (f_us + b_us) / whole,
+                    "hardware": hw.name, "num_heads": shape.num_heads, "head_dim": shape.head_dim,
+                    "executor": "sim",
                 })  # fmt: skip
     df = pd.DataFrame(rows)
     for k, v in provenance().items():

@@ -38,7 +38,7 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 #: columns that identify a run (the summary groups by them)
 RUN_COLUMNS = (
-    "name", "dataset", "weighting", "method", "cp_size", "context_len", "model", "num_heads",
+    "name", "dataset", "weighting", "method", "impl", "cp_size", "context_len", "model", "num_heads",
     "num_kv_heads", "head_dim", "dtype", "executor", "hardware", "seed", "config_hash",
 )  # fmt: skip
 
@@ -88,23 +88,26 @@ def plan_rows(
     shape: AttnShape,
     modes: list[str],
     hw: Any,
+    impl: str = "ours",
 ) -> list[dict[str, Any]]:
     """Plan and simulate sequences ``first_idx, first_idx + 1, ...``: one row per (sequence, mode).
 
+    ``impl`` picks the implementation (:mod:`flashcp.sim.impl`): its layout (with the padding
+    ring-flash-attn needs, counted in ``pad_tokens``) and the ops it launches.
     A sequence whose planner or simulation fails becomes rows with ``status = "error: ..."``.
     """
     from flashcp.sim import simulate_many
+    from flashcp.sim.impl import impl_plan
 
-    planner = get_planner(method)
     comm_kind = COMM_KIND[method]
     rows: list[dict[str, Any]] = []
     for i, d in enumerate(seqs, start=first_idx):
         base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
         try:
             t0 = time.perf_counter()
-            plan = planner(d, cp_size, **options)
+            plan, pad_tokens = impl_plan(method, impl, d, cp_size, **options)
             plan_ms = (time.perf_counter() - t0) * 1e3
-            sims = simulate_many(plan, [shape], modes, hw, comm_kind=comm_kind)
+            sims = simulate_many(plan, [shape], modes, hw, comm_kind=comm_kind, impl=impl)
         except Exception as exc:  # a failure is a row, not a crash (STYLE.md §6)
             log.warning("sequence %d failed: %s", i, exc)
             rows.extend(
@@ -112,7 +115,8 @@ def plan_rows(
                 for mode in modes
             )
             continue
-        metrics = {"plan_status": plan.status, "plan_ms": plan_ms, **plan_metrics(plan)}
+        metrics = {"plan_status": plan.status, "plan_ms": plan_ms, "pad_tokens": pad_tokens}
+        metrics.update(plan_metrics(plan))
         for mode, sim in zip(modes, sims, strict=True):
             rows.append({**base, **metrics, "mode": mode, "status": "ok", **sim})
     return rows
@@ -132,9 +136,10 @@ def run_sim(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]]:
     shape = attn_shape(cfg)
     modes = list(cfg.modes)
     options = OmegaConf.to_container(cfg.method.options, resolve=True)
+    impl = str(cfg.method.get("impl", "ours"))
     chunk = 64
     jobs = [
-        (seqs[i : i + chunk], i, cfg.method.name, int(cfg.cp_size), options, shape, modes, hw)
+        (seqs[i : i + chunk], i, cfg.method.name, int(cfg.cp_size), options, shape, modes, hw, impl)
         for i in range(0, len(seqs), chunk)
     ]
     rows: list[dict[str, Any]] = []
@@ -176,7 +181,7 @@ def run_dist(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]] | 
     for i, d in enumerate(seqs):
         base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
         plan = planner(d, int(cfg.cp_size), **options)
-        metrics = {"plan_status": plan.status, **plan_metrics(plan)}
+        metrics = {"plan_status": plan.status, "pad_tokens": 0, **plan_metrics(plan)}
         for mode in cfg.modes:
             res = measure_step(
                 plan, shape, mode, group=group, device=device, backend=cfg.executor.backend,
@@ -191,7 +196,8 @@ def finish_rows(cfg: DictConfig, rows: list[dict[str, Any]], chash: str) -> pd.D
     m = cfg.model
     ident = {
         "name": cfg.name, "dataset": cfg.dataset.name, "weighting": cfg.dataset.weighting,
-        "method": cfg.method.name, "cp_size": int(cfg.cp_size), "context_len": int(cfg.context_len),
+        "method": cfg.method.name, "impl": cfg.method.get("impl", "ours"),
+        "cp_size": int(cfg.cp_size), "context_len": int(cfg.context_len),
         "model": m.name, "num_heads": int(m.num_heads), "num_kv_heads": int(m.num_kv_heads),
         "head_dim": int(m.head_dim), "dtype": m.dtype, "executor": cfg.executor.name,
         "hardware": cfg.hardware.get("name", "unknown") if cfg.executor.name == "sim" else "measured",
@@ -217,6 +223,17 @@ def run(cfg: DictConfig) -> Path | None:
         out = run_fig3(cfg)
         log.info("kernel efficiency -> %s and fig3.png", out)
         return out
+    if cfg.task in ("calibration", "sensitivity"):
+        from experiments.calibration import run_calibration
+        from experiments.sensitivity import run_sensitivity
+
+        out_dir = Path(cfg.results_dir) / cfg.name
+        if cfg.task == "calibration":
+            run_calibration(out_dir)
+        else:
+            run_sensitivity(cfg, out_dir)
+        log.info("%s -> %s", cfg.task, out_dir)
+        return out_dir
     if cfg.task == "table2":
         from experiments.table2 import run_table2
 

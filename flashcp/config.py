@@ -23,7 +23,7 @@ __all__ = [
     "register_configs",
 ]
 
-TASKS = ("main", "kernel_efficiency", "table2")
+TASKS = ("main", "kernel_efficiency", "table2", "calibration", "sensitivity")
 EXECUTORS = ("sim", "dist")
 
 
@@ -50,6 +50,9 @@ class MethodConfig:
     #: planner options passed as keyword arguments (e.g. target_imbalance for flashcp;
     #: block_size, time_limit_s, gap, solver for ilp)
     options: dict[str, Any] = field(default_factory=dict)
+    #: implementation of the layout: ours (this project's ops) | ring_flash_attn (the
+    #: ring-flash-attn package, for ring, zigzag, llama3; docs/design.md §4)
+    impl: str = "ours"
 
 
 @dataclass
@@ -119,6 +122,8 @@ class RunConfig:
     plots: list[str] = field(default_factory=list)
     #: options of task=table2 (see experiments/table2.py)
     table2: dict[str, Any] = field(default_factory=dict)
+    #: options of task=sensitivity (see experiments/sensitivity.py)
+    sensitivity: dict[str, Any] = field(default_factory=dict)
 
 
 #: config fields that change a run's results; their hash names the run's folder
@@ -192,6 +197,32 @@ def check_config(cfg: Any) -> None:
     m = cfg.model
     AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
     check_method_options(cfg.method.name, cfg.method.options, int(cfg.context_len), int(cfg.cp_size))
+    check_impl_config(cfg.method.name, cfg.method.get("impl", "ours"), cfg.executor.name)
+
+
+def check_impl_config(method: str, impl: str, executor: str) -> None:
+    """Reject an implementation the method or executor cannot run, before any work.
+
+    Raises:
+        ValueError: unknown impl, an impl without this method, or ``ring_flash_attn`` under
+            ``executor=dist`` (which needs the ``flash-attn`` and ``ring-flash-attn`` packages).
+    """
+    import importlib.util
+
+    from flashcp.sim.impl import check_impl
+
+    check_impl(method, impl)
+    if impl == "ring_flash_attn" and executor != "sim":
+        missing = [p for p in ("flash_attn", "ring_flash_attn") if importlib.util.find_spec(p) is None]
+        if missing:
+            raise ValueError(
+                f"method.impl=ring_flash_attn under executor={executor} needs {' and '.join(missing)} "
+                "(pip install flash-attn ring-flash-attn, CUDA only); executor=sim models it anywhere"
+            )
+        raise ValueError(
+            f"method.impl=ring_flash_attn is modelled by executor=sim only; executor={executor} runs "
+            "method.impl=ours"
+        )
 
 
 def check_method_options(method: str, options: Any, context_len: int, cp_size: int) -> None:

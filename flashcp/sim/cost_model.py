@@ -3,51 +3,58 @@
 The result has every column of :data:`flashcp.results.PHASE_COLUMNS` (milliseconds) and of
 :data:`flashcp.results.COMM_COLUMNS` (bytes one rank receives, from
 :func:`flashcp.comm.comm_volume`; never recomputed here). Synchronous phases are decided by the
-slowest rank. Training is forward + backward; inference is the forward only.
+slowest rank. Training is forward + backward; inference is the forward only. What is launched
+depends on the implementation (``impl``, :mod:`flashcp.sim.impl`); every constant is a field of
+:class:`~flashcp.sim.hardware.HardwareProfile` with its public source in ``conf/hardware/``.
+
+**Two queues.** Every op has a device time (a kernel: ``launch_us`` + its work; a memory-bound op:
+``launch_us`` + bytes / ``copy_bw_gbps``; a collective: latency + bytes / bandwidth) and a host
+time (``host_op_us`` per eager op, ``collective_host_us`` per collective call, ``ring_step_*_us``
+per ring step, ``doc_host_us`` per document of a Python loop over documents). Host and device run
+concurrently, so a sequence of ops takes ``max(device time, host time)``; the host excess is
+charged to ``others_ms``.
+
+**Overlap.** Communication meant to hide behind compute (a ring step's P2P, ring-flash-attn's
+next all-gather) overlaps only ``overlap_fraction`` of its time; while it runs, compute is slowed
+by ``nccl_slowdown`` (:func:`overlap_us`).
 
 **All-gather family** (``allgather_full``: ``llama3``, ``per_doc``; ``allgather_sharded``:
-``flashcp``). Every rank runs one varlen call over its shards: shard (p, s) is the segment
-q_len = s, kv_len = p + s, causal bottom-right (DESIGN.md §2).
+``flashcp``). ``ours``: every rank runs one varlen call over its shards (shard (p, s) is the
+segment q_len = s, kv_len = p + s, causal bottom-right; docs/design.md §2).
 
-* forward: all-gather of KV, then attention;
-* backward (training): all-gather of KV again (KV is not kept between passes), attention backward,
-  reduce-scatter of dK/dV. Each collective costs ``latency + recv_bytes / (busbw * falloff)``
-  (:meth:`HardwareProfile.collective_us`); ``allgather_ms`` sums the forward and backward ones.
-* ``others_ms``, data copies (bytes read + written over ``copy_bw_gbps`` plus one launch per
-  copy): every segment with p > 0 assembles its contiguous KV ``[0, p + s)`` (p + s tokens); a
-  segment with p = 0 (a Whole-Doc document, a first chunk) reads its local KV in place.
+* forward: all-gather of KV, then attention; backward (training): all-gather of KV again, the
+  attention backward, reduce-scatter of dK/dV. A collective costs
+  ``latency + recv_bytes / (busbw * falloff)`` (:meth:`HardwareProfile.collective_us`).
+* data copies (``others_ms``; bytes read + written over ``copy_bw_gbps``, one launch and one host
+  op per copy): every segment with p > 0 assembles its contiguous KV ``[0, p + s)``;
   ``allgather_full`` takes it from the full gathered KV with one copy per such shard;
-  ``allgather_sharded`` takes it from the compact buffer with one copy per non-last shard it
-  needs (the earlier shards of its document), and also packs the rank's non-last shards into
-  the compact send buffer (one copy per such shard), whereas the full all-gather sends the
-  rank's local buffer as it is. Training repeats gather and pack for the
-  backward all-gather and scatters dK/dV back (the gather's copies again) before the
-  reduce-scatter.
-* ``total_ms`` = allgather + attn_fwd + attn_bwd + reducescatter + others (no overlap assumed).
+  ``allgather_sharded`` takes it from the compact buffer with one copy per non-last shard it needs
+  and packs the rank's non-last shards into the send buffer (one copy each). Training repeats
+  gather and pack for the backward all-gather and scatters dK/dV back (the gather's copies again).
+* ``ring_flash_attn`` ``llama3`` (N contiguous chunks): G = num_kv_heads / heads_k_stride head
+  groups; forward ``AG_0 + sum_g overlap(attn_g, AG_{g+1})``; backward the same with the backward
+  kernels, a dK/dV buffer zeroed per group (the gathered size), then two reduce-scatters per group
+  after its kernel (not overlapped) and two copies into place.
 
 **Ring family** (``p2p_ring``: ``ring``, ``zigzag``). Step t = 0..N-1: rank r attends its local
 queries to the KV block of rank (r - t) mod N while receiving the next block (N - 1 P2P steps of
 ``comm_volume``'s bytes / (N - 1) each). Segments per (step, rank, document): at t = 0 one causal
 segment over the rank's own tokens of the document; at t >= 1 one full rectangle of the local
-pieces that see any of the source's pieces against the source pieces they see (this is exact for
-the ring and zigzag layouts, where pieces of different ranks never interleave within such a
-pair). A step launches a kernel unless the whole source block lies after the local block in the
-packed sequence (block-level causal skip: ``ring`` skips t > r; ``zigzag`` never skips, and its
-empty half-blocks simply have no tiles). Each t >= 1 step merges partial outputs by LSE
-(``lse_merge_kernels`` launches; fp32 ``out`` read + written, the block's output and LSEs read).
-The backward step runs the attention backward and accumulates dQ, dK, dV (``grad_accum_kernels``)
-while dK/dV and KV travel on (``comm_volume``'s backward bytes / (N - 1) per step). Per step, with
-``compute_t = max_r(attention + merge)``:
+pieces that see any of the source's pieces against the source pieces they see (exact for these
+layouts). ``ours`` launches a kernel unless the whole source block lies after the local block;
+ring-flash-attn's ring skips t > rank, its zigzag never skips. After each kernel the partial
+output is merged by LSE (``merge_bytes_eager`` or ``_fused`` per element of out, one op per
+``ImplOps.merge_ops``); a step that uses part of a block gathers it by index (and scatters the
+merged rows back); the backward accumulates dQ, dK, dV. Per step t the device time of rank r is
+``overlap_us(attention + merges, p2p_step)`` and the step takes
+``max_r max(device, host)``; the backward's last dK/dV hop is exposed after its last step.
 
-    pass time = sum_{t < N-1} max(compute_t, p2p_step) + compute_{N-1}
+``attn_*_ms`` hold attention kernels (slowed by contention), ``others_ms`` merges, copies,
+accumulations and host excess, ``p2p_ms`` / ``allgather_ms`` / ``reducescatter_ms`` the exposed
+communication; ``total_ms`` is their sum.
 
-``attn_fwd_ms`` / ``attn_bwd_ms`` = sum over steps of the slowest rank's attention;
-``others_ms`` = the merge/accumulation share of ``compute_t``; ``p2p_ms`` = P2P time not hidden
-behind compute. So ``total_ms`` = sum of the phase columns for every method.
-
-Not modelled (all methods alike): overlap of the all-gather with other work, SMs taken by NCCL
-kernels while they overlap attention, host-side launch overhead (assumed hidden by asynchronous
-launches), and the early-exiting CTAs of a varlen grid sized by the longest segment.
+Not modelled: the early-exiting CTAs of a varlen grid sized by the longest segment, overlap of
+the all-gather with other layers' work, and stream-ordering stalls beyond the two-queue bound.
 
 Speed: a plan's tile counts, segment lists and copy counts do not depend on heads, head_dim,
 dtype or mode; :func:`simulate_many` computes them once and then prices each (shape, mode) with a
@@ -56,6 +63,8 @@ few numpy operations on (N,) or (N, N) arrays.
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -65,9 +74,10 @@ from flashcp.plan import Plan
 from flashcp.registry import COMM_KIND
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim.hardware import HardwareProfile, load_hardware
+from flashcp.sim.impl import RFA_HEADS_K_STRIDE, check_impl, impl_ops
 from flashcp.sim.kernel import TileStats, bwd_extra_us, bwd_tile_counts, fwd_tile_counts, kernel_us
 
-__all__ = ["COMM_KINDS", "PlanCost", "simulate", "simulate_many"]
+__all__ = ["COMM_KINDS", "PlanCost", "overlap_us", "simulate", "simulate_many"]
 
 COMM_KINDS = ("allgather_full", "allgather_sharded", "p2p_ring")
 
@@ -82,6 +92,24 @@ def _check_comm_kind(plan: Plan, comm_kind: str | None) -> str:
     if comm_kind not in COMM_KINDS:
         raise ValueError(f"unknown comm_kind {comm_kind!r}; choose one of {', '.join(COMM_KINDS)}")
     return comm_kind
+
+
+def overlap_us(compute, comm, hw: HardwareProfile):
+    """Device time of ``compute`` µs of work overlapped with ``comm`` µs of communication.
+
+    ``overlap_fraction`` (φ) of the communication runs beside the compute and the rest after it;
+    while they run together the compute progresses at ``1 / nccl_slowdown`` (s). With
+    ``c = φ * comm``: compute takes ``s * compute`` if that fits inside c, else
+    ``compute + c * (1 - 1/s)``; the result is ``max(c, compute') + (1 - φ) * comm``.
+
+    Returns:
+        ``(time, compute')``: arrays broadcast from the inputs, µs.
+    """
+    comm = np.asarray(comm, dtype=np.float64)
+    c = hw.overlap_fraction * comm
+    s = hw.nccl_slowdown
+    slowed = np.where(compute * s <= c, compute * s, compute + c * (1.0 - 1.0 / s))
+    return np.maximum(c, slowed) + (1.0 - hw.overlap_fraction) * comm, slowed
 
 
 def _stats(keys: np.ndarray, size: int, ctas, tiles, mx) -> TileStats:
@@ -104,7 +132,7 @@ def _stats(keys: np.ndarray, size: int, ctas, tiles, mx) -> TileStats:
 class PlanCost:
     """Everything about one plan the step model needs that does not depend on shape or mode.
 
-    Build once per (plan, hardware, comm_kind) and call :meth:`step` per (shape, mode).
+    Build once per (plan, hardware, comm_kind, impl) and call :meth:`step` per (shape, mode).
 
     Attributes (all-gather family; (N,) arrays indexed by rank): ``fwd``, ``bwd`` (:class:`TileStats`
     of the rank's one varlen call), ``q_rows``, ``kv_rows`` (tokens), ``gather_copies``,
@@ -113,15 +141,28 @@ class PlanCost:
     ``launched`` (bool, a kernel is launched even without tiles) and ``q_rows``/``kv_rows`` per step.
     """
 
-    def __init__(self, plan: Plan, hw: HardwareProfile, comm_kind: str) -> None:
+    def __init__(self, plan: Plan, hw: HardwareProfile, comm_kind: str, impl: str = "ours") -> None:
+        check_impl(plan.method, impl)
         self.plan = plan
         self.hw = hw
         self.comm_kind = comm_kind
+        self.impl = impl
         self.n = plan.cp_size
         if comm_kind == "p2p_ring":
+            self.ops = impl_ops(impl, plan.method)
             self._init_ring()
         else:
             self._init_allgather()
+
+    def with_hardware(self, hw: HardwareProfile) -> PlanCost:
+        """This plan's cost on another profile, reusing the tile counts when its tile shapes are
+        the same (a shallow copy; only ``hw`` changes), else rebuilt."""
+        blocks = ("fwd_block_q", "fwd_block_k", "bwd_block_q", "bwd_block_k")
+        if any(getattr(hw, b) != getattr(self.hw, b) for b in blocks):
+            return PlanCost(self.plan, hw, self.comm_kind, self.impl)
+        other = copy.copy(self)
+        other.hw = hw
+        return other
 
     # ---- all-gather family -------------------------------------------------------------------
     def _init_allgather(self) -> None:
@@ -161,40 +202,142 @@ class PlanCost:
             self.pack_tokens = np.zeros(n)
 
     def _copy_us(self, copies: np.ndarray, tokens: np.ndarray, shape: AttnShape) -> np.ndarray:
-        """(N,) µs of ``copies`` launches moving the KV of ``tokens`` tokens (read + write)."""
+        """(N,) device µs of ``copies`` launches moving the KV of ``tokens`` tokens (read + write)."""
         hw = self.hw
         return copies * hw.launch_us + hw.copy_us(2.0 * shape.kv_bytes(tokens))
+
+    def _collectives(
+        self, shape: AttnShape, train: bool, vol: dict[str, int]
+    ) -> tuple[float, float]:
+        """Device µs of one all-gather call and of the reduce-scatter (0 in inference)."""
+        hw, n = self.hw, self.n
+        n_ag = 2 if train else 1
+        ag_call = vol["allgather_bytes"] / n_ag
+        total_scale = n / (n - 1) if n > 1 else 1.0
+        ag_us = hw.collective_us(ag_call, ag_call * total_scale, hw.allgather_busbw_gbps)
+        rs = vol["reducescatter_bytes"]
+        rs_us = hw.collective_us(rs, rs * total_scale, hw.reducescatter_busbw_gbps)
+        return ag_us, rs_us
+
+    def attention_us(self, shape: AttnShape, train: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Per-rank device µs of the attention kernels alone (no communication, no copies, no
+        contention), forward and backward: (N,) arrays for the all-gather family, (N_steps, N)
+        for the ring family (plus its merges and accumulations, which the ring issues between
+        kernels). The one model of each layout's compute, used by the step model and by Fig. 3.
+        """
+        if self.comm_kind == "p2p_ring":
+            f, fo, _ = self._ring_fwd_compute(shape)
+            if not train:
+                return f + fo, np.zeros_like(f)
+            b, bo, _ = self._ring_bwd_compute(shape)
+            return f + fo, b + bo
+        h, d = shape.num_heads, shape.head_dim
+        fwd = kernel_us(self.fwd, h, d, self.hw, False)
+        if not train:
+            return fwd, np.zeros_like(fwd)
+        bwd = kernel_us(self.bwd, h, d, self.hw, True) + bwd_extra_us(
+            self.q_rows, self.kv_rows, shape, self.hw
+        )
+        return fwd, bwd
 
     def _step_allgather(
         self, shape: AttnShape, train: bool, vol: dict[str, int]
     ) -> dict[str, float]:
-        hw, n = self.hw, self.n
-        h, d = shape.num_heads, shape.head_dim
-        n_ag = 2 if train else 1
-        ag_call = vol["allgather_bytes"] / n_ag
-        total_scale = n / (n - 1) if n > 1 else 1.0
-        ag_us = n_ag * hw.collective_us(ag_call, ag_call * total_scale, hw.allgather_busbw_gbps)
-        rs = vol["reducescatter_bytes"]
-        rs_us = hw.collective_us(rs, rs * total_scale, hw.reducescatter_busbw_gbps)
-        fwd_us = float(kernel_us(self.fwd, h, d, hw, False).max())
+        if self.impl == "ring_flash_attn":
+            return self._step_rfa_llama3(shape, train, vol)
+        hw = self.hw
+        ag_us, rs_us = self._collectives(shape, train, vol)
+        fwd, bwd = self.attention_us(shape, train)
         gather = self._copy_us(self.gather_copies, self.gather_tokens, shape)
         pack = self._copy_us(self.pack_copies, self.pack_tokens, shape)
-        others_us = float((gather + pack).max())
-        bwd_us = 0.0
+        copies = gather + pack
+        coll_host = hw.collective_host_us if vol["allgather_bytes"] > 0 else 0.0
+        host = coll_host + hw.host_op_us * (self.gather_copies + self.pack_copies + 1)
+        device = ag_us + copies + fwd
         if train:
-            bwd = kernel_us(self.bwd, h, d, hw, True) + bwd_extra_us(
-                self.q_rows, self.kv_rows, shape, hw
+            copies = copies + 2.0 * gather + pack
+            host = (
+                host
+                + 2 * coll_host
+                + hw.host_op_us * (2 * self.gather_copies + self.pack_copies + 1)
             )
-            bwd_us = float(bwd.max())
-            others_us += float((2.0 * gather + pack).max())
+            device = device + ag_us + 2.0 * gather + pack + bwd + rs_us
+        host_excess = float(np.maximum(host - device, 0.0).max())
         return {
-            "allgather_ms": ag_us / 1e3,
-            "attn_fwd_ms": fwd_us / 1e3,
-            "attn_bwd_ms": bwd_us / 1e3,
-            "reducescatter_ms": rs_us / 1e3,
+            "allgather_ms": (2 if train else 1) * ag_us / 1e3,
+            "attn_fwd_ms": float(fwd.max()) / 1e3,
+            "attn_bwd_ms": float(bwd.max()) / 1e3 if train else 0.0,
+            "reducescatter_ms": rs_us / 1e3 if train else 0.0,
             "p2p_ms": 0.0,
-            "others_ms": others_us / 1e3,
+            "others_ms": (float(copies.max()) + host_excess) / 1e3,
         }
+
+    def _step_rfa_llama3(
+        self, shape: AttnShape, train: bool, vol: dict[str, int]
+    ) -> dict[str, float]:
+        """ring-flash-attn's llama3: per head group, gather K and V, overlap the next group's
+        gather with this group's kernel (module docstring)."""
+        hw, n = self.hw, self.n
+        h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
+        stride = max(k for k in range(1, min(RFA_HEADS_K_STRIDE, hkv) + 1) if hkv % k == 0)
+        groups = hkv // stride
+        gshape = AttnShape(h // groups, stride, d, shape.dtype)
+        total_scale = n / (n - 1) if n > 1 else 1.0
+        # one all-gather call carries K (or V) of one head group
+        ag_call_bytes = vol["allgather_bytes"] / (2 if train else 1) / (2 * groups)
+        ag_call = hw.collective_us(
+            ag_call_bytes, ag_call_bytes * total_scale, hw.allgather_busbw_gbps
+        )
+        ag_group = 2 * ag_call
+        local = self.q_rows  # (N,) tokens per rank
+        slice_copy = 2 * (hw.launch_us + hw.copy_us(2.0 * local * stride * d * e))  # .contiguous()
+        fwd_k = kernel_us(self.fwd, gshape.num_heads, d, hw, False)
+        dev = ag_group + slice_copy  # group 0's slices and gathers, exposed
+        attn_f = np.zeros(n)
+        for g in range(groups):
+            nxt = ag_group + slice_copy if g + 1 < groups else 0.0
+            t, slowed = overlap_us(fwd_k, nxt, hw)
+            dev = dev + t
+            attn_f = attn_f + slowed
+        cat = 2 * hw.launch_us + hw.copy_us(2.0 * local * h * d * e)  # torch.cat of out (and lse)
+        dev_f = dev + cat
+        host_f = groups * (2 * hw.collective_host_us + 3 * hw.host_op_us) + 2 * hw.host_op_us
+        exposed_ag_f = ag_group
+        others_f = dev_f - attn_f - exposed_ag_f
+        out = {
+            "allgather_ms": exposed_ag_f / 1e3,
+            "attn_fwd_ms": float(attn_f.max()) / 1e3,
+            "attn_bwd_ms": 0.0,
+            "reducescatter_ms": 0.0,
+            "p2p_ms": 0.0,
+            "others_ms": float((others_f + np.maximum(host_f - dev_f, 0.0)).max()) / 1e3,
+        }
+        if not train:
+            return out
+        rs_call_bytes = vol["reducescatter_bytes"] / (2 * groups)
+        rs_call = hw.collective_us(
+            rs_call_bytes, rs_call_bytes * total_scale, hw.reducescatter_busbw_gbps
+        )
+        gathered = n * local.max()
+        zero = hw.launch_us + hw.copy_us(2.0 * gathered * stride * d * e)  # dkv_buffer.zero_()
+        place = 2 * (hw.launch_us + hw.copy_us(2.0 * local * stride * d * e))  # dk[:, i:i+s] = dk_i
+        bwd_k = kernel_us(self.bwd, gshape.num_heads, d, hw, True) + bwd_extra_us(
+            self.q_rows, self.kv_rows, gshape, hw
+        )
+        dev = ag_group + slice_copy
+        attn_b = np.zeros(n)
+        for g in range(groups):
+            nxt = ag_group + slice_copy if g + 1 < groups else 0.0
+            t, slowed = overlap_us(bwd_k, nxt, hw)
+            dev = dev + zero + t + 2 * rs_call + place
+            attn_b = attn_b + slowed
+        host_b = groups * (4 * hw.collective_host_us + 6 * hw.host_op_us)
+        others_b = dev - attn_b - ag_group - groups * 2 * rs_call
+        out["allgather_ms"] += ag_group / 1e3
+        out["attn_bwd_ms"] = float(attn_b.max()) / 1e3
+        out["reducescatter_ms"] = groups * 2 * rs_call / 1e3
+        out["others_ms"] += float((others_b + np.maximum(host_b - dev, 0.0)).max()) / 1e3
+        return out
 
     # ---- ring family -------------------------------------------------------------------------
     def _init_ring(self) -> None:
@@ -262,50 +405,142 @@ class PlanCost:
         self.launched = lo[src] < hi[None, :]
         self.launched[0] = True
 
+    def _ring_masks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(N, N) masks ``[t, r]``: a kernel is launched; the step uses part of the local query
+        block; the step uses part of the source KV block."""
+        n = self.n
+        local = self.q_rows[0]
+        r = np.arange(n)
+        src_rows = local[(r[None, :] - np.arange(n)[:, None]) % n]
+        work = self.q_rows > 0
+        if self.impl == "ours":
+            launched = work.copy()
+        elif self.ops.skip_after_rank:
+            launched = np.arange(n)[:, None] <= r[None, :]
+        else:
+            launched = np.ones((n, n), dtype=bool)
+        launched[0] = True
+        part_q = work & (self.q_rows < local[None, :])
+        part_k = work & (self.kv_rows < src_rows)
+        part_q[0] = part_k[0] = False
+        return launched, part_q, part_k
+
+    def _op_us(self, count, nbytes):
+        """Device µs of ``count`` memory-bound launches moving ``nbytes`` (read + write)."""
+        return count * self.hw.launch_us + self.hw.copy_us(nbytes)
+
+    def _ring_fwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Forward of the ring: (N, N) ``[t, r]`` device µs of attention, device µs of the other
+        ops (merges, gathers, casts), host µs (ops, kernel calls, per-step and per-document work)."""
+        hw, ops = self.hw, self.ops
+        h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
+        launched, part_q, part_k = self._ring_masks()
+        empty = np.where(launched & (self.fwd.ctas == 0), hw.launch_us, 0.0)
+        attn = kernel_us(self.fwd, h, d, hw, False) + empty
+        work = self.q_rows > 0
+        out_el = self.q_rows * h * d  # elements of the merged rows' output
+        merge_b = getattr(hw, ops.merge_bytes)
+        n_ops = (
+            np.where(work, ops.merge_ops, 0)
+            + np.where(part_q, 4, 0)
+            + np.where(part_k, ops.half_gather_ops, 0)
+        )
+        nbytes = np.where(work, out_el * merge_b, 0.0) + np.where(part_q, 16.0 * out_el, 0.0)
+        nbytes = nbytes + np.where(part_k, 2.0 * self.kv_rows * hkv * d * 2 * e, 0.0)
+        if self.impl == "ours":  # the query rows of a partial step are gathered per step
+            n_ops = n_ops + part_q
+            nbytes = nbytes + np.where(part_q, out_el * 2 * e, 0.0)
+        else:  # ring-flash-attn: step 0 only casts its block to fp32 (out = block_out.to(fp32))
+            n_ops[0] = 1
+            nbytes[0] = out_el[0] * (e + 4)
+        local_el = self.q_rows[0] * h * d
+        n_ops[-1] += 1  # out.to(q.dtype)
+        nbytes[-1] += local_el * (4 + e)
+        other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
+        host = hw.ring_step_fwd_us + hw.host_op_us * (launched + n_ops)
+        if ops.per_doc_host:  # get_half_index twice, q[half_index1] once per call
+            host[0] += 2 * self.plan.num_docs * hw.doc_host_us + hw.host_op_us
+            other[0] += self._op_us(1, local_el * e)
+        return attn, other, host
+
+    def _ring_bwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Backward of the ring, as :meth:`_ring_fwd_compute` (attention backward kernels,
+        accumulations, gathers, casts)."""
+        hw, ops = self.hw, self.ops
+        h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
+        launched, part_q, part_k = self._ring_masks()
+        empty = np.where(launched & (self.bwd.ctas == 0), hw.launch_us, 0.0)
+        attn = (
+            kernel_us(self.bwd, h, d, hw, True)
+            + np.where(self.q_rows > 0, bwd_extra_us(self.q_rows, self.kv_rows, shape, hw), 0.0)
+            + empty
+        )
+        work = self.q_rows > 0
+        q_el = self.q_rows * h * d
+        kv_el = 2.0 * self.kv_rows * hkv * d
+        local_q = self.q_rows[0] * h * d
+        local_kv = 2.0 * self.q_rows[0] * hkv * d
+        n_ops = np.where(work, ops.accum_ops, 0) + np.where(part_k, ops.half_gather_ops, 0)
+        nbytes = np.where(work, (q_el + kv_el) * hw.accum_bytes_eager, 0.0)
+        nbytes = nbytes + np.where(part_k, kv_el * 2 * e, 0.0)
+        if ops.indexed_accum_ops:  # dq[half] += ..., dk[half] += ...: gather + scatter (fp32)
+            n_ops = n_ops + ops.indexed_accum_ops * (part_q + 2 * part_k)
+            nbytes = (
+                nbytes + np.where(part_q, 16.0 * q_el, 0.0) + np.where(part_k, 16.0 * kv_el, 0.0)
+            )
+        if self.impl == "ours":  # per step: zero this step's dK/dV, combine with the incoming sum
+            n_ops = n_ops + part_q + np.where(work, 3, 0)
+            nbytes = nbytes + np.where(part_q, 2.0 * q_el * 2 * e, 0.0)
+            nbytes = nbytes + np.where(work, local_kv * (4 + 12 + 8), 0.0)
+        else:  # step 0 casts the block gradients to fp32
+            n_ops[0] = 3
+            nbytes[0] = (q_el[0] + kv_el[0]) * (e + 4)
+        n_ops[-1] += 3  # final casts of dq, dk, dv
+        nbytes[-1] += (local_q + local_kv) * (4 + e)
+        other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
+        host = hw.ring_step_bwd_us + hw.host_op_us * (launched + n_ops)
+        if ops.per_doc_host:  # get_half_lse: a Python loop over documents; dout/q/out halves
+            docs = self.plan.num_docs
+            host[0] += docs * hw.doc_host_us + 3 * hw.host_op_us
+            other[0] += docs * hw.launch_us + self._op_us(3, 1.5 * local_q * 2 * e)
+        return attn, other, host
+
     def _ring_pass(
-        self, compute: np.ndarray, attn: np.ndarray, p2p_us: float
+        self, attn, other, host, hop_us: float, tail_us: float
     ) -> tuple[float, float, float]:
-        """Compose one ring pass from per-step, per-rank compute and attention (µs, (N, N)).
+        """Compose one ring pass from (N, N) ``[t, r]`` device and host µs (module docstring):
+        every step but the last overlaps one hop of ``hop_us``; ``tail_us`` is exposed at the end.
 
         Returns ``(attention, others, exposed_p2p)`` in µs summing to the pass time.
         """
-        c_t = compute.max(axis=1)
-        a_t = attn.max(axis=1)
-        steps = np.maximum(c_t[:-1], p2p_us).sum() + c_t[-1]
-        return float(a_t.sum()), float(c_t.sum() - a_t.sum()), max(0.0, float(steps - c_t.sum()))
+        compute = attn + other
+        hop = np.zeros(self.n)
+        hop[:-1] = hop_us
+        device, slowed = overlap_us(compute, hop[:, None], self.hw)
+        scale = np.divide(slowed, compute, out=np.ones_like(compute), where=compute > 0)
+        attn_t = (attn * scale).max(axis=1)
+        comp_t = slowed.max(axis=1)
+        gpu_t = device.max(axis=1)
+        total_t = np.maximum(device, host).max(axis=1)
+        p2p = float((gpu_t - comp_t).sum()) + tail_us
+        a = float(attn_t.sum())
+        return a, float(total_t.sum()) + tail_us - a - p2p, p2p
 
     def _step_ring(
         self, shape: AttnShape, train: bool, vol: dict[str, int], fwd_p2p: int
     ) -> dict[str, float]:
         hw, n = self.hw, self.n
-        h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
         steps = max(n - 1, 1)
-        empty_launch = np.where(self.launched & (self.fwd.ctas == 0), hw.launch_us, 0.0)
-        attn_f = kernel_us(self.fwd, h, d, hw, False) + empty_launch
-        merge_rows = self.q_rows.copy()
-        merge_rows[0] = 0
-        merge = np.where(
-            merge_rows > 0,
-            hw.lse_merge_kernels * hw.launch_us + hw.copy_us(merge_rows * h * (d * (8 + e) + 12)),
-            0.0,
-        )
-        fa, fo, fp = self._ring_pass(attn_f + merge, attn_f, hw.p2p_us(fwd_p2p / steps))
+        fwd_hop = hw.p2p_us(fwd_p2p / steps) if n > 1 else 0.0
+        fa, fo, fp = self._ring_pass(*self._ring_fwd_compute(shape), fwd_hop, 0.0)
         ba = bo = bp = 0.0
-        if train:
-            attn_b = (
-                kernel_us(self.bwd, h, d, hw, True)
-                + bwd_extra_us(self.q_rows, self.kv_rows, shape, hw)
-                + empty_launch
+        if train and n > 1:
+            grad_hop = hw.p2p_us((vol["p2p_bytes"] - 2 * fwd_p2p) / steps)
+            ba, bo, bp = self._ring_pass(
+                *self._ring_bwd_compute(shape), fwd_hop + grad_hop, grad_hop
             )
-            acc_bytes = (self.q_rows * h + self.kv_rows * 2 * hkv) * d * (8 + e)
-            # step 0 writes the gradients directly; later steps accumulate into them
-            acc_rows = self.q_rows.copy()
-            acc_rows[0] = 0
-            accum = np.where(
-                acc_rows > 0, hw.grad_accum_kernels * hw.launch_us + hw.copy_us(acc_bytes), 0.0
-            )
-            bwd_p2p = (vol["p2p_bytes"] - fwd_p2p) / steps
-            ba, bo, bp = self._ring_pass(attn_b + accum, attn_b, hw.p2p_us(bwd_p2p))
+        elif train:
+            ba, bo, bp = self._ring_pass(*self._ring_bwd_compute(shape), 0.0, 0.0)
         return {
             "allgather_ms": 0.0,
             "attn_fwd_ms": fa / 1e3,
@@ -332,14 +567,7 @@ class PlanCost:
             out = self._step_ring(shape, train, vol, fwd_p2p)
         else:
             out = self._step_allgather(shape, train, vol)
-        out["total_ms"] = (
-            out["allgather_ms"]
-            + out["attn_fwd_ms"]
-            + out["attn_bwd_ms"]
-            + out["reducescatter_ms"]
-            + out["p2p_ms"]
-            + out["others_ms"]
-        )
+        out["total_ms"] = math.fsum(out[c] for c in PHASE_COLUMNS if c != "total_ms")
         for col in COMM_COLUMNS:
             out[col] = vol[col]
         return {k: out[k] for k in (*PHASE_COLUMNS, *COMM_COLUMNS)}
@@ -351,25 +579,29 @@ def simulate(
     hw: HardwareProfile | str | dict,
     mode: str,
     comm_kind: str | None = None,
+    impl: str = "ours",
 ) -> dict[str, float]:
     """Simulate one attention layer's CP step of ``plan``.
 
     Args:
-        plan: a valid plan.
+        plan: a valid plan (for ``impl="ring_flash_attn"``, the plan of
+            :func:`flashcp.sim.impl.impl_plan`).
         shape: heads, KV heads, head_dim, dtype.
         hw: a :class:`HardwareProfile` (or a profile name / dict for :func:`load_hardware`).
         mode: ``train`` (forward + backward) or ``infer`` (forward only).
         comm_kind: ``allgather_full``, ``allgather_sharded`` or ``p2p_ring``; default
             ``COMM_KIND[plan.method]``.
+        impl: ``ours`` or ``ring_flash_attn`` (:mod:`flashcp.sim.impl`).
     Returns:
         Every column of ``PHASE_COLUMNS`` (ms, floats; ``total_ms`` is their sum) and of
         ``COMM_COLUMNS`` (bytes one rank receives, ints, from :func:`flashcp.comm.comm_volume`).
     Raises:
-        ValueError: unknown mode, comm_kind or hardware profile.
+        ValueError: unknown mode, comm_kind, impl or hardware profile, or an impl that does not
+            run the plan's method.
     """
     check_mode(mode)
     kind = _check_comm_kind(plan, comm_kind)
-    return PlanCost(plan, load_hardware(hw), kind).step(shape, mode)
+    return PlanCost(plan, load_hardware(hw), kind, impl).step(shape, mode)
 
 
 def simulate_many(
@@ -378,6 +610,7 @@ def simulate_many(
     modes: Sequence[str],
     hw: HardwareProfile | str | dict,
     comm_kind: str | None = None,
+    impl: str = "ours",
 ) -> list[dict[str, float]]:
     """:func:`simulate` for every (shape, mode) pair, sharing the per-plan work.
 
@@ -389,5 +622,5 @@ def simulate_many(
     """
     for m in modes:
         check_mode(m)
-    cost = PlanCost(plan, load_hardware(hw), _check_comm_kind(plan, comm_kind))
+    cost = PlanCost(plan, load_hardware(hw), _check_comm_kind(plan, comm_kind), impl)
     return [cost.step(s, m) for s in shapes for m in modes]

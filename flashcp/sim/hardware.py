@@ -2,9 +2,9 @@
 
 A profile is a flat set of constants with units in their names, read from
 ``conf/hardware/<name>.yaml`` (a Hydra config group) or from a dict. Every constant's public source
-is cited in the YAML file; DESIGN.md §8 collects them. The kernel-model constants
-(``*_tile_tflops``, ``*_cta_overhead_us``) are fitted to the published FlashAttention-2 H100 table by
-``experiments/calibrate_kernel.py`` and nothing else.
+is cited in the YAML file; docs/design.md §8 collects them. The free constants are fitted, within
+their published ranges, by the calibration experiment (``experiments/calibration.py``) to public
+kernel, collective and single-method targets only, and loaded over the YAML values.
 
 Collective model (NCCL conventions, nccl-tests ``doc/PERFORMANCE.md``): a collective in which one
 rank receives ``recv_bytes`` takes
@@ -28,7 +28,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HardwareProfile", "hardware_dir", "list_hardware", "load_hardware"]
+__all__ = [
+    "HardwareProfile",
+    "fitted_path",
+    "hardware_dir",
+    "list_hardware",
+    "load_hardware",
+    "read_fitted",
+]
 
 
 @dataclass(frozen=True)
@@ -59,9 +66,27 @@ class HardwareProfile:
         busbw_curve_ranks: ranks of the published curve's run.
         busbw_curve_algbw_factor: bytes moved per rank / message size of the curve's collective
             (2 (n-1)/n for all-reduce), used to turn its bus bandwidth back into time.
-        p2p_latency_us, p2p_bw_gbps: latency and one-way bandwidth of a send/recv pair, µs, GB/s.
-        lse_merge_kernels: element-wise kernels one log-sum-exp merge of partial outputs launches.
-        grad_accum_kernels: element-wise kernels of one ring backward step's gradient accumulation.
+        p2p_latency_us, p2p_bw_gbps: latency and one-way bandwidth of a send/recv pair, µs, GB/s
+            (NCCL send/recv, separate from the collectives' bus bandwidth).
+        host_op_us: host (CPU) time to dispatch one eager PyTorch op (Python, dispatcher, launch
+            call), µs; charged per copy, merge op and accumulation an implementation issues,
+            separately from the device-side ``launch_us``.
+        collective_host_us: host time of one eager collective call (``all_gather_into_tensor``,
+            ``reduce_scatter_tensor``), µs.
+        ring_step_fwd_us, ring_step_bwd_us: host time per step of a ring pass besides its ops
+            (posting and waiting for the send/recv batch, the step's Python), µs; the backward
+            step posts two exchanges (KV and dK/dV).
+        doc_host_us: host time per document where an implementation loops over documents in
+            Python (with a device sync per iteration), µs.
+        merge_bytes_fused, merge_bytes_scripted, merge_bytes_eager: bytes read + written per
+            element of the output (``T x H x D``) by one LSE merge: fused into one kernel, as a
+            TorchScript function (partly fused by its fuser), or as eager fp32 ops.
+        accum_bytes_fused, accum_bytes_eager: bytes read + written per gradient element by one
+            accumulation ``acc += block`` (fp32 accumulator, model-dtype block), fused or eager.
+        nccl_slowdown: factor by which an attention kernel runs slower while NCCL kernels run
+            beside it (SMs and HBM bandwidth taken by NCCL); 1 means no contention.
+        overlap_fraction: share of a communication meant to hide behind compute that really
+            overlaps it; the rest is exposed (1 means perfect overlap).
     Raises:
         ValueError: (at construction) a non-positive or non-finite constant, block sizes that do
             not divide, a fitted rate above ``peak_tflops``, or a malformed bandwidth curve.
@@ -90,8 +115,18 @@ class HardwareProfile:
     busbw_curve_algbw_factor: float
     p2p_latency_us: float
     p2p_bw_gbps: float
-    lse_merge_kernels: int
-    grad_accum_kernels: int
+    host_op_us: float
+    collective_host_us: float
+    ring_step_fwd_us: float
+    ring_step_bwd_us: float
+    doc_host_us: float
+    merge_bytes_fused: float
+    merge_bytes_scripted: float
+    merge_bytes_eager: float
+    accum_bytes_fused: float
+    accum_bytes_eager: float
+    nccl_slowdown: float
+    overlap_fraction: float
     #: (log sizes, log fractions) of the falloff table, derived at construction
     _falloff: tuple = field(init=False, repr=False, compare=False, default=())
 
@@ -117,8 +152,11 @@ class HardwareProfile:
                 object.__setattr__(self, f.name, int(v))
             zero_ok = f.name in (
                 "bwd_extra_kernels",
-                "lse_merge_kernels",
-                "grad_accum_kernels",
+                "host_op_us",
+                "collective_host_us",
+                "ring_step_fwd_us",
+                "ring_step_bwd_us",
+                "doc_host_us",
                 "fwd_cta_overhead_us",
                 "bwd_cta_overhead_us",
                 "launch_us",
@@ -135,6 +173,12 @@ class HardwareProfile:
             raise ValueError(
                 f"bwd_block_k = {self.bwd_block_k} must be a multiple of bwd_block_q = {self.bwd_block_q}"
             )
+        if self.nccl_slowdown < 1:
+            raise ValueError(
+                f"nccl_slowdown must be >= 1 (1 = no contention), got {self.nccl_slowdown}"
+            )
+        if self.overlap_fraction > 1:
+            raise ValueError(f"overlap_fraction must be in (0, 1], got {self.overlap_fraction}")
         for key in ("fwd_tile_tflops", "bwd_tile_tflops"):
             if getattr(self, key) > self.peak_tflops:
                 raise ValueError(
@@ -147,10 +191,15 @@ class HardwareProfile:
             )
         if any(b <= a for a, b in pairwise(size)) or min(size) <= 0 or min(bw) <= 0:
             raise ValueError("busbw_curve_size_kib must increase and both curves must be positive")
+        # The curve was measured by nccl-tests, which calls NCCL from C with no framework on the
+        # host, so its smallest time bounds NCCL's own latency (19 us for the h100_sxm curve).
+        # The 20-30 us that an eager PyTorch call adds is host time, modelled apart
+        # (collective_host_us), so this bound does not cap it.
         if min(self._curve_seconds()) <= self.collective_latency_us * 1e-6:
             raise ValueError(
-                "collective_latency_us is larger than a time of the published bandwidth curve: "
-                "the falloff cannot be derived"
+                f"collective_latency_us = {self.collective_latency_us} is not below the smallest time "
+                "of the published bandwidth curve (which includes NCCL's latency); put host-side "
+                "call overhead in collective_host_us instead"
             )
         sizes, frac = self.busbw_fraction_table()
         object.__setattr__(self, "_falloff", (np.log(sizes).tolist(), np.log(frac).tolist()))
@@ -228,17 +277,57 @@ def list_hardware() -> list[str]:
     return sorted(p.stem for p in hardware_dir().glob("*.yaml"))
 
 
-def load_hardware(name_or_dict: str | dict | HardwareProfile) -> HardwareProfile:
+def fitted_path() -> Path:
+    """``results/calibration/fitted_constants.yaml`` of the repository: the constants the
+    calibration experiment fitted, by section (``experiments/calibration.py``)."""
+    return Path(__file__).resolve().parents[2] / "results" / "calibration" / "fitted_constants.yaml"
+
+
+def read_fitted(sections) -> dict[str, float]:
+    """The fitted constants of the named sections of :func:`fitted_path`, later sections winning.
+
+    Raises:
+        ValueError: the file is missing or lacks a section (rerun the calibration experiment).
+    """
+    import yaml
+
+    path = fitted_path()
+    if not path.is_file():
+        raise ValueError(
+            f"{path} is missing: run `flashcp-run experiment=calibration`, or load the profile with "
+            "calibrated=False"
+        )
+    with path.open() as fh:
+        data = yaml.safe_load(fh) or {}
+    out: dict[str, float] = {}
+    for sec in sections:
+        if sec not in data.get("sections", {}):
+            raise ValueError(
+                f"{path} has no section {sec!r}; sections: {sorted(data.get('sections', {}))}"
+            )
+        out.update(data["sections"][sec])
+    return out
+
+
+def load_hardware(
+    name_or_dict: str | dict | HardwareProfile, calibrated: bool = True
+) -> HardwareProfile:
     """Load a profile by name (``conf/hardware/<name>.yaml``) or build it from a flat dict.
+
+    A ``calibration`` key (a list of section names of
+    ``results/calibration/fitted_constants.yaml``) overrides the listed constants with their
+    fitted values, unless ``calibrated`` is False (the calibration experiment starts from the
+    YAML's own values).
 
     Args:
         name_or_dict: a profile name, a mapping of constants (e.g. Hydra's composed
             ``hardware`` group; a Hydra ``defaults`` key is ignored), or a profile (returned as is).
+        calibrated: apply the fitted constants named by ``calibration``.
     Returns:
         The validated :class:`HardwareProfile`.
     Raises:
         ValueError: unknown profile name (listing the valid ones), unknown key (naming it), a
-            missing key, or an invalid constant.
+            missing key, an invalid constant, or missing fitted constants.
     """
     if isinstance(name_or_dict, HardwareProfile):
         return name_or_dict
@@ -254,7 +343,7 @@ def load_hardware(name_or_dict: str | dict | HardwareProfile) -> HardwareProfile
             data = yaml.safe_load(fh)
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a mapping of constants")
-        return load_hardware(data)
+        return load_hardware(data, calibrated)
     try:
         data = dict(name_or_dict)
     except (TypeError, ValueError):
@@ -262,6 +351,13 @@ def load_hardware(name_or_dict: str | dict | HardwareProfile) -> HardwareProfile
             f"hardware must be a profile name or a mapping, got {type(name_or_dict).__name__}"
         ) from None
     data.pop("defaults", None)
+    sections = data.pop("calibration", None) or []
+    if calibrated and sections:
+        fitted = read_fitted(list(sections))
+        unknown = sorted(set(fitted) - {f.name for f in fields(HardwareProfile) if f.init})
+        if unknown:
+            raise ValueError(f"fitted constants name unknown hardware key(s): {', '.join(unknown)}")
+        data.update(fitted)
     known = {f.name for f in fields(HardwareProfile) if f.init}
     for key in data:
         if key not in known:

@@ -1,0 +1,384 @@
+"""Calibration of the simulator's free constants against public measurements (docs/design.md §8).
+
+A :class:`CalibTarget` is one published (or measured) number with the model's prediction of it
+under a candidate :class:`~flashcp.sim.hardware.HardwareProfile`; :func:`fit_constants` fits named
+profile fields, within bounds, by bounded least squares (``scipy.optimize.least_squares``) on the
+errors divided by their bands, so every target weighs by how tightly it must be met.
+
+:func:`public_targets` builds every public target the simulator relies on; the calibration
+experiment (``experiments/calibration.py``) fits and writes ``results/calibration/``. Never a
+target: any method's end-to-end speedup over another (Fig. 5/6/7 are predictions).
+
+Targets (all from docs/design.md §8 and the original source named there):
+
+* ``fa2_*``: FlashAttention-2 on one H100 SXM, causal, head_dim 128, 16 heads, 16K tokens per
+  batch, TFLOP/s forward and forward + backward (FLOPs = 4 s² d h / 2; backward 2.5x forward).
+* ``magi_*``: MagiAttention's document-causal / causal FLOP/s ratio at 1K..32K total tokens (FA3
+  kernel; packed log-normal documents capped at 1/4 of the total, GQA 64:8, head_dim 128).
+* ``rfa_theoretic_*``: ring-flash-attn's single-GPU ``flash_attn_varlen`` iterations per second
+  on its benchmark (``benchmark/benchmark_varlen_kvpacked_func.py``: 8K tokens per GPU, 32 heads,
+  8 KV heads, head_dim 128, bf16, cycling over four ``cu_seqlens``), 8x H800 and 8x A100.
+* ``rfa_eff_*``: its ring / zigzag / llama3 varlen efficiencies on that benchmark: 8 x
+  (flash_attn time) / (method time), summed over the four cases; the global documents are the
+  local ``cu_seqlens`` x N (ring/zigzag hold 1/N or 2 x 1/2N of every document; llama3's
+  ``cu_seqlens * world_size``).
+* ``nccl_*``: all-gather bus bandwidth of a 1 GiB buffer on 8x H100 (nccl-tests; 360-370 GB/s);
+  NCCL send/recv bandwidth between two H100s (nccl-tests issue #268: 80-180 GB/s).
+* ``fig3_*``: the FlashCP paper's Fig. 3: attention latency (forward + backward kernels, Zigzag
+  with its merges as ring-flash-attn runs them) normalised to Whole-Doc on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from flashcp.comm import AttnShape
+from flashcp.sim.hardware import HardwareProfile, load_hardware
+
+__all__ = [
+    "SHARED_FIELDS",
+    "CalibTarget",
+    "FitResult",
+    "fit_constants",
+    "public_targets",
+    "rfa_benchmark_us",
+]
+
+#: software and overlap constants shared by every profile (same PyTorch, NCCL and kernels)
+SHARED_FIELDS = (
+    "host_op_us",
+    "collective_host_us",
+    "ring_step_fwd_us",
+    "ring_step_bwd_us",
+    "doc_host_us",
+    "merge_bytes_scripted",
+    "nccl_slowdown",
+    "overlap_fraction",
+)
+#: kernel constants of the H100 die (H800 is the same die)
+KERNEL_FIELDS = ("fwd_tile_tflops", "fwd_cta_overhead_us", "bwd_tile_tflops", "bwd_cta_overhead_us")
+
+
+@dataclass(frozen=True)
+class CalibTarget:
+    """One number the model must reproduce.
+
+    Attributes:
+        name: unique, e.g. ``fa2_fwd_causal_h100_4k``.
+        predict: the model's prediction under a candidate profile.
+        measured: the public (or measured) value.
+        unit: ``TFLOP/s``, ``GB/s``, ``us``, ``ms``, ``fraction``, ``iter/s``...
+        band: ``("rel", 0.10)`` for ±10 %, or ``("abs", 0.05)`` for ±0.05 (±5 points).
+        source: the public source, or ``measured: <where>``.
+    """
+
+    name: str
+    predict: Callable[[HardwareProfile], float]
+    measured: float
+    unit: str
+    band: tuple[str, float]
+    source: str
+
+    def error(self, predicted: float) -> float:
+        """Relative error (``rel`` band) or difference (``abs`` band) of a prediction."""
+        if self.band[0] == "rel":
+            return predicted / self.measured - 1.0
+        return predicted - self.measured
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """Outcome of :func:`fit_constants`.
+
+    Attributes:
+        constants: fitted value per free profile field.
+        table: one row per target: name, unit, measured, predicted, error, band_kind, band,
+            within_band, source.
+        success: the optimiser converged; message: its message.
+    """
+
+    constants: dict[str, float]
+    table: pd.DataFrame
+    success: bool
+    message: str
+
+
+def _table(targets: Sequence[CalibTarget], hw: HardwareProfile) -> pd.DataFrame:
+    rows = []
+    for t in targets:
+        pred = float(t.predict(hw))
+        err = t.error(pred)
+        rows.append({
+            "name": t.name, "unit": t.unit, "measured": t.measured, "predicted": pred,
+            "error": err, "band_kind": t.band[0], "band": t.band[1],
+            "within_band": bool(abs(err) <= t.band[1] + 1e-12), "source": t.source,
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def fit_constants(
+    targets: Sequence[CalibTarget],
+    profile: HardwareProfile,
+    free: Mapping[str, tuple[float, float]],
+    max_nfev: int | None = None,
+) -> FitResult:
+    """Least-squares fit (``scipy.optimize.least_squares``, bounded) of the named profile fields.
+
+    Minimises ``sum_i rho((error_i / band_i)^2)`` over the free fields, each within its
+    ``(low, high)`` bounds, starting from the profile's values (clipped into the bounds).
+    ``rho`` is SciPy's robust ``soft_l1`` loss (quadratic within one band, linear beyond), so a
+    target the model cannot represent does not drag every other target out of its band.
+
+    Args:
+        targets: the targets; predictions use the candidate profile.
+        profile: start profile; fields not in ``free`` stay as they are.
+        free: field name -> (low, high).
+        max_nfev: cap on the optimiser's function evaluations (None: SciPy's default).
+    Returns:
+        A :class:`FitResult` (its table evaluated at the fitted constants).
+    Raises:
+        ValueError: no target, an unknown or non-numeric field, or empty bounds.
+    """
+    from scipy.optimize import least_squares
+
+    if not targets:
+        raise ValueError("fit_constants needs at least one target")
+    names = list(free)
+    known = {f.name for f in dataclasses.fields(HardwareProfile) if f.init}
+    for k in names:
+        if k not in known or k == "name":
+            raise ValueError(f"unknown hardware field {k!r} in free constants")
+        lo, hi = free[k]
+        if not lo < hi:
+            raise ValueError(f"bounds of {k!r} must satisfy low < high, got {free[k]}")
+    lo = np.array([free[k][0] for k in names], dtype=float)
+    hi = np.array([free[k][1] for k in names], dtype=float)
+    x0 = np.clip([float(getattr(profile, k)) for k in names], lo, hi)
+    ints = {f.name for f in dataclasses.fields(HardwareProfile) if f.type == "int"}
+
+    def make(x) -> HardwareProfile:
+        vals = {k: (round(v) if k in ints else float(v)) for k, v in zip(names, x, strict=True)}
+        return dataclasses.replace(profile, **vals)
+
+    def resid(x) -> np.ndarray:
+        hw = make(x)
+        return np.array([t.error(float(t.predict(hw))) / t.band[1] for t in targets])
+
+    if names:
+        res = least_squares(
+            resid, x0, bounds=(lo, hi), x_scale=np.maximum(hi - lo, 1e-9), diff_step=1e-3,
+            loss="soft_l1", f_scale=1.0, max_nfev=max_nfev,
+        )  # fmt: skip
+        x, ok, msg = res.x, bool(res.success), str(res.message)
+    else:
+        x, ok, msg = x0, True, "nothing to fit"
+    hw = make(x)
+    return FitResult(
+        constants={k: float(getattr(hw, k)) for k in names},
+        table=_table(targets, hw),
+        success=ok,
+        message=msg,
+    )
+
+
+# ---- public targets -------------------------------------------------------------------------------
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+FA2_FWD_CAUSAL = (191, 260, 298, 319, 333, 335)
+FA2_FWDBWD_CAUSAL = (163, 221, 265, 294, 308, 328)
+MAGI_TOTALS = (1024, 2048, 4096, 8192, 16384, 32768)
+MAGI_FWD_RATIO = (0.21, 0.37, 0.54, 0.73, 0.81, 0.86)
+MAGI_BWD_RATIO = (0.25, 0.32, 0.45, 0.62, 0.67, 0.73)
+#: ring-flash-attn benchmark: local cu_seqlens cycled by the benchmark (8K tokens per GPU)
+RFA_CASES = ((8192,), (256, 7392, 544), (4096, 4096), (3104, 3200, 1600, 160, 128))
+RFA_SHAPE = AttnShape(num_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+#: its README's performance table (varlen api): flash_attn iter/s and % of it per method
+RFA_PUBLISHED = {
+    "h800_sxm": {
+        "theoretic": (852.4, 225.4),
+        "ring": (0.491, 0.511),
+        "zigzag": (0.702, 0.759),
+        "llama3": (0.570, 0.581),
+    },
+    "a100_sxm": {
+        "theoretic": (532.3, 133.8),
+        "ring": (0.498, 0.521),
+        "zigzag": (0.720, 0.802),
+        "llama3": (0.516, 0.580),
+    },
+}
+FIG3 = {("1x128K", "per_doc"): 1.03, ("1x128K", "zigzag"): 1.06,
+        ("16x8K", "per_doc"): 1.21, ("16x8K", "zigzag"): 1.41}  # fmt: skip
+_SRC_FA2 = "docs/design.md §8; FlashAttention-2 paper / Dao-AILab/flash-attention assets"
+_SRC_MAGI = "docs/design.md §8; MagiAttention docs/source/blog/cp_benchmark.md (±2%)"
+_SRC_RFA = "docs/design.md §8; zhuzilin/ring-flash-attention README + benchmark/"
+_SRC_FIG3 = "FlashCP paper (arXiv 2606.08476) Fig. 3, read from the figure (±0.02)"
+
+
+def _fa2_tflops(hw: HardwareProfile, seqlen: int, backward: bool) -> float:
+    from flashcp.sim.kernel import attention_kernel_ms
+
+    shape = AttnShape(num_heads=16, num_kv_heads=16, head_dim=128)
+    q = np.full(16384 // seqlen, seqlen)
+    flops = 4 * seqlen**2 * 128 * 16 / 2 * q.size
+    t = attention_kernel_ms(q, q, True, shape, hw, False)
+    if backward:
+        return 3.5 * flops / ((t + attention_kernel_ms(q, q, True, shape, hw, True)) * 1e9)
+    return flops / (t * 1e9)
+
+
+def _magi_docs(total: int) -> list[np.ndarray]:
+    """20 packed log-normal document sets (median total/16, sigma 1, capped at total/4), seed 0."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(20):
+        docs, left = [], total
+        while left > 0:
+            d = int(min(max(1, rng.lognormal(math.log(total / 16), 1.0)), total // 4, left))
+            docs.append(d)
+            left -= d
+        out.append(np.array(docs))
+    return out
+
+
+def _magi_ratio(hw: HardwareProfile, total: int, backward: bool, docs: list[np.ndarray]) -> float:
+    from flashcp.sim.kernel import attention_kernel_ms
+
+    shape = AttnShape(num_heads=64, num_kv_heads=8, head_dim=128)
+    t_one = attention_kernel_ms([total], [total], True, shape, hw, backward)
+    vals = []
+    for d in docs:
+        useful = float((d * (d + 1)).sum()) / (total * (total + 1))
+        vals.append(useful * t_one / attention_kernel_ms(d, d, True, shape, hw, backward))
+    return float(np.mean(vals))
+
+
+def rfa_benchmark_us(
+    hw: HardwareProfile, method: str | None, train: bool, cp_size: int = 8, costs=None
+) -> float:
+    """Modelled time of ring-flash-attn's varlen benchmark, summed over its four cases, µs.
+
+    Args:
+        hw: profile; method: ``ring``, ``zigzag``, ``llama3`` (ring-flash-attn, CP ``cp_size``) or
+            None for the single-GPU ``flash_attn_varlen`` call on the local 8K tokens.
+        train: forward + backward (else forward only).
+        costs: optional dict to cache the cases' ``PlanCost`` in (keyed by method and case).
+    """
+    from flashcp.registry import COMM_KIND
+    from flashcp.sim.cost_model import PlanCost
+    from flashcp.sim.impl import impl_plan
+    from flashcp.sim.kernel import attention_kernel_ms
+
+    total = 0.0
+    for case in RFA_CASES:
+        c = np.array(case)
+        if method is None:
+            ms = attention_kernel_ms(c, c, True, RFA_SHAPE, hw, False)
+            if train:
+                ms += attention_kernel_ms(c, c, True, RFA_SHAPE, hw, True)
+            total += ms * 1e3
+            continue
+        key = (method, case, cp_size)
+        if costs is not None and key in costs:
+            cost = costs[key].with_hardware(hw)
+        else:
+            plan, _ = impl_plan(method, "ring_flash_attn", c * cp_size, cp_size)
+            cost = PlanCost(plan, hw, COMM_KIND[method], "ring_flash_attn")
+            if costs is not None:
+                costs[key] = cost
+        total += cost.step(RFA_SHAPE, "train" if train else "infer")["total_ms"] * 1e3
+    return total
+
+
+def derive(hw: HardwareProfile, base: HardwareProfile, fields: Sequence[str]) -> HardwareProfile:
+    """Profile ``base`` with ``fields`` taken from ``hw``."""
+    return dataclasses.replace(base, **{k: getattr(hw, k) for k in fields})
+
+
+def public_targets(gpu: str = "h100") -> list[CalibTarget]:
+    """Every public target of docs/design.md §8 predicted from a candidate profile.
+
+    Args:
+        gpu: ``h100`` (the candidate is an H100 SXM profile; H800 targets use ``h800_sxm`` with
+            the candidate's kernel and shared constants) or ``a100`` (the candidate is an A100 SXM
+            profile).
+    Raises:
+        ValueError: unknown gpu.
+    """
+    from flashcp.sim.fig3 import FIG3_CASES, fig3_cost, fig3_latency_ratio
+
+    # plans and tile counts do not depend on the fitted constants: built once per target list
+    base = load_hardware("h100_sxm", calibrated=False)
+    rfa_costs: dict = {}
+    targets: list[CalibTarget] = []
+    if gpu == "h100":
+        for i, s in enumerate(SEQLENS):
+            for bwd, pub, tag in (
+                (False, FA2_FWD_CAUSAL[i], "fwd"),
+                (True, FA2_FWDBWD_CAUSAL[i], "fwdbwd"),
+            ):
+                targets.append(CalibTarget(
+                    f"fa2_{tag}_causal_h100_{s // 1024 or 0.5}k".replace("0.5k", "512"),
+                    lambda hw, s=s, bwd=bwd: _fa2_tflops(hw, s, bwd),
+                    float(pub), "TFLOP/s", ("rel", 0.10), _SRC_FA2,
+                ))  # fmt: skip
+        for i, tot in enumerate(MAGI_TOTALS):
+            docs = _magi_docs(tot)
+            for bwd, pub, tag in (
+                (False, MAGI_FWD_RATIO[i], "fwd"),
+                (True, MAGI_BWD_RATIO[i], "bwd"),
+            ):
+                targets.append(CalibTarget(
+                    f"magi_{tag}_doc_over_causal_{tot // 1024}k",
+                    lambda hw, tot=tot, bwd=bwd, docs=docs: _magi_ratio(hw, tot, bwd, docs),
+                    float(pub), "fraction", ("rel", 0.10), _SRC_MAGI,
+                ))  # fmt: skip
+        targets.append(CalibTarget(
+            "nccl_allgather_busbw_8xh100_1gib",
+            lambda hw: (2**30 * 7 / 8) / hw.collective_us(2**30 * 7 / 8, 2**30, hw.allgather_busbw_gbps) / 1e3,
+            365.0, "GB/s", ("rel", 0.10),
+            "docs/design.md §8; NCCL maintainers (nccl-tests #212/#326), stas00/ml-engineering",
+        ))  # fmt: skip
+        targets.append(CalibTarget(
+            "nccl_sendrecv_bw_2xh100_256mib",
+            lambda hw: 2**28 / hw.p2p_us(2**28) / 1e3,
+            130.0, "GB/s", ("abs", 50.0),
+            "docs/design.md §8; nccl-tests issue #268 (80-180 GB/s: midpoint ± half-range)",
+        ))  # fmt: skip
+        for (case, layout), pub in FIG3.items():
+            lens = FIG3_CASES[case]
+            costs = (fig3_cost(base, lens, layout), fig3_cost(base, lens, "whole"))
+            targets.append(CalibTarget(
+                f"fig3_{case}_{layout}",
+                lambda hw, lens=lens, layout=layout, costs=costs: fig3_latency_ratio(hw, lens, layout, costs=costs),
+                pub, "fraction", ("abs", 0.05), _SRC_FIG3,
+            ))  # fmt: skip
+        h800 = load_hardware("h800_sxm", calibrated=False)
+        profiles = {"h800_sxm": lambda hw: derive(hw, h800, (*KERNEL_FIELDS, *SHARED_FIELDS))}
+    elif gpu == "a100":
+        profiles = {"a100_sxm": lambda hw: hw}
+    else:
+        raise ValueError(f"unknown gpu {gpu!r}; choose h100 or a100")
+    for prof, to_hw in profiles.items():
+        pub = RFA_PUBLISHED[prof]
+        for train, idx, tag in ((False, 0, "fwd"), (True, 1, "fwdbwd")):
+            targets.append(CalibTarget(
+                f"rfa_theoretic_{tag}_{prof}",
+                lambda hw, to_hw=to_hw, train=train: 4e6 / rfa_benchmark_us(to_hw(hw), None, train),
+                pub["theoretic"][idx], "iter/s", ("rel", 0.10), _SRC_RFA,
+            ))  # fmt: skip
+            for method in ("ring", "zigzag", "llama3"):
+                targets.append(CalibTarget(
+                    f"rfa_eff_{method}_{tag}_{prof}",
+                    lambda hw, to_hw=to_hw, train=train, m=method: (
+                        8 * rfa_benchmark_us(to_hw(hw), None, train)
+                        / rfa_benchmark_us(to_hw(hw), m, train, costs=rfa_costs)
+                    ),
+                    pub[method][idx], "fraction", ("abs", 0.05), _SRC_RFA,
+                ))  # fmt: skip
+    return targets

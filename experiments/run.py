@@ -249,6 +249,10 @@ def run(cfg: DictConfig) -> Path | None:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resolved.pop("progress", None)  # cosmetic options do not change results
     resolved.pop("workers", None)
+    if cfg.executor.name == "sim":  # the constants really used, fitted values included
+        from flashcp.sim import load_hardware
+
+        resolved["hardware"] = load_hardware(resolved["hardware"]).to_dict()
     chash = config_hash(resolved)
     out = Path(cfg.results_dir) / cfg.name / "runs" / cfg.run_key / "rows.csv"
     if out.exists():

@@ -26,8 +26,8 @@ FA2_TABLE = {  # seqlen: (fwd, fwd+bwd)
     8192: (333, 308),
     16384: (335, 328),
 }
-#: stated tolerance of the calibration (the fit reaches 3.3% fwd, 1.6% fwd+bwd at worst)
-FA2_TOLERANCE = 0.05
+#: band of the kernel targets in the calibration experiment (results/calibration/targets.csv)
+FA2_TOLERANCE = 0.10
 
 
 def _doc_lens(seed: int, context_len: int = 32768, long_frac: float = 0.3) -> np.ndarray:

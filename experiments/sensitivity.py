@@ -210,7 +210,7 @@ def _tornado(df: pd.DataFrame, methods, datasets, mode: str, path: Path) -> None
 
     shown = [m for m in methods if m != "llama3"]
     fig, axes = plt.subplots(len(shown), len(datasets), figsize=(4.2 * len(datasets), 3.6 * len(shown)),
-                             squeeze=False, sharey=True)  # fmt: skip
+                             squeeze=False)  # fmt: skip
     for i, method in enumerate(shown):
         for j, dataset in enumerate(datasets):
             ax = axes[i][j]

@@ -1,4 +1,4 @@
-"""FlashCP's planning heuristic (arXiv 2606.08476, §3.3, Algorithm 1; DESIGN.md §3).
+"""FlashCP's planning heuristic (arXiv 2606.08476, §3.3, Algorithm 1; docs/design.md §3).
 
 Each document is either kept *whole* on one rank (Whole-Doc; its KV is needed by nobody else) or
 cut into 2N chunks (Per-Doc; perfectly balanced but its non-last chunks must be communicated).
@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp.layout import per_doc_chunk_sizes
-from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan
+from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
 
 __all__ = ["plan_flashcp"]
 
@@ -75,7 +75,9 @@ def _whole_doc_pass(
         surplus = tokens[donor] - tokens_per_rank
         if surplus <= 0:
             break
-        receivers = sorted((r for r in range(n) if tokens[r] < tokens_per_rank), key=work.__getitem__)
+        receivers = sorted(
+            (r for r in range(n) if tokens[r] < tokens_per_rank), key=work.__getitem__
+        )
         for rec in receivers:
             if surplus == 0:
                 break
@@ -103,19 +105,25 @@ def _whole_doc_pass(
     return pieces, work
 
 
+@planner_entry("flashcp")
 def plan_flashcp(
     doc_lens,
     cp_size: int,
     *,
     target_imbalance: float = 1.05,
+    num_pad: int = 0,
     validate: bool = True,
 ) -> Plan:
     """Plan FlashCP's hybrid Whole-Doc / Per-Doc layout with the paper's heuristic.
 
     Args:
-        doc_lens: (n_docs,) int, document lengths in packed order (sum C divisible by N).
+        doc_lens: (n_docs,) int, document lengths in packed order (zero-length ones skipped,
+            :func:`~flashcp.plan.planner_entry`).
         cp_size: N >= 1.
         target_imbalance: R >= 1, the imbalance ratio to reach (paper default 1.05).
+        num_pad: pad tokens after the last document; C = sum(doc_lens) + num_pad must divide by
+            N. Step 2b fills every rank up to C/N document tokens at most, and the ranks left
+            short hold the pad (no workload, no communication).
         validate: check the plan's invariants.
     Returns:
         A :class:`~flashcp.plan.Plan` with ``method="flashcp"``; ``info`` holds ``per_doc_docs``
@@ -127,14 +135,14 @@ def plan_flashcp(
     """
     d = check_doc_lens(doc_lens)
     n = cp_size
-    check_cp_args(int(d.sum()), n)
+    check_cp_args(int(d.sum()) + num_pad, n)
     try:
         ok = np.isfinite(float(target_imbalance)) and float(target_imbalance) >= 1.0
     except (TypeError, ValueError):
         ok = False
     if not ok:
         raise ValueError(f"target_imbalance must be a number >= 1, got {target_imbalance!r}")
-    context_len = int(d.sum())
+    context_len = int(d.sum()) + num_pad
     tpr = context_len // n
     lens = d.tolist()
     order = np.argsort(-d, kind="stable").tolist()
@@ -178,10 +186,11 @@ def plan_flashcp(
         rows.extend((r, doc, p, s) for doc, p, s in pieces[r])
     rows.sort()
     cols = np.array(rows, dtype=np.int64).T
+    pad = tpr - np.bincount(cols[0], weights=cols[3], minlength=n).astype(np.int64)
     status = "ok" if ratio <= target_imbalance else "target_not_met"
     info = {
         "per_doc_docs": sorted(per_doc_ids),
         "iterations": k + 1,
         "target_imbalance": float(target_imbalance),
     }
-    return make_plan("flashcp", n, d, *cols, status=status, info=info, validate=validate)
+    return make_plan("flashcp", n, d, *cols, status=status, info=info, pad=pad, validate=validate)

@@ -248,3 +248,39 @@ def test_length_files_keep_zero_lengths_and_the_sampler_drops_them(tmp_path):
     with pytest.raises(ValueError, match="-1"):
         path.write_text("16\n-1\n")
         read_lengths_file(path)
+
+
+# ---- tiny documents: how many pieces the documents are cut into ------------------------------------
+
+
+def test_num_pieces_of_the_tiny_document_example():
+    """[2, 6, 56] at CP 4: doc 2 goes Per-Doc (7 tokens in each of its 2N = 8 chunks, rank 3's
+    two middle chunks merged: 7 shards), leaving 2 free tokens on every rank, so the 6-token
+    document must span three ranks and the 2-token one fits whole: 7 + 3 + 1 = 11 pieces, the
+    fewest this Per-Doc set allows."""
+    plan = make_plan_for("flashcp", [2, 6, 56], 4)
+    assert plan.info["per_doc_docs"] == [2]
+    assert plan.num_pieces == plan.num_shards == 11 and plan.summary()["num_pieces"] == 11
+    per_doc_tokens = np.bincount(plan.rank[plan.doc == 2], plan.length[plan.doc == 2], 4)
+    assert per_doc_tokens.tolist() == [14] * 4  # 16 - 14 = 2 free tokens per rank
+    assert (plan.doc == 0).sum() == 1 and (plan.doc == 1).sum() == 3
+
+
+@pytest.mark.parametrize(
+    ("doc_lens", "cp_size", "num_pieces", "whole"),
+    [
+        # the plain order (shortest whole pieces first, then a head) moved the 1-token doc and cut
+        # the 2-token doc 2 in two; an exact fit moves doc 2 whole instead: only the Per-Doc doc
+        # is cut
+        ([1, 27, 2, 2], 2, 6, [0, 2, 3]),
+        # free tokens 2, 2, 3 next to the Per-Doc 29: the 3-token doc fills the 3 whole and only
+        # the 4-token doc is cut (2 + 2); the plain order cut both
+        ([4, 3, 29], 3, 8, [1]),
+    ],
+)
+def test_token_balancing_prefers_moves_that_cut_no_document(doc_lens, cp_size, num_pieces, whole):
+    plan = make_plan_for("flashcp", doc_lens, cp_size)
+    assert plan.status == "ok" and plan.imbalance_ratio <= 1.05
+    assert plan.num_pieces == num_pieces
+    counts = np.bincount(plan.doc, minlength=len(doc_lens))
+    assert all(counts[d] == 1 for d in whole), plan.ranks()

@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pad-to-multiple",
         action="store_true",
-        help="add the fewest pad tokens that make C divisible as the layout needs (N; 2N for llama3)",
+        help="add the fewest pad tokens that make C divisible as the layout needs "
+        "(N; 2N for llama3)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan_command)

@@ -13,8 +13,9 @@ step, taking the largest rank (collectives are synchronous). KV bytes = tokens x
 * ``allgather_sharded`` (``flashcp``; Eq. 5): the same with ``comm_tokens`` (each rank's
   contribution is padded to the largest rank's compact buffer).
 * ``p2p_ring`` (``ring``, ``zigzag``): N-1 steps, each receiving one KV block of C/N tokens
-  (with pad tokens: the most document tokens any rank holds; pad rows are not sent) (forward); training passes the KV blocks around again and the dK/dV partial sums too, N-1 hops
-  in float32 (at least: summing in bfloat16 would round the growing sum at every hop).
+  (forward; with pad tokens, the most document tokens any rank holds: pad rows are not sent);
+  training passes the KV blocks around again and the dK/dV partial sums too, N-1 hops in float32
+  (at least: summing in bfloat16 would round the growing sum at every hop).
 """
 
 from __future__ import annotations

@@ -19,17 +19,17 @@ The loop ends at the latest with every document Per-Doc (the ``per_doc`` layout)
 misses the target (remainder tokens of short documents), the plan's status is ``target_not_met``.
 
 Our reading of step 2b. The paper says which documents move (the donor's) and how (heads); it does
-not say *which* of the donor's pieces. Every cut adds a piece (:attr:`flashcp.plan.Plan.num_pieces`):
-one more attention segment, and a head whose KV is sent. So the pieces for each receiver are
+not say *which* of the donor's pieces. Every cut adds a piece
+(:attr:`~flashcp.plan.Plan.num_pieces`): one more attention segment, and a head whose KV is sent. So the pieces for each receiver are
 chosen to cut as few documents as possible (:func:`_choose_moves`): whole pieces that fill the
 receiver's deficit exactly (no cut); else the head of a piece whose tail then fills a later
 receiver's deficit exactly (one cut instead of two); else whole pieces that fit, shortest first,
-and the head of the next one (one cut). Fewer cuts can move a little more workload, so step 2b is
-also run in that plain last order, and of the two the one with fewer pieces among those meeting
-the target is kept (else the better balanced): preferring fewer cuts never adds a Per-Doc
-document. Documents shorter than the deficits are then kept whole where any arrangement allows;
-where none does (e.g. ``[2, 6, 56]`` at N = 4: the Per-Doc 56 leaves 2 free tokens on each rank,
-so the 6-token document must span three ranks) the cut is forced by the Per-Doc set.
+and the head of the next one (one cut). This is a greedy choice per receiver, not a minimum over
+all arrangements. Fewer cuts can move a little more workload, so step 2b also runs in the plain
+order (shortest whole pieces first, then one head), and of the two the one with fewer pieces
+among those meeting the target is kept (else the better balanced): preferring fewer cuts never
+adds a Per-Doc document. Some cuts are forced by the Per-Doc set: for ``[2, 6, 56]`` at N = 4 the
+Per-Doc 56 leaves 2 free tokens on each rank, so the 6-token document must span three ranks.
 
 The inner loops are plain Python over a few dozen documents (numbers of ranks and documents are
 small), which is faster than numpy for these sizes: about a millisecond per 128K sequence (1.2 to

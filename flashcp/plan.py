@@ -141,10 +141,9 @@ def check_cp_args(context_len: int, cp_size: int, chunks_per_rank: int = 1) -> N
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
     n = chunks_per_rank * cp_size
-    fix = (
-        f"pad to a multiple of {'cp_size' if chunks_per_rank == 1 else f'{chunks_per_rank} * cp_size'}"
-        f" = {n}: num_pad = {-context_len % n}, or pad_to_multiple=True"
-    )
+    multiple = "cp_size" if chunks_per_rank == 1 else f"{chunks_per_rank} * cp_size"
+    fix = f"pad to a multiple of {multiple} = {n}: num_pad = {-context_len % n}"
+    fix += ", or pad_to_multiple=True"
     if context_len % cp_size:
         raise ValueError(
             f"context_len = {context_len} is not divisible by cp_size = {cp_size}: every rank must "
@@ -160,8 +159,8 @@ def check_cp_args(context_len: int, cp_size: int, chunks_per_rank: int = 1) -> N
 def kv_bytes(tokens: Any, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> Any:
     """Bytes of K and V for ``tokens`` tokens: tokens x 2 x num_kv_heads x head_dim x dtype_bytes.
 
-    docs/design.md §2 ("bytes"). Training moves this twice per pass direction (forward all-gather of KV,
-    backward reduce-scatter of dK/dV); callers apply that factor.
+    docs/design.md §2 ("bytes"). Training moves this twice per pass direction (forward all-gather
+    of KV, backward reduce-scatter of dK/dV); callers apply that factor.
     """
     return tokens * 2 * num_kv_heads * head_dim * dtype_bytes
 

@@ -250,7 +250,7 @@ def test_length_files_keep_zero_lengths_and_the_sampler_drops_them(tmp_path):
         read_lengths_file(path)
 
 
-# ---- tiny documents: how many pieces the documents are cut into ------------------------------------
+# ---- tiny documents: how many pieces the documents are cut into --------------------------------
 
 
 def test_num_pieces_of_the_tiny_document_example():

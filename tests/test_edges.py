@@ -284,3 +284,25 @@ def test_token_balancing_prefers_moves_that_cut_no_document(doc_lens, cp_size, n
     assert plan.num_pieces == num_pieces
     counts = np.bincount(plan.doc, minlength=len(doc_lens))
     assert all(counts[d] == 1 for d in whole), plan.ranks()
+
+
+def _measure_padded(rank, n):
+    from flashcp.executors.dist import init_from_env, measure_step
+
+    group = init_from_env(30)
+    out = {}
+    for m in ("llama3", "ring", "flashcp"):
+        plan = make_plan_for(m, [5, 0, 40, 3, 0], n, num_pad=8, pad_to_multiple=True)
+        out[m] = measure_step(
+            plan, AttnShape(4, 2, 8, "float32"), "train", group=group, backend="cpu", iters=1
+        )
+    return out
+
+
+def test_dist_executor_runs_padded_plans_with_zero_length_documents():
+    res = run_ranks(_measure_padded, 2, timeout_s=120)
+    for m in ("llama3", "ring", "flashcp"):
+        plan = make_plan_for(m, [5, 0, 40, 3, 0], 2, num_pad=8, pad_to_multiple=True)
+        expect = comm_volume(plan, COMM_KIND[m], AttnShape(4, 2, 8, "float32"), "train")
+        assert res[0][m] == res[1][m]
+        assert {k: res[0][m][k] for k in expect} == expect

@@ -72,6 +72,10 @@ def _exact_subset(own: list[list[int]], need: int) -> list[list[int]] | None:
     for pc in own:
         if pc[2] == need:
             return [pc]
+    own = [pc for pc in own if pc[2] < need]
+    total = sum(pc[2] for pc in own)
+    if total <= need:
+        return own if total == need else None
     mask = (1 << (need + 1)) - 1
     reach = [1]
     for pc in own:

@@ -29,11 +29,12 @@ def prepare_llama3(plan: Plan, rank: int) -> AllGatherMeta:
 
 def llama3_attn(
     q, k, v, meta: AllGatherMeta, group=None, *, softmax_scale=None, backend="auto",
-    counter=None, timer=None,
+    counter=None, timer=None, grad_comm_dtype=None, heads_per_group=None,
 ):  # fmt: skip
     """Llama3 CP attention for this rank's tokens: :func:`~flashcp.ops.allgather_attn.allgather_attention`
     with ``method="llama3"`` (arguments, shapes and errors there); ``meta`` from :func:`prepare_llama3`."""
     return allgather_attention(
         q, k, v, meta, group, method="llama3", softmax_scale=softmax_scale, backend=backend,
-        counter=counter, timer=timer,
+        counter=counter, timer=timer, grad_comm_dtype=grad_comm_dtype,
+        heads_per_group=heads_per_group,
     )  # fmt: skip

@@ -28,11 +28,12 @@ def prepare_per_doc(plan: Plan, rank: int) -> AllGatherMeta:
 
 def per_doc_attn(
     q, k, v, meta: AllGatherMeta, group=None, *, softmax_scale=None, backend="auto",
-    counter=None, timer=None,
+    counter=None, timer=None, grad_comm_dtype=None, heads_per_group=None,
 ):  # fmt: skip
     """Per-Doc CP attention for this rank's tokens: :func:`~flashcp.ops.allgather_attn.allgather_attention`
     with ``method="per_doc"`` (arguments, shapes and errors there); ``meta`` from :func:`prepare_per_doc`."""
     return allgather_attention(
         q, k, v, meta, group, method="per_doc", softmax_scale=softmax_scale, backend=backend,
-        counter=counter, timer=timer,
+        counter=counter, timer=timer, grad_comm_dtype=grad_comm_dtype,
+        heads_per_group=heads_per_group,
     )  # fmt: skip

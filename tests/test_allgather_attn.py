@@ -7,6 +7,8 @@ and gradients and compares them with :func:`flashcp.ops.reference.reference_atte
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,8 @@ from mp_utils import run_ranks
 
 from flashcp.comm import AttnShape, comm_volume
 from flashcp.ops import get_attn_op
-from flashcp.ops.backends import VarlenBackend, get_backend
+from flashcp.ops.allgather_attn import allgather_peak_bytes
+from flashcp.ops.backends import VarlenBackend, compute_dtype, get_backend
 from flashcp.ops.collectives import CommCounter
 from flashcp.ops.reference import document_mask, reference_attention
 from flashcp.ops.sharding import shard_tensor, unshard
@@ -424,3 +427,60 @@ def test_default_heads_per_group_follows_the_byte_budget(monkeypatch):
     assert ag.resolve_heads_per_group(20, meta, 8, 16, torch.bfloat16) == 8
     monkeypatch.setattr(ag, "HEAD_GROUP_BUDGET_BYTES", 2 * per_head)  # float64 needs twice as much
     assert ag.resolve_heads_per_group(None, meta, 8, 16, torch.float64) == 1
+
+
+# ---- bounded memory: KV heads in groups ----------------------------------------------------------------
+
+
+class _ZeroKernel(VarlenBackend):
+    """A kernel that allocates exactly its outputs (zeros), so that what a memory measurement
+    sees beyond them is the op's own buffers."""
+
+    def forward(self, q, k, v, *args, causal, softmax_scale):
+        lse = torch.zeros(q.shape[1], q.shape[0], dtype=compute_dtype(q.dtype))
+        return torch.zeros_like(q), lse
+
+    def backward(self, dout, q, k, v, *args, causal, softmax_scale, grad_dtype=None):
+        return tuple(torch.zeros(x.shape, dtype=grad_dtype) for x in (q, k, v))
+
+
+def _run_memory(rank, n, lens, shape, groups):
+    from experiments.bench_memory import peak_bytes
+
+    h, hkv, d = shape
+    plan = make_plan_for("llama3", lens, n)
+    prepare, attn = get_attn_op("llama3")
+    meta = prepare(plan, rank)
+    q, k, v, dout = (
+        shard_tensor(x, plan, rank) for x in _inputs(lens, h, hkv, d, torch.float32, 0)
+    )
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    res = {}
+    for hpg in groups:
+        fwd = functools.partial(
+            attn, q, k, v, meta, backend=_ZeroKernel("zero"), heads_per_group=hpg
+        )
+        fwd().backward(dout)  # warm-up
+        out, fwd_peak = peak_bytes(fwd, torch.device("cpu"))
+        _, bwd_peak = peak_bytes(functools.partial(out.backward, dout), torch.device("cpu"))
+        pred = allgather_peak_bytes(meta, h, hkv, d, torch.float32, hpg, staged_collectives=True)
+        res[hpg] = (fwd_peak, pred["forward"], bwd_peak, pred["backward"], meta.send_max)
+    return res
+
+
+def test_head_groups_bound_the_memory_as_stated():
+    """Peak bytes allocated by the op's calls (CPU allocator, via torch.profiler) are those of
+    ``allgather_peak_bytes`` (on some rank exactly; gloo frees its staging buffers from its own
+    threads, so a rank may hold one longer), and one KV head per group cuts both peaks by more
+    than half."""
+    n, lens, (h, hkv, d) = 2, [256, 128, 128], (8, 4, 32)
+    results = run_ranks(_run_memory, n, lens, (h, hkv, d), (4, 1), timeout_s=120)
+    for hpg in (4, 1):
+        m = results[0][hpg][4]
+        staging = 2 * hpg * d * n * m * 4  # one gathered-size float32 buffer of the group
+        for i in (0, 2):  # forward, backward
+            over = [res[hpg][i] - res[hpg][i + 1] for res in results]
+            assert min(over) >= 0 and min(over) <= staging, (hpg, i, over)
+    for i in (0, 2):
+        one, every = (min(res[hpg][i] for res in results) for hpg in (1, 4))
+        assert one < 0.5 * every, (i, one, every)

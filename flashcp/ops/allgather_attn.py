@@ -54,6 +54,7 @@ __all__ = [
     "allgather_attention",
     "allgather_attn_backward",
     "allgather_attn_forward",
+    "allgather_peak_bytes",
     "build_allgather_meta",
     "check_heads_per_group",
     "check_inputs",
@@ -64,7 +65,7 @@ __all__ = [
 
 #: default byte budget of the backward's gradient buffer (T + N*M, 2, heads_per_group, D) in
 #: ``compute_dtype``: ``heads_per_group=None`` picks the largest divisor of num_kv_heads that fits.
-#: At 128K tokens on 8 ranks with head_dim 128 (T + N*M = 144K rows) one KV head needs 147 MB in
+#: At 128K tokens on 8 ranks with head_dim 128 (T + N*M = 144K rows) one KV head needs 144 MiB in
 #: float32, so the default processes one KV head at a time there; small shapes run in one group.
 HEAD_GROUP_BUDGET_BYTES = 256 * 2**20
 
@@ -285,6 +286,77 @@ def resolve_heads_per_group(
     return max([h for h in fits if h * per_head <= HEAD_GROUP_BUDGET_BYTES] or [1])
 
 
+def allgather_peak_bytes(
+    meta: AllGatherMeta,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    heads_per_group=None,
+    grad_comm_dtype=None,
+    staged_collectives: bool = False,
+) -> dict[str, int]:
+    """Peak bytes one rank's all-gather op allocates during its forward and its backward call
+    (inputs excluded; outputs included from the moment they exist), kernel workspace excluded.
+
+    With R = T + N*M rows of the gathered KV (T local tokens, M rows of the largest send buffer),
+    Tk = keys of all local segments (``meta.kv_index`` rows), h = ``heads_per_group`` (resolved),
+    G = H / Hkv, D = head_dim, e = element size of ``dtype``, a = of ``compute_dtype(dtype)``,
+    c = of ``grad_comm_dtype`` (resolved), s = 1 when there are several head groups (the q / out /
+    dout slices of a group are then copies and the forward's out is assembled), st = 1 for
+    collectives that stage through a temporary of the gathered size (gloo does; NCCL writes in
+    place), O_f = T H D e + H T a (out, lse) and O_b = T (H + 2 Hkv) D e (dq, dk, dv), the live
+    bytes of each phase are::
+
+        forward   gather   s O_f + 2hD (R + M + st N M) e       gathered KV, send buffer
+                  keys     s O_f + 2hD (R + Tk) e               gathered KV, the segments' keys
+                  kernel   O_f + 2hD Tk e + s GhT (2D e + a)    keys, q slice, group's out, lse
+        backward  gather   O_b + 2hD (R + M + st N M) e
+                  keys     O_b + 2hD (R + Tk) e
+                  kernel   O_b + 2hD Tk (e + a) + GhTD (3 s e + a)   keys, their grads, slices, dq
+                  scatter  O_b + 2hD (Tk + R) a                 key grads, gradient buffer
+                  reduce   O_b + 2hD (R a + M c + max((st + [c != a]) N M c, [c != a] M a))
+
+    and the peak is the largest phase. Every term but O_f / O_b is proportional to h: grouping KV
+    heads divides the extra memory by about Hkv / h. With one group (h = Hkv) the float32 gradient
+    buffer alone is (T + N*M) x 2 x Hkv x D x 4 bytes: 4.5 GiB per layer at 128K tokens on 8 ranks
+    with 32 KV heads and head_dim 128, 144 MiB per KV head. Kernel workspace comes on top (the
+    FlashAttention backward keeps a float32 dq accumulator of the group's query heads).
+    ``experiments/bench_memory.py`` measures the peaks.
+
+    Args:
+        meta: the rank's metadata; num_heads, num_kv_heads, head_dim, dtype: of q / k / v.
+        heads_per_group, grad_comm_dtype: the op's options.
+        staged_collectives: the process group's collectives stage through a temporary (gloo).
+    Returns:
+        ``{"forward": bytes, "backward": bytes}``.
+    """
+    h = resolve_heads_per_group(heads_per_group, meta, num_kv_heads, head_dim, dtype)
+    e = dtype.itemsize
+    a = compute_dtype(dtype).itemsize
+    c = resolve_grad_comm_dtype(grad_comm_dtype, dtype).itemsize
+    t, m, n, d = meta.tokens, meta.send_max, meta.cp_size, head_dim
+    r, tk = t + n * m, int(meta.kv_index.numel())
+    g = num_heads // num_kv_heads
+    s, st, cast = int(h < num_kv_heads), int(staged_collectives), int(c != a)
+    o_f = t * num_heads * (d * e + a)
+    o_b = t * (num_heads + 2 * num_kv_heads) * d * e
+    kv = 2 * h * d  # elements per row of a group's K and V
+    gather = kv * (r + m + st * n * m) * e
+    keys = kv * (r + tk) * e
+    forward = max(
+        s * o_f + gather, s * o_f + keys, o_f + kv * tk * e + s * g * h * t * (2 * d * e + a)
+    )
+    backward = o_b + max(
+        gather,
+        keys,
+        kv * tk * (e + a) + g * h * t * d * (3 * s * e + a),
+        kv * (tk + r) * a,
+        kv * (r * a + m * c + max((st + cast) * n * m * c, cast * m * a)),
+    )
+    return {"forward": int(forward), "backward": int(backward)}
+
+
 def _head_groups(num_kv_heads: int, heads_per_group: int) -> list[tuple[int, int]]:
     """KV head ranges ``[h0, h1)`` of the groups."""
     return [
@@ -300,7 +372,7 @@ def _heads(x: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
 
 def _gather_kv(k, v, meta, send_rows, group, counter, timer):
     """``source = [local K/V; all-gathered send buffers]``: (T + N*M, 2, h, D) for k, v of
-    shape (T, h, D)."""
+    shape (T, h, D) (views of one head group are fine: they are copied into ``source``)."""
     n, m, t = meta.cp_size, meta.send_max, meta.tokens
     with timer.phase("others"):
         source = k.new_empty((t + n * m, 2, *k.shape[1:]))
@@ -345,8 +417,7 @@ def allgather_attn_forward(
         out = q.new_empty(q.shape)
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=compute_dtype(q.dtype), device=q.device)
     for h0, h1 in groups:
-        source = _gather_kv(_heads(k, h0, h1), _heads(v, h0, h1), meta, send_rows, group, counter,
-                            timer)  # fmt: skip
+        source = _gather_kv(k[:, h0:h1], v[:, h0:h1], meta, send_rows, group, counter, timer)
         with timer.phase("others"):
             k_seg, v_seg = source.index_select(0, kv_index).unbind(1)  # (Tk, h, D) each
             del source
@@ -394,21 +465,8 @@ def allgather_attn_backward(
     like the gathered KV, reduce-scatter the gathered part in ``grad_comm_dtype`` to the rows'
     owners, add to the local part, round once to k.dtype.
 
-    Extra memory (beyond inputs and outputs), per rank and in bytes, with R = T + N*M rows of the
-    gathered KV, Tk = ``kv_index`` rows (keys of all local segments), h = heads per group,
-    G = H / Hkv, e = k.element_size(), a = ``compute_dtype`` element size (4, or 8 for float64),
-    c = ``grad_comm_dtype`` element size; the largest of the phases' live buffers::
-
-        gather:  2hD * (R + M) * e                   (gathered KV + send buffer)
-        keys:    2hD * (R + Tk) * e                  (gathered KV while indexing the keys)
-        kernel:  2hD * Tk * (e + a) + GhTD * (3e + a) (keys, their grads; q/out/dout slices, dq;
-                                                      the slices only when there are several groups)
-        scatter: 2hD * (Tk + R) * a                  (key grads while adding into the buffer)
-        reduce:  2hD * (R * a + M * c + [N*M * c if c != a])
-
-    plus the kernel's own workspace. Grouping divides every term by Hkv / h; with one group
-    (h = Hkv) the float32 buffer is (T + N*M, 2, Hkv, D), several GiB per layer at 128K tokens
-    with 32 KV heads. ``experiments/bench_memory.py`` measures it.
+    Peak memory: :func:`allgather_peak_bytes` (``backward``); the float32 gradient buffer is
+    (T + N*M, 2, h, D) for h = ``heads_per_group`` KV heads instead of all of them.
 
     Args:
         dout, out: (T, H, D); q: (T, H, D); k, v: (T, Hkv, D); lse: (H, T) in
@@ -430,8 +488,7 @@ def allgather_attn_backward(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for h0, h1 in _head_groups(hkv, hpg):
         qh = slice(h0 * g, h1 * g)
-        source = _gather_kv(_heads(k, h0, h1), _heads(v, h0, h1), meta, send_rows, group, counter,
-                            timer)  # fmt: skip
+        source = _gather_kv(k[:, h0:h1], v[:, h0:h1], meta, send_rows, group, counter, timer)
         with timer.phase("others"):
             k_seg, v_seg = source.index_select(0, kv_index).unbind(1)  # (Tk, h, D) each
             rows = source.shape[0]
@@ -525,7 +582,7 @@ def allgather_attention(
             dtype halves the reduce-scatter bytes at that cost (same option, default and
             validation as the ring ops: :func:`~flashcp.ops.collectives.resolve_grad_comm_dtype`).
         heads_per_group: KV heads processed together (with their query heads) in both passes;
-            bounds the extra memory of the backward (formula in :func:`allgather_attn_backward`).
+            bounds the extra memory of both passes (formula in :func:`allgather_peak_bytes`).
             Default (None): the largest divisor of num_kv_heads whose float32 gradient buffer
             fits :data:`HEAD_GROUP_BUDGET_BYTES` (:func:`resolve_heads_per_group`); the KV
             all-gather and the reduce-scatter are then issued once per group (same total bytes).

@@ -378,7 +378,7 @@ def test_bf16_grad_error_does_not_grow_with_cp_size():
     default, so the mean dk/dv error is the same at CP 2, 4 and 8 (as for the ring family); with
     ``grad_comm_dtype="bfloat16"`` it grows with cp_size. Counted bytes equal ``comm_volume`` with
     the same ``grad_comm_dtype``."""
-    c, methods = 1024, ("llama3", "per_doc", "flashcp", "ring")
+    c, methods = 1024, ("llama3", "flashcp", "ring")  # per_doc = llama3 on one document
     q, k, v, dout = _inputs([c], 2, 1, 16, torch.bfloat16, 0)
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref = reference_attention(*leaves, [c])

@@ -18,6 +18,14 @@ only when a query row needs several non-adjacent key ranges). A step with no pai
 kernel at all: with the ``zigzag`` layout roughly half of every block is skipped, with ``ring``
 every block from a later rank is.
 
+Memory per rank, beyond q, k, v (T = C/N rows, e = element size, a = ``compute_dtype`` element
+size, c = ``grad_comm_dtype`` element size): the forward holds the KV block it computes on and the
+one it receives, 2 x 2 T Hkv D e, and the merge accumulators T H D a + H T a (with each call's
+query / key slices and kernel outputs); the backward holds the same two KV blocks, dq
+(T H D a), this rank's partial dK/dV of the held block and of its own block (2 x 2 T Hkv D a), the
+partial sum it sends and the one it receives (2 x 2 T Hkv D c). None of it grows with N;
+``experiments/bench_memory.py`` measures it.
+
 All metadata is built once per batch by :func:`prepare_ring_meta` (pure, no process group) and
 reused by every layer.
 

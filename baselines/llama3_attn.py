@@ -5,7 +5,7 @@ Layout: the packed sequence in 2N equal chunks, rank r holding chunks r and 2N-1
 document is one causal segment over its document's prefix. Communication: all-gather of the full KV
 in the forward (and again in the backward), reduce-scatter of dK/dV (Eq. 4).
 
-Op anatomy (STYLE.md §3): the forward, backward and autograd Function are shared by the
+Op anatomy: the forward, backward and autograd Function are shared by the
 all-gather family in :mod:`flashcp.ops.allgather_attn` (the methods differ only in their metadata);
 this module holds the method's ``prepare_llama3`` and its thin public wrapper ``llama3_attn``.
 """

@@ -4,7 +4,7 @@ Layout: every document cut into 2N chunks, rank r holding chunks r and 2N-1-r of
 (:func:`baselines.per_doc.plan_per_doc`; remainders spread, no padding). Communication: all-gather
 of the full KV in the forward (and again in the backward), reduce-scatter of dK/dV (Eq. 4).
 
-Op anatomy (STYLE.md §3): the forward, backward and autograd Function are shared by the
+Op anatomy: the forward, backward and autograd Function are shared by the
 all-gather family in :mod:`flashcp.ops.allgather_attn` (the methods differ only in their metadata);
 this module holds the method's ``prepare_per_doc`` and its thin public wrapper ``per_doc_attn``.
 """

@@ -6,7 +6,7 @@ shards, packed into one compact buffer padded to the largest rank's; documents k
 last shard of every document are never sent. The backward re-gathers the same buffers and
 reduce-scatters only the matching dK/dV rows.
 
-Op anatomy (STYLE.md §3): the forward, backward and autograd Function are shared by the
+Op anatomy: the forward, backward and autograd Function are shared by the
 all-gather family in :mod:`flashcp.ops.allgather_attn` (the methods differ only in their metadata);
 this module holds the method's ``prepare_flashcp`` and its thin public wrapper ``flashcp_attn``.
 """

@@ -3,7 +3,7 @@
 This is the one place that turns a plan into bytes: the simulator prices these bytes, and the real
 ops' byte counters are tested against them.
 
-Conventions (DESIGN.md §2): volumes are the bytes **one rank receives** in one attention layer's
+Conventions (docs/design.md §2): volumes are the bytes **one rank receives** in one attention layer's
 step, taking the largest rank (collectives are synchronous). KV bytes = tokens x 2 (K and V) x
 ``num_kv_heads`` x ``head_dim`` x bytes per element. KV buffers are in the model dtype; gradient
 partial sums (dK/dV) cross ranks in ``grad_comm_dtype``, by default the model dtype promoted to at

@@ -1,4 +1,4 @@
-"""Varlen attention kernel backends behind one interface (DESIGN.md §4).
+"""Varlen attention kernel backends behind one interface (docs/design.md §4).
 
 A backend computes attention over *segments*: query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``
 attend to key rows ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``. ``causal`` is aligned bottom-right per

@@ -43,7 +43,11 @@ import torch
 import torch.distributed as dist
 
 from flashcp.ops import get_attn_op
-from flashcp.ops.allgather_attn import AllGatherMeta, allgather_peak_bytes
+from flashcp.ops.allgather_attn import (
+    AllGatherMeta,
+    allgather_peak_bytes,
+    resolve_heads_per_group,
+)
 from flashcp.ops.sharding import shard_tensor
 from flashcp.registry import make_plan_for
 
@@ -131,7 +135,7 @@ def _rank_rows(rank: int, n: int, args, plans: dict) -> list[dict]:
         inputs = _nbytes(q, k, v)
         row = {
             "method": method,
-            "heads_per_group": hpg if method not in RING_FAMILY else None,
+            "heads_per_group": "-",
             "rank": rank,
             "inputs_bytes": inputs,
             "fwd_peak_bytes": fwd_peak,
@@ -141,6 +145,8 @@ def _rank_rows(rank: int, n: int, args, plans: dict) -> list[dict]:
             "wall_s": wall,
         }
         if isinstance(meta, AllGatherMeta):
+            used = resolve_heads_per_group(hpg, meta, args.kv_heads, args.head_dim, dtype)
+            row["heads_per_group"] = f"{used} (auto)" if hpg is None else str(used)
             pred = allgather_peak_bytes(
                 meta, args.heads, args.kv_heads, args.head_dim, dtype, heads_per_group=hpg,
                 staged_collectives=device.type == "cpu",  # gloo stages through a temporary
@@ -213,7 +219,7 @@ def run(args) -> pd.DataFrame:
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Largest rank per (method, heads_per_group), in MiB, with the derived columns."""
     key = ["method", "heads_per_group"]
-    g = df.groupby(key, dropna=False, sort=False).max(numeric_only=True).reset_index()
+    g = df.groupby(key, sort=False).max(numeric_only=True).reset_index()
     out = pd.DataFrame({"method": g["method"], "heads_per_group": g["heads_per_group"]})
     out["inputs_MiB"] = g["inputs_bytes"] / MIB
     for p in ("fwd", "bwd"):

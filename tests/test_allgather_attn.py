@@ -484,3 +484,21 @@ def test_head_groups_bound_the_memory_as_stated():
     for i in (0, 2):
         one, every = (min(res[hpg][i] for res in results) for hpg in (1, 4))
         assert one < 0.5 * every, (i, one, every)
+
+
+def test_comm_volume_counts_grad_comm_dtype():
+    """dK/dV bytes follow grad_comm_dtype (default: float32 for a bf16 model, float64 for a
+    float64 one); KV bytes stay in the model dtype."""
+    plan = make_plan_for("llama3", [40, 24], 2)
+    bf16, f64 = AttnShape(4, 2, 16, "bfloat16"), AttnShape(4, 2, 16, "float64")
+    kv = comm_volume(plan, "allgather_full", bf16, "infer")["allgather_bytes"]
+    for shape, gdt, elem in ((bf16, None, 4), (bf16, "bfloat16", 2), (f64, None, 8)):
+        vol = comm_volume(plan, "allgather_full", shape, "train", grad_comm_dtype=gdt)
+        assert vol["allgather_bytes"] == 2 * kv * shape.dtype_bytes // 2
+        assert vol["reducescatter_bytes"] == kv * elem // 2
+    ring = make_plan_for("ring", [40, 24], 2)
+    p2p = {g: comm_volume(ring, "p2p_ring", bf16, "train", grad_comm_dtype=g)["p2p_bytes"]
+           for g in (None, "bfloat16")}  # fmt: skip
+    assert p2p[None] - p2p["bfloat16"] == 32 * 2 * 2 * 16 * 2  # one hop of C/N tokens, 2 B less
+    with pytest.raises(ValueError, match="unknown grad_comm_dtype"):
+        comm_volume(plan, "allgather_full", bf16, "train", grad_comm_dtype="int8")

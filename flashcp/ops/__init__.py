@@ -8,8 +8,9 @@ timer=None, grad_comm_dtype=None) -> out`` (the all-gather family also takes ``h
 Numerics, the same for every op: the LSE, LSE merges and gradient partial sums are in
 :func:`flashcp.ops.backends.compute_dtype` of the inputs (float32; float64 for float64 inputs, so
 ``backend="reference"`` is float64 end to end), and dK/dV partial sums cross ranks in
-``grad_comm_dtype`` (default: that same dtype; :func:`flashcp.ops.collectives.resolve_grad_comm_dtype`),
-which :func:`flashcp.comm.comm_volume` counts.
+``grad_comm_dtype`` (default: that same dtype;
+:func:`flashcp.ops.collectives.resolve_grad_comm_dtype`), which :func:`flashcp.comm.comm_volume`
+counts.
 
 Typical use inside a training step (one plan per batch, shared by every layer)::
 

@@ -265,7 +265,8 @@ def check_heads_per_group(heads_per_group) -> None:
 def resolve_heads_per_group(
     heads_per_group, meta: AllGatherMeta, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
-    """KV heads processed together by :func:`allgather_attn_forward` / :func:`allgather_attn_backward`.
+    """KV heads processed together by :func:`allgather_attn_forward` and
+    :func:`allgather_attn_backward`.
 
     Args:
         heads_per_group: an integer >= 1 (values above ``num_kv_heads`` mean all heads at once),
@@ -273,7 +274,8 @@ def resolve_heads_per_group(
             ``(T + N*M) * 2 * h * head_dim`` elements of ``compute_dtype(dtype)`` fits in
             :data:`HEAD_GROUP_BUDGET_BYTES` (at least 1). It depends only on the plan and the
             shapes, so every rank picks the same value (their collectives must match).
-        meta: this rank's metadata (T = ``meta.tokens``, N = ``meta.cp_size``, M = ``meta.send_max``).
+        meta: this rank's metadata (T = ``meta.tokens``, N = ``meta.cp_size``,
+            M = ``meta.send_max``).
     Returns:
         h, 1 <= h <= num_kv_heads.
     Raises:

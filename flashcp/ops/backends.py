@@ -29,8 +29,9 @@ Backends:
 * ``cpu``: large segments on PyTorch's flash CPU kernel
   (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward, which take the LSE), one
   segment at a time, split into a non-causal prefix block and a causal diagonal block (the kernel's
-  causal flag is top-left aligned); small segments in blocked dense float32 math, consecutive ones
-  merged into one masked block so that many tiny documents cost few calls.
+  causal flag is top-left aligned); small segments in blocked dense math (float32; float64 for
+  float64 inputs), consecutive ones merged into one masked block so that many tiny documents cost
+  few calls.
 * ``reference``: the same formulas in float64, one segment at a time (tests).
 
 One dtype rule (:func:`compute_dtype`) holds for every backend and every CP op: the LSE, LSE

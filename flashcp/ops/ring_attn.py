@@ -38,20 +38,20 @@ partial outputs merge by their LSE in ``compute_dtype`` of the inputs (float32, 
 float64 inputs; :mod:`flashcp.ops.lse`).
 
 Backward: the KV blocks travel around the ring again (``N - 1`` exchanges), dQ accumulates locally
-in ``compute_dtype``, and the dK/dV partial sums of each block travel *with* the ring, one hop behind the KV:
-rank ``src + 1`` starts the partial sum of block ``src`` (step 1), each following rank adds its
-contribution and passes it on, and rank ``src - 1`` (step N-1) sends the sum home, where the
-owner adds its own step-0 contribution, kept locally. That is ``N - 1`` dK/dV hops, so a training
-step receives ``2 (N - 1)`` KV blocks of ``C/N`` tokens per rank plus ``N - 1`` dK/dV blocks,
-exactly :func:`flashcp.comm.comm_volume` for ``p2p_ring``. The partial sums travel in float32 by
-default (at least; float64 stays float64: :func:`~flashcp.ops.collectives.resolve_grad_comm_dtype`),
-as :func:`~flashcp.comm.comm_volume` counts and as the
-``ring-flash-attn`` package does (it takes one hop more): summing in bfloat16 would round the
-growing sum at each hop, which at CP 8 puts dK/dV errors at up to ~3x a single-device bfloat16
-computation instead of within 2x. ``grad_comm_dtype=torch.bfloat16`` halves those bytes at that
-cost. Each block's gradients come from the backend backward fed with the *global* merged ``out``
-and ``lse`` (FlashAttention-2 backward, Dao 2023), which makes the per-block contributions add up
-to the exact gradient.
+in ``compute_dtype``, and the dK/dV partial sums of each block travel *with* the ring, one hop
+behind the KV: rank ``src + 1`` starts the partial sum of block ``src`` (step 1), each following
+rank adds its contribution and passes it on, and rank ``src - 1`` (step N-1) sends the sum home,
+where the owner adds its own step-0 contribution, kept locally. That is ``N - 1`` dK/dV hops, so a
+training step receives ``2 (N - 1)`` KV blocks of ``C/N`` tokens per rank plus ``N - 1`` dK/dV
+blocks, exactly :func:`flashcp.comm.comm_volume` for ``p2p_ring``. The partial sums travel in
+float32 by default (float64 for float64 inputs:
+:func:`~flashcp.ops.collectives.resolve_grad_comm_dtype`), as :func:`~flashcp.comm.comm_volume`
+counts and as the ``ring-flash-attn`` package does (it takes one hop more): summing in bfloat16
+would round the growing sum at each hop, which at CP 8 puts dK/dV errors at up to ~3x a
+single-device bfloat16 computation instead of within 2x. ``grad_comm_dtype=torch.bfloat16``
+halves those bytes at that cost. Each block's gradients come from the backend backward fed with
+the *global* merged ``out`` and ``lse`` (FlashAttention-2 backward, Dao 2023), which makes the
+per-block contributions add up to the exact gradient.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ and gradients and compares them with :func:`flashcp.ops.reference.reference_atte
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -278,7 +279,7 @@ def test_single_rank_without_process_group():
 @pytest.mark.parametrize("backend", ["torch_cuda", "flash_attn"])
 def test_cuda_kernels_single_rank(backend):
     """The ops on a GPU kernel (cp_size = 1, no process group), bf16, vs the float64 reference:
-    within 2x of plain single-device bf16 math."""
+    within 2x of plain single-device bf16 math, with all KV heads at once and one at a time."""
     try:
         get_backend(backend, "cuda")
     except ValueError as e:
@@ -290,11 +291,11 @@ def test_cuda_kernels_single_rank(backend):
     ref.backward(dout.double())
     want = [ref.detach()] + [x.grad for x in leaves]
     plain = _plain_bf16(q, k, v, dout, lens)
-    for m in METHODS:
+    for m, hpg in itertools.product(METHODS, (None, 1)):
         prepare, attn = get_attn_op(m)
         meta = prepare(make_plan_for(m, lens, 1), 0)
         ql, kl, vl = (x.cuda().requires_grad_() for x in (q, k, v))
-        out = attn(ql, kl, vl, meta, backend=backend)
+        out = attn(ql, kl, vl, meta, backend=backend, heads_per_group=hpg)
         out.backward(dout.cuda())
         for got, p, w in zip((out, ql.grad, kl.grad, vl.grad), plain, want, strict=True):
             assert _err(got.cpu(), w) <= 2 * _err(p, w) + 1e-6

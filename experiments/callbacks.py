@@ -178,8 +178,9 @@ class AggregateResults(Callback):
             )
         for line in problems:
             print(f"flashcp-run: {line}", file=sys.stderr)
-        if problems:
-            raise SystemExit(max([1, *(int(j.get("exit_code", 1)) for j in failed)]))
+        if problems:  # a single run keeps its job's code (2: bad configuration); a sweep exits 1
+            codes = [int(j.get("exit_code") or 1) for j in failed] if not self.multirun else []
+            raise SystemExit(max([1, *codes]))
 
     def _merge_and_draw(self, config: DictConfig) -> list[str]:
         """Merge the jobs' rows and draw the figures; return what went wrong (one line each)."""

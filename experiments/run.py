@@ -113,11 +113,12 @@ def run_identity(cfg: DictConfig, code_version: str) -> dict[str, Any]:
     ds, m, ex = cfg.dataset, cfg.model, cfg.executor
     c = int(cfg.context_len)
     uses_hw = ex.name in USES_HARDWARE_PROFILE
+    from_file = ds.name == "file" and ds.path is not None  # other datasets ignore dataset.path
     hw = _container(cfg.hardware) if uses_hw else {}
     ident = {
         "dataset": ds.name,
-        "dataset_path": str(ds.path) if ds.path is not None else "-",
-        "dataset_sha256": file_sha256(ds.path) if ds.path is not None else "-",
+        "dataset_path": str(ds.path) if from_file else "-",
+        "dataset_sha256": file_sha256(ds.path) if from_file else "-",
         "weighting": ds.weighting,
         "dataset_cap": int(ds.cap) if ds.cap is not None else 4 * c,
         "overlong": ds.overlong,

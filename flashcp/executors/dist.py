@@ -52,6 +52,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+#: how a collective reports that another rank has gone (gloo transport errors, aborted communicators)
+_PEER_GONE = ("by peer", "Connection reset", "Connection closed", "Broken pipe", "aborted")
+
+
 class PeerFailure(RuntimeError):
     """This rank stopped because another rank failed and aborted the process group."""
 
@@ -88,8 +92,8 @@ def abort_group_on_error(group=None, what: str = "step") -> Iterator[None]:
     except PeerFailure:
         raise
     except Exception as exc:
-        peer = isinstance(exc, getattr(dist, "DistBackendError", ())) or "closed by peer" in str(
-            exc
+        peer = isinstance(exc, getattr(dist, "DistBackendError", ())) or any(
+            sign in str(exc) for sign in _PEER_GONE
         )
         abort_group(group)
         if peer:

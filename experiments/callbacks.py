@@ -49,7 +49,8 @@ def is_rank0() -> bool:
 
 def read_lock(exp_dir: str | Path) -> dict[str, Any] | None:
     """The sweep that holds ``exp_dir`` (``sweep_id``, ``pid``, ``host``, ``started_utc``,
-    ``code_version``), or None when no sweep holds it (or its lock is unreadable)."""
+    ``provenance`` with its ``code_version``), or None when no sweep holds it (or its lock is
+    unreadable)."""
     try:
         return json.loads((Path(exp_dir) / LOCK_NAME).read_text())
     except (OSError, ValueError):
@@ -85,7 +86,7 @@ def acquire_lock(exp_dir: str | Path) -> dict[str, Any]:
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "started_utc": now.isoformat(timespec="seconds"),
-        "code_version": provenance()["code_version"],
+        "provenance": provenance(),  # read once: every run of the sweep has the same code
     }
     path = exp_dir / LOCK_NAME
     for _ in range(2):

@@ -412,7 +412,7 @@ def job_info(cfg: DictConfig) -> dict[str, Any]:
 
     Under Hydra: the job's output folder (rows beside ``.hydra/`` and its log, wherever
     ``hydra.sweep.dir`` / ``hydra.run.dir`` put it), the experiment folder the callback locked,
-    its ``sweep_id`` and code version (from the lock), the job number and the overrides. Called
+    its ``sweep_id`` and provenance (code version; from the lock), the job number and the overrides. Called
     directly: ``${results_dir}/${name}/runs/${run_key}``, a fresh ``sweep_id``, job 0.
     """
     from hydra.core.hydra_config import HydraConfig
@@ -436,7 +436,7 @@ def job_info(cfg: DictConfig) -> dict[str, Any]:
         "out_dir": out_dir,
         "sweep_id": lock.get("sweep_id")
         or f"direct-{os.getpid()}-{time.strftime('%Y%m%dT%H%M%S')}",
-        "code_version": lock.get("code_version"),
+        "provenance": lock.get("provenance"),
         "job_num": job_num,
         "overrides": overrides,
     }
@@ -522,9 +522,7 @@ def run(cfg: DictConfig) -> Path | None:
         return out_dir / "table2.csv"
 
     job = job_info(cfg)
-    prov = provenance()
-    if job["code_version"]:  # the sweep's: one code version per sweep
-        prov["code_version"] = job["code_version"]
+    prov = job["provenance"] or provenance()  # a sweep's: one code version per sweep
     ident = run_identity(cfg, prov["code_version"])
     run_id = identity_hash(ident)
     out = job["out_dir"] / "rows.csv"
@@ -577,9 +575,7 @@ def write_error_rows(cfg: DictConfig, exc: BaseException) -> Path | None:
         return None
     try:
         job = job_info(cfg)
-        prov = provenance()
-        if job["code_version"]:
-            prov["code_version"] = job["code_version"]
+        prov = job["provenance"] or provenance()  # a sweep's: one code version per sweep
         ident = run_identity(cfg, prov["code_version"])
         rows = [{"seq_idx": None, "mode": mode, "status": _error_status(exc)} for mode in cfg.modes]
         out = job["out_dir"] / "rows.csv"

@@ -41,7 +41,14 @@ def _small(tmp_path: Path, *overrides: str):
 
 
 def _cli(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "experiments.run", *args, f"results_dir={tmp_path}", "progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        *args,
+        f"results_dir={tmp_path}",
+        "progress=false",
+    ]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -76,7 +83,11 @@ def test_swept_options_and_sizes_are_not_averaged(tmp_path):
         run(_small(tmp_path, "name=n", "method=flashcp", f"num_sequences={n}"))
     run(_small(tmp_path, "name=n", "method=llama3", "num_sequences=2"))
     s = aggregate(tmp_path / "n")
-    fl = s[(s["method"] == "flashcp") & (s["mode"] == "train")].set_index("num_sequences").sort_index()
+    fl = (
+        s[(s["method"] == "flashcp") & (s["mode"] == "train")]
+        .set_index("num_sequences")
+        .sort_index()
+    )
     assert list(fl.index) == [2, 3] and list(fl["num_rows"]) == [2, 3]
     # speedup pairs only the llama3 run of the same identity: none exists for 3 sequences
     assert fl.loc[2, "speedup_vs_llama3"] > 0 and pd.isna(fl.loc[3, "speedup_vs_llama3"])
@@ -120,7 +131,9 @@ def test_one_sweep_per_folder(tmp_path):
     assert not (tmp_path / "x" / "runs").exists()
     release_lock(tmp_path / "x", held)
     assert read_lock(tmp_path / "x") is None
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     (tmp_path / "y").mkdir()
     (tmp_path / "y" / LOCK_NAME).write_text(
         f'{{"sweep_id": "old", "pid": {int(dead.stdout)}, "host": "{__import__("socket").gethostname()}"}}'
@@ -140,7 +153,10 @@ def test_failing_jobs_are_rows_and_the_sweep_goes_on(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     err = proc.stderr.strip().splitlines()
     assert any(line.startswith("flashcp-run: 2 of 4 jobs failed") for line in err), err[-5:]
-    assert any("fig6 needs one cp_size and model per dataset; this sweep has cp_size 2, 4" in x for x in err)
+    assert any(
+        "fig6 needs one cp_size and model per dataset; this sweep has cp_size 2, 4" in x
+        for x in err
+    )
     assert not (pinned / "fig6.png").exists() and (pinned / "fig5.png").exists()
     # the merge found the rows where the jobs wrote them
     rows = read_rows(pinned / "rows.csv")
@@ -196,7 +212,10 @@ def test_overlong_documents_are_split_by_default(tmp_path):
     # (every document but a sequence's last, which packing cuts to fit, is a whole piece)
     assert all(set(d[:-1].tolist()) <= {8192, 1808, 3616} for d in seqs)
     assert any(d.size > 1 for d in seqs)  # a remainder piece shares a sequence
-    assert all(c["overlong_tokens_cut"] == 0 and c["overlong_docs"] == len(d) for c, d in zip(counts, seqs, strict=True))
+    assert all(
+        c["overlong_tokens_cut"] == 0 and c["overlong_docs"] == len(d)
+        for c, d in zip(counts, seqs, strict=True)
+    )
     df = read_rows(run(cfg))
     assert (df["status"] == "ok").all() and (df["overlong_docs"] >= 1).all()
 
@@ -234,15 +253,19 @@ def test_figures_refuse_mixed_data_and_mark_missing_bars(tmp_path, monkeypatch):
     aggregate(tmp_path / "t")
     with pytest.raises(ValueError, match="differ in method_options"):
         draw("fig5", tmp_path / "t")
-    with pytest.raises(ValueError, match="fig6 .* differ in method_options"):
+    with pytest.raises(ValueError, match=r"fig6 .* differ in method_options"):
         draw("fig6", tmp_path / "t")
     # a failed zigzag run on one dataset: its bar is marked, not left out
     run(_small(tmp_path, "name=m", "method=llama3"))
     run(_small(tmp_path, "name=m", "method=zigzag"))
     run(_small(tmp_path, "name=m", "method=llama3", "dataset=wlb_llm"))
-    write_error_rows(_small(tmp_path, "name=m", "method=zigzag", "dataset=wlb_llm"), RuntimeError("x"))
+    write_error_rows(
+        _small(tmp_path, "name=m", "method=zigzag", "dataset=wlb_llm"), RuntimeError("x")
+    )
     aggregate(tmp_path / "m")
     marked = []
     monkeypatch.setattr(plot, "_mark_missing", lambda ax, x: marked.append(ax))
     draw("fig5", tmp_path / "m")
-    assert len(marked) == 2 and all(ax.get_title().startswith("wlb_llm") for ax in marked)  # train, infer
+    assert len(marked) == 2 and all(
+        ax.get_title().startswith("wlb_llm") for ax in marked
+    )  # train, infer

@@ -57,6 +57,7 @@ from flashcp.results import (
     identity_hash,
     provenance,
     read_rows,
+    typed,
     write_csv_atomic,
 )
 
@@ -466,7 +467,7 @@ def finish_rows(
     for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
         if col not in df:
             df[col] = np.nan
-    return df
+    return typed(df)  # an integer column holding a fraction is a bug: raise here
 
 
 def _resolved_hash(cfg: DictConfig) -> str:

@@ -87,11 +87,13 @@ def identity_hash(identity: dict) -> str:
     return config_hash({k: identity[k] for k in IDENTITY_COLUMNS})
 
 
-def typed(df):
+def typed(df, strict: bool = True):
     """``df`` with :data:`INT_COLUMNS` as ``Int64`` and :data:`TEXT_COLUMNS` as text (in place).
 
+    Args:
+        strict: raise on an integer column holding a non-integer value; otherwise leave it as is.
     Raises:
-        ValueError: an integer column holds a non-integer value (naming the column).
+        ValueError: (strict) an integer column holds a non-integer value, naming the column.
     """
     import pandas as pd
 
@@ -100,7 +102,8 @@ def typed(df):
             try:
                 df[col] = pd.to_numeric(df[col]).astype("Int64")
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"column {col!r} must hold integers: {exc}") from None
+                if strict:
+                    raise ValueError(f"column {col!r} must hold integers: {exc}") from None
     for col in TEXT_COLUMNS:
         if col in df:
             df[col] = df[col].astype("string")
@@ -187,17 +190,13 @@ def config_hash(cfg_dict: dict) -> str:
 
 def write_csv_atomic(df, path) -> None:
     """Write a pandas DataFrame to ``path`` through a temporary file and an atomic rename, so an
-    interrupted run never leaves a half-written CSV where a finished one is expected. Integer
-    columns are written as integers (:func:`typed`).
-
-    Raises:
-        ValueError: an integer column holds a non-integer value.
-    """
+    interrupted run never leaves a half-written CSV where a finished one is expected. Columns of
+    :data:`INT_COLUMNS` that hold only integers are written as integers (no ``4.0``)."""
     import os
     from pathlib import Path
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    typed(df.copy()).to_csv(tmp, index=False)
+    typed(df.copy(), strict=False).to_csv(tmp, index=False)
     os.replace(tmp, path)

@@ -161,11 +161,11 @@ class AggregateResults(Callback):
 
     def _finish(self, config: DictConfig) -> None:
         release_process_group()
-        if config.get("task", "main") != "main" or not is_rank0() or self.exp_dir is None:
-            release_lock(self.exp_dir, self.lock) if self.exp_dir is not None else None
-            return
+        if not is_rank0() or self.exp_dir is None:
+            return  # under torchrun only rank 0 locks, merges and reports
+        merge = config.get("task", "main") == "main"  # other tasks write their own tables
         try:
-            problems = self._merge_and_draw(config)
+            problems = self._merge_and_draw(config) if merge else []
         finally:
             release_lock(self.exp_dir, self.lock)
         failed = [j for j in self.jobs if j.get("error")]

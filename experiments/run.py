@@ -98,12 +98,10 @@ def file_sha256(path: str | Path) -> str:
 def hardware_changes(hw: dict[str, Any]) -> dict[str, Any]:
     """Constants of a composed hardware profile that differ from its file ``conf/hardware/<name>``
     (command-line overrides such as ``hardware.launch_us=10``); every constant if no such file."""
-    import yaml
-
     from flashcp.sim.hardware import hardware_dir
 
     path = hardware_dir() / f"{hw.get('name')}.yaml"
-    base = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    base = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
     return {k: v for k, v in hw.items() if k != "defaults" and base.get(k) != v}
 
 

@@ -6,6 +6,7 @@ what they cannot draw. Each test is built from a small example of the fault it g
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import subprocess
 import sys
@@ -59,6 +60,11 @@ def test_rows_carry_the_run_identity_and_job(tmp_path):
     assert df["run_id"].nunique() == 1 and df["sweep_id"].nunique() == 1
     assert df["method_options"].iloc[0] == '{"target_imbalance": 1.05}'
     assert df["num_sequences"].iloc[0] == 3 and df["code_version"].iloc[0] != ""
+    assert df["hardware_changes"].iloc[0] == "{}"
+    # a hardware constant changed on the command line is visible and changes the identity
+    hw = read_rows(run(_small(tmp_path, "method=flashcp", "hardware.launch_us=10")))
+    assert json.loads(hw["hardware_changes"].iloc[0]) == {"launch_us": 10}
+    assert hw["run_id"].iloc[0] != df["run_id"].iloc[0]
 
 
 def test_swept_options_and_sizes_are_not_averaged(tmp_path):

@@ -1,4 +1,4 @@
-"""``executor=dist``: run a plan for real, one process per CP rank (DESIGN.md §4).
+"""``executor=dist``: run a plan for real, one process per CP rank (docs/design.md §4).
 
 Under ``torchrun`` every rank calls :func:`init_from_env` once and then :func:`measure_step` for each
 plan: seeded random Q/K/V (identical on every rank), sharded by the plan, through the method's

@@ -173,7 +173,7 @@ def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
             if col not in d:
                 continue
             vals = d[col].astype("float64").fillna(0.0)
-            ax.bar(d.index, vals, bottom=bottom, label=label if j == 0 else None)
+            ax.bar(d.index, vals, bottom=bottom, label=label)
             bottom += vals
         for x, total in enumerate(d["total_ms_mean"].astype("float64")):
             if total != total:  # no (ok) run of this method on this dataset
@@ -183,7 +183,7 @@ def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
                      fontsize=10)  # fmt: skip
         ax.set_ylabel("mean latency per layer step (ms)")
         ax.tick_params(axis="x", labelsize=8)
-    fig.legend(fontsize=7, loc="upper right")
+    axes[0][-1].legend(fontsize=7)
     fig.suptitle(f"Latency breakdown, training ({_subtitle(sub)})", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=130)

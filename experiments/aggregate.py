@@ -44,7 +44,7 @@ RUN_KEYS = ("run_id", *IDENTITY_COLUMNS, "mode")
 PEER_KEYS = tuple(k for k in RUN_KEYS if k not in ("run_id", "method", "method_options"))
 METRICS = (
     "imbalance_ratio", "comm_saving", "comm_tokens", "comm_tokens_full", "comm_tokens_sharded", "plan_ms",
-    "num_split_docs", "max_shards_per_rank", "overlong_docs", "overlong_tokens_cut",
+    "num_split_docs", "num_pieces", "max_shards_per_rank", "overlong_docs", "overlong_tokens_cut",
 )  # fmt: skip
 
 

@@ -64,7 +64,8 @@ INT_COLUMNS: tuple[str, ...] = (
     "job_num", "cp_size", "context_len", "num_sequences", "seed", "dataset_cap", "num_heads",
     "num_kv_heads", "head_dim", "seq_idx", "num_docs", "max_doc_len", "overlong_docs",
     "overlong_tokens_cut", "comm_tokens", "comm_tokens_full", "comm_tokens_sharded",
-    "num_split_docs", "max_shards_per_rank", *COMM_COLUMNS, "num_rows", "num_ok", "num_error",
+    "num_split_docs", "num_pieces", "max_shards_per_rank", *COMM_COLUMNS, "num_rows", "num_ok",
+    "num_error",
 )  # fmt: skip
 
 #: columns that are text even when every value looks like a number (hashes, ids, JSON)

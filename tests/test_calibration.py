@@ -122,3 +122,10 @@ def test_overlap_model():
     half = dataclasses.replace(hw, overlap_fraction=0.5, nccl_slowdown=1.0)
     t, _ = overlap_us(np.array([100.0]), np.array([60.0]), half)
     assert t[0] == pytest.approx(100.0 + 30.0)
+
+
+def test_allgather_head_group_budget_matches_the_op():
+    from flashcp.ops.allgather_attn import HEAD_GROUP_BUDGET_BYTES
+    from flashcp.sim.impl import AG_GROUP_BUDGET_BYTES
+
+    assert AG_GROUP_BUDGET_BYTES == HEAD_GROUP_BUDGET_BYTES

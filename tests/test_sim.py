@@ -194,7 +194,8 @@ def test_whole_doc_plan_has_zero_communication():
     for mode in ("train", "infer"):
         row = simulate(plan, SHAPE, HW, mode)
         assert row["allgather_ms"] == row["reducescatter_ms"] == row["p2p_ms"] == 0.0
-        assert row["others_ms"] == 0.0  # every segment reads its KV in place
+        # the op still copies K/V into its source buffer and gathers the segments' keys
+        assert row["others_ms"] > 0.0
         assert all(row[c] == 0 for c in COMM_COLUMNS)
 
 
@@ -233,14 +234,11 @@ def test_cp_size_one(method):
     assert row["allgather_ms"] == row["p2p_ms"] == row["reducescatter_ms"] == 0.0
     assert row["total_ms"] > 0
     # one rank is one device running the whole sequence: the same attention for every method;
-    # the all-gather family adds nothing, the ring op still merges and casts (its real ops)
+    # they differ only in the copies, merges and casts their ops still issue
     ref = simulate(make_plan_for("llama3", [3000, 1000], 1), SHAPE, HW, "train")
     for col in ("attn_fwd_ms", "attn_bwd_ms"):
         assert row[col] == pytest.approx(ref[col], rel=1e-9)
-    if COMM_KIND[method] == "p2p_ring":
-        assert row["others_ms"] > ref["others_ms"]
-    else:
-        assert row["total_ms"] == pytest.approx(ref["total_ms"], rel=1e-9)
+    assert row["total_ms"] - row["others_ms"] == pytest.approx(ref["total_ms"] - ref["others_ms"])
 
 
 @pytest.mark.parametrize("method", FAST_METHODS)

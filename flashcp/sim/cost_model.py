@@ -19,18 +19,20 @@ next all-gather) overlaps only ``overlap_fraction`` of its time; while it runs, 
 by ``nccl_slowdown`` (:func:`overlap_us`).
 
 **All-gather family** (``allgather_full``: ``llama3``, ``per_doc``; ``allgather_sharded``:
-``flashcp``). ``ours``: every rank runs one varlen call over its shards (shard (p, s) is the
-segment q_len = s, kv_len = p + s, causal bottom-right; docs/design.md §2).
+``flashcp``). ``ours`` (:mod:`flashcp.ops.allgather_attn`): every rank runs one varlen call over
+its shards (shard (p, s) is the segment q_len = s, kv_len = p + s, causal bottom-right;
+docs/design.md §2), one group of KV heads at a time (the largest divisor of num_kv_heads whose
+fp32 gradient buffer fits ``AG_GROUP_BUDGET_BYTES``).
 
-* forward: all-gather of KV, then attention; backward (training): all-gather of KV again, the
-  attention backward, reduce-scatter of dK/dV. A collective costs
-  ``latency + recv_bytes / (busbw * falloff)`` (:meth:`HardwareProfile.collective_us`).
-* data copies (``others_ms``; bytes read + written over ``copy_bw_gbps``, one launch and one host
-  op per copy): every segment with p > 0 assembles its contiguous KV ``[0, p + s)``;
-  ``allgather_full`` takes it from the full gathered KV with one copy per such shard;
-  ``allgather_sharded`` takes it from the compact buffer with one copy per non-last shard it needs
-  and packs the rank's non-last shards into the send buffer (one copy each). Training repeats
-  gather and pack for the backward all-gather and scatters dK/dV back (the gather's copies again).
+* forward, per group: the source buffer (local K/V copied in, send rows packed by index), an
+  all-gather (``allgather_full``: every local row; ``allgather_sharded``: the rows of non-last
+  shards), one index gather of every segment's keys, the kernel, the outputs copied into place.
+  A collective costs ``latency + recv_bytes / (busbw * falloff)``
+  (:meth:`HardwareProfile.collective_us`).
+* backward, per group: the same gather, the kernel backward, dK/dV scatter-added into a zeroed
+  fp32 buffer, reduce-scattered (``comm_volume``'s bytes) and added to the local rows.
+* memory-bound ops (``others_ms``) cost ``launch_us`` + bytes read + written over
+  ``copy_bw_gbps`` and ``host_op_us`` each; groups run one after another.
 * ``ring_flash_attn`` ``llama3`` (N contiguous chunks): G = num_kv_heads / heads_k_stride head
   groups; forward ``AG_0 + sum_g overlap(attn_g, AG_{g+1})``; backward the same with the backward
   kernels, a dK/dV buffer zeroed per group (the gathered size), then two reduce-scatters per group
@@ -74,7 +76,7 @@ from flashcp.plan import Plan
 from flashcp.registry import COMM_KIND
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim.hardware import HardwareProfile, load_hardware
-from flashcp.sim.impl import RFA_HEADS_K_STRIDE, check_impl, impl_ops
+from flashcp.sim.impl import AG_GROUP_BUDGET_BYTES, RFA_HEADS_K_STRIDE, check_impl, impl_ops
 from flashcp.sim.kernel import TileStats, bwd_extra_us, bwd_tile_counts, fwd_tile_counts, kernel_us
 
 __all__ = ["COMM_KINDS", "PlanCost", "overlap_us", "simulate", "simulate_many"]
@@ -135,8 +137,7 @@ class PlanCost:
     Build once per (plan, hardware, comm_kind, impl) and call :meth:`step` per (shape, mode).
 
     Attributes (all-gather family; (N,) arrays indexed by rank): ``fwd``, ``bwd`` (:class:`TileStats`
-    of the rank's one varlen call), ``q_rows``, ``kv_rows`` (tokens), ``gather_copies``,
-    ``gather_tokens``, ``pack_copies``, ``pack_tokens``.
+    of the rank's one varlen call), ``q_rows``, ``kv_rows``, ``send_rows`` (tokens).
     Ring family: the same tile statistics as (N_steps, N) arrays indexed ``[t, r]``, plus
     ``launched`` (bool, a kernel is launched even without tiles) and ``q_rows``/``kv_rows`` per step.
     """
@@ -178,46 +179,12 @@ class PlanCost:
         )
         self.q_rows = np.bincount(rank, weights=length, minlength=n)
         self.kv_rows = np.bincount(rank, weights=kv, minlength=n)
-        has_prefix = start > 0
-        self.gather_tokens = np.bincount(rank, weights=np.where(has_prefix, kv, 0), minlength=n)
-        if self.comm_kind == "allgather_full":
-            # one copy per shard (with a prefix) out of the full gathered KV
-            self.gather_copies = np.bincount(rank, weights=has_prefix, minlength=n)
-        else:
-            # one copy per non-last shard a segment needs: the earlier shards of its document
-            order = np.lexsort((start, plan.doc))
-            d_sorted = plan.doc[order]
-            first = np.ones(d_sorted.size, dtype=bool)
-            first[1:] = d_sorted[1:] != d_sorted[:-1]
-            idx = np.arange(d_sorted.size)
-            earlier = np.empty(d_sorted.size, dtype=np.int64)
-            earlier[order] = idx - np.maximum.accumulate(np.where(first, idx, 0))
-            self.gather_copies = np.bincount(rank, weights=earlier, minlength=n)
-        if self.comm_kind == "allgather_sharded":
-            not_last = ~plan.is_last
-            self.pack_copies = np.bincount(rank, weights=not_last, minlength=n)
-            self.pack_tokens = np.bincount(rank, weights=np.where(not_last, length, 0), minlength=n)
-        else:  # the rank's whole local KV buffer is the all-gather input
-            self.pack_copies = np.zeros(n)
-            self.pack_tokens = np.zeros(n)
-
-    def _copy_us(self, copies: np.ndarray, tokens: np.ndarray, shape: AttnShape) -> np.ndarray:
-        """(N,) device µs of ``copies`` launches moving the KV of ``tokens`` tokens (read + write)."""
-        hw = self.hw
-        return copies * hw.launch_us + hw.copy_us(2.0 * shape.kv_bytes(tokens))
-
-    def _collectives(
-        self, shape: AttnShape, train: bool, vol: dict[str, int]
-    ) -> tuple[float, float]:
-        """Device µs of one all-gather call and of the reduce-scatter (0 in inference)."""
-        hw, n = self.hw, self.n
-        n_ag = 2 if train else 1
-        ag_call = vol["allgather_bytes"] / n_ag
-        total_scale = n / (n - 1) if n > 1 else 1.0
-        ag_us = hw.collective_us(ag_call, ag_call * total_scale, hw.allgather_busbw_gbps)
-        rs = vol["reducescatter_bytes"]
-        rs_us = hw.collective_us(rs, rs * total_scale, hw.reducescatter_busbw_gbps)
-        return ag_us, rs_us
+        # rows a rank puts in the all-gather: all its rows (full) or its non-last shards' rows
+        self.send_rows = (
+            self.q_rows
+            if self.comm_kind == "allgather_full"
+            else np.bincount(rank, weights=np.where(~plan.is_last, length, 0), minlength=n)
+        )
 
     def attention_us(self, shape: AttnShape, train: bool) -> tuple[np.ndarray, np.ndarray]:
         """Per-rank device µs of the attention kernels alone (no communication, no copies, no
@@ -243,34 +210,79 @@ class PlanCost:
     def _step_allgather(
         self, shape: AttnShape, train: bool, vol: dict[str, int]
     ) -> dict[str, float]:
+        """The project's all-gather op (:mod:`flashcp.ops.allgather_attn`), KV heads in groups:
+        per group, build the source buffer (local K/V copied in, send rows packed), all-gather,
+        one index gather of every segment's keys, the kernel, outputs copied into place; backward
+        the same, then dK/dV scatter-added (fp32) into a zeroed buffer, reduce-scattered and added
+        to the local rows. Groups run one after another (no overlap)."""
         if self.impl == "ring_flash_attn":
             return self._step_rfa_llama3(shape, train, vol)
-        hw = self.hw
-        ag_us, rs_us = self._collectives(shape, train, vol)
-        fwd, bwd = self.attention_us(shape, train)
-        gather = self._copy_us(self.gather_copies, self.gather_tokens, shape)
-        pack = self._copy_us(self.pack_copies, self.pack_tokens, shape)
-        copies = gather + pack
-        coll_host = hw.collective_host_us if vol["allgather_bytes"] > 0 else 0.0
-        host = coll_host + hw.host_op_us * (self.gather_copies + self.pack_copies + 1)
-        device = ag_us + copies + fwd
-        if train:
-            copies = copies + 2.0 * gather + pack
-            host = (
-                host
-                + 2 * coll_host
-                + hw.host_op_us * (2 * self.gather_copies + self.pack_copies + 1)
-            )
-            device = device + ag_us + 2.0 * gather + pack + bwd + rs_us
-        host_excess = float(np.maximum(host - device, 0.0).max())
-        return {
-            "allgather_ms": (2 if train else 1) * ag_us / 1e3,
-            "attn_fwd_ms": float(fwd.max()) / 1e3,
-            "attn_bwd_ms": float(bwd.max()) / 1e3 if train else 0.0,
-            "reducescatter_ms": rs_us / 1e3 if train else 0.0,
+        hw, n = self.hw, self.n
+        h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
+        local = self.q_rows  # (N,) rows per rank
+        send_max = float(self.send_rows.max())
+        rows = local.max() + n * send_max  # rows of the source buffer
+        per_head = rows * 2 * d * 4  # fp32 gradient buffer per KV head
+        fits = [
+            k for k in range(1, hkv + 1) if hkv % k == 0 and k * per_head <= AG_GROUP_BUDGET_BYTES
+        ]
+        hg = max(fits or [1])
+        groups = hkv // hg
+        qh = h // groups
+        gshape = AttnShape(qh, hg, d, shape.dtype)
+        total_scale = n / (n - 1) if n > 1 else 1.0
+        n_ag = 2 if train else 1
+        ag_bytes = vol["allgather_bytes"] / n_ag / groups
+        ag = hw.collective_us(ag_bytes, ag_bytes * total_scale, hw.allgather_busbw_gbps)
+        kv_el = 2.0 * hg * d  # elements per KV row of a group
+        # source: local K and V copied in, send buffer zeroed and packed by index
+        build = self._op_us(4, local * kv_el * e * 2 + send_max * kv_el * e * 3)
+        keys = self._op_us(1, self.kv_rows * kv_el * e * 2)  # index_select of the segments' keys
+        split = groups > 1  # head slices of (T, H, D) tensors are copied, outputs copied back
+        fwd_k = kernel_us(self.fwd, qh, d, hw, False)
+        fwd_copies = build + keys + (self._op_us(3, local * qh * d * e * 4) if split else 0.0)
+        fwd_ops = 6 + (3 if split else 0)
+        coll_host = hw.collective_host_us if ag_bytes > 0 else 0.0
+        dev_f = groups * (ag + fwd_copies + fwd_k)
+        host_f = groups * (coll_host + hw.host_op_us * (fwd_ops + 1))
+        out = {
+            "allgather_ms": groups * ag / 1e3,
+            "attn_fwd_ms": float((groups * fwd_k).max()) / 1e3,
+            "attn_bwd_ms": 0.0,
+            "reducescatter_ms": 0.0,
             "p2p_ms": 0.0,
-            "others_ms": (float(copies.max()) + host_excess) / 1e3,
+            "others_ms": float((groups * fwd_copies + np.maximum(host_f - dev_f, 0.0)).max()) / 1e3,
         }
+        if not train:
+            return out
+        rs_bytes = vol["reducescatter_bytes"] / groups
+        rs = hw.collective_us(rs_bytes, rs_bytes * total_scale, hw.reducescatter_busbw_gbps)
+        bwd_k = kernel_us(self.bwd, qh, d, hw, True) + bwd_extra_us(
+            self.q_rows, self.kv_rows, gshape, hw
+        )
+        # dq into place; zero the fp32 gradient buffer; scatter-add dK and dV of the segments;
+        # add the reduce-scattered rows to the local part; dk, dv into place
+        grads = self._op_us(
+            6,
+            local * qh * d * e * 2
+            + rows * kv_el * 4
+            + self.kv_rows * kv_el * 12
+            + send_max * kv_el * 12
+            + local * kv_el * (4 + e),
+        )
+        bwd_copies = (
+            build + keys + grads + (self._op_us(3, local * qh * d * e * 2) if split else 0.0)
+        )
+        bwd_ops = 11 + (3 if split else 0)
+        dev_b = groups * (ag + bwd_copies + bwd_k + rs)
+        host_b = groups * (2 * coll_host + hw.host_op_us * (bwd_ops + 1))
+        out["allgather_ms"] += groups * ag / 1e3
+        out["attn_bwd_ms"] = float((groups * bwd_k).max()) / 1e3
+        out["reducescatter_ms"] = groups * rs / 1e3
+        out["others_ms"] += (
+            float((groups * bwd_copies + np.maximum(host_b - dev_b, 0.0)).max()) / 1e3
+        )
+        return out
 
     def _step_rfa_llama3(
         self, shape: AttnShape, train: bool, vol: dict[str, int]
@@ -314,7 +326,8 @@ class PlanCost:
         }
         if not train:
             return out
-        rs_call_bytes = vol["reducescatter_bytes"] / (2 * groups)
+        # its dK/dV buffers are in the model dtype: the same bytes as one all-gather pass
+        rs_call_bytes = vol["allgather_bytes"] / 2 / (2 * groups)
         rs_call = hw.collective_us(
             rs_call_bytes, rs_call_bytes * total_scale, hw.reducescatter_busbw_gbps
         )

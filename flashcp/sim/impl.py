@@ -45,11 +45,23 @@ import numpy as np
 
 from flashcp.plan import Plan, check_doc_lens, make_plan
 
-__all__ = ["IMPLS", "IMPL_METHODS", "ImplOps", "check_impl", "impl_ops", "impl_plan"]
+__all__ = [
+    "AG_GROUP_BUDGET_BYTES",
+    "IMPLS",
+    "IMPL_METHODS",
+    "ImplOps",
+    "check_impl",
+    "impl_ops",
+    "impl_plan",
+]
 
 IMPLS: tuple[str, ...] = ("ours", "ring_flash_attn")
 #: methods each implementation can run (``ours`` runs every method of the registry)
 IMPL_METHODS = MappingProxyType({"ring_flash_attn": ("ring", "zigzag", "llama3")})
+
+#: byte budget of the project's all-gather op's fp32 gradient buffer, which sets its head groups
+#: (``flashcp.ops.allgather_attn.HEAD_GROUP_BUDGET_BYTES``; a test keeps the two equal)
+AG_GROUP_BUDGET_BYTES = 2**30
 
 #: KV heads per all-gather of ring-flash-attn's llama3 (its varlen benchmark,
 #: ``benchmark/benchmark_varlen_kvpacked_func.py``: ``heads_k_stride=4``)

@@ -17,7 +17,7 @@ HW = load_hardware("h100_sxm")
 SHAPE = AttnShape(num_heads=32, num_kv_heads=32, head_dim=128)
 PHASES = [c for c in PHASE_COLUMNS if c != "total_ms"]
 
-#: FlashAttention-2 H100 causal TFLOP/s (head_dim 128, 16K tokens per batch; DESIGN.md §8).
+#: FlashAttention-2 H100 causal TFLOP/s (head_dim 128, 16K tokens per batch; docs/design.md §8).
 FA2_TABLE = {  # seqlen: (fwd, fwd+bwd)
     512: (191, 163),
     1024: (260, 221),

@@ -1,7 +1,7 @@
 """Tile-level model of a FlashAttention-2 varlen kernel on one GPU.
 
 A varlen call runs a list of *segments* ``(q_len, kv_len)``. A causal segment is aligned
-bottom-right (query row i sees key columns ``<= i + kv_len - q_len``; DESIGN.md §2), a non-causal
+bottom-right (query row i sees key columns ``<= i + kv_len - q_len``; docs/design.md §2), a non-causal
 one is a full rectangle. FlashAttention-2 (Dao 2023, §3; Dao-AILab/flash-attention ``csrc``):
 
 * forward: one CTA per (segment, query block of ``fwd_block_q`` rows, head); it loops over the key

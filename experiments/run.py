@@ -186,6 +186,37 @@ def run_dist(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]] | 
     return rows if dist.get_rank() == 0 else None
 
 
+def run_emulate(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]]:
+    """Replay every plan's ranks on one device (``executor=emulate``); communication priced by
+    ``cfg.hardware`` (:mod:`flashcp.executors.emulate`)."""
+    import torch
+
+    from flashcp.executors.emulate import emulate_step
+    from flashcp.sim import load_hardware
+
+    hw = load_hardware(OmegaConf.to_container(cfg.hardware, resolve=True))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    planner = get_planner(cfg.method.name)
+    options = OmegaConf.to_container(cfg.method.options, resolve=True)
+    ex = cfg.executor
+    ranks = None if ex.ranks is None else [int(r) for r in ex.ranks]
+    rows: list[dict[str, Any]] = []
+    for i, d in enumerate(seqs):
+        base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
+        t0 = time.perf_counter()
+        plan = planner(d, int(cfg.cp_size), **options)
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        metrics = {"plan_status": plan.status, "plan_ms": plan_ms, **plan_metrics(plan)}
+        for mode in cfg.modes:
+            res = emulate_step(
+                plan, attn_shape(cfg), mode, hw, device=device, backend=ex.backend,
+                warmup=int(ex.warmup), iters=int(ex.iters), seed=int(cfg.seed) + i, ranks=ranks,
+                nccl_traffic=bool(ex.nccl_traffic), timeout_s=float(ex.timeout_s),
+            )  # fmt: skip
+            rows.append({**base, **metrics, "mode": mode, "status": "ok", **res})
+    return rows
+
+
 def finish_rows(cfg: DictConfig, rows: list[dict[str, Any]], chash: str) -> pd.DataFrame:
     """Attach run identity and provenance to every row (STYLE.md §7) and order the columns."""
     m = cfg.model
@@ -194,7 +225,7 @@ def finish_rows(cfg: DictConfig, rows: list[dict[str, Any]], chash: str) -> pd.D
         "method": cfg.method.name, "cp_size": int(cfg.cp_size), "context_len": int(cfg.context_len),
         "model": m.name, "num_heads": int(m.num_heads), "num_kv_heads": int(m.num_kv_heads),
         "head_dim": int(m.head_dim), "dtype": m.dtype, "executor": cfg.executor.name,
-        "hardware": cfg.hardware.get("name", "unknown") if cfg.executor.name == "sim" else "measured",
+        "hardware": cfg.hardware.get("name", "unknown") if cfg.executor.name != "dist" else "measured",
         "seed": int(cfg.seed), "config_hash": chash,
     }  # fmt: skip
     df = pd.DataFrame(rows)
@@ -241,7 +272,8 @@ def run(cfg: DictConfig) -> Path | None:
             return out
     t0 = time.perf_counter()
     seqs = sample(cfg)
-    rows = run_sim(cfg, seqs) if cfg.executor.name == "sim" else run_dist(cfg, seqs)
+    runners = {"sim": run_sim, "dist": run_dist, "emulate": run_emulate}
+    rows = runners[cfg.executor.name](cfg, seqs)
     if rows is None:
         return None
     df = finish_rows(cfg, rows, chash)

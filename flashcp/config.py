@@ -15,6 +15,7 @@ from omegaconf import MISSING
 
 __all__ = [
     "DatasetConfig",
+    "EmulateExecutorConfig",
     "ExecutorConfig",
     "MethodConfig",
     "ModelConfig",
@@ -24,7 +25,7 @@ __all__ = [
 ]
 
 TASKS = ("main", "kernel_efficiency", "table2")
-EXECUTORS = ("sim", "dist")
+EXECUTORS = ("sim", "dist", "emulate")
 
 
 @dataclass
@@ -81,6 +82,19 @@ class ExecutorConfig:
     iters: int = 3
     #: timeout of every collective, seconds (dist)
     timeout_s: float = 120.0
+
+
+@dataclass
+class EmulateExecutorConfig(ExecutorConfig):
+    """``executor=emulate`` (:mod:`flashcp.executors.emulate`): every rank's real work replayed
+    on one device; ``backend``, ``warmup``, ``iters`` as for dist, ``timeout_s`` bounds the record
+    pass's collectives. Communication is priced by the ``hardware`` profile."""
+
+    name: str = "emulate"
+    #: ranks to replay (null: all); the row reports the slowest of them per phase
+    ranks: list[int] | None = None
+    #: CUDA only: copy each ring message on a second stream while the rank computes
+    nccl_traffic: bool = False
 
 
 @dataclass
@@ -156,6 +170,7 @@ def register_configs() -> None:
     cs.store(group="method", name="base_method", node=MethodConfig)
     cs.store(group="model", name="base_model", node=ModelConfig)
     cs.store(group="executor", name="base_executor", node=ExecutorConfig)
+    cs.store(group="executor", name="base_emulate_executor", node=EmulateExecutorConfig)
 
 
 def check_config(cfg: Any) -> None:
@@ -181,6 +196,13 @@ def check_config(cfg: Any) -> None:
         raise ValueError(
             f"context_len = {cfg.context_len} must be a positive multiple of cp_size = {cfg.cp_size}"
         )
+    if cfg.executor.name == "emulate":
+        ranks = cfg.executor.get("ranks")
+        if ranks is not None and (not ranks or len(set(ranks)) != len(ranks)):
+            raise ValueError(f"executor.ranks must be distinct and non-empty, got {list(ranks)}")
+        for r in ranks or ():
+            if not 0 <= r < cfg.cp_size:
+                raise ValueError(f"executor.ranks: rank {r} out of range for cp_size = {cfg.cp_size}")
     if cfg.num_sequences < 1:
         raise ValueError(f"num_sequences must be >= 1, got {cfg.num_sequences}")
     if cfg.workers < 1:

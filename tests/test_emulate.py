@@ -235,3 +235,103 @@ def test_flashcp_run_executor_emulate(tmp_path):
     assert (emu["status"] == "ok").all() and set(emu["executor"]) == {"emulate"}
     same = ["seq_idx", "mode", "num_docs", "imbalance_ratio", "comm_tokens", *COMM_COLUMNS]
     pd.testing.assert_frame_equal(sim[same], emu[same])
+
+
+# ---- experiments/gpu_check.py: the same code path as the GPU run, tiny and on the CPU ------------
+
+
+def _calibration_module():
+    """The real :mod:`flashcp.sim.calibration` where it exists; otherwise a stand-in with its
+    interface that evaluates every target under the unchanged profile (no fitting), so the
+    plumbing around it (targets, predictions, files, columns) is still checked."""
+    import types
+    from dataclasses import dataclass
+
+    import pandas as pd
+
+    try:
+        import flashcp.sim.calibration as real
+
+        return real
+    except ImportError:
+        pass
+
+    @dataclass(frozen=True)
+    class CalibTarget:
+        name: str
+        predict: object
+        measured: float
+        unit: str
+        band: tuple
+        source: str
+
+    @dataclass(frozen=True)
+    class FitResult:
+        constants: dict
+        table: object
+        success: bool
+        message: str
+
+    def fit_constants(targets, profile, free):
+        rows = []
+        for t in targets:
+            pred = t.predict(profile)
+            err = pred / t.measured - 1
+            rows.append({"name": t.name, "unit": t.unit, "measured": t.measured,
+                         "predicted": pred, "error": err, "band_kind": t.band[0],
+                         "band": t.band[1], "within_band": abs(err) <= t.band[1],
+                         "source": t.source})  # fmt: skip
+        consts = {k: float(getattr(profile, k)) for k in free}
+        return FitResult(consts, pd.DataFrame(rows), True, "stand-in: evaluated, not fitted")
+
+    mod = types.ModuleType("flashcp.sim.calibration")
+    mod.CalibTarget, mod.FitResult, mod.fit_constants = CalibTarget, FitResult, fit_constants
+    return mod
+
+
+def test_gpu_check_quick_replays_fits_and_reports(tmp_path, monkeypatch):
+    import sys
+
+    import pandas as pd
+
+    from experiments import gpu_check
+
+    monkeypatch.setitem(sys.modules, "flashcp.sim.calibration", _calibration_module())
+    gpu_check.main([
+        "--quick", "--out", str(tmp_path), "--datasets", "pile", "--methods", "flashcp,zigzag",
+        "--skip", "kernels,dist", "--warmup", "0", "--iters", "1",
+    ])  # fmt: skip
+    emu = pd.read_csv(tmp_path / "emulate.csv")
+    assert list(emu["method"]) == ["flashcp", "zigzag"] and (emu["status"] == "ok").all()
+    # the simulated columns are the simulator on the very plan that was replayed
+    shape = AttnShape(4, 4, 16, "float32")
+    seq = gpu_check.sample_sequences(
+        gpu_check.load_distribution("pile", context_len=1024), 1, 1024, seed=0
+    )[0]
+    for _, row in emu.iterrows():
+        plan = make_plan_for(row["method"], seq, 8)
+        sim = simulate(plan, shape, HW, "train")
+        assert row["sim_attn_fwd_ms"] == pytest.approx(sim["attn_fwd_ms"])
+        assert math.isfinite(row["fit_others_ms"])  # the simulator under the fitted profile
+        assert {k: int(row[k]) for k in COMM_COLUMNS} == comm_volume(
+            plan, COMM_KIND[row["method"]], shape, "train"
+        )
+    table = pd.read_csv(tmp_path / "calibration_fit.csv")
+    assert len(table) == 2 * 3  # (method) x (attn_fwd, attn_bwd, others)
+    assert table["name"].str.startswith("emulate/pile/seq0/").all()
+    consts = pd.read_csv(tmp_path / "fitted_constants.csv")
+    assert set(consts["constant"]) == set(gpu_check.DEFAULT_FREE)
+    md = (tmp_path / "summary.md").read_text()
+    assert "Measured vs simulated" in md and "| emulate | ok |" in md and "| fit | ok |" in md
+
+
+def test_gpu_check_free_constants_are_checked():
+    from experiments.gpu_check import parse_free
+
+    free = parse_free("launch_us=1:40,fwd_tile_tflops", HW)
+    assert free["launch_us"] == (1.0, 40.0)
+    assert free["fwd_tile_tflops"] == (pytest.approx(0.1 * HW.fwd_tile_tflops), HW.peak_tflops)
+    with pytest.raises(ValueError, match="not a numeric hardware constant"):
+        parse_free("warp_speed", HW)
+    with pytest.raises(ValueError, match="outside its bounds"):
+        parse_free("launch_us=10:20", HW)

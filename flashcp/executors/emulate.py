@@ -290,10 +290,18 @@ def record(
             world.barrier.abort()
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=timeout_s * 4)
+    # on CPU the rank threads are the parallelism: intra-op pools of N threads at once would
+    # oversubscribe the cores (the untimed record pass only; restored before the replay)
+    intra_op = torch.get_num_threads()
+    if inputs[0][0].device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=timeout_s * 4)
+    finally:
+        torch.set_num_threads(intra_op)
     if any(t.is_alive() for t in threads):
         world.failed.set()
         world.barrier.abort()

@@ -17,12 +17,14 @@ Steps, in order of value, each timed and printed; a step that no longer fits ``-
 3. ``calibration_fit.csv``, ``fitted_constants.csv``: the simulator's free kernel and copy
    constants fitted to those measurements by :func:`flashcp.sim.calibration.fit_constants` (one
    target per sequence, method and phase: measured = the replay, predict = the simulator on the
-   same plan and phase under the candidate profile); ``fit_*`` columns in ``emulate.csv``.
+   same plan and phase under the candidate profile); ``fit_*`` columns in ``emulate.csv``;
+   ``emulate_vs_sim.csv``: medians per method and phase.
    Every rank must be replayed (``--ranks all``): the simulator's phases are the slowest rank's.
-4. ``pytest_gpu.txt``: the GPU-marked tests (``pytest -m gpu``; not in ``--quick``).
-5. ``kernels.csv``: one varlen kernel call per rank for every method's all-gather layout, forward
+4. ``pytest_gpu.txt``: the GPU-marked tests (``pytest -m gpu``, among them ``executor=emulate``
+   on CUDA against the float64 reference; not in ``--quick``).
+5. ``dist.csv``: ``executor=dist`` through ``torchrun --nproc-per-node 1`` for every method.
+6. ``kernels.csv``: one varlen kernel call per rank for every method's all-gather layout, forward
    and backward, measured vs :func:`flashcp.sim.attention_kernel_ms`.
-6. ``dist.csv``: ``executor=dist`` through ``torchrun --nproc-per-node 1`` for every method.
 7. ``summary.md``: what ran, how long each step took, measured vs simulated per method and phase,
    the fitted constants.
 
@@ -79,18 +81,20 @@ DEFAULT_BOUNDS = {
 
 
 class Budget:
-    """Wall-clock budget of the whole check, counted from process start.
+    """Wall-clock budget of the whole check.
 
     Args:
         total_s: seconds for everything.
+        start: ``time.monotonic()`` at which it started (default: now).
     """
 
-    def __init__(self, total_s: float) -> None:
+    def __init__(self, total_s: float, start: float | None = None) -> None:
         self.total_s = float(total_s)
+        self.start = time.monotonic() if start is None else start
         self.steps: list[dict] = []
 
     def elapsed(self) -> float:
-        return time.monotonic() - _START
+        return time.monotonic() - self.start
 
     def left(self) -> float:
         return self.total_s - self.elapsed()
@@ -155,6 +159,30 @@ def _time_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
 def _text(x) -> str:
     """Captured output of a subprocess (bytes after a timeout, str otherwise)."""
     return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+
+def run_bounded(cmd: list[str], timeout_s: float, log: Path) -> str:
+    """Run ``cmd`` in the repository in its own session, at most ``timeout_s`` seconds; write its
+    output to ``log`` and return it. On timeout the whole session (e.g. torchrun's workers) is
+    killed, so nothing is left holding the GPU.
+
+    Raises:
+        subprocess.TimeoutExpired: it ran out of time (the log says how far it got).
+    """
+    import os
+    import signal
+
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        text, _ = proc.communicate(timeout=max(timeout_s, 1.0))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        log.write_text(_text(text))
+        raise
+    log.write_text(_text(text))
+    return _text(text)
 
 
 def sampled_sequences(args) -> dict[str, list[np.ndarray]]:
@@ -527,12 +555,14 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="steps to skip: emulate,fit,pytest,kernels,dist")
     args = ap.parse_args(argv)
+    # from the command line the budget counts from process start (imports, CUDA start included)
+    start = _START if argv is None else time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     if args.quick:
         args.context_len, args.cp_size, args.head_dim, args.dtype = 1024, 8, 16, "float32"
         args.num_heads = args.num_heads or 4
         args.sequences = args.sequences or 1
-        budget = Budget(args.budget_s or 180.0)
+        budget = Budget(args.budget_s or 180.0, start)
         # one intra-op thread: the record pass runs a thread per rank, and spinning OpenMP pools
         # of several rank threads on a few cores cost far more than the tiny kernels
         torch.set_num_threads(1)
@@ -540,7 +570,7 @@ def main(argv=None) -> None:
         args.context_len, args.cp_size, args.head_dim, args.dtype = 131072, 8, 128, "bfloat16"
         args.num_heads = args.num_heads or 16
         args.sequences = args.sequences or 3
-        budget = Budget(args.budget_s or 450.0)
+        budget = Budget(args.budget_s or 450.0, start)
     args.ranks = None if args.ranks == "all" else [int(r) for r in args.ranks.split(",")]
     args.datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -565,8 +595,8 @@ def main(argv=None) -> None:
     (out / "env.txt").write_text("".join(f"{k}: {v}\n" for k, v in env.items()))
     print(env, flush=True)
 
-    # what the later steps need at least, kept back from the emulate step
-    reserve = 10.0 if args.quick else 120.0
+    # kept back from the emulate step for the later ones (fit ~30 s, GPU tests, dist, kernels)
+    reserve = 10.0 if args.quick else 150.0
     rows, plans = [], {}
     if "emulate" not in skip:
         got = budget.run(
@@ -598,32 +628,11 @@ def main(argv=None) -> None:
     if not args.quick and "pytest" not in skip:
 
         def gpu_tests():
-            res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs"], cwd=REPO,
-                                 capture_output=True, text=True, timeout=max(budget.left() - 60, 10))  # fmt: skip
-            (out / "pytest_gpu.txt").write_text(res.stdout + res.stderr)
-            print(
-                res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr,
-                flush=True,
-            )
+            cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs"]
+            text = run_bounded(cmd, min(budget.left() - 60, 150), out / "pytest_gpu.txt")
+            print(text.strip().splitlines()[-1] if text.strip() else "(no output)", flush=True)
 
-        budget.run("pytest", gpu_tests, 90.0)
-
-    if "kernels" not in skip:
-
-        def kernels():
-            df = pd.DataFrame(kernel_rows(args, device, shape, hw, budget))
-            for k, v in env.items():
-                df[k] = v
-            write_csv_atomic(df, out / "kernels.csv")
-            if len(df):
-                summary = df.groupby(["method", "pass"])["ratio"].median().unstack()
-                print(
-                    "median measured / simulated kernel time:\n",
-                    summary.round(2).to_string(),
-                    flush=True,
-                )
-
-        budget.run("kernels", kernels, 40.0 if not args.quick else 5.0)
+        budget.run("pytest", gpu_tests, 60.0)
 
     if "dist" not in skip:
         # --quick: one method is enough to exercise the path (each run starts a process group)
@@ -638,24 +647,31 @@ def main(argv=None) -> None:
                 f"model.num_heads={args.num_heads}", f"model.num_kv_heads={args.num_heads}",
                 f"model.head_dim={args.head_dim}", f"model.dtype={args.dtype}",
             ]  # fmt: skip
-            try:
-                res = subprocess.run(
-                    cmd, cwd=REPO, capture_output=True, text=True, timeout=max(budget.left() - 5, 5)
-                )
-            except subprocess.TimeoutExpired as exc:
-                (out / "dist_log.txt").write_text(_text(exc.stdout) + _text(exc.stderr))
-                raise
-            (out / "dist_log.txt").write_text(res.stdout + res.stderr)
+            run_bounded(cmd, budget.left() - (25 if not args.quick else 5), out / "dist_log.txt")
             if not (out / "dist" / "rows.csv").exists():
                 raise RuntimeError("executor=dist wrote no rows; see dist_log.txt")
             rows_d = pd.read_csv(out / "dist" / "rows.csv")
             write_csv_atomic(rows_d, out / "dist.csv")
-            print(
-                rows_d[["method", "mode", "attn_fwd_ms", "attn_bwd_ms", "total_ms"]].to_string(),
-                flush=True,
-            )
+            cols = ["method", "mode", "attn_fwd_ms", "attn_bwd_ms", "total_ms"]
+            print(rows_d[cols].to_string(), flush=True)
 
         budget.run("dist", dist_run, 45.0 if not args.quick else 20.0)
+
+    if "kernels" not in skip:
+
+        def kernels():
+            df = pd.DataFrame(kernel_rows(args, device, shape, hw, budget))
+            for k, v in env.items():
+                df[k] = v
+            write_csv_atomic(df, out / "kernels.csv")
+            if len(df):
+                summary = df.groupby(["method", "pass"])["ratio"].median().unstack()
+                print(
+                    "median measured / simulated kernel time:\n" + summary.round(2).to_string(),
+                    flush=True,
+                )
+
+        budget.run("kernels", kernels, 20.0 if not args.quick else 5.0)
 
     (out / "summary.md").write_text(_markdown(args, env, budget, rows, comp, consts, fit_res))
     print(f"total {budget.elapsed():.0f} s of {budget.total_s:.0f}; wrote {out}", flush=True)

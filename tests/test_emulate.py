@@ -335,3 +335,39 @@ def test_gpu_check_free_constants_are_checked():
         parse_free("warp_speed", HW)
     with pytest.raises(ValueError, match="outside its bounds"):
         parse_free("launch_us=10:20", HW)
+
+
+# ---- on a GPU (run by experiments/gpu_check.py) ---------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("nccl_traffic", [False, True])
+def test_emulate_on_cuda(method, nccl_traffic):
+    """CUDA record pass (threads, autograd nodes driven directly), timed replay with events and,
+    optionally, the concurrent copy stream: outputs near the float64 reference, bytes as planned."""
+    n, lens = 4, [300, 1200, 77, 2000, 519]  # C = 4096
+    shape = AttnShape(8, 2, 64, "bfloat16")
+    plan = make_plan_for(method, lens, n)
+    dev = torch.device("cuda")
+    reps = emulate_ranks(
+        plan, shape, "train", HW, device=dev, backend="auto", warmup=1, iters=2, seed=1,
+        nccl_traffic=nccl_traffic, timeout_s=60,
+    )  # fmt: skip
+    gen = torch.Generator(device=dev).manual_seed(1)
+    full = [torch.randn(4096, h, 64, generator=gen, device=dev, dtype=torch.bfloat16)
+            for h in (8, 2, 2, 8)]  # fmt: skip
+    leaves = [x.double().requires_grad_() for x in full[:3]]
+    ref = reference_attention(*leaves, lens)
+    ref.backward(full[3].double())
+    want = [ref.detach(), *(x.grad for x in leaves)]
+    for rep in reps:
+        assert rep.comm == comm_volume(plan, COMM_KIND[method], shape, "train")
+        assert all(math.isfinite(v) and v >= 0 for v in rep.phases.values())
+        assert rep.phases["attn_fwd_ms"] > 0 and rep.phases["attn_bwd_ms"] > 0
+        for what, got, w in zip(("out", "dq", "dk", "dv"), rep.outputs, want, strict=True):
+            exp = shard_tensor(w, plan, rep.rank)
+            err = float((got.double() - exp).abs().max())
+            # bf16 inputs: a few bf16 ulps of the largest value (a wrong block is O(1) off)
+            assert err <= 0.03 * float(exp.abs().max()) + 1e-3, f"{method} {what}: {err}"

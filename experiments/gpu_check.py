@@ -384,11 +384,15 @@ def fit(args, rows, plans, shape, hw, out: Path, env: dict):
 
 def comparison(rows: list[dict]) -> pd.DataFrame:
     """Median over sequences of measured vs simulated (default and fitted profile) per method and
-    phase, with the median ratio measured / simulated."""
+    phase, with the median ratio measured / simulated. Phases zero on both sides for a method are
+    left out; ``allgather_ms`` / ``reducescatter_ms`` come from the profile on both sides and
+    ``p2p_ms`` is the model's transfer time left exposed by the measured compute."""
     df = pd.DataFrame([r for r in rows if r["status"] == "ok"])
     out = []
     for method, g in df.groupby("method", sort=False):
-        for phase in (*FIT_PHASES, "total_ms"):
+        for phase in PHASE_COLUMNS:
+            if not (g[phase].abs().sum() or g[f"sim_{phase}"].abs().sum()):
+                continue
             rec = {"method": method, "phase": phase, "units": len(g), "measured": g[phase].median(),
                    "sim": g[f"sim_{phase}"].median(),
                    "measured_over_sim": (g[phase] / g[f"sim_{phase}"]).median()}  # fmt: skip
@@ -550,8 +554,15 @@ def main(argv=None) -> None:
         action="store_true",
         help="(CUDA) copy ring messages on a second stream while ranks compute",
     )
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="untimed replays (default 1; 0 with --quick)"
+    )
+    ap.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="timed replays, median kept (default 2; 1 with --quick)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="steps to skip: emulate,fit,pytest,kernels,dist")
     args = ap.parse_args(argv)
@@ -562,6 +573,8 @@ def main(argv=None) -> None:
         args.context_len, args.cp_size, args.head_dim, args.dtype = 1024, 8, 16, "float32"
         args.num_heads = args.num_heads or 4
         args.sequences = args.sequences or 1
+        args.warmup = 0 if args.warmup is None else args.warmup
+        args.iters = args.iters or 1
         budget = Budget(args.budget_s or 180.0, start)
         # one intra-op thread: the record pass runs a thread per rank, and spinning OpenMP pools
         # of several rank threads on a few cores cost far more than the tiny kernels
@@ -570,6 +583,8 @@ def main(argv=None) -> None:
         args.context_len, args.cp_size, args.head_dim, args.dtype = 131072, 8, 128, "bfloat16"
         args.num_heads = args.num_heads or 16
         args.sequences = args.sequences or 3
+        args.warmup = 1 if args.warmup is None else args.warmup
+        args.iters = args.iters or 2
         budget = Budget(args.budget_s or 450.0, start)
     args.ranks = None if args.ranks == "all" else [int(r) for r in args.ranks.split(",")]
     args.datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]

@@ -215,7 +215,7 @@ def test_flashcp_run_executor_emulate(tmp_path):
 
     register_configs()
     common = [
-        f"results_dir={tmp_path}", "cp_size=4", "context_len=256", "num_sequences=2",
+        f"results_dir={tmp_path}", "cp_size=4", "context_len=256", "num_sequences=1",
         "dataset=pile", "method=zigzag", "model.num_heads=4", "model.num_kv_heads=2",
         "model.head_dim=8", "model.dtype=float32", "progress=false",
     ]  # fmt: skip

@@ -56,6 +56,12 @@ def test_replayed_ranks_equal_the_float64_reference(method):
     ref.backward(full[3].double())
     want = [ref.detach(), *(x.grad for x in leaves)]
     assert [r.rank for r in reps] == [0, 3]
+    # the record pass (all ranks together) computed the same outputs as the replay (one alone)
+    inputs = seeded_inputs(plan, SHAPE, "train", 5, torch.device("cpu"))
+    rec = record(plan, "train", inputs, backend="cpu", keep=[0, 3], keep_outputs=True)
+    for rep in reps:
+        for got, recorded in zip(rep.outputs, rec.outputs[rep.rank], strict=True):
+            torch.testing.assert_close(got, recorded)
     for rep in reps:
         for what, got, w in zip(("out", "dq", "dk", "dv"), rep.outputs, want, strict=True):
             exp = shard_tensor(w, plan, rep.rank)

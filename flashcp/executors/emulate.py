@@ -108,6 +108,10 @@ def seeded_inputs(
 # ---- recording: one thread per rank ----------------------------------------------------------------
 
 
+class _Abandoned(RuntimeError):
+    """A rank gave up waiting because another rank had failed (not the failure to report)."""
+
+
 class _World:
     """State shared by the rank threads of one recording."""
 
@@ -129,9 +133,11 @@ class _World:
         try:
             self.barrier.wait()
         except threading.BrokenBarrierError:
+            if self.failed.is_set():
+                raise _Abandoned("emulated collective abandoned: another rank failed") from None
+            self.failed.set()
             raise RuntimeError(
-                "emulated collective abandoned: another rank failed or a rank did not arrive "
-                f"within {self.timeout_s} s"
+                f"emulated collective: a rank did not arrive within {self.timeout_s} s"
             ) from None
 
 
@@ -197,7 +203,7 @@ class RecordingGroup(LocalGroup):
         deadline = time.monotonic() + self.world.timeout_s
         while True:
             if self.world.failed.is_set():
-                raise RuntimeError("emulated ring exchange abandoned: another rank failed")
+                raise _Abandoned("emulated ring exchange abandoned: another rank failed")
             try:
                 got = box.get(timeout=0.05)
                 break
@@ -251,6 +257,7 @@ def record(
     *,
     backend="auto",
     keep: Sequence[int] | None = None,
+    keep_outputs: bool = False,
     timeout_s: float = 120.0,
 ) -> Recording:
     """Run the plan's op on every rank at once, one thread per rank, in memory (untimed).
@@ -261,7 +268,9 @@ def record(
         inputs: per rank ``(q, k, v[, dout])`` as :func:`seeded_inputs` gives.
         backend: kernel backend (name or instance).
         keep: ranks whose received buffers are kept (default: all).
-        timeout_s: bound on every emulated collective and ring wait.
+        keep_outputs: also keep the kept ranks' ``(out, dq, dk, dv)``.
+        timeout_s: bound on every emulated collective and ring wait; the whole pass gets
+            four times as long.
     Returns:
         the :class:`Recording`.
     Raises:
@@ -282,7 +291,7 @@ def record(
             with torch.set_grad_enabled(train):
                 out = attn(q, k, v, meta, RecordingGroup(world, rank), backend=backend)
             grads = _run_backward(out, inputs[rank][3], (q, k, v)) if train else ()
-            if rank in keep:
+            if keep_outputs and rank in keep:
                 outputs[rank] = (out.detach(), *(g.detach() for g in grads))
         except BaseException as exc:  # surfaced by the caller
             errors[rank] = exc
@@ -295,11 +304,12 @@ def record(
     intra_op = torch.get_num_threads()
     if inputs[0][0].device.type == "cpu":
         torch.set_num_threads(1)
+    deadline = time.monotonic() + 4 * timeout_s
     try:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=timeout_s * 4)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
     finally:
         torch.set_num_threads(intra_op)
     if any(t.is_alive() for t in threads):
@@ -309,7 +319,7 @@ def record(
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         # the first rank that failed for a reason of its own, not because a peer left
-        primary = next(((r, e) for r, e in failed if "abandoned" not in str(e)), failed[0])
+        primary = next(((r, e) for r, e in failed if not isinstance(e, _Abandoned)), failed[0])
         raise RuntimeError(f"record pass: rank {primary[0]} failed: {primary[1]}") from primary[1]
     return Recording(plan.digest(), world.received, outputs)
 

@@ -63,17 +63,23 @@ METHODS = ("llama3", "per_doc", "ring", "zigzag", "flashcp")
 DATASETS = ("wlb_llm", "pile", "redpajama")
 #: measured phases the fit uses as targets (communication phases come from the profile itself)
 FIT_PHASES = ("attn_fwd_ms", "attn_bwd_ms", "others_ms")
-#: default free constants and their bounds: kernel rates up to the peak, per-CTA and launch costs
-#: within what a FlashAttention-2 kernel and an eager PyTorch op cost (docs/design.md §8)
+#: constants a one-device replay measures, fitted by default where the profile has them: kernel
+#: rates up to the peak, per-CTA, launch and per-op host costs, copy bandwidth, ring step
+#: overheads (not the network, nor NCCL's contention: the replay has no NCCL)
 DEFAULT_FREE = (
     "fwd_tile_tflops", "bwd_tile_tflops", "fwd_cta_overhead_us", "bwd_cta_overhead_us",
-    "launch_us", "copy_bw_gbps",
+    "launch_us", "copy_bw_gbps", "host_op_us", "ring_step_fwd_us", "ring_step_bwd_us",
 )  # fmt: skip
+#: their bounds (widened to hold the starting profile's value): an eager PyTorch op costs
+#: 5-25 µs of host time, a kernel launch about 5 µs (docs/design.md §8)
 DEFAULT_BOUNDS = {
     "fwd_cta_overhead_us": (0.0, 20.0),
     "bwd_cta_overhead_us": (0.0, 20.0),
     "launch_us": (0.0, 50.0),
     "copy_bw_gbps": (300.0, 6000.0),
+    "host_op_us": (1.0, 50.0),
+    "ring_step_fwd_us": (0.0, 200.0),
+    "ring_step_bwd_us": (0.0, 400.0),
 }
 
 
@@ -273,15 +279,19 @@ def emulate_rows(
 def parse_free(spec: str | None, hw: HardwareProfile) -> dict[str, tuple[float, float]]:
     """Free profile fields and bounds: ``name`` (default bounds) or ``name=lo:hi``, comma-separated.
 
-    Default bounds: ``DEFAULT_BOUNDS``, rates ``(0.1 * value, peak_tflops)``, otherwise
-    ``(0.25 * value, 4 * value)``.
+    Without ``spec``: the fields of :data:`DEFAULT_FREE` the profile has. Default bounds:
+    ``DEFAULT_BOUNDS`` (widened to hold the profile's value), rates ``(0.1 * value,
+    peak_tflops)``, otherwise ``(0.25 * value, 4 * value)``.
 
     Raises:
         ValueError: a name that is not a numeric profile field, or bounds that do not hold the
             profile's value.
     """
     numeric = {f.name for f in fields(HardwareProfile) if f.init and f.type in ("float", "int")}
-    names = DEFAULT_FREE if not spec else tuple(s.strip() for s in spec.split(",") if s.strip())
+    if spec:
+        names = tuple(s.strip() for s in spec.split(",") if s.strip())
+    else:
+        names = tuple(n for n in DEFAULT_FREE if n in numeric)
     free = {}
     for item in names:
         name, _, rng = item.partition("=")
@@ -294,7 +304,8 @@ def parse_free(spec: str | None, hw: HardwareProfile) -> dict[str, tuple[float, 
             lo, _, hi = rng.partition(":")
             bounds = (float(lo), float(hi))
         elif name in DEFAULT_BOUNDS:
-            bounds = DEFAULT_BOUNDS[name]
+            lo, hi = DEFAULT_BOUNDS[name]
+            bounds = (min(lo, value), max(hi, value))
         elif name.endswith("_tflops"):
             bounds = (0.1 * value, float(hw.peak_tflops))
         else:
@@ -364,7 +375,15 @@ def fit(args, rows, plans, shape, hw, out: Path, env: dict):
     targets = [CalibTarget(**t) for t in fit_targets(rows, plans, shape, source)]
     if not targets:
         raise RuntimeError("no replayed unit to fit")
-    res = fit_constants(targets, hw, free)
+    import inspect
+
+    # bound the optimiser where the fit lets us (each evaluation simulates every replayed plan)
+    extra = (
+        {"max_nfev": 40 * len(free)}
+        if "max_nfev" in inspect.signature(fit_constants).parameters
+        else {}
+    )
+    res = fit_constants(targets, hw, free, **extra)
     write_csv_atomic(res.table, out / "calibration_fit.csv")
     fitted = load_hardware({**hw.to_dict(), **res.constants})
     consts = pd.DataFrame([

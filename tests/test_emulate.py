@@ -326,7 +326,7 @@ def test_gpu_check_quick_replays_fits_and_reports(tmp_path, monkeypatch):
     assert len(table) == 2 * 3  # (method) x (attn_fwd, attn_bwd, others)
     assert table["name"].str.startswith("emulate/pile/seq0/").all()
     consts = pd.read_csv(tmp_path / "fitted_constants.csv")
-    assert set(consts["constant"]) == set(gpu_check.DEFAULT_FREE)
+    assert set(consts["constant"]) == set(gpu_check.parse_free(None, HW))
     md = (tmp_path / "summary.md").read_text()
     assert "Measured vs simulated" in md and "| emulate | ok |" in md and "| fit | ok |" in md
 
@@ -334,6 +334,9 @@ def test_gpu_check_quick_replays_fits_and_reports(tmp_path, monkeypatch):
 def test_gpu_check_free_constants_are_checked():
     from experiments.gpu_check import parse_free
 
+    default = parse_free(None, HW)  # the replay's constants this profile has
+    assert {"fwd_tile_tflops", "bwd_tile_tflops", "launch_us"} <= set(default)
+    assert all(lo <= getattr(HW, k) <= hi for k, (lo, hi) in default.items())
     free = parse_free("launch_us=1:40,fwd_tile_tflops", HW)
     assert free["launch_us"] == (1.0, 40.0)
     assert free["fwd_tile_tflops"] == (pytest.approx(0.1 * HW.fwd_tile_tflops), HW.peak_tflops)

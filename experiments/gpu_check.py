@@ -42,6 +42,7 @@ _START = time.monotonic()  # the budget counts from process start (imports inclu
 import argparse  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from dataclasses import fields  # noqa: E402
 from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -182,7 +183,7 @@ def run_bounded(cmd: list[str], timeout_s: float, log: Path) -> str:
                             text=True, start_new_session=True)  # fmt: skip
     try:
         text, _ = proc.communicate(timeout=max(timeout_s, 1.0))
-    except subprocess.TimeoutExpired:
+    except BaseException:  # its time ran out, or the check's own (watchdog, Ctrl-C)
         os.killpg(proc.pid, signal.SIGKILL)
         text, _ = proc.communicate()
         log.write_text(_text(text))
@@ -625,90 +626,108 @@ def main(argv=None) -> None:
     out = Path(args.out or REPO / "results" / ("gpu_check_quick" if args.quick else "gpu_check"))
     out.mkdir(parents=True, exist_ok=True)
 
-    env = _environment(device)
-    (out / "env.txt").write_text("".join(f"{k}: {v}\n" for k, v in env.items()))
-    print(env, flush=True)
+    # a hard stop shortly after the budget: whatever hangs is interrupted, the step is reported as
+    # failed, the later steps are skipped and the report is still written
+    import signal
 
-    # kept back from the emulate step for the later ones (fit ~30 s, GPU tests, dist, kernels)
-    reserve = 10.0 if args.quick else 150.0
-    rows, plans = [], {}
-    if "emulate" not in skip:
-        got = budget.run(
-            "emulate", lambda: emulate_rows(args, device, shape, hw, budget, reserve), 30.0
-        )
-        rows, plans = got if got is not None else ([], {})
-    fit_res = consts = None
-    if rows and "fit" not in skip:
-        got = budget.run("fit", lambda: fit(args, rows, plans, shape, hw, out, env), 10.0)
-        if got is not None:
-            fit_res, consts = got
-    comp = comparison(rows) if any(r["status"] == "ok" for r in rows) else None
-    if rows:
-        df = pd.DataFrame(rows)
-        for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
-            if col not in df:
-                df[col] = np.nan
-        for k, v in env.items():
-            df[k] = v
-        write_csv_atomic(df, out / "emulate.csv")
-    if comp is not None:
-        write_csv_atomic(comp, out / "emulate_vs_sim.csv")
-        print(
-            "measured vs simulated, median over sequences:\n"
-            + comp.round(3).to_string(index=False),
-            flush=True,
-        )
+    def _out_of_time(signum, frame):
+        raise TimeoutError(f"the {budget.total_s:.0f} s budget of the GPU check ran out")
 
-    if not args.quick and "pytest" not in skip:
+    watchdog = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
+    if watchdog:
+        previous = signal.signal(signal.SIGALRM, _out_of_time)
+        signal.alarm(max(1, int(budget.left() + 10)))
+    try:
+        env = _environment(device)
+        (out / "env.txt").write_text("".join(f"{k}: {v}\n" for k, v in env.items()))
+        print(env, flush=True)
 
-        def gpu_tests():
-            cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs"]
-            text = run_bounded(cmd, min(budget.left() - 60, 150), out / "pytest_gpu.txt")
-            print(text.strip().splitlines()[-1] if text.strip() else "(no output)", flush=True)
-
-        budget.run("pytest", gpu_tests, 60.0)
-
-    if "dist" not in skip:
-        # --quick: one method is enough to exercise the path (each run starts a process group)
-        dist_methods = args.methods[:1] if args.quick else args.methods
-
-        def dist_run():
-            cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m",
-                "experiments.run", "-m", f"method={','.join(dist_methods)}", "executor=dist",
-                f"executor.backend={args.backend}", "cp_size=1", f"context_len={args.context_len}",
-                "num_sequences=1", "dataset=wlb_llm", f"results_dir={out}", "name=dist", "progress=false",
-                f"model.num_heads={args.num_heads}", f"model.num_kv_heads={args.num_heads}",
-                f"model.head_dim={args.head_dim}", f"model.dtype={args.dtype}",
-            ]  # fmt: skip
-            run_bounded(cmd, budget.left() - (25 if not args.quick else 5), out / "dist_log.txt")
-            if not (out / "dist" / "rows.csv").exists():
-                raise RuntimeError("executor=dist wrote no rows; see dist_log.txt")
-            rows_d = pd.read_csv(out / "dist" / "rows.csv")
-            write_csv_atomic(rows_d, out / "dist.csv")
-            cols = ["method", "mode", "attn_fwd_ms", "attn_bwd_ms", "total_ms"]
-            print(rows_d[cols].to_string(), flush=True)
-
-        budget.run("dist", dist_run, 45.0 if not args.quick else 20.0)
-
-    if "kernels" not in skip:
-
-        def kernels():
-            df = pd.DataFrame(kernel_rows(args, device, shape, hw, budget))
+        # kept back from the emulate step for the later ones (fit ~30 s, GPU tests, dist, kernels)
+        reserve = 10.0 if args.quick else 150.0
+        rows, plans = [], {}
+        if "emulate" not in skip:
+            got = budget.run(
+                "emulate", lambda: emulate_rows(args, device, shape, hw, budget, reserve), 30.0
+            )
+            rows, plans = got if got is not None else ([], {})
+        fit_res = consts = None
+        if rows and "fit" not in skip:
+            got = budget.run("fit", lambda: fit(args, rows, plans, shape, hw, out, env), 10.0)
+            if got is not None:
+                fit_res, consts = got
+        comp = comparison(rows) if any(r["status"] == "ok" for r in rows) else None
+        if rows:
+            df = pd.DataFrame(rows)
+            for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
+                if col not in df:
+                    df[col] = np.nan
             for k, v in env.items():
                 df[k] = v
-            write_csv_atomic(df, out / "kernels.csv")
-            if len(df):
-                summary = df.groupby(["method", "pass"])["ratio"].median().unstack()
-                print(
-                    "median measured / simulated kernel time:\n" + summary.round(2).to_string(),
-                    flush=True,
+            write_csv_atomic(df, out / "emulate.csv")
+        if comp is not None:
+            write_csv_atomic(comp, out / "emulate_vs_sim.csv")
+            print(
+                "measured vs simulated, median over sequences:\n"
+                + comp.round(3).to_string(index=False),
+                flush=True,
+            )
+
+        if not args.quick and "pytest" not in skip:
+
+            def gpu_tests():
+                cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs"]
+                text = run_bounded(cmd, min(budget.left() - 60, 150), out / "pytest_gpu.txt")
+                print(text.strip().splitlines()[-1] if text.strip() else "(no output)", flush=True)
+
+            budget.run("pytest", gpu_tests, 60.0)
+
+        if "dist" not in skip:
+            # --quick: one method is enough to exercise the path (each run starts a process group)
+            dist_methods = args.methods[:1] if args.quick else args.methods
+
+            def dist_run():
+                cmd = [
+                    sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m",
+                    "experiments.run", "-m", f"method={','.join(dist_methods)}", "executor=dist",
+                    f"executor.backend={args.backend}", "cp_size=1", f"context_len={args.context_len}",
+                    "num_sequences=1", "dataset=wlb_llm", f"results_dir={out}", "name=dist", "progress=false",
+                    f"model.num_heads={args.num_heads}", f"model.num_kv_heads={args.num_heads}",
+                    f"model.head_dim={args.head_dim}", f"model.dtype={args.dtype}",
+                ]  # fmt: skip
+                run_bounded(
+                    cmd, budget.left() - (25 if not args.quick else 5), out / "dist_log.txt"
                 )
+                if not (out / "dist" / "rows.csv").exists():
+                    raise RuntimeError("executor=dist wrote no rows; see dist_log.txt")
+                rows_d = pd.read_csv(out / "dist" / "rows.csv")
+                write_csv_atomic(rows_d, out / "dist.csv")
+                cols = ["method", "mode", "attn_fwd_ms", "attn_bwd_ms", "total_ms"]
+                print(rows_d[cols].to_string(), flush=True)
 
-        budget.run("kernels", kernels, 20.0 if not args.quick else 5.0)
+            budget.run("dist", dist_run, 45.0 if not args.quick else 20.0)
 
-    (out / "summary.md").write_text(_markdown(args, env, budget, rows, comp, consts, fit_res))
-    print(f"total {budget.elapsed():.0f} s of {budget.total_s:.0f}; wrote {out}", flush=True)
+        if "kernels" not in skip:
+
+            def kernels():
+                df = pd.DataFrame(kernel_rows(args, device, shape, hw, budget))
+                for k, v in env.items():
+                    df[k] = v
+                write_csv_atomic(df, out / "kernels.csv")
+                if len(df):
+                    summary = df.groupby(["method", "pass"])["ratio"].median().unstack()
+                    print(
+                        "median measured / simulated kernel time:\n" + summary.round(2).to_string(),
+                        flush=True,
+                    )
+
+            budget.run("kernels", kernels, 20.0 if not args.quick else 5.0)
+
+        (out / "summary.md").write_text(_markdown(args, env, budget, rows, comp, consts, fit_res))
+        print(f"total {budget.elapsed():.0f} s of {budget.total_s:.0f}; wrote {out}", flush=True)
+    finally:
+        if watchdog:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ step, taking the largest rank (collectives are synchronous). KV bytes = tokens x
 * ``allgather_sharded`` (``flashcp``; Eq. 5): the same with ``comm_tokens`` (each rank's
   contribution is padded to the largest rank's compact buffer).
 * ``p2p_ring`` (``ring``, ``zigzag``): N-1 steps, each receiving one KV block of C/N tokens
-  (forward); training passes the KV blocks around again and the dK/dV partial sums too, N-1 hops
-  in float32 (at least: summing in bfloat16 would round the growing sum at every hop).
+  (forward; with pad tokens, the most document tokens any rank holds: pad rows are not sent);
+  training passes the KV blocks around again and the dK/dV partial sums too, N-1 hops in float32
+  (at least: summing in bfloat16 would round the growing sum at every hop).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class AttnShape:
                 f"num_heads = {self.num_heads} is not a multiple of num_kv_heads = {self.num_kv_heads}"
             )
         if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+            raise ValueError(
+                f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}"
+            )
 
     @property
     def dtype_bytes(self) -> int:
@@ -100,7 +103,7 @@ def comm_volume(plan: Plan, comm_kind: str, shape: AttnShape, mode: Mode) -> dic
         ag = 2 * one if train else one
         rs = one if train else 0
     elif comm_kind == "p2p_ring":
-        tokens = (n - 1) * (plan.context_len // n)
+        tokens = (n - 1) * int(plan.doc_tokens_per_rank.max())  # blocks leave out pad rows
         one = shape.kv_bytes(tokens)
         # fwd KV; bwd KV again + dK/dV partial sums in float32 (or wider)
         grad = kv_bytes(tokens, shape.num_kv_heads, shape.head_dim, max(shape.dtype_bytes, 4))

@@ -18,11 +18,16 @@ sent) and adds it to the local part. Communicated volumes equal :func:`flashcp.c
 forward all-gather, backward all-gather again plus a reduce-scatter of the same size.
 
 K and V travel together as one ``(rows, 2, Hkv, D)`` buffer in the model dtype; only KV heads move.
+
+Pad tokens (``plan.pad``, the last rows of a rank's tensors) take no part: the op runs on each
+rank's document rows only (metadata :meth:`AllGatherMeta.without_pad`), their KV is never sent,
+and pad rows get output 0 and gradient 0. A rank holding no document token still joins every
+collective, so all ranks issue the same ones.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -61,7 +66,9 @@ class AllGatherMeta:
         plan: the plan (its digest is checked across ranks before the first collective).
         rank: this rank.
         cp_size: N.
-        tokens: T = C / N local tokens.
+        tokens: T = C / N local tokens, pad included.
+        doc_tokens: this rank's document (non-pad) tokens, its first local rows; the kernels,
+            ``kv_index`` and ``send_rows`` see only these.
         send_max: M, rows of the padded send buffer (max over ranks of rows sent).
         send_rows: (n_send,) int64, local rows this rank sends, in buffer order.
         kv_index: (Tk,) int64, rows of ``source = [local (T); gathered (N*M)]`` forming the keys of
@@ -76,6 +83,7 @@ class AllGatherMeta:
     rank: int
     cp_size: int
     tokens: int
+    doc_tokens: int
     send_max: int
     send_rows: torch.Tensor
     kv_index: torch.Tensor
@@ -96,6 +104,16 @@ class AllGatherMeta:
             )
         return self._on_device[key]
 
+    def without_pad(self) -> AllGatherMeta:
+        """This metadata for the rank's document rows only (``tokens = doc_tokens``; cached)."""
+        if self.doc_tokens == self.tokens:
+            return self
+        if "without_pad" not in self._on_device:
+            self._on_device["without_pad"] = replace(
+                self, tokens=self.doc_tokens, _on_device={}, _verified=self._verified
+            )
+        return self._on_device["without_pad"]
+
     def verify(self, group) -> None:
         """Check once per process group that every rank holds the same plan (see
         :func:`flashcp.ops.collectives.check_same_plan`)."""
@@ -114,7 +132,8 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
         method: expected ``plan.method``.
         sharding_aware: send only non-last shards (FlashCP) instead of every local row.
     Raises:
-        ValueError: wrong method, rank out of range, or ranks holding unequal token counts.
+        ValueError: wrong method, rank out of range, or ranks holding unequal token counts
+            (pad included).
     """
     if plan.method != method:
         raise ValueError(f"this op runs {method!r} plans, got a plan for {plan.method!r}")
@@ -127,36 +146,41 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
         raise ValueError(f"every rank must hold the same number of tokens, got {tok.tolist()}")
     t = int(tok[0])
 
-    # token-level view: shards are sorted by rank then local order, so token i of the concatenation
-    # is local row i % T of rank i // T.
+    # token-level view of the document tokens: shards are sorted by rank then local order, so the
+    # concatenation of every shard holds rank r's document rows at real_off[r] .. real_off[r + 1]
+    real = plan.doc_tokens_per_rank  # (N,)
+    real_off = np.cumsum(real) - real
+    n_tok = int(real.sum())
     length = plan.length
-    shard_of = np.repeat(np.arange(plan.num_shards), length)  # (C,)
-    seg_off = np.concatenate([[0], np.cumsum(length)[:-1]])
-    within = np.arange(plan.context_len, dtype=np.int64) - seg_off[shard_of]
-    doc_off = np.concatenate([[0], np.cumsum(plan.doc_lens)[:-1]])
-    packed = doc_off[plan.doc[shard_of]] + plan.start[shard_of] + within  # (C,) packed position
-    where = np.empty(plan.context_len, dtype=np.int64)
-    where[packed] = np.arange(plan.context_len)  # packed position -> concatenation index
-    owner = np.arange(plan.context_len) // t
-    sends = ~plan.is_last[shard_of] if sharding_aware else np.ones(plan.context_len, dtype=bool)
+    shard_of = np.repeat(np.arange(plan.num_shards), length)  # (R,)
+    seg_off = np.cumsum(length) - length
+    within = np.arange(n_tok, dtype=np.int64) - seg_off[shard_of]
+    doc_off = np.cumsum(plan.doc_lens) - plan.doc_lens
+    packed = doc_off[plan.doc[shard_of]] + plan.start[shard_of] + within  # (R,) packed position
+    where = np.empty(n_tok, dtype=np.int64)
+    where[packed] = np.arange(n_tok)  # packed position -> concatenation index
+    owner = np.repeat(np.arange(n), real)  # (R,)
+    local_row = np.arange(n_tok, dtype=np.int64) - real_off[owner]
+    sends = ~plan.is_last[shard_of] if sharding_aware else np.ones(n_tok, dtype=bool)
     # position of each token in its owner's send buffer (-1: not sent)
-    slot = np.full(plan.context_len, -1, dtype=np.int64)
-    counts = sends.reshape(n, t).cumsum(axis=1).reshape(-1) - 1
-    slot[sends] = counts[sends]
-    send_max = int(sends.reshape(n, t).sum(axis=1).max())
+    cs = np.cumsum(sends)
+    sent_upto = np.concatenate([[0], cs])[real_off]  # (N,) tokens sent before rank r's first
+    slot = np.where(sends, cs - 1 - sent_upto[owner], -1)
+    send_max = int(np.bincount(owner, weights=sends, minlength=n).max()) if n_tok else 0
 
     # keys of this rank's segments: prefix + itself of each shard's document
     doc, start, ln = plan.rank_shards(rank)
     klen = start + ln
-    k_off = np.concatenate([[0], np.cumsum(klen)[:-1]])
+    k_off = np.cumsum(klen) - klen
     k_within = np.arange(int(klen.sum()), dtype=np.int64) - np.repeat(k_off, klen)
     key_tok = where[np.repeat(doc_off[doc], klen) + k_within]  # concatenation index of each key
     own = owner[key_tok] == rank
     if (~own & (slot[key_tok] < 0)).any():
         raise ValueError("plan inconsistency: a needed key is held by another rank but not sent")
-    kv_index = np.where(own, key_tok - rank * t, t + owner[key_tok] * send_max + slot[key_tok])
+    r_tok = int(real[rank])
+    kv_index = np.where(own, local_row[key_tok], r_tok + owner[key_tok] * send_max + slot[key_tok])
 
-    mine = slice(rank * t, (rank + 1) * t)
+    mine = slice(int(real_off[rank]), int(real_off[rank]) + r_tok)
     send_rows = np.flatnonzero(sends[mine])
     cu_q = np.concatenate([[0], np.cumsum(ln)])
     cu_k = np.concatenate([[0], np.cumsum(klen)])
@@ -166,6 +190,7 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
         rank=rank,
         cp_size=n,
         tokens=t,
+        doc_tokens=r_tok,
         send_max=send_max,
         send_rows=torch.from_numpy(send_rows.astype(np.int64)),
         kv_index=torch.from_numpy(kv_index.astype(np.int64)),
@@ -393,4 +418,11 @@ def allgather_attention(
     scale = resolve_scale(softmax_scale, q.shape[-1])
     kernel = resolve_backend(backend, q.device)
     meta.verify(group)
-    return AllGatherAttn.apply(q, k, v, meta, group, scale, kernel, counter, timer)
+    if meta.doc_tokens == meta.tokens:
+        return AllGatherAttn.apply(q, k, v, meta, group, scale, kernel, counter, timer)
+    # pad rows (the last ones) take no part: output 0, gradient 0 through the slicing
+    r = meta.doc_tokens
+    out = AllGatherAttn.apply(
+        q[:r], k[:r], v[:r], meta.without_pad(), group, scale, kernel, counter, timer
+    )
+    return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, meta.tokens - r))

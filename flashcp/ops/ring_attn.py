@@ -23,7 +23,10 @@ reused by every layer.
 
 Block sizes: every plan gives every rank exactly C/N tokens (``Plan.validate``), so every KV block
 has the same shape ``(2, C/N, Hkv, D)`` and no size exchange or padding is needed; ``zigzag`` ranks
-differ only in their *number* of segments.
+differ only in their *number* of segments. With pad tokens (``plan.pad``, the last rows of each
+rank) the blocks are cut to ``RingMeta.block_tokens`` rows, the most document tokens any rank holds
+(known from the plan, the same on every rank): pad rows beyond that are never sent, and no kernel
+call touches a pad row, so pad outputs and gradients are 0.
 
 Forward: ``N - 1`` ring exchanges of the KV block (posted before the step's compute, waited after);
 partial outputs merge by their LSE in float32 (:mod:`flashcp.ops.lse`).
@@ -125,7 +128,9 @@ class RingMeta:
         plan: the plan it was built from (its digest is compared across ranks once).
         rank: this rank r.
         cp_size: N.
-        local_tokens: C / N, rows of this rank's q, k and v.
+        local_tokens: C / N, rows of this rank's q, k and v (pad included).
+        block_tokens: rows of every KV block sent around the ring: the most document tokens any
+            rank holds (= ``local_tokens`` without pad).
         steps: ``steps[s]`` are the kernel calls on the KV block of rank ``(r - s) mod N``.
     """
 
@@ -134,6 +139,7 @@ class RingMeta:
     rank: int
     cp_size: int
     local_tokens: int
+    block_tokens: int
     steps: tuple[tuple[BlockCall, ...], ...]
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -162,6 +168,7 @@ class RingMeta:
                 self.rank,
                 self.cp_size,
                 self.local_tokens,
+                self.block_tokens,
                 steps,
                 self._cache,
             )
@@ -181,7 +188,7 @@ class RingMeta:
 
 
 def _offsets(length: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+    return (np.cumsum(length) - length).astype(np.int64)
 
 
 def _shard_segments(local, block, same_rank: bool) -> list[list[tuple]]:
@@ -306,7 +313,8 @@ def prepare_ring_meta(plan: Plan, rank: int, method: str) -> RingMeta:
         src = (rank - s) % n
         per_shard = _shard_segments(shards[rank], shards[src], same_rank=s == 0)
         steps.append(_calls(_fuse(per_shard)))
-    return RingMeta(method, plan, rank, n, plan.context_len // n, tuple(steps))
+    block = int(plan.doc_tokens_per_rank.max())
+    return RingMeta(method, plan, rank, n, plan.context_len // n, block, tuple(steps))
 
 
 # ---- forward and backward -------------------------------------------------------------------------
@@ -390,7 +398,9 @@ def ring_backward(
         dq: (T_local, H, D) in q.dtype; dk, dv: (T_local, Hkv, D) in k.dtype.
     """
     n = meta.cp_size
-    gdt = torch.promote_types(k.dtype, torch.float32) if grad_comm_dtype is None else grad_comm_dtype
+    gdt = (
+        torch.promote_types(k.dtype, torch.float32) if grad_comm_dtype is None else grad_comm_dtype
+    )
     dout = dout.contiguous()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])
@@ -558,14 +568,20 @@ def ring_attention(
     if meta.cp_size > 1:
         meta.check_plan_once(group)
         comm = RingComm(group, q.device, counter)
-    return RingAttnFunction.apply(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
+    b = meta.block_tokens  # pad rows beyond the block take no part: output 0, gradient 0
+    out = RingAttnFunction.apply(
+        q[:b].contiguous(),
+        k[:b].contiguous(),
+        v[:b].contiguous(),
         meta,
         comm,
         be,
         scale,
         as_timer(timer),
         grad_comm_dtype,
+    )
+    return (
+        out
+        if b == meta.local_tokens
+        else torch.nn.functional.pad(out, (0, 0, 0, 0, 0, meta.local_tokens - b))
     )

@@ -380,3 +380,17 @@ def test_emulate_on_cuda(method, nccl_traffic):
             err = float((got.double() - exp).abs().max())
             # bf16 inputs: a few bf16 ulps of the largest value (a wrong block is O(1) off)
             assert err <= 0.03 * float(exp.abs().max()) + 1e-3, f"{method} {what}: {err}"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_padded_plans_with_zero_length_documents(method):
+    """Pad rows and empty documents: the op slices and pads around its Function; the record pass
+    drives that graph itself and the replay reproduces it."""
+    plan = make_plan_for(method, [5, 0, 40, 3, 0], 2, num_pad=8, pad_to_multiple=True)
+    inputs = seeded_inputs(plan, SHAPE, "train", 2, torch.device("cpu"))
+    rec = record(plan, "train", inputs, backend="cpu", keep_outputs=True)
+    reps = emulate_ranks(plan, SHAPE, "train", HW, backend="cpu", warmup=0, iters=1, seed=2)
+    for rep in reps:
+        assert rep.comm == comm_volume(plan, COMM_KIND[method], SHAPE, "train")
+        for got, recorded in zip(rep.outputs, rec.outputs[rep.rank], strict=True):
+            torch.testing.assert_close(got, recorded)

@@ -216,23 +216,60 @@ class RecordingGroup(LocalGroup):
         return got
 
 
+def _topological(root) -> list:
+    """Autograd nodes reachable from ``root``, each before the nodes it feeds (its inputs')."""
+    post, seen, stack = [], {root}, [(root, iter(root.next_functions))]
+    while stack:
+        node, children = stack[-1]
+        for child, _ in children:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append((child, iter(child.next_functions)))
+                break
+        else:
+            post.append(node)
+            stack.pop()
+    return post[::-1]
+
+
 def _run_backward(out: torch.Tensor, dout: torch.Tensor, inputs: Sequence[torch.Tensor]):
-    """Gradients w.r.t. ``inputs`` of the op whose autograd node produced ``out``, computed on
-    the calling thread (the op's own backward, without the autograd engine).
+    """Gradients of ``out`` w.r.t. the leaves ``inputs``, with the op's own autograd graph run on
+    the calling thread (not by the autograd engine, whose single CUDA device thread would run
+    every rank's backward in turn, so ranks waiting for each other would deadlock).
+
+    Nodes run in topological order, each called with the gradient of its one output (the op's
+    graph: its autograd Function and the views and pads around it); gradients reaching a leaf
+    are summed. Returns a tuple like ``inputs`` (None where no gradient arrived).
 
     Raises:
-        RuntimeError: ``out`` is not the direct output of one autograd Function of ``inputs``.
+        RuntimeError: a node with several outputs, or a custom Function returning gradients for
+            inputs that are not graph edges (tensor inputs must come first).
     """
-    node = out.grad_fn
-    nxt = getattr(node, "next_functions", ())
-    leaves = [getattr(f, "variable", None) for f, _ in nxt[: len(inputs)]]
-    if len(nxt) < len(inputs) or any(a is not b for a, b in zip(leaves, inputs, strict=True)):
-        raise RuntimeError(
-            "the op's output is not the direct output of its autograd Function of (q, k, v); "
-            "the recording pass cannot drive its backward"
-        )
+    grads: dict = {}
+    pending = {out.grad_fn: dout}
     with torch.no_grad():  # as the engine runs a backward (no create_graph)
-        return node.apply(dout)[: len(inputs)]
+        for node in _topological(out.grad_fn):
+            g = pending.pop(node, None)
+            if g is None:
+                continue
+            leaf = getattr(node, "variable", None)
+            if leaf is not None:  # AccumulateGrad of a leaf
+                grads[leaf] = g if leaf not in grads else grads[leaf] + g
+                continue
+            if len(getattr(node, "_input_metadata", (None,))) != 1:
+                raise RuntimeError(f"cannot run {type(node).__name__} (several outputs) here")
+            custom = isinstance(node, torch.autograd.function.BackwardCFunction)
+            res = node.apply(g) if custom else node(g)
+            res = res if isinstance(res, tuple) else (res,)
+            edges = node.next_functions
+            if len(res) < len(edges) or any(r is not None for r in res[len(edges) :]):
+                raise RuntimeError(
+                    f"{type(node).__name__} returned gradients that do not line up with its inputs"
+                )
+            for (nxt, _), gn in zip(edges, res, strict=False):
+                if nxt is not None and gn is not None:
+                    pending[nxt] = gn if nxt not in pending else pending[nxt] + gn
+    return tuple(grads.get(x) for x in inputs)
 
 
 @dataclass

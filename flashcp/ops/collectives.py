@@ -7,6 +7,9 @@ rank *received*, by kind, with the same keys and conventions as :func:`flashcp.c
 * reduce-scatter to an output of ``b`` bytes per rank: this rank receives ``(N - 1) * b``;
 * point-to-point: the bytes of every received buffer (the ring ops call :meth:`CommCounter.add`).
 
+Gradient partial sums cross ranks in one dtype chosen by :func:`resolve_grad_comm_dtype` (the
+``grad_comm_dtype`` option of every CP op).
+
 ``group`` may also be a :class:`LocalGroup`, an in-process stand-in for a process group: the
 wrappers (and :class:`flashcp.ops.ring_comm.RingComm`) then route every collective through its
 methods instead of ``torch.distributed``. ``executor=emulate`` (:mod:`flashcp.executors.emulate`)
@@ -18,8 +21,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from flashcp.ops.backends import compute_dtype
+
 __all__ = [
     "COMM_KINDS",
+    "GRAD_COMM_DTYPES",
     "CommCounter",
     "LocalGroup",
     "all_gather_into_tensor",
@@ -27,9 +33,41 @@ __all__ = [
     "group_rank",
     "group_size",
     "reduce_scatter_tensor",
+    "resolve_grad_comm_dtype",
 ]
 
 COMM_KINDS: tuple[str, ...] = ("allgather", "reducescatter", "p2p")
+#: names accepted by ``grad_comm_dtype`` (as in :data:`flashcp.comm.DTYPE_BYTES`)
+GRAD_COMM_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32", "float64")
+
+
+def resolve_grad_comm_dtype(grad_comm_dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradient partial sums travel in between ranks: the dK/dV reduce-scatter of the
+    all-gather family (``llama3``, ``per_doc``, ``flashcp``) and the dK/dV ring hops of ``ring`` /
+    ``zigzag``. Every op's ``grad_comm_dtype`` option goes through here.
+
+    Args:
+        grad_comm_dtype: None (default: :func:`flashcp.ops.backends.compute_dtype` of ``dtype``,
+            i.e. float32 for bfloat16 / float16 / float32 models and float64 for float64), or a
+            floating torch dtype or its name (one of :data:`GRAD_COMM_DTYPES`). A 16-bit choice
+            halves those bytes but rounds every rank's partial sum before it is added, so the
+            gradient error grows with cp_size.
+        dtype: the model dtype (of k and v).
+    Returns:
+        a floating torch dtype.
+    Raises:
+        ValueError: anything else, naming the bad value.
+    """
+    if grad_comm_dtype is None:
+        return compute_dtype(dtype)
+    if isinstance(grad_comm_dtype, str) and grad_comm_dtype in GRAD_COMM_DTYPES:
+        return getattr(torch, grad_comm_dtype)
+    if isinstance(grad_comm_dtype, torch.dtype) and grad_comm_dtype.is_floating_point:
+        return grad_comm_dtype
+    raise ValueError(
+        f"grad_comm_dtype must be None, a floating torch.dtype or one of "
+        f"{', '.join(GRAD_COMM_DTYPES)}; got {grad_comm_dtype!r}"
+    )
 
 
 class CommCounter:

@@ -503,3 +503,18 @@ def test_comm_volume_counts_grad_comm_dtype():
     assert p2p[None] - p2p["bfloat16"] == 32 * 2 * 2 * 16 * 2  # one hop of C/N tokens, 2 B less
     with pytest.raises(ValueError, match="unknown grad_comm_dtype"):
         comm_volume(plan, "allgather_full", bf16, "train", grad_comm_dtype="int8")
+
+
+def test_default_heads_per_group_is_the_same_on_every_rank_with_pad(monkeypatch):
+    """Ranks holding different numbers of pad rows still pick the same head groups (their
+    collectives must match), whatever the budget."""
+    import flashcp.ops.allgather_attn as ag
+
+    for m in ("llama3", "per_doc", "flashcp"):
+        plan = make_plan_for(m, [37, 20], 4, pad_to_multiple=True)
+        metas = [get_attn_op(m)[0](plan, r).without_pad() for r in range(4)]
+        assert len({meta.tokens for meta in metas}) > 1, m  # the ranks' document rows differ
+        for budget in range(1, 20000, 97):
+            monkeypatch.setattr(ag, "HEAD_GROUP_BUDGET_BYTES", budget)
+            picks = {ag.resolve_heads_per_group(None, meta, 8, 2, torch.float32) for meta in metas}
+            assert len(picks) == 1, (m, budget, picks)

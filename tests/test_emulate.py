@@ -239,6 +239,10 @@ def test_flashcp_run_executor_emulate(tmp_path):
     sim, emu = frames["sim"], frames["emulate"]
     assert list(sim.columns) == list(emu.columns)
     assert (emu["status"] == "ok").all() and set(emu["executor"]) == {"emulate"}
+    # the profile prices emulate's communication and the replayed ranks change its rows: both
+    # belong to the run's identity
+    assert set(emu["hardware"]) == {"h100_sxm"}
+    assert all('"ranks": [1, 2]' in o for o in emu["executor_options"])
     same = ["seq_idx", "mode", "num_docs", "imbalance_ratio", "comm_tokens", *COMM_COLUMNS]
     pd.testing.assert_frame_equal(sim[same], emu[same])
 

@@ -424,6 +424,46 @@ def run_dist(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]] | 
     return rows if dist.get_rank() == 0 else None
 
 
+def run_emulate(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]]:
+    """Replay every plan's ranks on one device (``executor=emulate``,
+    :mod:`flashcp.executors.emulate`); communication priced by ``cfg.hardware``. One process, so
+    a sequence whose planning or replay fails is a row with ``status = "error: ..."``."""
+    import torch
+
+    from flashcp.executors.emulate import emulate_step
+    from flashcp.sim import load_hardware
+
+    hw = load_hardware(_container(cfg.hardware))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    planner = get_planner(cfg.method.name)
+    options = _container(cfg.method.options)
+    ex = cfg.executor
+    ranks = None if ex.ranks is None else [int(r) for r in ex.ranks]
+    rows: list[dict[str, Any]] = []
+    for i, d in enumerate(seqs):
+        base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
+        try:
+            t0 = time.perf_counter()
+            plan = planner(d, int(cfg.cp_size), **options)
+            plan_ms = (time.perf_counter() - t0) * 1e3
+            metrics = {"plan_status": plan.status, "plan_ms": plan_ms, **plan_metrics(plan)}
+            res = [
+                emulate_step(
+                    plan, attn_shape(cfg), mode, hw, device=device, backend=ex.backend,
+                    warmup=int(ex.warmup), iters=int(ex.iters), seed=int(cfg.seed) + i,
+                    ranks=ranks, nccl_traffic=bool(ex.nccl_traffic), timeout_s=float(ex.timeout_s),
+                )
+                for mode in cfg.modes
+            ]  # fmt: skip
+        except Exception as exc:  # a failure is a row, not a crash (docs/design.md §7)
+            log.warning("sequence %d failed: %s", i, exc)
+            rows.extend({**base, "mode": m, "status": _error_status(exc)} for m in cfg.modes)
+            continue
+        for mode, r in zip(cfg.modes, res, strict=True):
+            rows.append({**base, **metrics, "mode": mode, "status": "ok", **r})
+    return rows
+
+
 def job_info(cfg: DictConfig) -> dict[str, Any]:
     """Where this run writes and who it belongs to.
 
@@ -575,7 +615,8 @@ def run(cfg: DictConfig) -> Path | None:
             )
     t0 = time.perf_counter()
     seqs, overlong = sample(cfg)
-    rows = run_sim(cfg, seqs) if cfg.executor.name == "sim" else run_dist(cfg, seqs)
+    runners = {"sim": run_sim, "dist": run_dist, "emulate": run_emulate}
+    rows = runners[cfg.executor.name](cfg, seqs)
     if rows is None:
         return None
     for r in rows:

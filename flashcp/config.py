@@ -16,6 +16,7 @@ from omegaconf import MISSING
 
 __all__ = [
     "DatasetConfig",
+    "EmulateExecutorConfig",
     "ExecutorConfig",
     "MethodConfig",
     "ModelConfig",
@@ -30,10 +31,11 @@ TASKS = ("main", "kernel_efficiency", "table2", "calibration", "sensitivity")
 EXECUTOR_OPTIONS: MappingProxyType[str, tuple[str, ...]] = MappingProxyType({
     "sim": (),
     "dist": ("backend", "warmup", "iters"),
+    "emulate": ("backend", "warmup", "iters", "ranks", "nccl_traffic"),
 })  # fmt: skip
 EXECUTORS = tuple(EXECUTOR_OPTIONS)
 #: executors whose results depend on the ``hardware`` profile (part of their identity)
-USES_HARDWARE_PROFILE = frozenset({"sim"})
+USES_HARDWARE_PROFILE = frozenset({"sim", "emulate"})  # emulate prices communication with it
 #: what happens to a document longer than context_len (see :class:`DatasetConfig`)
 OVERLONG = ("split", "cut", "error")
 
@@ -100,6 +102,19 @@ class ExecutorConfig:
     iters: int = 3
     #: timeout of every collective, seconds (dist)
     timeout_s: float = 120.0
+
+
+@dataclass
+class EmulateExecutorConfig(ExecutorConfig):
+    """``executor=emulate`` (:mod:`flashcp.executors.emulate`): every rank's real work replayed
+    on one device; ``backend``, ``warmup``, ``iters`` as for dist, ``timeout_s`` bounds the record
+    pass's collectives. Communication is priced by the ``hardware`` profile."""
+
+    name: str = "emulate"
+    #: ranks to replay (null: all); the row reports the slowest of them per phase
+    ranks: list[int] | None = None
+    #: CUDA only: copy each ring message on a second stream while the rank computes
+    nccl_traffic: bool = False
 
 
 @dataclass
@@ -179,6 +194,7 @@ def register_configs() -> None:
     cs.store(group="method", name="base_method", node=MethodConfig)
     cs.store(group="model", name="base_model", node=ModelConfig)
     cs.store(group="executor", name="base_executor", node=ExecutorConfig)
+    cs.store(group="executor", name="base_emulate_executor", node=EmulateExecutorConfig)
 
 
 def check_config(cfg: Any) -> None:
@@ -212,6 +228,13 @@ def check_config(cfg: Any) -> None:
         raise ValueError(
             f"context_len = {cfg.context_len} must be a positive multiple of cp_size = {cfg.cp_size}"
         )
+    if cfg.executor.name == "emulate":
+        ranks = cfg.executor.get("ranks")
+        if ranks is not None and (not ranks or len(set(ranks)) != len(ranks)):
+            raise ValueError(f"executor.ranks must be distinct and non-empty, got {list(ranks)}")
+        for r in ranks or ():
+            if not 0 <= r < cfg.cp_size:
+                raise ValueError(f"executor.ranks: rank {r} out of range for cp_size = {cfg.cp_size}")
     if cfg.num_sequences < 1:
         raise ValueError(f"num_sequences must be >= 1, got {cfg.num_sequences}")
     if cfg.workers < 1:

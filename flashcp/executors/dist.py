@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -75,8 +74,8 @@ def abort_group(group=None) -> None:
 
 @contextlib.contextmanager
 def abort_group_on_error(group=None, what: str = "step") -> Iterator[None]:
-    """Run a block of collectives; if it raises on this rank, print the traceback with the rank
-    (stderr and log), abort ``group`` so no other rank waits for this one, and re-raise.
+    """Run a block of collectives; if it raises on this rank, log the traceback with the rank
+    (an ERROR record: the console and the job's log), abort ``group`` so no other rank waits for this one, and re-raise.
 
     An error that is this rank's view of another rank's abort (a collective failing because a peer
     closed the group) is re-raised as :class:`PeerFailure` with one line, so only the rank that
@@ -101,8 +100,7 @@ def abort_group_on_error(group=None, what: str = "step") -> Iterator[None]:
                 f"rank {rank}: {what}: stopped, another rank failed ({exc})"
             ) from None
         text = f"rank {rank}: {what} failed; aborting the process group\n{traceback.format_exc()}"
-        print(text, file=sys.stderr, flush=True)
-        log.error("%s", text)
+        log.error("%s", text)  # Hydra's console and job log; stderr without logging config
         raise
 
 

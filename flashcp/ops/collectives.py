@@ -9,6 +9,11 @@ rank *received*, by kind, with the same keys and conventions as :func:`flashcp.c
 
 Gradient partial sums cross ranks in one dtype chosen by :func:`resolve_grad_comm_dtype` (the
 ``grad_comm_dtype`` option of every CP op).
+
+``group`` may also be a :class:`LocalGroup`, an in-process stand-in for a process group: the
+wrappers (and :class:`flashcp.ops.ring_comm.RingComm`) then route every collective through its
+methods instead of ``torch.distributed``. ``executor=emulate`` (:mod:`flashcp.executors.emulate`)
+uses it to run the ops' own code for one rank on one device.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ __all__ = [
     "COMM_KINDS",
     "GRAD_COMM_DTYPES",
     "CommCounter",
+    "LocalGroup",
     "all_gather_into_tensor",
     "check_same_plan",
     "group_rank",
@@ -99,13 +105,56 @@ class CommCounter:
         return out
 
 
+class LocalGroup:
+    """Interface of an in-process stand-in for a CP process group (no ``torch.distributed``).
+
+    The counted wrappers of this module and :class:`flashcp.ops.ring_comm.RingComm` call these
+    methods when an op is given such a group; their semantics are those of the NCCL/gloo calls
+    they replace, for the rank :meth:`rank` (buffers as in :func:`all_gather_into_tensor`,
+    :func:`reduce_scatter_tensor` and :meth:`RingComm.post`). Implementations live in
+    :mod:`flashcp.executors.emulate`.
+    """
+
+    def size(self) -> int:
+        """N, ranks in the group."""
+        raise NotImplementedError
+
+    def rank(self) -> int:
+        """The rank this group object acts for."""
+        raise NotImplementedError
+
+    def all_gather_into_tensor(self, output: torch.Tensor, inp: torch.Tensor) -> None:
+        """Fill ``output`` (N * n, ...) with every rank's ``inp`` (n, ...)."""
+        raise NotImplementedError
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, inp: torch.Tensor) -> None:
+        """Fill ``output`` (n, ...) with this rank's slice of the sum of every rank's ``inp``."""
+        raise NotImplementedError
+
+    def check_same_plan(self, plan) -> None:
+        """Raise ValueError unless every rank runs ``plan``."""
+        raise NotImplementedError
+
+    def ring_post(self, tensors: list[torch.Tensor], tag: int):
+        """Send ``tensors`` to rank + 1, receive same-shaped buffers from rank - 1; a handle."""
+        raise NotImplementedError
+
+    def ring_wait(self, handle) -> list[torch.Tensor]:
+        """The buffers received for ``handle`` (from :meth:`ring_post`)."""
+        raise NotImplementedError
+
+
 def group_size(group=None) -> int:
     """World size of ``group`` (1 when torch.distributed is not initialised)."""
+    if isinstance(group, LocalGroup):
+        return group.size()
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def group_rank(group=None) -> int:
     """This process's rank in ``group`` (0 when torch.distributed is not initialised)."""
+    if isinstance(group, LocalGroup):
+        return group.rank()
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
@@ -133,7 +182,10 @@ def all_gather_into_tensor(
     if n == 1:
         output.copy_(inp)
         return output
-    _ALL_GATHER(output, inp.contiguous(), group=group)
+    if isinstance(group, LocalGroup):
+        group.all_gather_into_tensor(output, inp.contiguous())
+    else:
+        _ALL_GATHER(output, inp.contiguous(), group=group)
     if counter is not None:
         counter.add("allgather", (n - 1) * _nbytes(inp))
     return output
@@ -154,7 +206,10 @@ def reduce_scatter_tensor(
     if n == 1:
         output.copy_(inp)
         return output
-    _REDUCE_SCATTER(output, inp.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    if isinstance(group, LocalGroup):
+        group.reduce_scatter_tensor(output, inp.contiguous())
+    else:
+        _REDUCE_SCATTER(output, inp.contiguous(), op=dist.ReduceOp.SUM, group=group)
     if counter is not None:
         counter.add("reducescatter", (n - 1) * _nbytes(output))
     return output
@@ -183,6 +238,9 @@ def check_same_plan(plan, group=None) -> None:
         raise ValueError(
             f"plan is for cp_size = {plan.cp_size} but the process group has {n} ranks"
         )
+    if isinstance(group, LocalGroup):
+        group.check_same_plan(plan)
+        return
     mine = torch.tensor(
         [int(plan.digest()[:15], 16)], dtype=torch.int64, device=_comm_device(group)
     )

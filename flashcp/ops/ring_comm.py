@@ -12,6 +12,9 @@ expose it) and a late transfer raises ``RuntimeError``. On CUDA (NCCL) the wait 
 current stream wait for the transfer, so the host keeps queueing kernels; NCCL's watchdog aborts a
 transfer that outlives the group's timeout (a host-blocking timed wait would serialise the
 overlap).
+
+With a :class:`flashcp.ops.collectives.LocalGroup` (``executor=emulate``) the exchange is
+delegated to that group's ``ring_post`` / ``ring_wait``; counting stays here.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import datetime
 
 import torch
 import torch.distributed as dist
+
+from flashcp.ops.collectives import LocalGroup
 
 __all__ = ["RingComm", "group_timeout"]
 
@@ -62,12 +67,18 @@ class RingComm:
 
     def __init__(self, group=None, device=None, counter=None, timeout=None):
         self.group = group
+        self.counter = counter
+        if isinstance(group, LocalGroup):  # in-process stand-in: it does the exchange
+            self.rank, self.world_size = group.rank(), group.size()
+            self.timeout, self.host_wait = timeout, False
+            self.next_rank = (self.rank + 1) % self.world_size
+            self.prev_rank = (self.rank - 1) % self.world_size
+            return
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         dev = torch.device(device) if device is not None else torch.device("cpu")
         self.timeout = timeout if timeout is not None else group_timeout(group, dev)
         self.host_wait = dev.type != "cuda"
-        self.counter = counter
         n = self.world_size
         self.next_rank = self._global((self.rank + 1) % n)
         self.prev_rank = self._global((self.rank - 1) % n)
@@ -90,6 +101,13 @@ class RingComm:
         """
         if self.world_size == 1:
             raise ValueError("a ring exchange needs at least 2 ranks")
+        if isinstance(self.group, LocalGroup):
+            for t in tensors:
+                if not t.is_contiguous():
+                    raise ValueError("ring exchange buffers must be contiguous")
+                if self.counter is not None:
+                    self.counter.add("p2p", t.numel() * t.element_size())
+            return self.group.ring_post(list(tensors), tag)
         ops, recv = [], []
         for t in tensors:
             if not t.is_contiguous():
@@ -109,6 +127,8 @@ class RingComm:
         Raises:
             RuntimeError: a transfer failed or timed out.
         """
+        if isinstance(self.group, LocalGroup):
+            return self.group.ring_wait(pending)
         for w in pending.works:
             if not self.host_wait:
                 w.wait()  # stream wait; NCCL's watchdog enforces the group's timeout

@@ -1,0 +1,743 @@
+"""``executor=emulate``: replay every rank's real work of a plan on one device (docs/design.md §4).
+
+The op code is the one ``executor=dist`` runs (:func:`flashcp.ops.get_attn_op`): only the process
+group is replaced, by an in-process :class:`~flashcp.ops.collectives.LocalGroup`. Two passes:
+
+1. **Record** (untimed). One thread per CP rank runs the op on its shard of seeded Q/K/V (the
+   same tensors :func:`flashcp.executors.dist.measure_step` draws) through a
+   :class:`RecordingGroup`: the threads meet in real all-gathers, reduce-scatters and ring
+   send/recv, computed in memory. Every buffer a replayed rank *receives* is kept, in call order.
+   (The backward is driven by calling the op's autograd node directly on its thread: PyTorch runs
+   the backward of CUDA tensors on one shared device thread, where ranks waiting for each other
+   would deadlock.)
+2. **Replay** (timed), one rank after another on the device: the rank runs the op alone through a
+   :class:`ReplayGroup`, which answers each collective and each ring exchange with the recorded
+   buffer. The rank therefore issues exactly the kernels, copies, merges and accumulations of a
+   real run, in the same order, on the same data (its outputs are those of a real run). Phases
+   are timed by the op's :class:`~flashcp.ops.timing.PhaseTimer` (CUDA events on GPU, wall clock
+   after a synchronisation on CPU), after ``warmup`` untimed steps; the median over ``iters``
+   steps is kept.
+
+**Communication from the model.** The time of each emulated call (a copy of the recorded buffer)
+is cut out of the rank's timeline and replaced by the simulator's model on the hardware profile
+(:mod:`flashcp.sim.hardware`), on a virtual timeline (:func:`compose_comm`):
+
+* all-gather / reduce-scatter: blocking, ``HardwareProfile.collective_us(recv, total, busbw)``,
+  the same formula and bytes as :mod:`flashcp.sim.cost_model`;
+* ring exchange: the transfer starts when it is posted (or when the link frees up: transfers of
+  one rank are serialised on its link) and takes ``HardwareProfile.p2p_us(bytes)``; a wait that
+  comes before the transfer ends stalls the rank for the difference, which is ``p2p_ms`` (the
+  exposed P2P time; hidden transfers cost nothing, as in the simulator's
+  ``max(compute, p2p)``).
+
+With ``nccl_traffic=True`` (CUDA only) the replayed ring exchange copies the recorded bytes on a
+second CUDA stream while the rank computes, as NCCL's copy kernels would, so the attention
+kernels feel the memory traffic of the overlapped transfer.
+
+Result rows are those of ``sim`` and ``dist`` (:data:`flashcp.results.PHASE_COLUMNS`,
+:data:`flashcp.results.COMM_COLUMNS`): per phase the median over timed steps, then the maximum over
+the replayed ranks, as ``dist`` reports. Not modelled: waiting for a slower peer (each rank is
+replayed alone, so a synchronous phase is not stretched to the slowest rank's pace), and SMs a
+real NCCL kernel would take.
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from flashcp.comm import AttnShape, check_mode
+from flashcp.executors.dist import check_comm
+from flashcp.ops import get_attn_op
+from flashcp.ops.collectives import CommCounter, LocalGroup
+from flashcp.ops.sharding import shard_tensor
+from flashcp.ops.timing import PhaseTimer
+from flashcp.plan import Plan
+from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
+from flashcp.sim.hardware import HardwareProfile, load_hardware
+
+__all__ = [
+    "CommCall",
+    "RankReplay",
+    "RecordingGroup",
+    "ReplayGroup",
+    "compose_comm",
+    "emulate_ranks",
+    "emulate_step",
+    "record",
+    "seeded_inputs",
+]
+
+#: phases of the op's timer that the emulated communication replaces by the model
+COMM_PHASES: tuple[str, ...] = ("allgather", "reducescatter", "p2p")
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+
+
+def seeded_inputs(
+    plan: Plan, shape: AttnShape, mode: str, seed: int, device
+) -> list[tuple[torch.Tensor, ...]]:
+    """Every rank's ``(q, k, v[, dout])``: the tensors ``executor=dist`` draws for the same seed.
+
+    Full packed tensors are drawn in the order q, k, v, dout from one generator seeded ``seed`` on
+    ``device`` and sharded by the plan (:func:`flashcp.ops.sharding.shard_tensor`).
+
+    Returns:
+        ``cp_size`` tuples; q, dout: (C / N, num_heads, head_dim); k, v: (C / N, num_kv_heads,
+        head_dim); dtype ``shape.dtype``. ``dout`` only for ``mode="train"``.
+    """
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    dtype = getattr(torch, shape.dtype)
+    heads = [shape.num_heads, shape.num_kv_heads, shape.num_kv_heads]
+    if mode == "train":
+        heads.append(shape.num_heads)
+    full = [
+        torch.randn(plan.context_len, h, shape.head_dim, generator=gen, device=device, dtype=dtype)
+        for h in heads
+    ]
+    return [tuple(shard_tensor(x, plan, r) for x in full) for r in range(plan.cp_size)]
+
+
+# ---- recording: one thread per rank ----------------------------------------------------------------
+
+
+class _Abandoned(RuntimeError):
+    """A rank gave up waiting because another rank had failed (not the failure to report)."""
+
+
+class _World:
+    """State shared by the rank threads of one recording."""
+
+    def __init__(self, n: int, timeout_s: float, keep: set[int]) -> None:
+        self.n = n
+        self.timeout_s = float(timeout_s)
+        self.barrier = threading.Barrier(n, timeout=self.timeout_s)
+        self.slots: list = [None] * n
+        self.mail: dict[tuple[int, int], queue.Queue] = {}
+        self.lock = threading.Lock()
+        self.failed = threading.Event()
+        self.received: dict[int, list[tuple[str, list[torch.Tensor]]]] = {r: [] for r in keep}
+
+    def box(self, dst: int, tag: int) -> queue.Queue:
+        with self.lock:
+            return self.mail.setdefault((dst, tag), queue.Queue())
+
+    def sync(self) -> None:
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            if self.failed.is_set():
+                raise _Abandoned("emulated collective abandoned: another rank failed") from None
+            self.failed.set()
+            raise RuntimeError(
+                f"emulated collective: a rank did not arrive within {self.timeout_s} s"
+            ) from None
+
+
+class RecordingGroup(LocalGroup):
+    """Rank ``rank``'s view of an in-memory process group shared by threads (record pass).
+
+    Collectives meet at a barrier (bounded by the recording's timeout) and compute their result
+    from every rank's buffer; ring messages go through per-(destination, tag) queues, in order.
+    What a kept rank receives is stored for :class:`ReplayGroup`.
+    """
+
+    def __init__(self, world: _World, rank: int) -> None:
+        self.world = world
+        self._rank = rank
+
+    def size(self) -> int:
+        return self.world.n
+
+    def rank(self) -> int:
+        return self._rank
+
+    def _keep(self, kind: str, tensors: list[torch.Tensor]) -> None:
+        if self._rank in self.world.received:
+            self.world.received[self._rank].append((kind, [t.detach().clone() for t in tensors]))
+
+    def _exchange(self, value):
+        """Deposit ``value``, wait for every rank's, return them all (then wait again so the slots
+        can be reused)."""
+        w = self.world
+        w.slots[self._rank] = value
+        w.sync()
+        values = list(w.slots)
+        w.sync()
+        return values
+
+    def all_gather_into_tensor(self, output, inp) -> None:
+        parts = self._exchange(inp)
+        torch.cat(parts, dim=0, out=output)
+        self._keep("allgather", [output])
+
+    def reduce_scatter_tensor(self, output, inp) -> None:
+        parts = self._exchange(inp)
+        m = output.shape[0]
+        rows = slice(self._rank * m, (self._rank + 1) * m)
+        acc = parts[0][rows].clone()
+        for p in parts[1:]:
+            acc += p[rows]
+        output.copy_(acc)
+        self._keep("reducescatter", [output])
+
+    def check_same_plan(self, plan) -> None:
+        digests = self._exchange(plan.digest())
+        if len(set(digests)) > 1:
+            raise ValueError(f"ranks hold different plans (plan digests differ: {digests})")
+
+    def ring_post(self, tensors, tag):
+        nxt = (self._rank + 1) % self.world.n
+        self.world.box(nxt, tag).put([t.detach().clone() for t in tensors])
+        return tag
+
+    def ring_wait(self, handle) -> list[torch.Tensor]:
+        box = self.world.box(self._rank, handle)
+        deadline = time.monotonic() + self.world.timeout_s
+        while True:
+            if self.world.failed.is_set():
+                raise _Abandoned("emulated ring exchange abandoned: another rank failed")
+            try:
+                got = box.get(timeout=0.05)
+                break
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"emulated ring exchange: nothing received within {self.world.timeout_s} s"
+                    ) from None
+        self._keep("p2p", got)
+        return got
+
+
+def _topological(root) -> list:
+    """Autograd nodes reachable from ``root``, each before the nodes it feeds (its inputs')."""
+    post, seen, stack = [], {root}, [(root, iter(root.next_functions))]
+    while stack:
+        node, children = stack[-1]
+        for child, _ in children:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append((child, iter(child.next_functions)))
+                break
+        else:
+            post.append(node)
+            stack.pop()
+    return post[::-1]
+
+
+def _run_backward(out: torch.Tensor, dout: torch.Tensor, inputs: Sequence[torch.Tensor]):
+    """Gradients of ``out`` w.r.t. the leaves ``inputs``, with the op's own autograd graph run on
+    the calling thread (not by the autograd engine, whose single CUDA device thread would run
+    every rank's backward in turn, so ranks waiting for each other would deadlock).
+
+    Nodes run in topological order, each called with the gradient of its one output (the op's
+    graph: its autograd Function and the views and pads around it); gradients reaching a leaf
+    are summed. Returns a tuple like ``inputs`` (None where no gradient arrived).
+
+    Raises:
+        RuntimeError: a node with several outputs, or a custom Function returning gradients for
+            inputs that are not graph edges (tensor inputs must come first).
+    """
+    grads: dict = {}
+    pending = {out.grad_fn: dout}
+    with torch.no_grad():  # as the engine runs a backward (no create_graph)
+        for node in _topological(out.grad_fn):
+            g = pending.pop(node, None)
+            if g is None:
+                continue
+            leaf = getattr(node, "variable", None)
+            if leaf is not None:  # AccumulateGrad of a leaf
+                grads[leaf] = g if leaf not in grads else grads[leaf] + g
+                continue
+            if len(getattr(node, "_input_metadata", (None,))) != 1:
+                raise RuntimeError(f"cannot run {type(node).__name__} (several outputs) here")
+            custom = isinstance(node, torch.autograd.function.BackwardCFunction)
+            res = node.apply(g) if custom else node(g)
+            res = res if isinstance(res, tuple) else (res,)
+            edges = node.next_functions
+            if len(res) < len(edges) or any(r is not None for r in res[len(edges) :]):
+                raise RuntimeError(
+                    f"{type(node).__name__} returned gradients that do not line up with its inputs"
+                )
+            for (nxt, _), gn in zip(edges, res, strict=False):
+                if nxt is not None and gn is not None:
+                    pending[nxt] = gn if nxt not in pending else pending[nxt] + gn
+    return tuple(grads.get(x) for x in inputs)
+
+
+@dataclass
+class Recording:
+    """What the record pass keeps.
+
+    Attributes:
+        digest: the plan's digest.
+        received: rank -> ``[(kind, buffers)]`` in call order, for the kept ranks.
+        outputs: rank -> ``(out, dq, dk, dv)`` (gradients only in training) of the record pass.
+    """
+
+    digest: str
+    received: dict[int, list[tuple[str, list[torch.Tensor]]]]
+    outputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+
+def record(
+    plan: Plan,
+    mode: str,
+    inputs: Sequence[tuple[torch.Tensor, ...]],
+    *,
+    backend="auto",
+    keep: Sequence[int] | None = None,
+    keep_outputs: bool = False,
+    timeout_s: float = 120.0,
+) -> Recording:
+    """Run the plan's op on every rank at once, one thread per rank, in memory (untimed).
+
+    Args:
+        plan: the plan.
+        mode: ``train`` or ``infer``.
+        inputs: per rank ``(q, k, v[, dout])`` as :func:`seeded_inputs` gives.
+        backend: kernel backend (name or instance).
+        keep: ranks whose received buffers are kept (default: all).
+        keep_outputs: also keep the kept ranks' ``(out, dq, dk, dv)``.
+        timeout_s: bound on every emulated collective and ring wait; the whole pass gets
+            four times as long.
+    Returns:
+        the :class:`Recording`.
+    Raises:
+        RuntimeError: a rank failed (its exception is chained) or a wait timed out.
+    """
+    n = plan.cp_size
+    keep = set(range(n)) if keep is None else set(keep)
+    world = _World(n, timeout_s, keep)
+    prepare, attn = get_attn_op(plan.method)
+    train = mode == "train"
+    errors: list[BaseException | None] = [None] * n
+    outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def body(rank: int) -> None:
+        try:
+            meta = prepare(plan, rank)
+            q, k, v = (x.detach().requires_grad_(train) for x in inputs[rank][:3])
+            with torch.set_grad_enabled(train):
+                out = attn(q, k, v, meta, RecordingGroup(world, rank), backend=backend)
+            grads = _run_backward(out, inputs[rank][3], (q, k, v)) if train else ()
+            if keep_outputs and rank in keep:
+                outputs[rank] = (out.detach(), *(g.detach() for g in grads))
+        except BaseException as exc:  # surfaced by the caller
+            errors[rank] = exc
+            world.failed.set()
+            world.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    # on CPU the rank threads are the parallelism: intra-op pools of N threads at once would
+    # oversubscribe the cores (the untimed record pass only; restored before the replay)
+    intra_op = torch.get_num_threads()
+    if inputs[0][0].device.type == "cpu":
+        torch.set_num_threads(1)
+    deadline = time.monotonic() + 4 * timeout_s
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        torch.set_num_threads(intra_op)
+    if any(t.is_alive() for t in threads):
+        world.failed.set()
+        world.barrier.abort()
+        raise RuntimeError(f"record pass of {plan.method} did not finish within {timeout_s * 4} s")
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        # the first rank that failed for a reason of its own, not because a peer left
+        primary = next(((r, e) for r, e in failed if not isinstance(e, _Abandoned)), failed[0])
+        raise RuntimeError(f"record pass: rank {primary[0]} failed: {primary[1]}") from primary[1]
+    return Recording(plan.digest(), world.received, outputs)
+
+
+# ---- replay: one rank alone, communication answered from the recording -----------------------------
+
+
+class _Clock:
+    """Marks on the device timeline: CUDA events on the current stream, else perf_counter."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> int:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+        return len(self.marks) - 1
+
+    def ms(self) -> list[float]:
+        """Milliseconds of every mark since the first one (synchronises on CUDA)."""
+        if not self.marks:
+            return []
+        if self.cuda:
+            self.marks[-1].synchronize()
+            first = self.marks[0]
+            return [first.elapsed_time(ev) for ev in self.marks]
+        return [(t - self.marks[0]) * 1e3 for t in self.marks]
+
+
+@dataclass(frozen=True)
+class CommCall:
+    """One emulated communication call on a replayed rank's timeline.
+
+    Attributes:
+        kind: ``allgather`` / ``reducescatter`` (blocking collectives), ``post`` / ``wait`` (the two
+            halves of a ring exchange).
+        recv_bytes: bytes this rank receives (for ``post``: of the exchange; 0 for ``wait``).
+        begin_ms, end_ms: when the emulated call started and ended on the measured timeline.
+        handle: pairs a ``wait`` with its ``post``.
+    """
+
+    kind: str
+    recv_bytes: int
+    begin_ms: float
+    end_ms: float
+    handle: int = -1
+
+
+def compose_comm(
+    total_ms: float, calls: Sequence[CommCall], hw: HardwareProfile, cp_size: int
+) -> dict[str, float]:
+    """Replace the measured time of emulated communication by the simulator's model.
+
+    Walks the calls in order on a virtual timeline that starts equal to the measured one. A
+    collective's measured span becomes its modelled time ``collective_us(recv, recv * N / (N-1),
+    busbw)``. A ring ``post``'s span is cut; its transfer starts at the post (or when the previous
+    transfer of this rank ends) and lasts ``p2p_us(recv_bytes)``; the matching ``wait``'s span is
+    replaced by the time still left on that transfer (0 when compute hid it).
+
+    Args:
+        total_ms: measured wall time of the step.
+        calls: in program order, non-overlapping, inside ``[0, total_ms]``.
+        hw: the hardware profile.
+        cp_size: N.
+    Returns:
+        ``allgather_ms``, ``reducescatter_ms`` (modelled), ``p2p_ms`` (exposed transfer time),
+        ``comm_measured_ms`` (the emulated calls' own time, removed) and ``total_ms`` (virtual).
+    Raises:
+        ValueError: an unknown kind, or a ``wait`` without its ``post``.
+    """
+    scale = cp_size / (cp_size - 1) if cp_size > 1 else 1.0
+    shift = 0.0  # virtual time - measured time at the current point, ms
+    link_free = float("-inf")
+    ready: dict[int, float] = {}
+    out = {"allgather_ms": 0.0, "reducescatter_ms": 0.0, "p2p_ms": 0.0, "comm_measured_ms": 0.0}
+    for c in calls:
+        span = c.end_ms - c.begin_ms
+        out["comm_measured_ms"] += span
+        at = c.begin_ms + shift
+        if c.kind in ("allgather", "reducescatter"):
+            bw = hw.allgather_busbw_gbps if c.kind == "allgather" else hw.reducescatter_busbw_gbps
+            model = hw.collective_us(c.recv_bytes, c.recv_bytes * scale, bw) / 1e3
+            out[f"{c.kind}_ms"] += model
+            shift += model - span
+        elif c.kind == "post":
+            start = max(at, link_free)
+            ready[c.handle] = link_free = start + hw.p2p_us(c.recv_bytes) / 1e3
+            shift -= span
+        elif c.kind == "wait":
+            if c.handle not in ready:
+                raise ValueError(f"wait on handle {c.handle} without a post")
+            stall = max(0.0, ready.pop(c.handle) - at)
+            out["p2p_ms"] += stall
+            shift += stall - span
+        else:
+            raise ValueError(f"unknown communication call kind {c.kind!r}")
+    out["total_ms"] = total_ms + shift
+    return out
+
+
+class ReplayGroup(LocalGroup):
+    """Rank ``rank`` alone: every collective and ring exchange is answered from a recording.
+
+    The ``i``-th call must be the ``i``-th recorded one (same kind and shapes). Each call is marked
+    on the rank's timeline (:class:`CommCall`) so its own time can be replaced by the model.
+
+    Args:
+        rank, cp_size: the replayed rank and N.
+        recording: from :func:`record` (``rank`` must be kept there).
+        clock: the step's timeline.
+        nccl_traffic: copy ring messages on a second CUDA stream, overlapping compute.
+    """
+
+    def __init__(
+        self, rank: int, cp_size: int, recording: Recording, clock: _Clock, nccl_traffic: bool
+    ) -> None:
+        if rank not in recording.received:
+            raise ValueError(f"rank {rank} was not kept by the record pass")
+        self._rank, self.n = rank, cp_size
+        self.recording = recording
+        self.script = recording.received[rank]
+        self.clock = clock
+        self.side = torch.cuda.Stream() if nccl_traffic else None
+        self.cursor = 0
+        self.calls: list[tuple[str, int, int, int, int]] = []  # kind, bytes, begin, end, handle
+
+    def size(self) -> int:
+        return self.n
+
+    def rank(self) -> int:
+        return self._rank
+
+    def _next(self, kind: str, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.cursor >= len(self.script):
+            raise RuntimeError(f"replay of rank {self._rank} diverged: more calls than recorded")
+        rec_kind, bufs = self.script[self.cursor]
+        shapes = [(tuple(t.shape), t.dtype) for t in like]
+        if rec_kind != kind or shapes != [(tuple(t.shape), t.dtype) for t in bufs]:
+            raise RuntimeError(
+                f"replay of rank {self._rank} diverged at call {self.cursor}: recorded {rec_kind} "
+                f"{[(tuple(t.shape), t.dtype) for t in bufs]}, got {kind} {shapes}"
+            )
+        self.cursor += 1
+        return bufs
+
+    def _collective(self, kind: str, output: torch.Tensor, recv_bytes: int) -> None:
+        begin = self.clock.mark()
+        (buf,) = self._next(kind, [output])
+        output.copy_(buf)
+        end = self.clock.mark()
+        self.calls.append((kind, recv_bytes, begin, end, -1))
+
+    def all_gather_into_tensor(self, output, inp) -> None:
+        # a rank receives every part but its own
+        self._collective("allgather", output, (self.n - 1) * inp.numel() * inp.element_size())
+
+    def reduce_scatter_tensor(self, output, inp) -> None:
+        self._collective(
+            "reducescatter", output, (self.n - 1) * output.numel() * output.element_size()
+        )
+
+    def check_same_plan(self, plan) -> None:
+        if plan.digest() != self.recording.digest:
+            raise ValueError("the replayed plan is not the recorded one (plan digests differ)")
+
+    def ring_post(self, tensors, tag):
+        begin = self.clock.mark()
+        bufs = self._next("p2p", list(tensors))
+        recv = [torch.empty_like(b) for b in bufs]
+        event = None
+        if self.side is not None:
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                for dst, src in zip(recv, bufs, strict=True):
+                    dst.copy_(src)
+                    dst.record_stream(self.side)
+            event = self.side.record_event()
+        else:
+            for dst, src in zip(recv, bufs, strict=True):
+                dst.copy_(src)
+        end = self.clock.mark()
+        handle = len(self.calls)
+        nbytes = sum(b.numel() * b.element_size() for b in bufs)
+        self.calls.append(("post", nbytes, begin, end, handle))
+        return handle, recv, event
+
+    def ring_wait(self, handle) -> list[torch.Tensor]:
+        post, recv, event = handle
+        begin = self.clock.mark()
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        end = self.clock.mark()
+        self.calls.append(("wait", 0, begin, end, post))
+        return recv
+
+    def timeline(self) -> list[CommCall]:
+        """The calls of the step as :class:`CommCall` (synchronises on CUDA)."""
+        ms = self.clock.ms()
+        return [CommCall(k, nb, ms[b], ms[e], h) for k, nb, b, e, h in self.calls]
+
+
+# ---- the executor ------------------------------------------------------------------------------------
+
+
+@dataclass
+class RankReplay:
+    """One replayed rank.
+
+    Attributes:
+        rank: the rank.
+        phases: every key of :data:`PHASE_COLUMNS` (ms, median over timed steps).
+        comm: every key of :data:`COMM_COLUMNS` (bytes counted by the op).
+        comm_measured_ms: median time of the emulated calls themselves (removed from the timeline).
+        outputs: ``(out, dq, dk, dv)`` of the last step (gradients only in training), local rows.
+    """
+
+    rank: int
+    phases: dict[str, float]
+    comm: dict[str, int]
+    comm_measured_ms: float
+    outputs: tuple[torch.Tensor, ...]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_args(plan, mode, warmup, iters, ranks, nccl_traffic, device) -> list[int]:
+    check_mode(mode)
+    if not isinstance(plan, Plan):
+        raise ValueError(f"expected a flashcp Plan, got {type(plan).__name__}")
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
+    n = plan.cp_size
+    ranks = list(range(n)) if ranks is None else [r for r in ranks]
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"ranks must be distinct and non-empty, got {ranks}")
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < n:
+            raise ValueError(f"rank {r!r} out of range for cp_size = {n}")
+    if nccl_traffic and device.type != "cuda":
+        raise ValueError("nccl_traffic=True needs a CUDA device (it copies on a second stream)")
+    return ranks
+
+
+def emulate_ranks(
+    plan: Plan,
+    shape: AttnShape,
+    mode: str,
+    hw: HardwareProfile | str | dict,
+    *,
+    device=None,
+    backend="auto",
+    warmup: int = 1,
+    iters: int = 3,
+    seed: int = 0,
+    ranks: Sequence[int] | None = None,
+    nccl_traffic: bool = False,
+    timeout_s: float = 120.0,
+) -> list[RankReplay]:
+    """Record the plan once, then replay and time each rank of ``ranks`` alone.
+
+    Args and errors as :func:`emulate_step`.
+    Returns:
+        one :class:`RankReplay` per replayed rank, in the order of ``ranks``.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    ranks = _check_args(plan, mode, warmup, iters, ranks, nccl_traffic, device)
+    hw = load_hardware(hw)
+    train = mode == "train"
+    inputs = seeded_inputs(plan, shape, mode, seed, device)
+    rec = record(plan, mode, inputs, backend=backend, keep=ranks, timeout_s=timeout_s)
+    prepare, attn = get_attn_op(plan.method)
+    replays = []
+    for rank in ranks:
+        meta = prepare(plan, rank)
+        per_step: dict[str, list[float]] = {name: [] for name in PHASE_COLUMNS}
+        removed: list[float] = []
+        counted: dict[str, int] = {}
+        outputs: tuple[torch.Tensor, ...] = ()
+        for step in range(warmup + iters):
+            clock = _Clock(device)
+            group = ReplayGroup(rank, plan.cp_size, rec, clock, nccl_traffic)
+            timer, counter = PhaseTimer(device), CommCounter()
+            q, k, v = (x.detach().requires_grad_(train) for x in inputs[rank][:3])
+            _sync(device)
+            clock.mark()
+            with torch.set_grad_enabled(train):
+                out = attn(q, k, v, meta, group, backend=backend, counter=counter, timer=timer)
+                if train:
+                    out.backward(inputs[rank][3])
+            stop = clock.mark()
+            _sync(device)
+            if group.cursor != len(group.script):
+                raise RuntimeError(
+                    f"replay of rank {rank} made {group.cursor} of {len(group.script)} recorded calls"
+                )
+            if step < warmup:
+                continue
+            total = clock.ms()[stop]
+            comm = compose_comm(total, group.timeline(), hw, plan.cp_size)
+            ms = timer.as_ms()
+            for name in COMM_PHASES:
+                ms.pop(name, None)
+            for name in PHASE_COLUMNS:
+                key = name.removesuffix("_ms")
+                per_step[name].append(
+                    comm[name] if key in (*COMM_PHASES, "total") else ms.pop(key, 0.0)
+                )
+            per_step["others_ms"][-1] += sum(
+                ms.values()
+            )  # phases outside the schema count as others
+            removed.append(comm["comm_measured_ms"])
+            counted = counter.as_dict()
+            outputs = (out.detach(), *(x.grad for x in (q, k, v) if train))
+        replays.append(
+            RankReplay(
+                rank,
+                {name: statistics.median(v) for name, v in per_step.items()},
+                counted,
+                statistics.median(removed),
+                outputs,
+            )
+        )
+    return replays
+
+
+def emulate_step(
+    plan: Plan,
+    shape: AttnShape,
+    mode: str,
+    hw: HardwareProfile | str | dict,
+    *,
+    device=None,
+    backend="auto",
+    warmup: int = 1,
+    iters: int = 3,
+    seed: int = 0,
+    ranks: Sequence[int] | None = None,
+    nccl_traffic: bool = False,
+    timeout_s: float = 120.0,
+    check: bool = True,
+) -> dict[str, float | int]:
+    """One attention layer's CP step of ``plan``, every rank replayed on one device.
+
+    Args:
+        plan: the plan.
+        shape: heads, KV heads, head_dim, dtype.
+        mode: ``train`` (forward + backward) or ``infer`` (forward only).
+        hw: hardware profile whose collective / P2P model prices the communication.
+        device: where the ranks are replayed (default CPU).
+        backend: kernel backend (:func:`flashcp.ops.backends.get_backend`).
+        warmup: untimed replays per rank; iters: timed replays (median kept).
+        seed: seeds Q, K, V and dO (the tensors ``executor=dist`` draws for the same seed).
+        ranks: ranks to replay (default all); the row reports the maximum over them.
+        nccl_traffic: (CUDA) copy ring messages on a second stream while the rank computes.
+        timeout_s: bound on every emulated collective of the record pass.
+        check: raise if the counted bytes differ from :func:`flashcp.comm.comm_volume`.
+    Returns:
+        every key of :data:`PHASE_COLUMNS` (ms; per phase the maximum over replayed ranks of the
+        median over steps; communication phases from the model, see :func:`compose_comm`) and of
+        :data:`COMM_COLUMNS` (bytes received, maximum over replayed ranks).
+    Raises:
+        ValueError: bad mode, ``iters``/``warmup``, ranks, ``nccl_traffic`` off CUDA, hardware
+            profile, or (with ``check``) counted bytes that disagree with the plan.
+        RuntimeError: the record pass failed or the replay diverged from it.
+    """
+    reps = emulate_ranks(
+        plan, shape, mode, hw, device=device, backend=backend, warmup=warmup, iters=iters,
+        seed=seed, ranks=ranks, nccl_traffic=nccl_traffic, timeout_s=timeout_s,
+    )  # fmt: skip
+    row: dict[str, float | int] = {
+        name: max(r.phases[name] for r in reps) for name in PHASE_COLUMNS
+    }
+    row.update({k: max(int(r.comm[k]) for r in reps) for k in COMM_COLUMNS})
+    if check:
+        check_comm(row, plan, shape, mode)
+    return row

@@ -413,7 +413,7 @@ def run_dist(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]] | 
             log.warning("sequence %d failed: %s", i, status)
             rows.extend({**base, "mode": mode, "status": status} for mode in cfg.modes)
             continue
-        metrics = {"plan_status": plan.status, **plan_metrics(plan)}
+        metrics = {"plan_status": plan.status, "pad_tokens": 0, **plan_metrics(plan)}
         for mode in cfg.modes:
             with abort_group_on_error(group, f"sequence {i}, mode {mode}"):
                 res = measure_step(
@@ -446,7 +446,8 @@ def run_emulate(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]]
             t0 = time.perf_counter()
             plan = planner(d, int(cfg.cp_size), **options)
             plan_ms = (time.perf_counter() - t0) * 1e3
-            metrics = {"plan_status": plan.status, "plan_ms": plan_ms, **plan_metrics(plan)}
+            metrics = {"plan_status": plan.status, "plan_ms": plan_ms, "pad_tokens": 0}
+            metrics.update(plan_metrics(plan))
             res = [
                 emulate_step(
                     plan, attn_shape(cfg), mode, hw, device=device, backend=ex.backend,

@@ -61,7 +61,7 @@ class DatasetConfig:
 
 @dataclass
 class MethodConfig:
-    """A CP method (planner + communication pattern), DESIGN.md §3."""
+    """A CP method (planner + communication pattern), docs/design.md §3."""
 
     #: llama3 | per_doc | ring | zigzag | flashcp | flashcp_refined | ilp
     name: str = MISSING

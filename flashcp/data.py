@@ -1,7 +1,7 @@
 """Document-length distributions and the seeded sampler that packs them into sequences.
 
 A training sequence of ``context_len`` (C) tokens is built by drawing documents i.i.d. from a
-length distribution and appending them until C is full; the last one is cut to fit (DESIGN.md §5).
+length distribution and appending them until C is full; the last one is cut to fit (docs/design.md §5).
 The remainder of a cut document is discarded: the next sequence starts with a fresh draw.
 
 Distributions (:data:`DATASETS`, loaded with :func:`load_distribution`):
@@ -15,7 +15,7 @@ Distributions (:data:`DATASETS`, loaded with :func:`load_distribution`):
   to the nearest integer and raised to at least 1. Tables ``datasets/pile.csv`` and
   ``datasets/redpajama.csv``.
 * ``stress`` -- :class:`StressNormal`: ``max(1, round(X))`` with ``X ~ Normal(0.5 C, 0.5 C)``
-  (issue 2: "Normal(0.5·C, 0.5·C), cut to ≥1"); about 16% of its documents have length 1.
+  (Normal(0.5·C, 0.5·C), cut to ≥1); about 16% of its documents have length 1.
 * ``file`` -- :class:`EmpiricalDistribution`: resample a user's list of document lengths (a text,
   CSV or ``.npy`` file) uniformly.
 
@@ -407,7 +407,7 @@ class LogNormalMixture(LengthDistribution):
 
 
 class StressNormal(LengthDistribution):
-    """Stress test: ``max(1, round(X))`` with ``X ~ Normal(0.5 C, 0.5 C)`` (issue 2).
+    """Stress test: ``max(1, round(X))`` with ``X ~ Normal(0.5 C, 0.5 C)`` (a worst case, not a published profile).
 
     Documents weighting draws X directly. Tokens weighting draws from the integer law
     P(k) ∝ k·p(k) by inverse CDF over a table of k = 1 .. ceil(μ + 12σ), with p(1) = Φ((1.5-μ)/σ)

@@ -1,7 +1,7 @@
 """Tests of the document-length distributions and the sequence sampler (flashcp/data.py).
 
 Statistical checks compare large samples with values computed *here* from the tables (not from the
-class under test) and from DESIGN.md §5. Tolerances are Z standard errors of the estimate, with the
+class under test) and from docs/design.md §5. Tolerances are Z standard errors of the estimate, with the
 standard error derived from the sample size and the law's analytic spread; with Z = 5 a correct
 sampler fails with probability < 1e-6 per check (and the seeds are fixed, so runs are repeatable).
 """
@@ -206,7 +206,7 @@ def test_mixture_mean_and_median(name, design_mean):
 
 
 def test_redpajama_tokens_in_long_documents():
-    """About 30% of RedPajama's tokens sit in documents longer than 4K (DESIGN.md §5)."""
+    """About 30% of RedPajama's tokens sit in documents longer than 4K (docs/design.md §5)."""
     dist = load_distribution("redpajama")
     docs, m, s = lognormal_table("redpajama")
     w = docs / docs.sum()

@@ -3,7 +3,7 @@
 Every check here is recomputed independently of :mod:`flashcp.plan`'s own metrics: a token-level
 owner array (which rank holds each of the C tokens of the packed sequence) is built from the
 shards, and coverage, tokens, workload (a count of visible (query, key) pairs) and communication
-(Eq. 5) are derived from it. Hand-checked layouts are written out from DESIGN.md §3.
+(Eq. 5) are derived from it. Hand-checked layouts are written out from docs/design.md §3.
 """
 
 from __future__ import annotations
@@ -343,7 +343,7 @@ def test_cp_size_one_is_the_whole_sequence():
         assert sorted(plan.ranks()[0]) == [Shard(0, 0, 3), Shard(1, 0, 5), Shard(2, 0, 8)]
 
 
-# ---- hand-checked layouts (DESIGN.md §3) ------------------------------------------------------
+# ---- hand-checked layouts (docs/design.md §3) ------------------------------------------------------
 
 
 def S(*triples):

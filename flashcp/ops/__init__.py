@@ -1,4 +1,4 @@
-"""Real context-parallel attention ops (issue 3) and their building blocks.
+"""Real context-parallel attention ops and their building blocks.
 
 Every method module exposes ``prepare_<method>(plan, rank) -> meta`` (pure: no process group) and
 ``<method>_attn(q, k, v, meta, group=None, *, softmax_scale=None, backend="auto", counter=None,

@@ -70,6 +70,7 @@ def _row(method: str, seq: int, plan, seconds: float) -> dict:
         "ilp_formulation": info.get("formulation"),
         "ilp_solver": info.get("solver"),
         "ilp_warm_start_accepted": info.get("warm_start_accepted"),
+        "ilp_solve_cpu_s": info.get("solve_cpu_s"),
         "num_split_docs": int(plan.split_docs.size),
     }
 
@@ -105,6 +106,7 @@ def _summary(rows: pd.DataFrame, target: float) -> pd.DataFrame:
             "ilp_fallback": np.nan,
             "ilp_improved_on_seed": np.nan,
             "ilp_warm_start_accepted": np.nan,
+            "ilp_mean_solve_cpu_s": np.nan,
         }
         if method == "ilp":
             rec["ilp_mean_gap"] = pd.to_numeric(g["ilp_gap"], errors="coerce").mean()
@@ -114,6 +116,9 @@ def _summary(rows: pd.DataFrame, target: float) -> pd.DataFrame:
             obj = pd.to_numeric(g["ilp_objective"], errors="coerce")
             seed_obj = pd.to_numeric(g["ilp_seed_objective"], errors="coerce")
             rec["ilp_improved_on_seed"] = int((obj < seed_obj - 1e-9).sum())
+            rec["ilp_mean_solve_cpu_s"] = pd.to_numeric(
+                g["ilp_solve_cpu_s"], errors="coerce"
+            ).mean()
             rec["ilp_warm_start_accepted"] = int((g["ilp_warm_start_accepted"] == True).sum())  # noqa: E712
         out.append(rec)
     return pd.DataFrame(out)

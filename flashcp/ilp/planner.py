@@ -138,7 +138,7 @@ def plan_ilp(
         unknown), ``saving_upper_bound`` (:func:`saving_bound`), ``seed_objective``,
         ``seed_method``, ``warm_start_given``, ``warm_start_accepted``, ``block_size``,
         ``num_pieces``, ``num_binaries``, ``num_integers``, ``build_time_s``, ``solve_time_s``,
-        ``wall_time_s``, ``time_limit_s``, ``comm_weight``, ``max_imbalance``, ``warm_start``.
+        ``solve_cpu_s``, ``wall_time_s``, ``time_limit_s``, ``comm_weight``, ``max_imbalance``, ``warm_start``.
     Raises:
         ValueError: bad lengths, ``cp_size`` < 1, C not divisible by N, bad options, HiGHS asked
             for but not installed, or no solution with ``on_failure="raise"``.
@@ -202,6 +202,7 @@ def plan_ilp(
         "num_integers": res.get("num_integers"),
         "build_time_s": res.get("build_time_s"),
         "solve_time_s": res.get("solve_time_s"),
+        "solve_cpu_s": res.get("solve_cpu_s"),
         "wall_time_s": wall,
         "time_limit_s": time_limit_s,
         "comm_weight": float(comm_weight),

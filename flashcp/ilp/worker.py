@@ -237,9 +237,15 @@ def run_job(job: dict[str, Any], time_limit_s: float | None, grace_s: float) -> 
         with open(job_path, "wb") as f:
             pickle.dump(job, f)
         err_path = os.path.join(tmp, "worker.err")
+        # the worker imports this very flashcp, however the caller found it
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [root, *filter(None, [os.environ.get("PYTHONPATH")])]
+        )}  # fmt: skip
         with open(err_path, "wb") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "flashcp.ilp.worker", job_path, res_path],
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=err,

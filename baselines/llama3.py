@@ -10,29 +10,36 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp.layout import split_packed
-from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan
+from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
 
 
-def plan_llama3(doc_lens, cp_size: int, *, validate: bool = True) -> Plan:
+@planner_entry("llama3", chunks_per_rank=2)
+def plan_llama3(doc_lens, cp_size: int, *, num_pad: int = 0, validate: bool = True) -> Plan:
     """Plan the Llama3 2N-chunk layout.
 
     Args:
-        doc_lens: (n_docs,) int, document lengths in packed order.
+        doc_lens: (n_docs,) int, document lengths in packed order (zero-length ones skipped).
         cp_size: N >= 1.
+        num_pad: pad tokens after the last document: they fill the last chunks (rank 0's back
+            chunk first), and C including them must divide by 2N. ``pad_to_multiple=True`` adds
+            the fewest that make it so (:func:`~flashcp.plan.planner_entry`).
         validate: check the plan's invariants.
     Returns:
         A :class:`~flashcp.plan.Plan`; a document crossing the border of chunks N-1 and N on rank
         N-1 is one shard there.
     Raises:
-        ValueError: bad lengths, ``cp_size`` < 1, or C not divisible by 2N.
+        ValueError: bad lengths, ``cp_size`` < 1, or C not divisible by 2N (the message names the
+            multiple and the pad that would reach it).
     """
     d = check_doc_lens(doc_lens)
     n = cp_size
-    check_cp_args(int(d.sum()), n, chunks_per_rank=2)
-    chunk, doc, start, length = split_packed(d, 2 * n)
+    check_cp_args(int(d.sum()) + num_pad, n, chunks_per_rank=2)
+    chunk, doc, start, length, chunk_pad = split_packed(d, 2 * n, num_pad)
     back = chunk >= n
     rank = np.where(back, 2 * n - 1 - chunk, chunk)
     order = np.lexsort((back, rank))  # per rank: front chunk pieces, then back chunk pieces
+    pad = chunk_pad[:n] + chunk_pad[n:][::-1]  # rank r holds chunks r and 2N-1-r
     return make_plan(
-        "llama3", n, d, rank[order], doc[order], start[order], length[order], validate=validate
-    )
+        "llama3", n, d, rank[order], doc[order], start[order], length[order], pad=pad,
+        validate=validate,
+    )  # fmt: skip

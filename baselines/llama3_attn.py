@@ -5,7 +5,7 @@ Layout: the packed sequence in 2N equal chunks, rank r holding chunks r and 2N-1
 document is one causal segment over its document's prefix. Communication: all-gather of the full KV
 in the forward (and again in the backward), reduce-scatter of dK/dV (Eq. 4).
 
-Op anatomy (STYLE.md §3): the forward, backward and autograd Function are shared by the
+Op anatomy: the forward, backward and autograd Function are shared by the
 all-gather family in :mod:`flashcp.ops.allgather_attn` (the methods differ only in their metadata);
 this module holds the method's ``prepare_llama3`` and its thin public wrapper ``llama3_attn``.
 """
@@ -29,11 +29,12 @@ def prepare_llama3(plan: Plan, rank: int) -> AllGatherMeta:
 
 def llama3_attn(
     q, k, v, meta: AllGatherMeta, group=None, *, softmax_scale=None, backend="auto",
-    counter=None, timer=None,
+    counter=None, timer=None, grad_comm_dtype=None, heads_per_group=None,
 ):  # fmt: skip
     """Llama3 CP attention for this rank's tokens: :func:`~flashcp.ops.allgather_attn.allgather_attention`
     with ``method="llama3"`` (arguments, shapes and errors there); ``meta`` from :func:`prepare_llama3`."""
     return allgather_attention(
         q, k, v, meta, group, method="llama3", softmax_scale=softmax_scale, backend=backend,
-        counter=counter, timer=timer,
+        counter=counter, timer=timer, grad_comm_dtype=grad_comm_dtype,
+        heads_per_group=heads_per_group,
     )  # fmt: skip

@@ -11,24 +11,33 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp.layout import per_doc_chunk_sizes, per_doc_columns
-from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan
+from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
 
 
-def per_doc_layout(doc_lens, cp_size: int, method: str, validate: bool) -> Plan:
-    """The per-document 2N-chunk layout shared by ``per_doc`` and ``zigzag``."""
+def per_doc_layout(doc_lens, cp_size: int, method: str, num_pad: int, validate: bool) -> Plan:
+    """The per-document 2N-chunk layout shared by ``per_doc`` and ``zigzag``.
+
+    Pad tokens fill every rank up to C/N after its document tokens (which differ by at most one
+    token between ranks, so pad goes mostly evenly).
+    """
     d = check_doc_lens(doc_lens)
-    check_cp_args(int(d.sum()), cp_size)
+    check_cp_args(int(d.sum()) + num_pad, cp_size)
     sizes, _ = per_doc_chunk_sizes(d, cp_size)
     cols = per_doc_columns(np.arange(d.size), sizes, cp_size)
-    return make_plan(method, cp_size, d, *cols, validate=validate)
+    real = sizes[:, :cp_size].sum(axis=0) + sizes[:, cp_size:][:, ::-1].sum(axis=0)  # (N,)
+    pad = (int(d.sum()) + num_pad) // cp_size - real
+    return make_plan(method, cp_size, d, *cols, pad=pad, validate=validate)
 
 
-def plan_per_doc(doc_lens, cp_size: int, *, validate: bool = True) -> Plan:
-    """Plan the Per-Doc layout (each document in 2N chunks, remainders spread, no padding).
+@planner_entry("per_doc")
+def plan_per_doc(doc_lens, cp_size: int, *, num_pad: int = 0, validate: bool = True) -> Plan:
+    """Plan the Per-Doc layout (each document in 2N chunks, remainders spread, no padding needed).
 
-    Documents shorter than 2N simply leave some chunks empty.
+    Documents shorter than 2N simply leave some chunks empty; zero-length ones are skipped and
+    ``num_pad`` pad tokens fill the ranks after their documents
+    (:func:`~flashcp.plan.planner_entry`).
 
     Raises:
-        ValueError: bad lengths, ``cp_size`` < 1, or C not divisible by N.
+        ValueError: bad lengths, ``cp_size`` < 1, or C (pad included) not divisible by N.
     """
-    return per_doc_layout(doc_lens, cp_size, "per_doc", validate)
+    return per_doc_layout(doc_lens, cp_size, "per_doc", num_pad, validate)

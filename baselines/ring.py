@@ -7,16 +7,20 @@ blocks passed around a ring with point-to-point send/recv, N-1 steps, overlapped
 from __future__ import annotations
 
 from flashcp.layout import split_packed
-from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan
+from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
 
 
-def plan_ring(doc_lens, cp_size: int, *, validate: bool = True) -> Plan:
+@planner_entry("ring")
+def plan_ring(doc_lens, cp_size: int, *, num_pad: int = 0, validate: bool = True) -> Plan:
     """Plan the ring layout: N contiguous chunks of C/N tokens.
 
+    ``num_pad`` pad tokens after the last document fill the last chunks (the last ranks); zero-
+    length documents are skipped (:func:`~flashcp.plan.planner_entry`).
+
     Raises:
-        ValueError: bad lengths, ``cp_size`` < 1, or C not divisible by N.
+        ValueError: bad lengths, ``cp_size`` < 1, or C (pad included) not divisible by N.
     """
     d = check_doc_lens(doc_lens)
-    check_cp_args(int(d.sum()), cp_size)
-    chunk, doc, start, length = split_packed(d, cp_size)
-    return make_plan("ring", cp_size, d, chunk, doc, start, length, validate=validate)
+    check_cp_args(int(d.sum()) + num_pad, cp_size)
+    chunk, doc, start, length, pad = split_packed(d, cp_size, num_pad)
+    return make_plan("ring", cp_size, d, chunk, doc, start, length, pad=pad, validate=validate)

@@ -39,7 +39,7 @@ def ring_attn(
     backend="auto",
     counter=None,
     timer=None,
-    grad_comm_dtype: torch.dtype | None = None,
+    grad_comm_dtype: torch.dtype | str | None = None,
 ) -> torch.Tensor:
     """Ring context-parallel attention of this rank's tokens.
 
@@ -49,8 +49,9 @@ def ring_attn(
         meta: from :func:`prepare_ring`; group: the N CP ranks (None: the default group);
         softmax_scale: default ``1 / sqrt(head_dim)``; backend: kernel backend name or object;
         counter: ``CommCounter`` (received ``p2p`` bytes); timer: ``PhaseTimer``;
-        grad_comm_dtype: dtype of the dK/dV sums passed around the ring (default k.dtype promoted to float32, as
-            ``flashcp.comm.comm_volume`` counts; see :func:`flashcp.ops.ring_attn.ring_attention`).
+        grad_comm_dtype: dtype of the dK/dV sums passed around the ring (default float32, float64
+            for float64 inputs, as ``flashcp.comm.comm_volume`` counts; see
+            :func:`flashcp.ops.ring_attn.ring_attention`).
     Returns:
         out: (C/N, num_heads, head_dim) in q.dtype, differentiable w.r.t. q, k and v.
     Raises:

@@ -9,13 +9,14 @@ ranks as in :mod:`baselines.per_doc`, with no padding. Communication: ring P2P a
 from __future__ import annotations
 
 from baselines.per_doc import per_doc_layout
-from flashcp.plan import Plan
+from flashcp.plan import Plan, planner_entry
 
 
-def plan_zigzag(doc_lens, cp_size: int, *, validate: bool = True) -> Plan:
-    """Plan the zigzag layout (identical shards to ``per_doc``; executed with ring P2P).
+@planner_entry("zigzag")
+def plan_zigzag(doc_lens, cp_size: int, *, num_pad: int = 0, validate: bool = True) -> Plan:
+    """Plan the zigzag layout (identical shards and pad to ``per_doc``; executed with ring P2P).
 
     Raises:
-        ValueError: bad lengths, ``cp_size`` < 1, or C not divisible by N.
+        ValueError: bad lengths, ``cp_size`` < 1, or C (pad included) not divisible by N.
     """
-    return per_doc_layout(doc_lens, cp_size, "zigzag", validate)
+    return per_doc_layout(doc_lens, cp_size, "zigzag", num_pad, validate)

@@ -31,7 +31,7 @@ RUN_KEYS = (
 PEER_KEYS = tuple(k for k in RUN_KEYS if k not in ("method", "name"))
 METRICS = (
     "imbalance_ratio", "comm_saving", "comm_tokens", "comm_tokens_full", "comm_tokens_sharded", "plan_ms",
-    "num_split_docs", "max_shards_per_rank",
+    "num_split_docs", "num_pieces", "max_shards_per_rank",
 )  # fmt: skip
 
 

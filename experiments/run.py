@@ -77,7 +77,8 @@ def plan_metrics(plan: Plan) -> dict[str, Any]:
     """
     s = plan.summary()
     keys = ("imbalance_ratio", "comm_tokens", "comm_tokens_full", "comm_saving",
-            "comm_tokens_sharded", "num_split_docs", "max_shards_per_rank")  # fmt: skip
+            "comm_tokens_sharded", "num_split_docs", "num_pieces",
+            "max_shards_per_rank")  # fmt: skip
     out = {k: s[k] for k in keys}
     if plan.method == "ilp":  # the solver's outcome (flashcp.ilp.plan_ilp's info)
         for k in ("solver_status", "gap", "warm_start_given", "warm_start_accepted"):

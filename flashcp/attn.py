@@ -6,7 +6,7 @@ shards, packed into one compact buffer padded to the largest rank's; documents k
 last shard of every document are never sent. The backward re-gathers the same buffers and
 reduce-scatters only the matching dK/dV rows.
 
-Op anatomy (STYLE.md §3): the forward, backward and autograd Function are shared by the
+Op anatomy: the forward, backward and autograd Function are shared by the
 all-gather family in :mod:`flashcp.ops.allgather_attn` (the methods differ only in their metadata);
 this module holds the method's ``prepare_flashcp`` and its thin public wrapper ``flashcp_attn``.
 """
@@ -37,16 +37,19 @@ def prepare_flashcp(plan: Plan, rank: int) -> AllGatherMeta:
             f"{plan.method!r}"
         )
     # same shards, same digest: the op itself does not depend on which planner made the plan
-    return build_allgather_meta(replace(plan, method="flashcp"), rank, "flashcp", sharding_aware=True)
+    return build_allgather_meta(
+        replace(plan, method="flashcp"), rank, "flashcp", sharding_aware=True
+    )
 
 
 def flashcp_attn(
     q, k, v, meta: AllGatherMeta, group=None, *, softmax_scale=None, backend="auto",
-    counter=None, timer=None,
+    counter=None, timer=None, grad_comm_dtype=None, heads_per_group=None,
 ):  # fmt: skip
     """FlashCP attention for this rank's tokens: :func:`~flashcp.ops.allgather_attn.allgather_attention`
     with ``method="flashcp"`` (arguments, shapes and errors there); ``meta`` from :func:`prepare_flashcp`."""
     return allgather_attention(
         q, k, v, meta, group, method="flashcp", softmax_scale=softmax_scale, backend=backend,
-        counter=counter, timer=timer,
+        counter=counter, timer=timer, grad_comm_dtype=grad_comm_dtype,
+        heads_per_group=heads_per_group,
     )  # fmt: skip

@@ -6,14 +6,19 @@ Examples::
     flashcp plan --method flashcp --cp-size 4 --doc-lens 9000,3000,500,4000 --context-len 16384 \\
         --target-imbalance 1.1
     flashcp plan --method llama3 --cp-size 8 --doc-lens-file lens.npy --context-len 131072
+    flashcp plan --method flashcp --cp-size 4 --doc-lens 2999 --pad-to-multiple
+    flashcp plan --method ring --cp-size 4 --doc-lens 16,24,0,0 --num-pad 24
 
 ``--context-len C`` packs the lengths the way the sampler does (documents appended in order until
 C tokens are full, the last one cut; fewer than C tokens in all is an error). Without it the
-lengths are used as given and C is their sum.
+lengths are used as given and C is their sum. Zero-length documents (a repeated ``cu_seqlens``
+offset) are skipped. ``--num-pad P`` adds P pad tokens after the last document and
+``--pad-to-multiple`` the fewest the layout needs (N, or 2N for ``llama3``); pad tokens belong
+to no document and cost no work (docs/design.md §2).
 
-Bad input (empty or non-integer lengths, lengths <= 0, ``cp_size`` < 1, C not divisible as the
-layout needs, an unknown method, an option the method does not take) exits with status 2 and one
-line on stderr naming the bad value. The checks themselves live in the library (``ValueError``);
+Bad input (non-integer or negative lengths, ``cp_size`` < 1, C not divisible as the layout needs
+with padding off, an unknown method, an option the method does not take) exits with status 2 and
+one line on stderr naming the bad value. The checks themselves live in the library (``ValueError``);
 this module only reports them.
 """
 
@@ -49,8 +54,8 @@ def parse_doc_lens(text: str) -> list[int]:
     """Parse ``"4,12"`` (commas and/or whitespace) into a list of ints.
 
     Raises:
-        ValueError: a token that is not an integer (named). An empty list is returned as is; the
-            library's :func:`~flashcp.plan.check_doc_lens` rejects it.
+        ValueError: a token that is not an integer (named). An empty list is returned as is (a
+            sequence of no document: every rank gets an empty plan).
     """
     out = []
     for token in re.split(r"[,\s]+", text.strip()):
@@ -80,9 +85,9 @@ def pack_doc_lens(doc_lens, context_len: int) -> np.ndarray:
     if context_len < 1:
         raise ValueError(f"context_len must be >= 1, got {context_len}")
     cu = np.cumsum(d)
-    if cu[-1] < context_len:
+    if d.size == 0 or cu[-1] < context_len:
         raise ValueError(
-            f"doc_lens sum to {int(cu[-1])}, fewer than context_len = {context_len}: "
+            f"doc_lens sum to {int(d.sum())}, fewer than context_len = {context_len}: "
             "not enough tokens to fill the sequence"
         )
     k = int(np.searchsorted(cu, context_len))  # first document that reaches C
@@ -98,14 +103,16 @@ def _shard_text(doc: int, start: int, length: int) -> str:
 def format_table(plan: Plan) -> str:
     """A readable view of a plan: its metrics, then per rank tokens, workload and shards.
 
-    Shards are written ``doc:start+length`` in the order the rank holds them.
+    Shards are written ``doc:start+length`` in the order the rank holds them, then ``pad:P`` for
+    a rank's pad tokens.
     """
     s = plan.summary()
     lines = [
         f"method {s['method']}  cp_size {s['cp_size']}  context_len {s['context_len']}  "
-        f"docs {s['num_docs']}  status {s['status']}",
+        f"docs {s['num_docs']}  num_pad {s['num_pad']}  status {s['status']}",
         f"imbalance_ratio {s['imbalance_ratio']:.4f}  comm_tokens {s['comm_tokens']}  "
-        f"comm_tokens_full {s['comm_tokens_full']}  comm_saving {s['comm_saving']:.1%}",
+        f"comm_tokens_full {s['comm_tokens_full']}  comm_saving {s['comm_saving']:.1%}  "
+        f"num_pieces {s['num_pieces']}",
     ]
     tok, wl = plan.tokens_per_rank, plan.workload_per_rank
     wl_width = max(len("workload"), len(str(int(wl.max()))))
@@ -115,6 +122,8 @@ def format_table(plan: Plan) -> str:
     )
     for r, shards in enumerate(plan.ranks()):
         text = " ".join(_shard_text(*sh) for sh in shards)
+        if plan.pad[r]:
+            text = f"{text} pad:{int(plan.pad[r])}".lstrip()
         lines.append(f"{r:>4}  {int(tok[r]):>{tok_width}}  {int(wl[r]):>{wl_width}}  {text}")
     return "\n".join(lines)
 
@@ -148,7 +157,10 @@ def _plan_command(args: argparse.Namespace) -> int:
                 f"--target-imbalance applies only to {takers}, not to method {args.method!r}"
             )
         options["target_imbalance"] = args.target_imbalance
-    plan = planner(doc_lens, args.cp_size, **options)
+    plan = planner(
+        doc_lens, args.cp_size, num_pad=args.num_pad, pad_to_multiple=args.pad_to_multiple,
+        **options,
+    )  # fmt: skip
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2, default=_json_default))
     else:
@@ -184,6 +196,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--target-imbalance",
         type=float,
         help="flashcp only: imbalance ratio to reach (default 1.05)",
+    )
+    p.add_argument(
+        "--num-pad",
+        type=int,
+        default=0,
+        metavar="P",
+        help="pad tokens after the last document (no document's; no work, never sent)",
+    )
+    p.add_argument(
+        "--pad-to-multiple",
+        action="store_true",
+        help="add the fewest pad tokens that make C divisible as the layout needs "
+        "(N; 2N for llama3)",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan_command)

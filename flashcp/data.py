@@ -467,9 +467,13 @@ class EmpiricalDistribution(LengthDistribution):
     uniform integer token index in [0, Σd), and the document holding it (probability d_i / Σd).
 
     Args:
-        lengths: (n,) int document lengths, each >= 1 (checked by ``flashcp.plan.check_doc_lens``).
+        lengths: (n,) int document lengths >= 0 (checked by ``flashcp.plan.check_doc_lens``);
+            zero-length entries (a repeated ``cu_seqlens`` offset) hold no document and are
+            dropped, so a draw is always a document of at least one token.
         name: dataset name (default ``"file"``).
         source: where the lengths came from (for :meth:`info`).
+    Raises:
+        ValueError: a bad length, or no length >= 1.
     """
 
     def __init__(self, lengths: Any, name: str = "file", source: str | None = None):
@@ -477,7 +481,12 @@ class EmpiricalDistribution(LengthDistribution):
 
         self.name = name
         self.source = source
-        self.lengths = _readonly(check_doc_lens(lengths).copy())
+        d = check_doc_lens(lengths)
+        if not d.any():
+            raise ValueError(
+                f"{source or name}: no document of length >= 1 among {d.size} lengths to draw from"
+            )
+        self.lengths = _readonly(d[d > 0].copy())
         self._cum = _readonly(np.cumsum(self.lengths))
         self._sorted = _readonly(np.sort(self.lengths))
 
@@ -540,7 +549,7 @@ def _is_number(text: str) -> bool:
 
 
 def _parse_length(text: str, where: str) -> int:
-    """Parse one document length (an integer, or an integral float such as ``12.0``), >= 1."""
+    """Parse one document length (an integer, or an integral float such as ``12.0``), >= 0."""
     s = text.strip()
     try:
         v = int(s)
@@ -552,8 +561,8 @@ def _parse_length(text: str, where: str) -> int:
         if not math.isfinite(f) or f != round(f):
             raise ValueError(f"{where}: document length {s!r} is not an integer") from None
         v = int(f)
-    if v <= 0:
-        raise ValueError(f"{where}: document length must be >= 1, got {s!r}")
+    if v < 0:
+        raise ValueError(f"{where}: document length must be >= 0, got {s!r}")
     return v
 
 
@@ -566,10 +575,11 @@ def read_lengths_file(path: str | Path) -> np.ndarray:
     otherwise plain text, one length per line. Blank lines and lines starting with ``#`` are skipped.
 
     Returns:
-        (n,) int64 lengths, each >= 1.
+        (n,) int64 lengths, each >= 0 (zero-length documents, e.g. from repeated ``cu_seqlens``
+        offsets, are kept: planners skip them, :class:`EmpiricalDistribution` drops them).
     Raises:
         ValueError: the file is missing or unreadable, holds no lengths, or holds a value that is not
-            an integer or is <= 0; the message names the file, the line and the value.
+            an integer or is < 0; the message names the file, the line and the value.
     """
     p = Path(path)
     if not p.is_file():
@@ -591,13 +601,13 @@ def read_lengths_file(path: str | Path) -> np.ndarray:
                 f"length file {p}: document lengths must be integers, got dtype {arr.dtype}"
             )
         bad = (
-            ~np.isfinite(arr) | (arr != np.round(arr)) | (arr <= 0)
+            ~np.isfinite(arr) | (arr != np.round(arr)) | (arr < 0)
             if arr.dtype.kind == "f"
-            else arr <= 0
+            else arr < 0
         )
         if bad.any():
             i = int(np.argmax(bad))
-            raise ValueError(f"length file {p}: entry {i} = {arr[i]!r} is not an integer >= 1")
+            raise ValueError(f"length file {p}: entry {i} = {arr[i]!r} is not an integer >= 0")
         return arr.astype(np.int64)
 
     try:

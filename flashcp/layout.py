@@ -12,28 +12,33 @@ import numpy as np
 __all__ = ["per_doc_chunk_sizes", "per_doc_columns", "split_packed"]
 
 
-def split_packed(doc_lens: np.ndarray, num_chunks: int) -> tuple[np.ndarray, ...]:
-    """Cut the packed sequence into ``num_chunks`` equal contiguous chunks.
+def split_packed(doc_lens: np.ndarray, num_chunks: int, num_pad: int = 0) -> tuple[np.ndarray, ...]:
+    """Cut the packed sequence (documents, then ``num_pad`` pad tokens) into equal chunks.
 
     Args:
-        doc_lens: (n_docs,) int64, sums to C, with C divisible by ``num_chunks``.
+        doc_lens: (n_docs,) int64, C - num_pad tokens in all, C divisible by ``num_chunks``.
         num_chunks: number of equal chunks.
+        num_pad: pad tokens after the last document (docs/design.md §2).
     Returns:
-        ``(chunk, doc, start, length)``: (n_pieces,) int64 each, pieces in packed order; a piece is
-        the intersection of one chunk with one document.
+        ``(chunk, doc, start, length, chunk_pad)``: the first four (n_pieces,) int64 each, pieces
+        in packed order, a piece being the intersection of one chunk with one document;
+        ``chunk_pad`` (num_chunks,) int64, pad tokens of each chunk (the last chunks hold them).
     """
     cu = np.concatenate([[0], np.cumsum(doc_lens)])
-    context_len = int(cu[-1])
-    size = context_len // num_chunks
+    real = int(cu[-1])
+    size = (real + int(num_pad)) // num_chunks
     bounds = np.arange(num_chunks + 1, dtype=np.int64) * size
-    cuts = np.union1d(cu, bounds)  # sorted, unique
+    cuts = np.union1d(cu, bounds[bounds < real])  # sorted, unique, within the documents
     pos, length = cuts[:-1], np.diff(cuts)
-    chunk = pos // size
+    chunk = pos // size if size else pos
     doc = np.searchsorted(cu, pos, side="right") - 1
-    return chunk, doc, pos - cu[doc], length
+    chunk_pad = bounds[1:] - np.clip(bounds[:-1], real, None)
+    return chunk, doc, pos - cu[doc], length, np.clip(chunk_pad, 0, None)
 
 
-def per_doc_chunk_sizes(doc_lens: np.ndarray, cp_size: int, cursor: int = 0) -> tuple[np.ndarray, int]:
+def per_doc_chunk_sizes(
+    doc_lens: np.ndarray, cp_size: int, cursor: int = 0
+) -> tuple[np.ndarray, int]:
     """Chunk sizes of the Per-Doc layout: every document cut into 2N contiguous chunks.
 
     Rank r holds chunks r and 2N-1-r of every document. A document of length d gives every chunk
@@ -43,7 +48,7 @@ def per_doc_chunk_sizes(doc_lens: np.ndarray, cp_size: int, cursor: int = 0) -> 
     its back chunk 2N-1-r in turn, counted over the rank's extra tokens so far. When the remainders of all documents sum
     to a multiple of N (always true when the documents fill a context divisible by N) every rank
     ends with exactly the same number of tokens, with no padding. When every length divides by 2N
-    the workload is perfectly balanced (WLB-LLM's Per-Doc sharding; DESIGN.md §3).
+    the workload is perfectly balanced (WLB-LLM's Per-Doc sharding; docs/design.md §3).
 
     Args:
         doc_lens: (n_docs,) int64.

@@ -5,24 +5,38 @@ contiguous pieces ``(doc, start, length)`` of one document, where ``start`` is a
 prefix length p (tokens of the same document before it). Every rank holds exactly
 ``context_len / cp_size`` tokens.
 
+Two edge cases every planner shares are handled once, by :func:`planner_entry` (docs/design.md §2):
+
+* *zero-length documents* (``cu_seqlens`` that repeat an offset, as static-shape packing code
+  writes them) hold no token, get no shard and change nothing: the plan is the one of the other
+  documents, with document indices still those of the caller. All-empty input gives a plan with
+  no shard. Only negative lengths are errors.
+* *pad tokens*: ``num_pad`` tokens after the last document (or ``pad_to_multiple=True``: the
+  fewest that make the total divisible as the layout needs) belong to no document. A rank holds
+  its pad tokens after its shards (:attr:`Plan.pad`); they attend to nothing, are attended by
+  nothing, cost no workload and are never communicated by the all-gather family.
+
 The plan is stored column-wise (one numpy row per shard, sorted by rank, then by the order in which
 the rank holds its shards) so that metrics and the simulator are vectorised; :meth:`Plan.ranks`
 gives the readable list-of-shards view.
 
-Formulas (arXiv 2606.08476, "FlashCP", §3; notation in DESIGN.md §2):
+Formulas (arXiv 2606.08476, "FlashCP", §3; notation in docs/design.md §2):
 
 * workload of a shard, Eq. 3: ``W = (2p + s + 1) * s / 2`` query-key pairs per head; the shards of
   one document sum to ``d (d + 1) / 2``.
 * ``imbalance_ratio = max_r W_r / mean_r W_r``.
 * ``comm_tokens_full`` (Eq. 4): ``(N - 1) * C / N`` KV tokens received per rank when the whole KV
-  is all-gathered.
+  is all-gathered (with pad tokens, which are not sent: ``(N - 1) * max_r`` document tokens of
+  rank r).
 * ``comm_tokens`` (Eq. 5): ``(N - 1) * max_j sum(len of rank j's shards that are not the last shard
   of their document)`` for sharding-aware all-gather; a document kept whole costs nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -36,6 +50,7 @@ __all__ = [
     "doc_workload",
     "kv_bytes",
     "make_plan",
+    "planner_entry",
     "shard_workload",
 ]
 
@@ -80,9 +95,12 @@ def doc_workload(doc_lens: np.ndarray) -> np.ndarray:
 def check_doc_lens(doc_lens: Any, context_len: int | None = None) -> np.ndarray:
     """Validate document lengths and return them as a (n_docs,) int64 array.
 
+    Zero-length documents and an empty list are valid (they hold no token); planners skip them
+    (:func:`planner_entry`).
+
     Raises:
-        ValueError: empty input, non-integer values, a length <= 0, or (when ``context_len`` is
-            given) lengths that do not sum to ``context_len``. The message names the bad value.
+        ValueError: non-integer values, a negative length, or (when ``context_len`` is given)
+            lengths that do not sum to ``context_len``. The message names the bad value.
     """
     if isinstance(doc_lens, str | bytes):
         raise ValueError(f"doc_lens must be a sequence of integers, got the string {doc_lens!r}")
@@ -90,7 +108,7 @@ def check_doc_lens(doc_lens: Any, context_len: int | None = None) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"doc_lens must be one-dimensional, got shape {arr.shape}")
     if arr.size == 0:
-        raise ValueError("doc_lens is empty: a sequence needs at least one document")
+        arr = arr.astype(np.int64)
     if arr.dtype.kind == "f":
         bad = arr[~np.isfinite(arr) | (arr != np.round(arr))]
         if bad.size:
@@ -98,9 +116,9 @@ def check_doc_lens(doc_lens: Any, context_len: int | None = None) -> np.ndarray:
     elif arr.dtype.kind not in "iu":
         raise ValueError(f"doc_lens must be integers, got dtype {arr.dtype} (e.g. {arr.flat[0]!r})")
     arr = arr.astype(np.int64)
-    if (arr <= 0).any():
-        i = int(np.argmax(arr <= 0))
-        raise ValueError(f"doc_lens must be >= 1, got doc_lens[{i}] = {int(arr[i])}")
+    if (arr < 0).any():
+        i = int(np.argmax(arr < 0))
+        raise ValueError(f"doc_lens must be >= 0, got doc_lens[{i}] = {int(arr[i])}")
     if context_len is not None and int(arr.sum()) != int(context_len):
         raise ValueError(
             f"doc_lens sum to {int(arr.sum())} but context_len = {context_len}; "
@@ -112,6 +130,9 @@ def check_doc_lens(doc_lens: Any, context_len: int | None = None) -> np.ndarray:
 def check_cp_args(context_len: int, cp_size: int, chunks_per_rank: int = 1) -> None:
     """Check ``cp_size >= 1`` and that ``context_len`` divides by ``chunks_per_rank * cp_size``.
 
+    ``context_len`` counts pad tokens. The message names the multiple the layout needs and the
+    number of pad tokens that would reach it.
+
     Raises:
         ValueError: naming the bad value.
     """
@@ -119,24 +140,27 @@ def check_cp_args(context_len: int, cp_size: int, chunks_per_rank: int = 1) -> N
         raise ValueError(f"cp_size must be an integer, got {cp_size!r}")
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    n = chunks_per_rank * cp_size
+    multiple = "cp_size" if chunks_per_rank == 1 else f"{chunks_per_rank} * cp_size"
+    fix = f"pad to a multiple of {multiple} = {n}: num_pad = {-context_len % n}"
+    fix += ", or pad_to_multiple=True"
     if context_len % cp_size:
         raise ValueError(
             f"context_len = {context_len} is not divisible by cp_size = {cp_size}: every rank must "
-            "hold exactly context_len / cp_size tokens"
+            f"hold exactly context_len / cp_size tokens ({fix})"
         )
-    n = chunks_per_rank * cp_size
     if context_len % n:
         raise ValueError(
             f"context_len = {context_len} is not divisible by {chunks_per_rank} * cp_size = {n}, "
-            f"which this layout needs ({chunks_per_rank} equal chunks per rank)"
+            f"which this layout needs ({chunks_per_rank} equal chunks per rank; {fix})"
         )
 
 
 def kv_bytes(tokens: Any, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> Any:
     """Bytes of K and V for ``tokens`` tokens: tokens x 2 x num_kv_heads x head_dim x dtype_bytes.
 
-    DESIGN.md §2 ("bytes"). Training moves this twice per pass direction (forward all-gather of KV,
-    backward reduce-scatter of dK/dV); callers apply that factor.
+    docs/design.md §2 ("bytes"). Training moves this twice per pass direction (forward all-gather
+    of KV, backward reduce-scatter of dK/dV); callers apply that factor.
     """
     return tokens * 2 * num_kv_heads * head_dim * dtype_bytes
 
@@ -148,12 +172,18 @@ class Plan:
     Attributes:
         method: planner name (``llama3``, ``per_doc``, ``ring``, ``zigzag``, ``flashcp``, ...).
         cp_size: N, number of CP ranks.
-        doc_lens: (n_docs,) int64, document lengths in packed order; sums to ``context_len``.
+        doc_lens: (n_docs,) int64, document lengths in packed order (zero-length documents hold
+            no shard); they sum to ``context_len - num_pad``.
         rank, doc, start, length: (n_shards,) int64 each; shard i is held by ``rank[i]`` and
             covers tokens ``[start[i], start[i] + length[i])`` of document ``doc[i]``. Rows are
             sorted by rank, then by the order in which the rank holds them (its local layout).
         status: ``"ok"`` or a planner-specific status (e.g. ``"target_not_met"``, ``"fallback"``).
-        info: planner-specific details (JSON-serialisable), e.g. FlashCP's Per-Doc set.
+        info: planner-specific details (JSON-serialisable), e.g. FlashCP's Per-Doc set. A key
+            ending in ``_docs`` holds a list of document indices (:func:`planner_entry` maps it
+            back to the caller's documents).
+        pad: (cp_size,) int64, pad tokens each rank holds after its shards (default none). The
+            packed sequence's ``num_pad`` pad tokens come after its last document; rank r's are
+            pad positions ``sum(pad[:r]) ..`` of them (:func:`flashcp.ops.sharding.global_rows`).
 
     Build with :func:`make_plan`, which validates and merges adjacent pieces.
     """
@@ -167,15 +197,26 @@ class Plan:
     length: np.ndarray
     status: str = "ok"
     info: dict = field(default_factory=dict)
+    pad: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        pad = np.zeros(self.cp_size, np.int64) if self.pad is None else self.pad
+        object.__setattr__(self, "pad", np.asarray(pad, dtype=np.int64))
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
     def context_len(self) -> int:
-        """C, total tokens of the packed sequence."""
-        return int(self.doc_lens.sum())
+        """C, total tokens of the packed sequence: document tokens plus ``num_pad``."""
+        return int(self.doc_lens.sum()) + self.num_pad
+
+    @property
+    def num_pad(self) -> int:
+        """Pad tokens of the packed sequence (after its last document; no document's)."""
+        return int(self.pad.sum())
 
     @property
     def num_docs(self) -> int:
+        """Documents of ``doc_lens``, zero-length ones included."""
         return int(self.doc_lens.size)
 
     @property
@@ -183,9 +224,21 @@ class Plan:
         return int(self.rank.size)
 
     @property
-    def tokens_per_rank(self) -> np.ndarray:
-        """(cp_size,) int64, tokens held by each rank (all equal to C/N in a valid plan)."""
+    def num_pieces(self) -> int:
+        """Pieces the documents are cut into: one per shard, so the number of non-empty documents
+        when none is cut; each cut adds one (a piece is one attention segment, and a non-last
+        piece's KV is sent to the ranks holding later ones)."""
+        return self.num_shards
+
+    @property
+    def doc_tokens_per_rank(self) -> np.ndarray:
+        """(cp_size,) int64, document (non-pad) tokens held by each rank."""
         return np.bincount(self.rank, weights=self.length, minlength=self.cp_size).astype(np.int64)
+
+    @property
+    def tokens_per_rank(self) -> np.ndarray:
+        """(cp_size,) int64, tokens held by each rank, pad included (all C/N in a valid plan)."""
+        return self.doc_tokens_per_rank + self.pad
 
     @property
     def rank_offsets(self) -> np.ndarray:
@@ -206,9 +259,10 @@ class Plan:
 
     @property
     def imbalance_ratio(self) -> float:
-        """max over ranks of workload / mean over ranks of workload (1.0 is perfect)."""
+        """max over ranks of workload / mean over ranks of workload (1.0 is perfect; 1.0 also
+        when there is no work at all)."""
         w = self.workload_per_rank
-        return float(w.max() / w.mean())
+        return float(w.max() / w.mean()) if w.any() else 1.0
 
     # ---- communication -----------------------------------------------------------------------
     @property
@@ -232,8 +286,12 @@ class Plan:
 
     @property
     def comm_tokens_full(self) -> int:
-        """Eq. 4: (N - 1) * C / N KV tokens received per rank when the whole KV is all-gathered."""
-        return (self.cp_size - 1) * self.context_len // self.cp_size
+        """Eq. 4: (N - 1) * C / N KV tokens received per rank when the whole KV is all-gathered.
+
+        Pad tokens are not sent: with pad, every rank's contribution is its document tokens,
+        padded (as all-gather buffers are) to the largest rank's, ``(N - 1) * max_r`` of them.
+        """
+        return (self.cp_size - 1) * int(self.doc_tokens_per_rank.max())
 
     @property
     def comm_saving(self) -> float:
@@ -257,7 +315,10 @@ class Plan:
         """Readable view: for each rank, its shards in the order it holds them."""
         out: list[list[Shard]] = [[] for _ in range(self.cp_size)]
         for r, d, s, n in zip(
-            self.rank.tolist(), self.doc.tolist(), self.start.tolist(), self.length.tolist(),
+            self.rank.tolist(),
+            self.doc.tolist(),
+            self.start.tolist(),
+            self.length.tolist(),
             strict=True,
         ):
             out[r].append(Shard(d, s, n))
@@ -274,20 +335,23 @@ class Plan:
         their first collective to make sure they execute the same plan."""
         h = hashlib.sha256()
         h.update(np.int64(self.cp_size).tobytes())
-        for a in (self.doc_lens, self.rank, self.doc, self.start, self.length):
+        for a in (self.doc_lens, self.rank, self.doc, self.start, self.length, self.pad):
             h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
         return h.hexdigest()[:16]
 
     def validate(self) -> None:
         """Check the plan's invariants.
 
-        Every token of every document is held by exactly one rank, shards are non-empty, and every
-        rank holds exactly ``context_len / cp_size`` tokens.
+        Every token of every document is held by exactly one rank, shards are non-empty, pad
+        counts are non-negative, and every rank holds exactly ``context_len / cp_size`` tokens
+        (shards plus pad).
 
         Raises:
             ValueError: naming the first violated invariant.
         """
         n = self.cp_size
+        if self.pad.shape != (n,) or (self.pad < 0).any():
+            raise ValueError(f"pad must be {n} counts >= 0 (one per rank), got {self.pad.tolist()}")
         if (self.length <= 0).any():
             i = int(np.argmax(self.length <= 0))
             raise ValueError(f"shard {i} has length {int(self.length[i])} <= 0")
@@ -298,7 +362,9 @@ class Plan:
         if ((self.doc < 0) | (self.doc >= self.num_docs)).any():
             raise ValueError("shard refers to a document index out of range")
         if (self.start < 0).any() or (self.start + self.length > self.doc_lens[self.doc]).any():
-            i = int(np.argmax((self.start < 0) | (self.start + self.length > self.doc_lens[self.doc])))
+            i = int(
+                np.argmax((self.start < 0) | (self.start + self.length > self.doc_lens[self.doc]))
+            )
             raise ValueError(
                 f"shard {i} (doc {int(self.doc[i])}, start {int(self.start[i])}, length "
                 f"{int(self.length[i])}) lies outside its document of length "
@@ -320,7 +386,9 @@ class Plan:
         np.add.at(covered, d, ln)
         if (covered != self.doc_lens).any():
             i = int(np.argmax(covered != self.doc_lens))
-            raise ValueError(f"document {i}: {int(covered[i])} of {int(self.doc_lens[i])} tokens held")
+            raise ValueError(
+                f"document {i}: {int(covered[i])} of {int(self.doc_lens[i])} tokens held"
+            )
         tok = self.tokens_per_rank
         if self.context_len % n or (tok != self.context_len // n).any():
             raise ValueError(
@@ -346,6 +414,7 @@ class Plan:
             "cp_size": self.cp_size,
             "context_len": self.context_len,
             "num_docs": self.num_docs,
+            "num_pad": self.num_pad,
             "status": self.status,
             "imbalance_ratio": self.imbalance_ratio,
             "comm_tokens": moved,
@@ -353,6 +422,7 @@ class Plan:
             "comm_saving": 1.0 - moved / full if full else 0.0,
             "comm_tokens_sharded": self.comm_tokens,
             "num_split_docs": int(self.split_docs.size),
+            "num_pieces": self.num_pieces,
             "max_shards_per_rank": int(self.shards_per_rank.max()),
         }
 
@@ -366,6 +436,7 @@ class Plan:
             {
                 "rank": r,
                 "tokens": int(tok[r]),
+                "pad": int(self.pad[r]),
                 "workload": int(wl[r]),
                 "shards": [sh._asdict() for sh in shards],
             }
@@ -385,6 +456,7 @@ def make_plan(
     *,
     status: str = "ok",
     info: dict | None = None,
+    pad: Any = None,
     validate: bool = True,
 ) -> Plan:
     """Build a :class:`Plan` from shard columns given in each rank's local order.
@@ -400,6 +472,7 @@ def make_plan(
         doc_lens: (n_docs,) int, document lengths in packed order.
         rank, doc, start, length: (n,) int, one entry per piece.
         status, info: stored as is.
+        pad: (cp_size,) int, pad tokens of each rank (default none).
         validate: run :meth:`Plan.validate` (planners call it; hot loops may skip it).
     Raises:
         ValueError: when ``validate`` and an invariant is violated.
@@ -432,7 +505,112 @@ def make_plan(
             keep.sort()
             g = group[keep]
             rank, doc, start, length = rank[keep], doc[keep], first_start[g], total[g]
-    plan = Plan(method, int(cp_size), doc_lens, rank, doc, start, length, status, dict(info or {}))
+    plan = Plan(
+        method, int(cp_size), doc_lens, rank, doc, start, length, status, dict(info or {}), pad
+    )
     if validate:
         plan.validate()
     return plan
+
+
+def _check_pad_args(num_pad: Any, pad_to_multiple: Any) -> int:
+    """``num_pad`` as an int; raises ValueError naming a bad ``num_pad`` or ``pad_to_multiple``."""
+    if isinstance(num_pad, bool) or not isinstance(num_pad, int | np.integer) or num_pad < 0:
+        raise ValueError(f"num_pad must be an integer >= 0, got {num_pad!r}")
+    if not isinstance(pad_to_multiple, bool | np.bool_):
+        raise ValueError(f"pad_to_multiple must be True or False, got {pad_to_multiple!r}")
+    return int(num_pad)
+
+
+def _restore_docs(plan: Plan, doc_lens: np.ndarray, kept: np.ndarray, pad_doc: bool) -> Plan:
+    """Map a plan of ``doc_lens[kept]`` (plus, when ``pad_doc``, one trailing pseudo-document of
+    pad tokens) back to the caller's documents; the pseudo-document's shards become pad."""
+    if not pad_doc and kept.size == doc_lens.size:
+        return plan
+    rank, doc, pad = plan.rank, plan.doc, plan.pad
+    keep = doc < kept.size
+    if pad_doc:
+        pad = pad + np.bincount(
+            rank[~keep], weights=plan.length[~keep], minlength=plan.cp_size
+        ).astype(np.int64)
+    info = {
+        key: [int(kept[i]) for i in val if i < kept.size]
+        if key.endswith("_docs") and isinstance(val, list | tuple)
+        else val
+        for key, val in plan.info.items()
+    }
+    return Plan(
+        plan.method, plan.cp_size, doc_lens, rank[keep], kept[doc[keep]], plan.start[keep],
+        plan.length[keep], plan.status, info, pad,
+    )  # fmt: skip
+
+
+def planner_entry(method: str, *, chunks_per_rank: int = 1):
+    """Decorator giving a planner the input handling every planner shares (docs/design.md §2).
+
+    The decorated planner ``planner(doc_lens, cp_size, *, num_pad=0, pad_to_multiple=False,
+    **options) -> Plan``:
+
+    * accepts zero-length documents: they are removed before ``func`` plans the others and the
+      plan's document indices (shards, and ``info`` lists under keys ending in ``_docs``) are
+      mapped back, so the plan is the one without them; all-empty input (no document, or only
+      zero-length ones) gives a plan with no shard and the pad spread evenly, without calling
+      ``func``;
+    * takes ``num_pad`` pad tokens after the last document, and with ``pad_to_multiple`` adds the
+      fewest more that make the total divisible by ``chunks_per_rank * cp_size``. A ``func`` with
+      a ``num_pad`` parameter places pad itself; for any other the pad is planned as one trailing
+      pseudo-document whose shards then become pad (``func``'s own objective counts its
+      ``P (P + 1) / 2`` pairs, negligible for the ``P < cp_size`` of ``pad_to_multiple``; the
+      returned plan's metrics never count pad).
+
+    Args:
+        method: the method name (stored in the all-empty plan).
+        chunks_per_rank: equal chunks per rank the layout needs (2 for ``llama3``), so that the
+            total must divide by ``chunks_per_rank * cp_size``.
+    Raises (from the decorated planner):
+        ValueError: a negative or non-integer length, a bad ``cp_size``, ``num_pad`` or
+            ``pad_to_multiple``, or (padding off) a total not divisible as the layout needs; the
+            message names the value and the multiple needed.
+    """
+
+    def wrap(func):
+        sig = inspect.signature(func)
+        native_pad = "num_pad" in sig.parameters
+
+        @functools.wraps(func)
+        def planner(doc_lens, cp_size, *, num_pad=0, pad_to_multiple=False, **options):
+            d = check_doc_lens(doc_lens)
+            num_pad = _check_pad_args(num_pad, pad_to_multiple)
+            check_cp_args(0, cp_size)  # cp_size itself
+            if pad_to_multiple:
+                num_pad += -(int(d.sum()) + num_pad) % (chunks_per_rank * int(cp_size))
+            check_cp_args(int(d.sum()) + num_pad, cp_size, chunks_per_rank)
+            kept = np.flatnonzero(d)
+            if kept.size == 0:
+                pad = np.full(int(cp_size), num_pad // int(cp_size), dtype=np.int64)
+                return make_plan(method, cp_size, d, [], [], [], [], pad=pad)
+            if native_pad:
+                plan = func(d[kept], cp_size, num_pad=num_pad, **options)
+            elif num_pad:
+                plan = func(np.append(d[kept], num_pad), cp_size, **options)
+            else:
+                plan = func(d[kept], cp_size, **options)
+            restored = _restore_docs(plan, d, kept, pad_doc=num_pad > 0 and not native_pad)
+            if restored is not plan and options.get("validate", True):
+                restored.validate()
+            return restored
+
+        params = [
+            p for p in sig.parameters.values() if p.name not in ("num_pad", "pad_to_multiple")
+        ]
+        extra = [
+            inspect.Parameter("num_pad", inspect.Parameter.KEYWORD_ONLY, default=0),
+            inspect.Parameter("pad_to_multiple", inspect.Parameter.KEYWORD_ONLY, default=False),
+        ]
+        var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+        params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        planner.__signature__ = sig.replace(parameters=[*params, *extra, *var_kw])
+        planner.is_planner_entry = True
+        return planner
+
+    return wrap

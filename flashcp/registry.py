@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable
 from types import MappingProxyType
 
-from flashcp.plan import Plan
+from flashcp.plan import Plan, planner_entry
 
 __all__ = ["COMM_KIND", "FAST_METHODS", "METHODS", "get_planner", "make_plan_for"]
 
@@ -50,6 +50,10 @@ FAST_METHODS: tuple[str, ...] = tuple(m for m in METHODS if m != "ilp")
 def get_planner(method: str) -> Callable[..., Plan]:
     """Return the planner function of ``method``.
 
+    Every planner returned takes zero-length documents and pad tokens (``num_pad``,
+    ``pad_to_multiple``): a planner module that does not declare that handling itself with
+    :func:`flashcp.plan.planner_entry` gets it here, so every method shares it.
+
     Raises:
         ValueError: unknown method (the message lists the known ones).
     """
@@ -58,9 +62,17 @@ def get_planner(method: str) -> Callable[..., Plan]:
     except (KeyError, TypeError):
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}") from None
     module, func = target.split(":")
-    return getattr(importlib.import_module(module), func)
+    planner = getattr(importlib.import_module(module), func)
+    if not getattr(planner, "is_planner_entry", False):
+        planner = planner_entry(method)(planner)
+    return planner
 
 
 def make_plan_for(method: str, doc_lens, cp_size: int, **options) -> Plan:
-    """Plan ``doc_lens`` over ``cp_size`` ranks with ``method`` (options go to the planner)."""
+    """Plan ``doc_lens`` over ``cp_size`` ranks with ``method`` (options go to the planner).
+
+    ``doc_lens`` may hold zero-length documents (skipped; the plan is the one without them, with
+    the caller's document indices); ``num_pad=P`` adds P pad tokens after the last document and
+    ``pad_to_multiple=True`` the fewest the layout needs (:func:`flashcp.plan.planner_entry`).
+    """
     return get_planner(method)(doc_lens, cp_size, **options)

@@ -232,3 +232,42 @@ def test_bad_varlen_arguments_raise():
             be.backward(out, q, k, k, out, bad_lse, cu, cu, 4, 4, **kw)
     with pytest.raises(ValueError, match="out must have"):
         be.backward(out, q, k, k, out[:3], lse, cu, cu, 4, 4, **kw)
+
+
+@pytest.mark.parametrize(
+    "name,options", [("reference", {}), ("cpu", {}), ("cpu", {"kernel_min": 1})]
+)
+def test_float64_lse_and_gradients_stay_float64(name, options):
+    """float64 inputs: the LSE comes back in float64 (compute_dtype), the backward takes it and
+    refuses a float32 one, and out/grads match float64 autograd to rounding error."""
+    torch.manual_seed(2)
+    cu_q, cu_k = [0, 5, 5, 12, 13], [0, 3, 9, 20, 21]
+    q = torch.randn(cu_q[-1], 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(cu_k[-1], 2, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(cu_k[-1], 2, 8, dtype=torch.float64, requires_grad=True)
+    ref = _naive(q, k, v, cu_q, cu_k, True, 0.3)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    be = _backend(name, options)
+    cq, ck = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
+    kw = {"causal": True, "softmax_scale": 0.3}
+    with torch.no_grad():
+        out, lse = be.forward(q, k, v, cq, ck, 0, 0, **kw)
+        assert out.dtype == lse.dtype == torch.float64
+        torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-12)
+        grads = be.backward(dout, q, k, v, out, lse, cq, ck, 0, 0, **kw, grad_dtype=torch.float64)
+        with pytest.raises(ValueError, match=r"lse must be .* torch\.float64"):
+            be.backward(dout, q, k, v, out, lse.float(), cq, ck, 0, 0, **kw)
+    for got, leaf in zip(grads, (q, k, v), strict=True):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_compute_dtype_is_one_rule():
+    from flashcp.ops.backends import compute_dtype
+
+    assert compute_dtype(torch.bfloat16) == compute_dtype(torch.float16) == torch.float32
+    assert compute_dtype(torch.float32) == torch.float32
+    assert compute_dtype(torch.float64) == torch.float64
+    with pytest.raises(ValueError, match="floating-point"):
+        compute_dtype(torch.int32)

@@ -49,9 +49,11 @@ def assert_json_matches_plan(data: dict, plan) -> None:
     if not sharded:
         assert data["comm_saving"] == 0.0
     assert [r["rank"] for r in data["ranks"]] == list(range(plan.cp_size))
+    assert data["num_pieces"] == plan.num_pieces and data["num_pad"] == plan.num_pad
     for r, shards in enumerate(plan.ranks()):
         entry = data["ranks"][r]
         assert entry["tokens"] == int(plan.tokens_per_rank[r])
+        assert entry["pad"] == int(plan.pad[r])
         assert entry["workload"] == int(plan.workload_per_rank[r])
         assert [(s["doc"], s["start"], s["length"]) for s in entry["shards"]] == [
             tuple(s) for s in shards
@@ -66,6 +68,7 @@ def test_issue_example_per_doc_json(capsys):
         {
             "rank": 0,
             "tokens": 8,
+            "pad": 0,
             "workload": 44,
             "shards": [
                 {"doc": 0, "start": 0, "length": 1},
@@ -77,6 +80,7 @@ def test_issue_example_per_doc_json(capsys):
         {
             "rank": 1,
             "tokens": 8,
+            "pad": 0,
             "workload": 44,
             "shards": [{"doc": 0, "start": 1, "length": 2}, {"doc": 1, "start": 3, "length": 6}],
         },
@@ -179,11 +183,11 @@ def test_doc_lens_file_npy(capsys, tmp_path):
 @pytest.mark.parametrize(
     ("argv", "names"),
     [
-        (["--doc-lens", ""], "doc_lens is empty"),
-        (["--doc-lens", ","], "doc_lens is empty"),
         (["--doc-lens", "4,x"], "'x'"),
         (["--doc-lens", "4.5,11.5"], "'4.5'"),
-        (["--doc-lens", "4,0"], "doc_lens[1] = 0"),
+        (["--doc-lens", "", "--context-len", "4"], "doc_lens sum to 0"),
+        (["--doc-lens", "4,12", "--num-pad", "-1"], "num_pad must be an integer >= 0, got -1"),
+        (["--doc-lens", "4,11"], "num_pad = 1, or pad_to_multiple"),
         (["--doc-lens", "4,-12"], "doc_lens[1] = -12"),
         (["--doc-lens", "4,12", "--context-len", "20"], "context_len = 20"),
         (["--doc-lens", "4,12", "--context-len", "0"], "context_len must be >= 1, got 0"),
@@ -245,3 +249,25 @@ def test_python_dash_m_entry_point():
     assert ok.returncode == 0, ok.stderr
     data = json.loads(ok.stdout)
     assert data["method"] == "per_doc" and [r["tokens"] for r in data["ranks"]] == [8, 8]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_zero_length_documents_and_empty_input(capsys, method):
+    data = plan_json(capsys, "--method", method, "--cp-size", "2", "--doc-lens", "16,24,0,0")
+    assert data["doc_lens"] == [16, 24, 0, 0]
+    assert_json_matches_plan(data, make_plan_for(method, [16, 24], 2))
+    for text in ("", ",", "0,0"):
+        data = plan_json(capsys, "--method", method, "--cp-size", "2", "--doc-lens", text)
+        assert [r["shards"] for r in data["ranks"]] == [[], []] and data["num_pieces"] == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_pad_flags(capsys, method):
+    args = ["--method", method, "--cp-size", "4", "--doc-lens", "2999"]
+    data = plan_json(capsys, *args, "--pad-to-multiple")
+    assert data["num_pad"] == 1 and data["context_len"] == 3000
+    assert_json_matches_plan(data, make_plan_for(method, [2999], 4, pad_to_multiple=True))
+    data = plan_json(capsys, *args, "--num-pad", "9")
+    assert data["num_pad"] == 9 and [r["tokens"] for r in data["ranks"]] == [752] * 4
+    code, out, _ = run_cli(capsys, "plan", *args, "--num-pad", "1")
+    assert code == 0 and "num_pad 1" in out and "pad:1" in out and "num_pieces" in out

@@ -338,7 +338,7 @@ def test_user_file_weightings(tmp_path):
         ("comments.txt", "# only\n\n", "no document lengths"),
         ("word.txt", "5\nabc\n", "'abc'"),
         ("frac.txt", "5\n1.5\n", "'1.5'"),
-        ("zero.txt", "5\n0\n", "'0'"),
+        ("zeros.txt", "0\n0\n", "no document of length >= 1"),
         ("neg.txt", "-3\n", "'-3'"),
         ("header.csv", "doc_len\n", "only a header"),
         ("badcol.csv", "doc_len,x\n4,1\nfoo,2\n", "'foo'"),
@@ -355,7 +355,7 @@ def test_bad_user_files(tmp_path, name, text, bad):
 @pytest.mark.parametrize(
     ("arr", "bad"),
     [
-        (np.array([3, 0, 2]), "0"),
+        (np.array([3, -1, 2]), "-1"),
         (np.array([2.0, 2.5]), "2.5"),
         (np.zeros(0, dtype=np.int64), "no document lengths"),
         (np.ones((2, 2), dtype=np.int64), "(2, 2)"),

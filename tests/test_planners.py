@@ -461,9 +461,7 @@ def test_flashcp_hand_checked():
 @pytest.mark.parametrize(
     ("doc_lens", "cp_size", "message"),
     [
-        ([], 2, "doc_lens is empty"),
-        ([4, 0], 2, "doc_lens[1] = 0"),
-        ([4, -4], 2, "doc_lens[1] = -4"),
+        ([4, -4], 2, "doc_lens must be >= 0, got doc_lens[1] = -4"),
         ([4.5, 11.5], 2, "4.5"),
         ([4, float("nan")], 2, "nan"),
         (["4", "12"], 2, "dtype"),
@@ -473,6 +471,7 @@ def test_flashcp_hand_checked():
         ([4, 12], -3, "got -3"),
         ([4, 12], 2.0, "cp_size must be an integer, got 2.0"),
         ([4, 13], 2, "context_len = 17 is not divisible by cp_size = 2"),
+        ([4, 13], 2, "num_pad = "),
         ([4, 12], 3, "context_len = 16 is not divisible by cp_size = 3"),
     ],
 )

@@ -148,9 +148,6 @@ def test_ring_family_matches_reference(cp_size):
         plain = _plain(q, k, v, doc_lens, dout) if dtype == torch.bfloat16 else None
         shape = AttnShape(h, hkv, d, DTYPE_NAME[dtype])
         grad_factor = 3 if gdt == torch.bfloat16 else 2  # bf16 dK/dV rounded at each hop
-        # dK/dV sent in another dtype than comm_volume's float32: that traffic scales with it
-        extra = 0 if gdt is None else (cp_size - 1) * (sum(doc_lens) // cp_size) * 2 * hkv * d
-        extra *= 0 if gdt is None else gdt.itemsize - max(dtype.itemsize, 4)
         for j, method in enumerate(OPS):
             plan = make_plan_for(method, doc_lens, cp_size)
             idx = i * len(OPS) + j
@@ -166,8 +163,9 @@ def test_ring_family_matches_reference(cp_size):
                         f"{method} {name} N={cp_size} {what}: error {err:.3g} > {tol:.3g}"
                     )
             want_fwd = comm_volume(plan, "p2p_ring", shape, "infer")["p2p_bytes"]
-            want = comm_volume(plan, "p2p_ring", shape, "train")
-            want["p2p_bytes"] += extra
+            want = comm_volume(
+                plan, "p2p_ring", shape, "train", grad_comm_dtype=DTYPE_NAME.get(gdt)
+            )
             for r in range(cp_size):
                 fwd, total, counted = per_rank[r][idx][4:]
                 if (fwd, total) != (want_fwd, want["p2p_bytes"]) or counted["comm_bytes"] != total:
@@ -203,6 +201,8 @@ def _bad_calls(rank, n):
         "other rank": (q, k, k, prepare_zigzag(plan, 1)),
         "not meta": (q, k, k, plan),
     }
+    bad_options = {"grad_comm_dtype int8": {"grad_comm_dtype": "int8"},
+                   "grad_comm_dtype int": {"grad_comm_dtype": torch.int64}}  # fmt: skip
     raised = []
     counter = CommCounter()
     for name, (a, b, c, m) in bad.items():
@@ -210,8 +210,13 @@ def _bad_calls(rank, n):
             zigzag_attn(a, b, c, m, counter=counter)
         except ValueError as e:
             raised.append((name, str(e)))
+    for name, opts in bad_options.items():
+        try:
+            zigzag_attn(q, k, k, meta, counter=counter, **opts)
+        except ValueError as e:
+            raised.append((name, str(e)))
     dist.barrier()
-    return [raised, len(bad), counter.as_dict()["comm_bytes"]]
+    return [raised, len(bad) + len(bad_options), counter.as_dict()["comm_bytes"]]
 
 
 def test_bad_inputs_raise_before_any_communication():
@@ -222,6 +227,7 @@ def test_bad_inputs_raise_before_any_communication():
     assert "not a multiple of num_kv_heads" in msgs["heads"]
     assert "holds 32 tokens" in msgs["short q"]
     assert "prepared for 'ring'" in msgs["ring meta"]
+    assert "grad_comm_dtype must be" in msgs["grad_comm_dtype int8"]
 
 
 def _mismatched_plans(rank, n):
@@ -335,7 +341,27 @@ def test_lse_merge_rows_and_bad_shapes():
     assert (out[[1, 2, 4]] == 1).all() and (out[[0, 3]] == 0).all()
     torch.testing.assert_close(lse[:, 1], torch.full((2,), math.log(2)))
     assert torch.isneginf(lse[:, [0, 3]]).all()
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="one dtype of float32 or wider"):
         merge_lse_(out.double(), lse, out, lse)
+    with pytest.raises(ValueError, match="one dtype of float32 or wider"):
+        merge_lse_(out.bfloat16(), lse.bfloat16(), out, lse)
+    with pytest.raises(ValueError, match=r"block lse must be torch\.float32"):
+        merge_lse_(out, lse, out, lse.double())
+
+
+def test_lse_merge_in_float64_is_exact():
+    """A float64 accumulator merges float64 blocks without passing through float32."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(2, 5, 12, generator=g, dtype=torch.float64)  # (H, T, keys)
+    v = torch.randn(12, 4, generator=g, dtype=torch.float64)
+    out, lse = new_accumulator(5, 2, 4, dtype=torch.float64)
+    assert out.dtype == lse.dtype == torch.float64
+    for part in (slice(0, 7), slice(7, 12)):
+        m = torch.logsumexp(s[:, :, part], -1)
+        p = torch.exp(s[:, :, part] - m[..., None])
+        merge_lse_(out, lse, torch.einsum("htk,kd->thd", p, v[part]), m)
+    want = torch.einsum("htk,kd->thd", torch.softmax(s, -1), v)
+    assert float((out - want).abs().max()) < 1e-14
+    assert float((lse - torch.logsumexp(s, -1)).abs().max()) < 1e-14
     with pytest.raises(ValueError, match="do not match"):
         merge_lse_(out, lse, out[:2], lse[:, :2])

@@ -2,7 +2,15 @@
 
 Every method module exposes ``prepare_<method>(plan, rank) -> meta`` (pure: no process group) and
 ``<method>_attn(q, k, v, meta, group=None, *, softmax_scale=None, backend="auto", counter=None,
-timer=None) -> out``. :func:`get_attn_op` finds them by method name without importing every module.
+timer=None, grad_comm_dtype=None) -> out`` (the all-gather family also takes ``heads_per_group``).
+:func:`get_attn_op` finds them by method name without importing every module.
+
+Numerics, the same for every op: the LSE, LSE merges and gradient partial sums are in
+:func:`flashcp.ops.backends.compute_dtype` of the inputs (float32; float64 for float64 inputs, so
+``backend="reference"`` is float64 end to end), and dK/dV partial sums cross ranks in
+``grad_comm_dtype`` (default: that same dtype;
+:func:`flashcp.ops.collectives.resolve_grad_comm_dtype`), which :func:`flashcp.comm.comm_volume`
+counts.
 
 Typical use inside a training step (one plan per batch, shared by every layer)::
 

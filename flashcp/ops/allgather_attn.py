@@ -13,21 +13,33 @@ rank.
 Keys are assembled with one index gather from ``source = [local KV (T rows); gathered buffers
 (N * M rows)]``; a rank reads its own rows from the local part. Backward re-gathers the KV (nothing
 is kept between passes), runs the kernel backward, scatter-adds dK/dV into a buffer shaped like
-``source``, reduce-scatters the gathered part (so each owner receives the dK/dV of the rows it
-sent) and adds it to the local part. Communicated volumes equal :func:`flashcp.comm.comm_volume`:
-forward all-gather, backward all-gather again plus a reduce-scatter of the same size.
+``source`` in ``compute_dtype`` (float32, float64 for float64 inputs;
+:func:`flashcp.ops.backends.compute_dtype`), reduce-scatters the gathered part in
+``grad_comm_dtype`` (default: the same, so every rank's partial sum is rounded once, at the end)
+so each owner receives the dK/dV of the rows it sent, and adds it to the local part.
+Communicated volumes equal :func:`flashcp.comm.comm_volume`: forward all-gather, backward
+all-gather again plus a reduce-scatter of the same rows in ``grad_comm_dtype``.
 
-K and V travel together as one ``(rows, 2, Hkv, D)`` buffer in the model dtype; only KV heads move.
+K and V travel together as one ``(rows, 2, h, D)`` buffer in the model dtype; only KV heads move.
+Both passes process the KV heads in groups of h (``heads_per_group``, the head stride of
+``ring-flash-attn``'s llama3 variant), one all-gather (and one reduce-scatter) per group, so the
+gathered KV and the gradient buffer hold h heads, not all Hkv: the backward's extra memory is
+stated in :func:`allgather_attn_backward`.
+
+Pad tokens (``plan.pad``, the last rows of a rank's tensors) take no part: the op runs on each
+rank's document rows only (metadata :meth:`AllGatherMeta.without_pad`), their KV is never sent,
+and pad rows get output 0 and gradient 0. A rank holding no document token still joins every
+collective, so all ranks issue the same ones.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from flashcp.ops.backends import VarlenBackend, get_backend
+from flashcp.ops.backends import VarlenBackend, compute_dtype, get_backend
 from flashcp.ops.collectives import (
     CommCounter,
     all_gather_into_tensor,
@@ -35,21 +47,34 @@ from flashcp.ops.collectives import (
     group_rank,
     group_size,
     reduce_scatter_tensor,
+    resolve_grad_comm_dtype,
 )
 from flashcp.ops.timing import as_timer
 from flashcp.plan import Plan
 
 __all__ = [
+    "HEAD_GROUP_BUDGET_BYTES",
     "AllGatherAttn",
     "AllGatherMeta",
     "allgather_attention",
     "allgather_attn_backward",
     "allgather_attn_forward",
+    "allgather_peak_bytes",
     "build_allgather_meta",
+    "check_heads_per_group",
     "check_inputs",
     "resolve_backend",
+    "resolve_heads_per_group",
     "resolve_scale",
 ]
+
+#: default byte budget of the backward's gradient buffer (T + N*M, 2, heads_per_group, D) in
+#: ``compute_dtype``: ``heads_per_group=None`` picks the largest divisor of num_kv_heads that fits.
+#: At 128K tokens on 8 ranks with head_dim 128 (T + N*M = 144K rows) one KV head needs 144 MiB in
+#: float32, so the default takes 4 of 32 KV heads at a time there (8 all-gathers, reduce-scatters
+#: and kernel calls per pass instead of 1; backward peak 1.5 GiB instead of 9.1 GiB in bf16 by
+#: :func:`allgather_peak_bytes`); with 32 KV heads up to 16K tokens run in one group, as before.
+HEAD_GROUP_BUDGET_BYTES = 2**30
 
 
 @dataclass(eq=False)
@@ -61,7 +86,9 @@ class AllGatherMeta:
         plan: the plan (its digest is checked across ranks before the first collective).
         rank: this rank.
         cp_size: N.
-        tokens: T = C / N local tokens.
+        tokens: T = C / N local tokens, pad included.
+        doc_tokens: this rank's document (non-pad) tokens, its first local rows; the kernels,
+            ``kv_index`` and ``send_rows`` see only these.
         send_max: M, rows of the padded send buffer (max over ranks of rows sent).
         send_rows: (n_send,) int64, local rows this rank sends, in buffer order.
         kv_index: (Tk,) int64, rows of ``source = [local (T); gathered (N*M)]`` forming the keys of
@@ -76,6 +103,7 @@ class AllGatherMeta:
     rank: int
     cp_size: int
     tokens: int
+    doc_tokens: int
     send_max: int
     send_rows: torch.Tensor
     kv_index: torch.Tensor
@@ -96,6 +124,16 @@ class AllGatherMeta:
             )
         return self._on_device[key]
 
+    def without_pad(self) -> AllGatherMeta:
+        """This metadata for the rank's document rows only (``tokens = doc_tokens``; cached)."""
+        if self.doc_tokens == self.tokens:
+            return self
+        if "without_pad" not in self._on_device:
+            self._on_device["without_pad"] = replace(
+                self, tokens=self.doc_tokens, _on_device={}, _verified=self._verified
+            )
+        return self._on_device["without_pad"]
+
     def verify(self, group) -> None:
         """Check once per process group that every rank holds the same plan (see
         :func:`flashcp.ops.collectives.check_same_plan`)."""
@@ -114,7 +152,8 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
         method: expected ``plan.method``.
         sharding_aware: send only non-last shards (FlashCP) instead of every local row.
     Raises:
-        ValueError: wrong method, rank out of range, or ranks holding unequal token counts.
+        ValueError: wrong method, rank out of range, or ranks holding unequal token counts
+            (pad included).
     """
     if plan.method != method:
         raise ValueError(f"this op runs {method!r} plans, got a plan for {plan.method!r}")
@@ -127,36 +166,41 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
         raise ValueError(f"every rank must hold the same number of tokens, got {tok.tolist()}")
     t = int(tok[0])
 
-    # token-level view: shards are sorted by rank then local order, so token i of the concatenation
-    # is local row i % T of rank i // T.
+    # token-level view of the document tokens: shards are sorted by rank then local order, so the
+    # concatenation of every shard holds rank r's document rows at real_off[r] .. real_off[r + 1]
+    real = plan.doc_tokens_per_rank  # (N,)
+    real_off = np.cumsum(real) - real
+    n_tok = int(real.sum())
     length = plan.length
-    shard_of = np.repeat(np.arange(plan.num_shards), length)  # (C,)
-    seg_off = np.concatenate([[0], np.cumsum(length)[:-1]])
-    within = np.arange(plan.context_len, dtype=np.int64) - seg_off[shard_of]
-    doc_off = np.concatenate([[0], np.cumsum(plan.doc_lens)[:-1]])
-    packed = doc_off[plan.doc[shard_of]] + plan.start[shard_of] + within  # (C,) packed position
-    where = np.empty(plan.context_len, dtype=np.int64)
-    where[packed] = np.arange(plan.context_len)  # packed position -> concatenation index
-    owner = np.arange(plan.context_len) // t
-    sends = ~plan.is_last[shard_of] if sharding_aware else np.ones(plan.context_len, dtype=bool)
+    shard_of = np.repeat(np.arange(plan.num_shards), length)  # (R,)
+    seg_off = np.cumsum(length) - length
+    within = np.arange(n_tok, dtype=np.int64) - seg_off[shard_of]
+    doc_off = np.cumsum(plan.doc_lens) - plan.doc_lens
+    packed = doc_off[plan.doc[shard_of]] + plan.start[shard_of] + within  # (R,) packed position
+    where = np.empty(n_tok, dtype=np.int64)
+    where[packed] = np.arange(n_tok)  # packed position -> concatenation index
+    owner = np.repeat(np.arange(n), real)  # (R,)
+    local_row = np.arange(n_tok, dtype=np.int64) - real_off[owner]
+    sends = ~plan.is_last[shard_of] if sharding_aware else np.ones(n_tok, dtype=bool)
     # position of each token in its owner's send buffer (-1: not sent)
-    slot = np.full(plan.context_len, -1, dtype=np.int64)
-    counts = sends.reshape(n, t).cumsum(axis=1).reshape(-1) - 1
-    slot[sends] = counts[sends]
-    send_max = int(sends.reshape(n, t).sum(axis=1).max())
+    cs = np.cumsum(sends)
+    sent_upto = np.concatenate([[0], cs])[real_off]  # (N,) tokens sent before rank r's first
+    slot = np.where(sends, cs - 1 - sent_upto[owner], -1)
+    send_max = int(np.bincount(owner, weights=sends, minlength=n).max()) if n_tok else 0
 
     # keys of this rank's segments: prefix + itself of each shard's document
     doc, start, ln = plan.rank_shards(rank)
     klen = start + ln
-    k_off = np.concatenate([[0], np.cumsum(klen)[:-1]])
+    k_off = np.cumsum(klen) - klen
     k_within = np.arange(int(klen.sum()), dtype=np.int64) - np.repeat(k_off, klen)
     key_tok = where[np.repeat(doc_off[doc], klen) + k_within]  # concatenation index of each key
     own = owner[key_tok] == rank
     if (~own & (slot[key_tok] < 0)).any():
         raise ValueError("plan inconsistency: a needed key is held by another rank but not sent")
-    kv_index = np.where(own, key_tok - rank * t, t + owner[key_tok] * send_max + slot[key_tok])
+    r_tok = int(real[rank])
+    kv_index = np.where(own, local_row[key_tok], r_tok + owner[key_tok] * send_max + slot[key_tok])
 
-    mine = slice(rank * t, (rank + 1) * t)
+    mine = slice(int(real_off[rank]), int(real_off[rank]) + r_tok)
     send_rows = np.flatnonzero(sends[mine])
     cu_q = np.concatenate([[0], np.cumsum(ln)])
     cu_k = np.concatenate([[0], np.cumsum(klen)])
@@ -166,6 +210,7 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
         rank=rank,
         cp_size=n,
         tokens=t,
+        doc_tokens=r_tok,
         send_max=send_max,
         send_rows=torch.from_numpy(send_rows.astype(np.int64)),
         kv_index=torch.from_numpy(kv_index.astype(np.int64)),
@@ -219,7 +264,7 @@ def check_inputs(q, k, v, meta, meta_type, method: str, group) -> None:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
-    if q.shape[1] % k.shape[1]:
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
         raise ValueError(
             f"num_heads = {q.shape[1]} is not a multiple of num_kv_heads = {k.shape[1]}"
         )
@@ -235,17 +280,138 @@ def check_inputs(q, k, v, meta, meta_type, method: str, group) -> None:
         )
 
 
-def _gather_kv(kv_local, meta, send_rows, group, counter, timer):
-    """``source = [kv_local; all-gathered send buffers]``: (T + N*M, 2, Hkv, D)."""
-    n, m = meta.cp_size, meta.send_max
+def check_heads_per_group(heads_per_group) -> None:
+    """Raise ValueError unless ``heads_per_group`` is None or an integer >= 1."""
+    h = heads_per_group
+    if h is not None and (isinstance(h, bool) or not isinstance(h, int | np.integer) or h < 1):
+        raise ValueError(f"heads_per_group must be None or an integer >= 1, got {h!r}")
+
+
+def resolve_heads_per_group(
+    heads_per_group, meta: AllGatherMeta, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """KV heads processed together by :func:`allgather_attn_forward` and
+    :func:`allgather_attn_backward`.
+
+    Args:
+        heads_per_group: an integer >= 1 (values above ``num_kv_heads`` mean all heads at once),
+            or None: the largest divisor h of ``num_kv_heads`` whose gradient buffer
+            ``(T + N*M) * 2 * h * head_dim`` elements of ``compute_dtype(dtype)`` fits in
+            :data:`HEAD_GROUP_BUDGET_BYTES` (at least 1). It depends only on the plan and the
+            shapes, so every rank picks the same value (their collectives must match).
+        meta: this rank's metadata (T = ``meta.tokens``, N = ``meta.cp_size``,
+            M = ``meta.send_max``).
+    Returns:
+        h, 1 <= h <= num_kv_heads.
+    Raises:
+        ValueError: ``heads_per_group`` is neither None nor an integer >= 1.
+    """
+    check_heads_per_group(heads_per_group)
+    if heads_per_group is not None:
+        return min(int(heads_per_group), num_kv_heads)
+    rows = meta.tokens + meta.cp_size * meta.send_max
+    per_head = rows * 2 * head_dim * compute_dtype(dtype).itemsize
+    fits = [h for h in range(1, num_kv_heads + 1) if num_kv_heads % h == 0]
+    return max([h for h in fits if h * per_head <= HEAD_GROUP_BUDGET_BYTES] or [1])
+
+
+def allgather_peak_bytes(
+    meta: AllGatherMeta,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    heads_per_group=None,
+    grad_comm_dtype=None,
+    staged_collectives: bool = False,
+) -> dict[str, int]:
+    """Peak bytes one rank's all-gather op allocates during its forward and its backward call
+    (inputs excluded; outputs included from the moment they exist), kernel workspace excluded.
+
+    With R = T + N*M rows of the gathered KV (T local tokens, M rows of the largest send buffer),
+    Tk = keys of all local segments (``meta.kv_index`` rows), h = ``heads_per_group`` (resolved),
+    G = H / Hkv, D = head_dim, e = element size of ``dtype``, a = of ``compute_dtype(dtype)``,
+    c = of ``grad_comm_dtype`` (resolved), s = 1 when there are several head groups (the q / out /
+    dout slices of a group are then copies and the forward's out is assembled), st = 1 for
+    collectives that stage through a temporary of the gathered size (gloo does; NCCL writes in
+    place), O_f = T H D e + H T a (out, lse) and O_b = T (H + 2 Hkv) D e (dq, dk, dv), the live
+    bytes of each phase are::
+
+        forward   gather   s O_f + 2hD (R + M + st N M) e       gathered KV, send buffer
+                  keys     s O_f + 2hD (R + Tk) e               gathered KV, the segments' keys
+                  kernel   O_f + 2hD Tk e + s GhT (2D e + a)    keys, q slice, group's out, lse
+        backward  gather   O_b + 2hD (R + M + st N M) e
+                  keys     O_b + 2hD (R + Tk) e
+                  kernel   O_b + 2hD Tk (e + a) + GhTD (3 s e + a)   keys, their grads, slices, dq
+                  scatter  O_b + 2hD (Tk + R) a                 key grads, gradient buffer
+                  reduce   O_b + 2hD (R a + M c + max((st + [c != a]) N M c, [c != a] M a))
+
+    and the peak is the largest phase. Every term but O_f / O_b is proportional to h: grouping KV
+    heads divides the extra memory by about Hkv / h. With one group (h = Hkv) the float32 gradient
+    buffer alone is (T + N*M) x 2 x Hkv x D x 4 bytes: 4.5 GiB per layer at 128K tokens on 8 ranks
+    with 32 KV heads and head_dim 128, 144 MiB per KV head. Kernel workspace comes on top (the
+    FlashAttention backward keeps a float32 dq accumulator of the group's query heads).
+    ``experiments/bench_memory.py`` measures the peaks.
+
+    Args:
+        meta: the rank's metadata; num_heads, num_kv_heads, head_dim, dtype: of q / k / v.
+        heads_per_group, grad_comm_dtype: the op's options.
+        staged_collectives: the process group's collectives stage through a temporary (gloo).
+    Returns:
+        ``{"forward": bytes, "backward": bytes}``.
+    """
+    h = resolve_heads_per_group(heads_per_group, meta, num_kv_heads, head_dim, dtype)
+    e = dtype.itemsize
+    a = compute_dtype(dtype).itemsize
+    c = resolve_grad_comm_dtype(grad_comm_dtype, dtype).itemsize
+    t, m, n, d = meta.tokens, meta.send_max, meta.cp_size, head_dim
+    r, tk = t + n * m, int(meta.kv_index.numel())
+    g = num_heads // num_kv_heads
+    s, st, cast = int(h < num_kv_heads), int(staged_collectives), int(c != a)
+    o_f = t * num_heads * (d * e + a)
+    o_b = t * (num_heads + 2 * num_kv_heads) * d * e
+    kv = 2 * h * d  # elements per row of a group's K and V
+    gather = kv * (r + m + st * n * m) * e
+    keys = kv * (r + tk) * e
+    forward = max(
+        s * o_f + gather, s * o_f + keys, o_f + kv * tk * e + s * g * h * t * (2 * d * e + a)
+    )
+    backward = o_b + max(
+        gather,
+        keys,
+        kv * tk * (e + a) + g * h * t * d * (3 * s * e + a),
+        kv * (tk + r) * a,
+        kv * (r * a + m * c + max((st + cast) * n * m * c, cast * m * a)),
+    )
+    return {"forward": int(forward), "backward": int(backward)}
+
+
+def _head_groups(num_kv_heads: int, heads_per_group: int) -> list[tuple[int, int]]:
+    """KV head ranges ``[h0, h1)`` of the groups."""
+    return [
+        (h0, min(h0 + heads_per_group, num_kv_heads))
+        for h0 in range(0, num_kv_heads, heads_per_group)
+    ]
+
+
+def _heads(x: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
+    """Heads ``h0:h1`` of a (T, heads, D) tensor, contiguous (no copy when that is all of them)."""
+    return x if (h0, h1) == (0, x.shape[1]) else x[:, h0:h1].contiguous()
+
+
+def _gather_kv(k, v, meta, send_rows, group, counter, timer):
+    """``source = [local K/V; all-gathered send buffers]``: (T + N*M, 2, h, D) for k, v of
+    shape (T, h, D) (views of one head group are fine: they are copied into ``source``)."""
+    n, m, t = meta.cp_size, meta.send_max, meta.tokens
     with timer.phase("others"):
-        source = kv_local.new_empty((meta.tokens + n * m, *kv_local.shape[1:]))
-        source[: meta.tokens] = kv_local
-        send = kv_local.new_zeros((m, *kv_local.shape[1:]))
-        send[: send_rows.numel()] = kv_local.index_select(0, send_rows)
+        source = k.new_empty((t + n * m, 2, *k.shape[1:]))
+        source[:t, 0] = k
+        source[:t, 1] = v
+        send = k.new_zeros((m, 2, *k.shape[1:]))
+        torch.index_select(source[:t], 0, send_rows, out=send[: send_rows.numel()])
     if m:
         with timer.phase("allgather"):
-            all_gather_into_tensor(source[meta.tokens :], send, group, counter)
+            all_gather_into_tensor(source[t:], send, group, counter)
     return source
 
 
@@ -259,31 +425,50 @@ def allgather_attn_forward(
     backend: VarlenBackend,
     counter: CommCounter | None,
     timer,
+    *,
+    heads_per_group: int | None = None,
 ):
-    """Forward of the all-gather family.
+    """Forward of the all-gather family, one group of KV heads (and their query heads) at a time.
 
     Args:
         q: (T, H, D); k, v: (T, Hkv, D); validated by :func:`check_inputs`.
+        heads_per_group: see :func:`resolve_heads_per_group`.
     Returns:
-        out: (T, H, D) in q.dtype; lse: (H, T) float32.
+        out: (T, H, D) in q.dtype; lse: (H, T) in ``compute_dtype(q.dtype)``.
     """
     timer = as_timer(timer)
     send_rows, kv_index, cu_q, cu_k = meta.tensors(q.device)
-    source = _gather_kv(torch.stack((k, v), dim=1), meta, send_rows, group, counter, timer)
-    with timer.phase("others"):
-        k_seg, v_seg = source.index_select(0, kv_index).unbind(1)  # (Tk, Hkv, D) each
-    with timer.phase("attn_fwd"):
-        out, lse = backend.forward(
-            q,
-            k_seg,
-            v_seg,
-            cu_q,
-            cu_k,
-            meta.max_seqlen_q,
-            meta.max_seqlen_k,
-            causal=True,
-            softmax_scale=scale,
-        )
+    hkv, d = k.shape[1], k.shape[2]
+    g = q.shape[1] // hkv  # query heads per KV head
+    hpg = resolve_heads_per_group(heads_per_group, meta, hkv, d, k.dtype)
+    groups = _head_groups(hkv, hpg)
+    if len(groups) > 1:
+        out = q.new_empty(q.shape)
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=compute_dtype(q.dtype), device=q.device)
+    for h0, h1 in groups:
+        source = _gather_kv(k[:, h0:h1], v[:, h0:h1], meta, send_rows, group, counter, timer)
+        with timer.phase("others"):
+            k_seg, v_seg = source.index_select(0, kv_index).unbind(1)  # (Tk, h, D) each
+            del source
+            q_g = _heads(q, h0 * g, h1 * g)
+        with timer.phase("attn_fwd"):
+            out_g, lse_g = backend.forward(
+                q_g,
+                k_seg,
+                v_seg,
+                cu_q,
+                cu_k,
+                meta.max_seqlen_q,
+                meta.max_seqlen_k,
+                causal=True,
+                softmax_scale=scale,
+            )
+        del k_seg, v_seg, q_g
+        if len(groups) == 1:
+            return out_g, lse_g
+        with timer.phase("others"):
+            out[:, h0 * g : h1 * g] = out_g
+            lse[h0 * g : h1 * g] = lse_g
     return out, lse
 
 
@@ -300,50 +485,80 @@ def allgather_attn_backward(
     backend: VarlenBackend,
     counter: CommCounter | None,
     timer,
+    *,
+    heads_per_group: int | None = None,
+    grad_comm_dtype=None,
 ):
-    """Backward of the all-gather family: re-gather KV, kernel backward, reduce-scatter dK/dV.
+    """Backward of the all-gather family, one group of h KV heads at a time: re-gather the
+    group's KV, kernel backward, accumulate its dK/dV in ``compute_dtype`` into a buffer shaped
+    like the gathered KV, reduce-scatter the gathered part in ``grad_comm_dtype`` to the rows'
+    owners, add to the local part, round once to k.dtype.
+
+    Peak memory: :func:`allgather_peak_bytes` (``backward``); the float32 gradient buffer is
+    (T + N*M, 2, h, D) for h = ``heads_per_group`` KV heads instead of all of them.
 
     Args:
-        dout, out: (T, H, D); q: (T, H, D); k, v: (T, Hkv, D); lse: (H, T) float32.
+        dout, out: (T, H, D); q: (T, H, D); k, v: (T, Hkv, D); lse: (H, T) in
+            ``compute_dtype(q.dtype)``.
+        heads_per_group: see :func:`resolve_heads_per_group` (must equal the forward's).
+        grad_comm_dtype: dtype of the reduce-scatter
+            (:func:`~flashcp.ops.collectives.resolve_grad_comm_dtype`; default
+            ``compute_dtype(k.dtype)``).
     Returns:
         dq: (T, H, D); dk, dv: (T, Hkv, D); in the input dtypes.
     """
     timer = as_timer(timer)
     send_rows, kv_index, cu_q, cu_k = meta.tensors(q.device)
-    source = _gather_kv(torch.stack((k, v), dim=1), meta, send_rows, group, counter, timer)
-    with timer.phase("others"):
-        k_seg, v_seg = source.index_select(0, kv_index).unbind(1)
-    with timer.phase("attn_bwd"):
-        dq, dk_seg, dv_seg = backend.backward(
-            dout,
-            q,
-            k_seg,
-            v_seg,
-            out,
-            lse,
-            cu_q,
-            cu_k,
-            meta.max_seqlen_q,
-            meta.max_seqlen_k,
-            causal=True,
-            softmax_scale=scale,
-            grad_dtype=torch.float32,
-        )
-    with timer.phase("others"):
-        # accumulate in float32; (T + N*M, 2, Hkv, D)
-        dsource = torch.zeros(source.shape, dtype=torch.float32, device=q.device)
-        dsource.index_add_(0, kv_index, torch.stack((dk_seg, dv_seg), dim=1))
-        dlocal = dsource[: meta.tokens]
-    if meta.send_max:
+    t, hkv, d = k.shape
+    g = q.shape[1] // hkv
+    acc = compute_dtype(q.dtype)
+    gdt = resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)
+    hpg = resolve_heads_per_group(heads_per_group, meta, hkv, d, k.dtype)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for h0, h1 in _head_groups(hkv, hpg):
+        qh = slice(h0 * g, h1 * g)
+        source = _gather_kv(k[:, h0:h1], v[:, h0:h1], meta, send_rows, group, counter, timer)
         with timer.phase("others"):
-            rs_in = dsource[meta.tokens :].to(k.dtype)
-            rs_out = rs_in.new_empty((meta.send_max, *rs_in.shape[1:]))
-        with timer.phase("reducescatter"):
-            reduce_scatter_tensor(rs_out, rs_in, group, counter)
+            k_seg, v_seg = source.index_select(0, kv_index).unbind(1)  # (Tk, h, D) each
+            rows = source.shape[0]
+            del source
+            args = [_heads(x, qh.start, qh.stop) for x in (dout, q)]
+            args += [k_seg, v_seg, _heads(out, qh.start, qh.stop), lse[qh]]
+        with timer.phase("attn_bwd"):
+            dq_g, dk_seg, dv_seg = backend.backward(
+                *args,
+                cu_q,
+                cu_k,
+                meta.max_seqlen_q,
+                meta.max_seqlen_k,
+                causal=True,
+                softmax_scale=scale,
+                grad_dtype=acc,
+            )
+        del args, k_seg, v_seg
         with timer.phase("others"):
-            dlocal.index_add_(0, send_rows, rs_out[: send_rows.numel()].float())
-    dk, dv = dlocal.to(k.dtype).unbind(1)
-    return dq.to(q.dtype), dk, dv
+            dq[:, qh] = dq_g
+            del dq_g
+            dsource = torch.zeros((rows, 2, h1 - h0, d), dtype=acc, device=q.device)
+            dsource[:, 0].index_add_(0, kv_index, dk_seg)
+            dsource[:, 1].index_add_(0, kv_index, dv_seg)
+            del dk_seg, dv_seg
+            dlocal = dsource[:t]  # (T, 2, h, D)
+        if meta.send_max:
+            with timer.phase("others"):
+                rs_in = dsource[t:].to(gdt)  # a view when gdt == acc
+                rs_out = rs_in.new_empty((meta.send_max, *rs_in.shape[1:]))
+            with timer.phase("reducescatter"):
+                reduce_scatter_tensor(rs_out, rs_in, group, counter)
+            with timer.phase("others"):
+                del rs_in
+                dlocal.index_add_(0, send_rows, rs_out[: send_rows.numel()].to(acc))
+                del rs_out
+        with timer.phase("others"):
+            dk[:, h0:h1] = dlocal[:, 0]
+            dv[:, h0:h1] = dlocal[:, 1]
+        del dsource, dlocal
+    return dq, dk, dv
 
 
 class AllGatherAttn(torch.autograd.Function):
@@ -351,22 +566,27 @@ class AllGatherAttn(torch.autograd.Function):
     delegates both passes to :func:`allgather_attn_forward` / :func:`allgather_attn_backward`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, meta, group, scale, backend, counter, timer):
-        out, lse = allgather_attn_forward(q, k, v, meta, group, scale, backend, counter, timer)
+    def forward(ctx, q, k, v, meta, group, scale, backend, counter, timer, hpg, grad_comm_dtype):
+        out, lse = allgather_attn_forward(
+            q, k, v, meta, group, scale, backend, counter, timer, heads_per_group=hpg
+        )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = (meta, group, scale, backend, counter, timer)
+        ctx.options = {"heads_per_group": hpg, "grad_comm_dtype": grad_comm_dtype}
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = allgather_attn_backward(dout.contiguous(), q, k, v, out, lse, *ctx.call)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv = allgather_attn_backward(
+            dout.contiguous(), q, k, v, out, lse, *ctx.call, **ctx.options
+        )
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def allgather_attention(
     q, k, v, meta: AllGatherMeta, group=None, *, method: str, softmax_scale=None,
-    backend="auto", counter=None, timer=None,
+    backend="auto", counter=None, timer=None, grad_comm_dtype=None, heads_per_group=None,
 ):  # fmt: skip
     """CP attention of the all-gather family for this rank's tokens (document-masked causal).
 
@@ -375,7 +595,8 @@ def allgather_attention(
 
     Args:
         q: (T_local, num_heads, head_dim); k, v: (T_local, num_kv_heads, head_dim), laid out as the
-            plan gives this rank (see :func:`flashcp.ops.sharding.shard_tensor`).
+            plan gives this rank (see :func:`flashcp.ops.sharding.shard_tensor`). Any float dtype;
+            float64 inputs are computed in float64 end to end with ``backend="reference"``.
         meta: from the method's ``prepare_<method>(plan, rank)``; reuse it for every layer.
         group: process group of the CP ranks (default: the world); size ``cp_size``.
         method: the method whose metadata ``meta`` must be.
@@ -383,14 +604,46 @@ def allgather_attention(
         backend: kernel backend name or instance (:func:`flashcp.ops.backends.get_backend`).
         counter: :class:`~flashcp.ops.collectives.CommCounter` receiving the bytes moved.
         timer: :class:`~flashcp.ops.timing.PhaseTimer` receiving per-phase times.
+        grad_comm_dtype: dtype of the dK/dV reduce-scatter in the backward. Default (None):
+            ``compute_dtype(k.dtype)`` (float32 for bf16/fp16/fp32, float64 for float64), what
+            :func:`flashcp.comm.comm_volume` counts by default: every rank's partial sum is then
+            rounded once, at the end, and the dK/dV error does not grow with cp_size. A 16-bit
+            dtype halves the reduce-scatter bytes at that cost (same option, default and
+            validation as the ring ops: :func:`~flashcp.ops.collectives.resolve_grad_comm_dtype`).
+        heads_per_group: KV heads processed together (with their query heads) in both passes;
+            bounds the extra memory of both passes (formula in :func:`allgather_peak_bytes`).
+            Default (None): the largest divisor of num_kv_heads whose float32 gradient buffer
+            fits :data:`HEAD_GROUP_BUDGET_BYTES` (:func:`resolve_heads_per_group`); the KV
+            all-gather and the reduce-scatter are then issued once per group (same total bytes).
     Returns:
         out: (T_local, num_heads, head_dim), differentiable w.r.t. q, k, v.
     Raises:
-        ValueError: bad metadata, shapes, dtypes or group (before any communication), or ranks
-            holding different plans (checked once per group before the first collective).
+        ValueError: bad metadata, shapes, dtypes, options or group (before any communication), or
+            ranks holding different plans (checked once per group before the first collective).
     """
     check_inputs(q, k, v, meta, AllGatherMeta, method, group)
+    resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)  # raises on a bad value
+    check_heads_per_group(heads_per_group)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     kernel = resolve_backend(backend, q.device)
     meta.verify(group)
-    return AllGatherAttn.apply(q, k, v, meta, group, scale, kernel, counter, timer)
+    if meta.doc_tokens == meta.tokens:
+        return AllGatherAttn.apply(
+            q, k, v, meta, group, scale, kernel, counter, timer, heads_per_group, grad_comm_dtype
+        )
+    # pad rows (the last ones) take no part: output 0, gradient 0 through the slicing
+    r = meta.doc_tokens
+    out = AllGatherAttn.apply(
+        q[:r],
+        k[:r],
+        v[:r],
+        meta.without_pad(),
+        group,
+        scale,
+        kernel,
+        counter,
+        timer,
+        heads_per_group,
+        grad_comm_dtype,
+    )
+    return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, meta.tokens - r))

@@ -1,12 +1,13 @@
-"""Varlen attention kernel backends behind one interface (DESIGN.md §4).
+"""Varlen attention kernel backends behind one interface (docs/design.md §4).
 
 A backend computes attention over *segments*: query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``
 attend to key rows ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``. ``causal`` is aligned bottom-right per
 segment: with lengths ``(sq, sk)``, query ``i`` sees keys ``j <= i + sk - sq`` (a shard with prefix
 p and length s has ``sq = s``, ``sk = p + s``; its last query sees the whole prefix and itself).
 
-Forward returns ``out: (Tq, H, D)`` in ``q.dtype`` and ``lse: (H, Tq) float32``, the natural-log
-log-sum-exp of the scaled scores of each row. A query row that sees no key gets ``out = 0`` and
+Forward returns ``out: (Tq, H, D)`` in ``q.dtype`` and ``lse: (H, Tq)`` in
+``compute_dtype(q.dtype)`` (float32, or float64 for float64 inputs), the natural-log log-sum-exp of
+the scaled scores of each row. A query row that sees no key gets ``out = 0`` and
 ``lse = -inf`` (never NaN), so partial results merge cleanly.
 
 Backward follows FlashAttention-2 (Dao 2023, Algorithm 2): with ``P = exp(S * scale - lse)``
@@ -28,9 +29,15 @@ Backends:
 * ``cpu``: large segments on PyTorch's flash CPU kernel
   (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward, which take the LSE), one
   segment at a time, split into a non-causal prefix block and a causal diagonal block (the kernel's
-  causal flag is top-left aligned); small segments in blocked dense float32 math, consecutive ones
-  merged into one masked block so that many tiny documents cost few calls.
+  causal flag is top-left aligned); small segments in blocked dense math (float32; float64 for
+  float64 inputs), consecutive ones merged into one masked block so that many tiny documents cost
+  few calls.
 * ``reference``: the same formulas in float64, one segment at a time (tests).
+
+One dtype rule (:func:`compute_dtype`) holds for every backend and every CP op: the LSE, LSE
+merges and every partial sum (gradients accumulated over blocks or reduced over ranks, by default)
+are in ``compute_dtype(input dtype)``: float32 for bfloat16, float16 and float32 inputs, float64
+for float64 inputs, so a float64 computation is float64 end to end.
 """
 
 from __future__ import annotations
@@ -42,9 +49,34 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BACKENDS", "VarlenBackend", "check_varlen_args", "default_scale", "get_backend"]
+__all__ = [
+    "BACKENDS",
+    "VarlenBackend",
+    "check_varlen_args",
+    "compute_dtype",
+    "default_scale",
+    "get_backend",
+]
 
 BACKENDS: tuple[str, ...] = ("auto", "flash_attn", "torch_cuda", "cpu", "reference")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention on ``dtype`` inputs computes and accumulates in.
+
+    ``torch.promote_types(dtype, torch.float32)``: float32 for bfloat16, float16 and float32,
+    float64 for float64. It is the dtype of the LSE a backend returns (and its backward accepts),
+    of LSE-merge accumulators (:mod:`flashcp.ops.lse`), of partial gradients summed over blocks,
+    and the default dtype of gradient reductions across ranks
+    (:func:`flashcp.ops.collectives.resolve_grad_comm_dtype`). Rounding to the model dtype happens
+    once, at the end. This is the one place the rule is written down.
+
+    Raises:
+        ValueError: ``dtype`` is not a floating-point torch dtype.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"attention needs a floating-point dtype, got {dtype!r}")
+    return torch.promote_types(dtype, torch.float32)
 
 
 def check_varlen_args(
@@ -56,7 +88,7 @@ def check_varlen_args(
         q: (Tq, H, D); k, v: (Tk, Hkv, D), one dtype; ``H % Hkv == 0``.
         cu_seqlens_q, cu_seqlens_k: (n_seg + 1,) int32; on CPU also checked to rise from 0 to
             Tq / Tk (on CUDA that would cost a device sync per call).
-        out, dout: (Tq, H, D) and lse: (H, Tq) float32, for backward.
+        out, dout: (Tq, H, D) and lse: (H, Tq) in ``compute_dtype(q.dtype)``, for backward.
     Raises:
         ValueError: naming the inconsistency.
     """
@@ -80,11 +112,13 @@ def check_varlen_args(
     for name, t in (("out", out), ("dout", dout)):
         if t is not None and t.shape != q.shape:
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
-    if lse is not None and (lse.shape != (q.shape[1], q.shape[0]) or lse.dtype != torch.float32):
-        raise ValueError(
-            f"lse must be (num_heads, Tq) = {(q.shape[1], q.shape[0])} float32, got "
-            f"{tuple(lse.shape)} {lse.dtype}"
-        )
+    if lse is not None:
+        want = compute_dtype(q.dtype)
+        if lse.shape != (q.shape[1], q.shape[0]) or lse.dtype != want:
+            raise ValueError(
+                f"lse must be (num_heads, Tq) = {(q.shape[1], q.shape[0])} {want} for {q.dtype} "
+                f"inputs, got {tuple(lse.shape)} {lse.dtype}"
+            )
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
             raise ValueError(f"{name} must be a 1-D int32 tensor, got {cu.dtype} {tuple(cu.shape)}")
@@ -185,8 +219,8 @@ def _scores(q, k, lo, hi, q0, q1, k0, k1, scale, dtype):
 
 
 def _dense_forward(q, k, v, cu_q, cu_k, causal, scale, dtype, budget, skip=None):
-    """Blocked dense forward in ``dtype``; returns out (Tq, H, D) in ``dtype``, lse (H, Tq)
-    float32. Rows of ``skip``-ped segments are left at out = 0, lse = -inf."""
+    """Blocked dense forward in ``dtype``; returns out (Tq, H, D) in ``dtype``, lse (H, Tq) in
+    ``compute_dtype(q.dtype)``. Rows of ``skip``-ped segments are left at out = 0, lse = -inf."""
     tq, h, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
@@ -202,7 +236,7 @@ def _dense_forward(q, k, v, cu_q, cu_k, causal, scale, dtype, budget, skip=None)
         o = torch.matmul(p.view(hkv, g * nq, -1), vh)  # (Hkv, g*nq, D)
         out[q0:q1] = o.view(hkv, g, nq, d).permute(2, 0, 1, 3).reshape(nq, h, d)
         lse[:, q0:q1] = m.reshape(h, nq)
-    return out, lse.float()
+    return out, lse.to(compute_dtype(q.dtype))
 
 
 def _dense_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, dtype, budget, skip=None):
@@ -250,9 +284,9 @@ def _seg_blocks(sq: int, sk: int, causal: bool):
     return ([(0, 0, p, False)] if p else []) + [(0, p, sk, True)]
 
 
-def _f32(x):
-    """Half-precision inputs are computed in float32 (a CPU kernel gains nothing from bf16)."""
-    return x.float() if x.element_size() < 4 else x
+def _upcast(x):
+    """Inputs in ``compute_dtype`` (a CPU kernel gains nothing from bf16; float64 stays float64)."""
+    return x.to(compute_dtype(x.dtype))
 
 
 def _bhsd(x):
@@ -260,17 +294,17 @@ def _bhsd(x):
 
 
 def _aten_segment_forward(q, k, v, causal, scale):
-    """One segment with the aten kernel: q (sq, H, D), k, v (sk, Hkv, D) -> out (sq, H, D)
-    float32, lse (H, sq) float32."""
-    q, k, v = _f32(q), _f32(k), _f32(v)
+    """One segment with the aten kernel: q (sq, H, D), k, v (sk, Hkv, D) -> out (sq, H, D) and
+    lse (H, sq), both in ``compute_dtype(q.dtype)``."""
+    q, k, v = _upcast(q), _upcast(k), _upcast(v)
     sq, h, d = q.shape
-    out = torch.zeros(sq, h, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    out = torch.zeros(sq, h, d, dtype=q.dtype, device=q.device)
+    lse = torch.full((h, sq), float("-inf"), dtype=q.dtype, device=q.device)
     for q0, k0, k1, blk_causal in _seg_blocks(sq, k.shape[0], causal):
         o, lb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _bhsd(q[q0:]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]), 0.0, blk_causal, scale=scale
         )
-        o, lb = o[0].transpose(0, 1).float(), lb[0].float()  # (n, H, D), (H, n)
+        o, lb = o[0].transpose(0, 1).to(q.dtype), lb[0].to(q.dtype)  # (n, H, D), (H, n)
         new = torch.logaddexp(lse[:, q0:], lb)
         out[q0:] = (out[q0:] * torch.exp(lse[:, q0:] - new).t()[..., None]
                     + o * torch.exp(lb - new).t()[..., None])  # fmt: skip
@@ -279,11 +313,12 @@ def _aten_segment_forward(q, k, v, causal, scale):
 
 
 def _aten_segment_backward(dout, q, k, v, out, lse, causal, scale):
-    """Backward of one segment from its given (global) out and lse; float32 dq, dk, dv."""
-    dout, q, k, v, out = _f32(dout), _f32(q), _f32(k), _f32(v), _f32(out)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    """Backward of one segment from its given (global) out and lse; dq, dk, dv in
+    ``compute_dtype(q.dtype)`` (the dtype of ``lse``)."""
+    dout, q, k, v, out = _upcast(dout), _upcast(q), _upcast(k), _upcast(v), _upcast(out)
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=q.dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
     for q0, k0, k1, blk_causal in _seg_blocks(q.shape[0], k.shape[0], causal):
         g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _bhsd(dout[q0:]), _bhsd(q[q0:]), _bhsd(k[k0:k1]), _bhsd(v[k0:k1]),
@@ -338,7 +373,7 @@ class VarlenBackend:
             softmax_scale: multiplies the scores before the softmax (usually D ** -0.5).
         Returns:
             out: (Tq, H, D) in q.dtype (0 where a row sees no key);
-            lse: (H, Tq) float32 (-inf where a row sees no key).
+            lse: (H, Tq) in ``compute_dtype(q.dtype)`` (-inf where a row sees no key).
         """
         check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k)
         if self.name == "flash_attn":
@@ -390,10 +425,12 @@ class VarlenBackend:
         merged values of a blockwise computation).
 
         Args:
-            dout, out: (Tq, H, D); q: (Tq, H, D); k, v: (Tk, Hkv, D); lse: (H, Tq) float32.
+            dout, out: (Tq, H, D); q: (Tq, H, D); k, v: (Tk, Hkv, D);
+            lse: (H, Tq) in ``compute_dtype(q.dtype)``.
             grad_dtype: dtype of the returned gradients (default: q.dtype for dq, k.dtype for
-                dk and dv); callers that add up partial gradients can ask for float32 to round
-                once at the end. The CUDA kernels round to the input dtype first.
+                dk and dv); callers that add up partial gradients ask for
+                ``compute_dtype(q.dtype)`` to round once at the end. The CUDA kernels round to
+                the input dtype first.
             Others as in :meth:`forward`.
         Returns:
             dq: (Tq, H, D); dk, dv: (Tk, Hkv, D), summed over the query heads of each KV group.
@@ -412,18 +449,19 @@ class VarlenBackend:
         dtypes = (q.dtype, k.dtype, v.dtype) if grad_dtype is None else (grad_dtype,) * 3
         return tuple(g.to(dt) for g, dt in zip(grads, dtypes, strict=True))
 
-    def _split(self, cu_q: list[int], cu_k: list[int]):
-        """(compute dtype, dense budget, per-segment flags: run on the aten kernel)."""
+    def _split(self, dtype: torch.dtype, cu_q: list[int], cu_k: list[int]):
+        """(compute dtype, dense budget, per-segment flags: run on the aten kernel) for inputs
+        of ``dtype``."""
         if self.name == "reference":
             return torch.float64, None, [False] * (len(cu_q) - 1)
         big = [
             (cu_q[i + 1] - cu_q[i]) * (cu_k[i + 1] - cu_k[i]) >= self.kernel_min
             for i in range(len(cu_q) - 1)
         ]
-        return torch.float32, self.block_budget, big
+        return compute_dtype(dtype), self.block_budget, big
 
     def _cpu_forward(self, q, k, v, cu_q, cu_k, causal, scale):
-        dtype, budget, big = self._split(cu_q, cu_k)
+        dtype, budget, big = self._split(q.dtype, cu_q, cu_k)
         out, lse = _dense_forward(q, k, v, cu_q, cu_k, causal, scale, dtype, budget, big)
         for i in (i for i, b in enumerate(big) if b):
             qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
@@ -431,7 +469,7 @@ class VarlenBackend:
         return out.to(q.dtype), lse
 
     def _cpu_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
-        dtype, budget, big = self._split(cu_q, cu_k)
+        dtype, budget, big = self._split(q.dtype, cu_q, cu_k)
         dq, dk, dv = _dense_backward(
             dout, q, k, v, out, lse, cu_q, cu_k, causal, scale, dtype, budget, big
         )

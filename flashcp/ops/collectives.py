@@ -6,6 +6,9 @@ rank *received*, by kind, with the same keys and conventions as :func:`flashcp.c
 * all-gather of a per-rank buffer of ``b`` bytes: this rank receives ``(N - 1) * b``;
 * reduce-scatter to an output of ``b`` bytes per rank: this rank receives ``(N - 1) * b``;
 * point-to-point: the bytes of every received buffer (the ring ops call :meth:`CommCounter.add`).
+
+Gradient partial sums cross ranks in one dtype chosen by :func:`resolve_grad_comm_dtype` (the
+``grad_comm_dtype`` option of every CP op).
 """
 
 from __future__ import annotations
@@ -13,17 +16,52 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from flashcp.ops.backends import compute_dtype
+
 __all__ = [
     "COMM_KINDS",
+    "GRAD_COMM_DTYPES",
     "CommCounter",
     "all_gather_into_tensor",
     "check_same_plan",
     "group_rank",
     "group_size",
     "reduce_scatter_tensor",
+    "resolve_grad_comm_dtype",
 ]
 
 COMM_KINDS: tuple[str, ...] = ("allgather", "reducescatter", "p2p")
+#: names accepted by ``grad_comm_dtype`` (as in :data:`flashcp.comm.DTYPE_BYTES`)
+GRAD_COMM_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32", "float64")
+
+
+def resolve_grad_comm_dtype(grad_comm_dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradient partial sums travel in between ranks: the dK/dV reduce-scatter of the
+    all-gather family (``llama3``, ``per_doc``, ``flashcp``) and the dK/dV ring hops of ``ring`` /
+    ``zigzag``. Every op's ``grad_comm_dtype`` option goes through here.
+
+    Args:
+        grad_comm_dtype: None (default: :func:`flashcp.ops.backends.compute_dtype` of ``dtype``,
+            i.e. float32 for bfloat16 / float16 / float32 models and float64 for float64), or a
+            floating torch dtype or its name (one of :data:`GRAD_COMM_DTYPES`). A 16-bit choice
+            halves those bytes but rounds every rank's partial sum before it is added, so the
+            gradient error grows with cp_size.
+        dtype: the model dtype (of k and v).
+    Returns:
+        a floating torch dtype.
+    Raises:
+        ValueError: anything else, naming the bad value.
+    """
+    if grad_comm_dtype is None:
+        return compute_dtype(dtype)
+    if isinstance(grad_comm_dtype, str) and grad_comm_dtype in GRAD_COMM_DTYPES:
+        return getattr(torch, grad_comm_dtype)
+    if isinstance(grad_comm_dtype, torch.dtype) and grad_comm_dtype.is_floating_point:
+        return grad_comm_dtype
+    raise ValueError(
+        f"grad_comm_dtype must be None, a floating torch.dtype or one of "
+        f"{', '.join(GRAD_COMM_DTYPES)}; got {grad_comm_dtype!r}"
+    )
 
 
 class CommCounter:

@@ -1,6 +1,6 @@
 """Independent float64 reference: single-device document-masked causal attention.
 
-Correctness of every CP method is checked against this (DESIGN.md §7), never against another CP
+Correctness of every CP method is checked against this (docs/design.md §7), never against another CP
 run. It shares no code with the kernels or the CP ops: the dense ``(C, C)`` document mask is built
 explicitly from ``doc_lens`` and the softmax is plain autograd math, so ``.backward()`` gives the
 reference gradients.

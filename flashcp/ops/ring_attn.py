@@ -18,30 +18,43 @@ only when a query row needs several non-adjacent key ranges). A step with no pai
 kernel at all: with the ``zigzag`` layout roughly half of every block is skipped, with ``ring``
 every block from a later rank is.
 
+Memory per rank, beyond q, k, v (T = C/N rows, e = element size, a = ``compute_dtype`` element
+size, c = ``grad_comm_dtype`` element size): the forward holds the KV block it computes on and the
+one it receives, 2 x 2 T Hkv D e, and the merge accumulators T H D a + H T a (with each call's
+query / key slices and kernel outputs); the backward holds the same two KV blocks, dq
+(T H D a), this rank's partial dK/dV of the held block and of its own block (2 x 2 T Hkv D a), the
+partial sum it sends and the one it receives (2 x 2 T Hkv D c). None of it grows with N;
+``experiments/bench_memory.py`` measures it.
+
 All metadata is built once per batch by :func:`prepare_ring_meta` (pure, no process group) and
 reused by every layer.
 
 Block sizes: every plan gives every rank exactly C/N tokens (``Plan.validate``), so every KV block
 has the same shape ``(2, C/N, Hkv, D)`` and no size exchange or padding is needed; ``zigzag`` ranks
-differ only in their *number* of segments.
+differ only in their *number* of segments. With pad tokens (``plan.pad``, the last rows of each
+rank) the blocks are cut to ``RingMeta.block_tokens`` rows, the most document tokens any rank holds
+(known from the plan, the same on every rank): pad rows beyond that are never sent, and no kernel
+call touches a pad row, so pad outputs and gradients are 0.
 
 Forward: ``N - 1`` ring exchanges of the KV block (posted before the step's compute, waited after);
-partial outputs merge by their LSE in float32 (:mod:`flashcp.ops.lse`).
+partial outputs merge by their LSE in ``compute_dtype`` of the inputs (float32, or float64 for
+float64 inputs; :mod:`flashcp.ops.lse`).
 
 Backward: the KV blocks travel around the ring again (``N - 1`` exchanges), dQ accumulates locally
-in float32, and the dK/dV partial sums of each block travel *with* the ring, one hop behind the KV:
-rank ``src + 1`` starts the partial sum of block ``src`` (step 1), each following rank adds its
-contribution and passes it on, and rank ``src - 1`` (step N-1) sends the sum home, where the
-owner adds its own step-0 contribution, kept locally. That is ``N - 1`` dK/dV hops, so a training
-step receives ``2 (N - 1)`` KV blocks of ``C/N`` tokens per rank plus ``N - 1`` dK/dV blocks,
-exactly :func:`flashcp.comm.comm_volume` for ``p2p_ring``. The partial sums travel in float32 by
-default (at least; float64 stays float64), as :func:`~flashcp.comm.comm_volume` counts and as the
-``ring-flash-attn`` package does (it takes one hop more): summing in bfloat16 would round the
-growing sum at each hop, which at CP 8 puts dK/dV errors at up to ~3x a single-device bfloat16
-computation instead of within 2x. ``grad_comm_dtype=torch.bfloat16`` halves those bytes at that
-cost. Each block's gradients come from the backend backward fed with the *global* merged ``out``
-and ``lse`` (FlashAttention-2 backward, Dao 2023), which makes the per-block contributions add up
-to the exact gradient.
+in ``compute_dtype``, and the dK/dV partial sums of each block travel *with* the ring, one hop
+behind the KV: rank ``src + 1`` starts the partial sum of block ``src`` (step 1), each following
+rank adds its contribution and passes it on, and rank ``src - 1`` (step N-1) sends the sum home,
+where the owner adds its own step-0 contribution, kept locally. That is ``N - 1`` dK/dV hops, so a
+training step receives ``2 (N - 1)`` KV blocks of ``C/N`` tokens per rank plus ``N - 1`` dK/dV
+blocks, exactly :func:`flashcp.comm.comm_volume` for ``p2p_ring``. The partial sums travel in
+float32 by default (float64 for float64 inputs:
+:func:`~flashcp.ops.collectives.resolve_grad_comm_dtype`), as :func:`~flashcp.comm.comm_volume`
+counts and as the ``ring-flash-attn`` package does (it takes one hop more): summing in bfloat16
+would round the growing sum at each hop, which at CP 8 puts dK/dV errors at up to ~3x a
+single-device bfloat16 computation instead of within 2x. ``grad_comm_dtype=torch.bfloat16``
+halves those bytes at that cost. Each block's gradients come from the backend backward fed with
+the *global* merged ``out`` and ``lse`` (FlashAttention-2 backward, Dao 2023), which makes the
+per-block contributions add up to the exact gradient.
 """
 
 from __future__ import annotations
@@ -53,8 +66,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from flashcp.ops.backends import VarlenBackend, get_backend
-from flashcp.ops.collectives import check_same_plan, group_rank, group_size
+from flashcp.ops.backends import VarlenBackend, compute_dtype, get_backend
+from flashcp.ops.collectives import (
+    check_same_plan,
+    group_rank,
+    group_size,
+    resolve_grad_comm_dtype,
+)
 from flashcp.ops.lse import merge_lse_rows_, new_accumulator
 from flashcp.ops.ring_comm import RingComm
 from flashcp.ops.timing import as_timer
@@ -125,7 +143,9 @@ class RingMeta:
         plan: the plan it was built from (its digest is compared across ranks once).
         rank: this rank r.
         cp_size: N.
-        local_tokens: C / N, rows of this rank's q, k and v.
+        local_tokens: C / N, rows of this rank's q, k and v (pad included).
+        block_tokens: rows of every KV block sent around the ring: the most document tokens any
+            rank holds (= ``local_tokens`` without pad).
         steps: ``steps[s]`` are the kernel calls on the KV block of rank ``(r - s) mod N``.
     """
 
@@ -134,6 +154,7 @@ class RingMeta:
     rank: int
     cp_size: int
     local_tokens: int
+    block_tokens: int
     steps: tuple[tuple[BlockCall, ...], ...]
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -162,6 +183,7 @@ class RingMeta:
                 self.rank,
                 self.cp_size,
                 self.local_tokens,
+                self.block_tokens,
                 steps,
                 self._cache,
             )
@@ -181,7 +203,7 @@ class RingMeta:
 
 
 def _offsets(length: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+    return (np.cumsum(length) - length).astype(np.int64)
 
 
 def _shard_segments(local, block, same_rank: bool) -> list[list[tuple]]:
@@ -306,7 +328,8 @@ def prepare_ring_meta(plan: Plan, rank: int, method: str) -> RingMeta:
         src = (rank - s) % n
         per_shard = _shard_segments(shards[rank], shards[src], same_rank=s == 0)
         steps.append(_calls(_fuse(per_shard)))
-    return RingMeta(method, plan, rank, n, plan.context_len // n, tuple(steps))
+    block = int(plan.doc_tokens_per_rank.max())
+    return RingMeta(method, plan, rank, n, plan.context_len // n, block, tuple(steps))
 
 
 # ---- forward and backward -------------------------------------------------------------------------
@@ -336,10 +359,10 @@ def ring_forward(
         comm: the ring (None when ``cp_size == 1``).
         backend: varlen kernel backend; scale: softmax scale; timer: phase timer.
     Returns:
-        out: (T_local, H, D) in q.dtype; lse: (H, T_local) float32.
+        out: (T_local, H, D) in q.dtype; lse: (H, T_local) in ``compute_dtype(q.dtype)``.
     """
     t, h, d = q.shape
-    out, lse = new_accumulator(t, h, d, q.device)
+    out, lse = new_accumulator(t, h, d, q.device, dtype=q.dtype)
     kv = torch.stack([k, v])  # (2, T_local, Hkv, D): one message per step
     n = meta.cp_size
     for s in range(n):
@@ -383,22 +406,25 @@ def ring_backward(
 
     Args:
         dout, out: (T_local, H, D); q: (T_local, H, D); k, v: (T_local, Hkv, D);
-        lse: (H, T_local) float32, the merged forward LSE. Others as in :func:`ring_forward`.
-        grad_comm_dtype: dtype of the dK/dV partial sums sent around the ring (default: k.dtype
-            promoted to at least float32).
+        lse: (H, T_local) in ``compute_dtype(q.dtype)``, the merged forward LSE. Others as in
+        :func:`ring_forward`.
+        grad_comm_dtype: dtype of the dK/dV partial sums sent around the ring
+            (:func:`~flashcp.ops.collectives.resolve_grad_comm_dtype`; default
+            ``compute_dtype(k.dtype)``).
     Returns:
         dq: (T_local, H, D) in q.dtype; dk, dv: (T_local, Hkv, D) in k.dtype.
     """
     n = meta.cp_size
-    gdt = torch.promote_types(k.dtype, torch.float32) if grad_comm_dtype is None else grad_comm_dtype
+    acc = compute_dtype(q.dtype)  # partial sums: round once, at the end
+    gdt = resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)
     dout = dout.contiguous()
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.stack([k, v])
     own = None  # this rank's contribution to its own block's dK/dV (step 0), kept locally
     incoming = None  # posted exchange of a dK/dV partial sum
     for s in range(n):
         pending = comm.post([kv], tag=0) if s + 1 < n else None
-        dkv = None  # (2, T_local, Hkv, D) float32: this rank's share of the held block's dK/dV
+        dkv = None  # (2, T_local, Hkv, D) in acc: this rank's share of the held block's dK/dV
         for call in meta.steps[s]:
             with timer.phase("attn_bwd"):
                 dq_c, dk_c, dv_c = backend.backward(
@@ -414,11 +440,11 @@ def ring_backward(
                     call.max_seqlen_k,
                     causal=call.causal,
                     softmax_scale=scale,
-                    grad_dtype=torch.float32,  # partial sums: round once, at the end
+                    grad_dtype=acc,
                 )
             with timer.phase("others"):
                 if dkv is None:
-                    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+                    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
                 _add_rows(dq, call.q_rows, dq_c)
                 _add_rows(dkv[0], call.k_rows, dk_c)
                 _add_rows(dkv[1], call.k_rows, dv_c)
@@ -431,7 +457,7 @@ def ring_backward(
                 if partial is None:
                     send = dkv.to(gdt) if dkv is not None else torch.zeros_like(kv, dtype=gdt)
                 elif dkv is not None:
-                    send = (partial.float() + dkv).to(gdt)
+                    send = (partial.to(acc) + dkv).to(gdt)
                 else:
                     send = partial
             incoming = comm.post([send], tag=1)
@@ -439,10 +465,10 @@ def ring_backward(
             with timer.phase("p2p"):
                 (kv,) = comm.wait(pending)
     with timer.phase("p2p"):
-        home = comm.wait(incoming)[0].float() if incoming is not None else None
+        home = comm.wait(incoming)[0].to(acc) if incoming is not None else None
     with timer.phase("others"):
         if own is None:
-            own = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            own = torch.zeros(kv.shape, dtype=acc, device=q.device)
         total = own if home is None else own + home
         dk, dv = total.to(k.dtype).unbind(0)
     return dq.to(q.dtype), dk, dv
@@ -502,9 +528,7 @@ def _check_inputs(q, k, v, meta: RingMeta, method: str, group, grad_comm_dtype) 
         raise ValueError(
             f"num_heads = {q.shape[1]} is not a multiple of num_kv_heads = {k.shape[1]}"
         )
-    gdt = grad_comm_dtype
-    if gdt is not None and not (isinstance(gdt, torch.dtype) and gdt.is_floating_point):
-        raise ValueError(f"grad_comm_dtype must be None or a floating torch.dtype, got {gdt!r}")
+    resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)  # raises on a bad value
     size, rank = group_size(group), group_rank(group)
     if size != meta.cp_size or rank != meta.rank:
         raise ValueError(
@@ -525,7 +549,7 @@ def ring_attention(
     backend="auto",
     counter=None,
     timer=None,
-    grad_comm_dtype: torch.dtype | None = None,
+    grad_comm_dtype: torch.dtype | str | None = None,
 ) -> torch.Tensor:
     """Document-masked causal attention of this rank's tokens with ring P2P (``ring``/``zigzag``).
 
@@ -540,10 +564,12 @@ def ring_attention(
         counter: optional ``CommCounter`` (adds received ``p2p`` bytes).
         timer: optional ``PhaseTimer`` (phases ``attn_fwd``, ``attn_bwd``, ``p2p``, ``others``).
         grad_comm_dtype: dtype of the dK/dV partial sums passed around the ring in the backward.
-            Default (None): k.dtype promoted to at least float32, which is what
-            :func:`flashcp.comm.comm_volume` counts and keeps dK/dV within 2x of a single-device
-            bfloat16 computation at CP 8. ``torch.bfloat16`` halves those bytes but each of the
-            N-1 hops then rounds the growing partial sum (up to ~3x the error at CP 8).
+            Default (None): ``compute_dtype(k.dtype)`` (float32 for bf16/fp16/fp32, float64 for
+            float64), which is what :func:`flashcp.comm.comm_volume` counts and keeps dK/dV
+            within 2x of a single-device bfloat16 computation at CP 8. ``torch.bfloat16`` (or
+            ``"bfloat16"``) halves those bytes but each of the N-1 hops then rounds the growing
+            partial sum (up to ~3x the error at CP 8). Same option, default and validation as the
+            all-gather ops (:func:`~flashcp.ops.collectives.resolve_grad_comm_dtype`).
     Returns:
         out: (T_local, num_heads, head_dim) in q.dtype, differentiable w.r.t. q, k, v.
     Raises:
@@ -558,14 +584,20 @@ def ring_attention(
     if meta.cp_size > 1:
         meta.check_plan_once(group)
         comm = RingComm(group, q.device, counter)
-    return RingAttnFunction.apply(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
+    b = meta.block_tokens  # pad rows beyond the block take no part: output 0, gradient 0
+    out = RingAttnFunction.apply(
+        q[:b].contiguous(),
+        k[:b].contiguous(),
+        v[:b].contiguous(),
         meta,
         comm,
         be,
         scale,
         as_timer(timer),
         grad_comm_dtype,
+    )
+    return (
+        out
+        if b == meta.local_tokens
+        else torch.nn.functional.pad(out, (0, 0, 0, 0, 0, meta.local_tokens - b))
     )

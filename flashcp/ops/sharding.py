@@ -1,7 +1,10 @@
 """Moving packed tensors between the single-device layout and a plan's per-rank layout.
 
 A rank's local tensor holds its shards' tokens one after another, in the order the plan lists
-them (:meth:`flashcp.plan.Plan.rank_shards`). These helpers are pure index arithmetic on the plan.
+them (:meth:`flashcp.plan.Plan.rank_shards`), then its ``plan.pad[rank]`` pad tokens. The packed
+tensor holds the documents' tokens, then the ``plan.num_pad`` pad tokens; rank r's pad rows are
+pad positions ``sum(pad[:r]) ..`` of them. Zero-length documents occupy no row. These helpers are
+pure index arithmetic on the plan.
 """
 
 from __future__ import annotations
@@ -23,37 +26,42 @@ def global_rows(plan: Plan, rank: int) -> np.ndarray:
     """Packed-sequence positions of rank ``rank``'s local tokens.
 
     Returns:
-        (C / N,) int64: local row i holds token ``global_rows[i]`` of the packed sequence.
+        (C / N,) int64: local row i holds token ``global_rows[i]`` of the packed sequence (pad
+        rows last, at positions >= the number of document tokens).
     Raises:
         ValueError: rank out of range.
     """
     _check_rank(plan, rank)
     doc, start, length = plan.rank_shards(rank)
-    doc_off = np.concatenate([[0], np.cumsum(plan.doc_lens)[:-1]])
+    cu = np.cumsum(plan.doc_lens, dtype=np.int64)
+    doc_off = cu - plan.doc_lens
     first = doc_off[doc] + start  # (n_shards,) packed position of each shard's first token
-    seg_off = np.concatenate([[0], np.cumsum(length)[:-1]])
+    seg_off = np.cumsum(length) - length
     within = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(seg_off, length)
-    return np.repeat(first, length) + within
+    pad0 = int(cu[-1] if cu.size else 0) + int(plan.pad[:rank].sum())
+    pad_rows = np.arange(pad0, pad0 + int(plan.pad[rank]), dtype=np.int64)
+    return np.concatenate([np.repeat(first, length) + within, pad_rows])
 
 
 def position_ids(plan: Plan, rank: int) -> torch.Tensor:
-    """Position of each local token inside its document (for RoPE).
+    """Position of each local token inside its document (for RoPE); 0 for pad tokens.
 
     Returns:
         (C / N,) int64 tensor.
     """
     _check_rank(plan, rank)
     _, start, length = plan.rank_shards(rank)
-    seg_off = np.concatenate([[0], np.cumsum(length)[:-1]])
+    seg_off = np.cumsum(length) - length
     within = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(seg_off, length)
-    return torch.from_numpy(np.repeat(start, length) + within)
+    pad = np.zeros(int(plan.pad[rank]), dtype=np.int64)
+    return torch.from_numpy(np.concatenate([np.repeat(start, length) + within, pad]))
 
 
 def shard_tensor(x: torch.Tensor, plan: Plan, rank: int) -> torch.Tensor:
     """Rank ``rank``'s local rows of a packed tensor.
 
     Args:
-        x: (C, ...) in packed order.
+        x: (C, ...) in packed order: document tokens, then ``plan.num_pad`` pad rows.
     Returns:
         (C / N, ...) the rank's tokens in its local (shard) order.
     Raises:

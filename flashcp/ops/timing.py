@@ -1,4 +1,4 @@
-"""Per-phase timing of CP steps (STYLE.md §9).
+"""Per-phase timing of CP steps.
 
 On CUDA each phase is bracketed by CUDA events (read after a synchronise in :meth:`PhaseTimer.as_ms`);
 on CPU (or with ``use_events=False``) by ``time.perf_counter`` after synchronising the device.

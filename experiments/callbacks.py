@@ -1,25 +1,38 @@
-"""Hydra callback that merges the runs of one invocation and draws its figures when it ends."""
+"""Hydra callback of ``flashcp-run``: one lock per experiment folder, merge and figures at the end,
+and an exit code that says whether every job and figure succeeded.
+
+A sweep (or a single run) owns its experiment folder while it runs: ``hydra.sweep.dir`` for
+``-m``, ``${results_dir}/${name}`` otherwise. It takes ``<folder>/.sweep.lock`` (created
+exclusively) holding its ``sweep_id``, process and code version; a second invocation on the same
+folder stops with one line and exit code 2 instead of sharing run folders, rows and logs. A lock
+left by a process that no longer runs on this host is taken over with a warning.
+"""
 
 from __future__ import annotations
 
+import datetime as _dt
+import json
 import logging
 import os
+import socket
+import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
-from hydra.core.utils import JobReturn
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
+
+LOCK_NAME = ".sweep.lock"
 
 
 def release_process_group() -> None:
     """Under torchrun (executor=dist), tear the process group down on every rank together once the
     runs are over: a rank that exits while another still holds the group aborts the job. The
     group lives across the runs of a sweep because re-creating it on the same store hangs."""
-    import sys
-
     if "torch.distributed" not in sys.modules:
         return  # never imported: no group (keeps the simulator free of torch)
     import torch.distributed as dist
@@ -29,34 +42,166 @@ def release_process_group() -> None:
         dist.destroy_process_group()
 
 
-class AggregateResults(Callback):
-    """When a run or a sweep ends: merge the rows of the runs it executed (or skipped as already
-    finished) into ``${results_dir}/${name}/rows.csv`` and ``summary.csv``
-    (:func:`experiments.aggregate.aggregate`), then draw the figures named in ``plots``.
+def is_rank0() -> bool:
+    """True outside torchrun and on its rank 0 (the rank that writes rows, locks and merges)."""
+    return os.environ.get("RANK", "0") == "0"
 
-    Runs of earlier invocations with other configs stay in ``runs/`` but are not merged;
+
+def read_lock(exp_dir: str | Path) -> dict[str, Any] | None:
+    """The sweep that holds ``exp_dir`` (``sweep_id``, ``pid``, ``host``, ``started_utc``,
+    ``provenance`` with its ``code_version``), or None when no sweep holds it (or its lock is
+    unreadable)."""
+    try:
+        return json.loads((Path(exp_dir) / LOCK_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(info: dict[str, Any]) -> bool:
+    """Whether the process that wrote a lock may still run (always True for another host)."""
+    if info.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(info["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, KeyError, ValueError, TypeError):
+        return True
+    return True
+
+
+def acquire_lock(exp_dir: str | Path) -> dict[str, Any]:
+    """Take ``exp_dir/.sweep.lock`` for this process; return what it holds.
+
+    Raises:
+        RuntimeError: another live sweep holds the folder (the message names it and says what to do).
+    """
+    from flashcp.results import provenance
+
+    exp_dir = Path(exp_dir)
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    now = _dt.datetime.now(_dt.timezone.utc)
+    info = {
+        "sweep_id": f"{now:%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}",
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started_utc": now.isoformat(timespec="seconds"),
+        "provenance": provenance(),  # read once: every run of the sweep has the same code
+    }
+    path = exp_dir / LOCK_NAME
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            held = read_lock(exp_dir)
+            if held is not None and _alive(held):
+                raise RuntimeError(
+                    f"{exp_dir} is in use by sweep {held.get('sweep_id')} (pid {held.get('pid')} on "
+                    f"{held.get('host')}, since {held.get('started_utc')}); wait for it or choose "
+                    "another name="
+                ) from None
+            log.warning("taking over %s left by a sweep that is no longer running: %s", path, held)
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(info, f)
+        return info
+    raise RuntimeError(f"could not take {path}")
+
+
+def release_lock(exp_dir: str | Path, info: dict[str, Any] | None) -> None:
+    """Remove ``exp_dir/.sweep.lock`` if it is still the one ``info`` describes."""
+    held = read_lock(exp_dir)
+    if info is not None and held is not None and held.get("sweep_id") == info.get("sweep_id"):
+        (Path(exp_dir) / LOCK_NAME).unlink(missing_ok=True)
+
+
+class AggregateResults(Callback):
+    """Lock the experiment folder when a run or sweep starts; when it ends, merge the rows the
+    jobs wrote (where they wrote them, as each job reports its ``rows.csv``) into
+    ``<folder>/rows.csv`` and ``summary.csv`` (:func:`experiments.aggregate.aggregate`), draw the
+    figures in ``plots``, release the lock, and exit non-zero with one line when a job failed or
+    a figure could not be drawn.
+
+    Runs of earlier invocations stay in ``runs/`` but are not merged;
     ``python -m experiments.aggregate DIR`` merges every run of a folder.
     """
 
     def __init__(self) -> None:
-        self.run_dirs: list[Path] = []
+        self.exp_dir: Path | None = None
+        self.lock: dict[str, Any] | None = None
+        self.multirun = False
+        self.jobs: list[dict[str, Any]] = []  # what main() returned: rows, error, exit_code
+
+    def _start(self, exp_dir: Path, multirun: bool) -> None:
+        self.exp_dir, self.jobs, self.multirun = exp_dir, [], multirun
+        if not is_rank0():
+            return
+        try:
+            self.lock = acquire_lock(exp_dir)
+        except RuntimeError as exc:
+            print(f"flashcp-run: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._start(Path(config.results_dir) / config.name, multirun=False)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._start(Path(config.hydra.sweep.dir), multirun=True)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        self.run_dirs.append(Path(job_return.hydra_cfg.hydra.runtime.output_dir))
+        run_dir = str(job_return.hydra_cfg.hydra.runtime.output_dir)
+        if job_return.status == JobStatus.FAILED:  # main() turns failures into rows; not expected
+            err = job_return._return_value
+            self.jobs.append(
+                {"dir": run_dir, "error": f"{type(err).__name__}: {err}", "exit_code": 1}
+            )
+            return
+        self.jobs.append({"dir": run_dir, **(job_return.return_value or {})})
 
     def _finish(self, config: DictConfig) -> None:
         release_process_group()
-        if config.get("task", "main") != "main" or os.environ.get("RANK", "0") != "0":
-            return  # other tasks write their own tables; under torchrun only rank 0 aggregates
+        if not is_rank0() or self.exp_dir is None:
+            return  # under torchrun only rank 0 locks, merges and reports
+        merge = config.get("task", "main") == "main"  # other tasks write their own tables
+        try:
+            problems = self._merge_and_draw(config) if merge else []
+        finally:
+            release_lock(self.exp_dir, self.lock)
+        failed = [j for j in self.jobs if j.get("error")]
+        if failed and not self.multirun:
+            problems.insert(0, f"error: {failed[0]['error']}")
+        elif failed:
+            problems.insert(
+                0,
+                f"{len(failed)} of {len(self.jobs)} jobs failed (rows with status 'error: ...', "
+                f"traceback in each run's log); first: {failed[0]['dir']}: {failed[0]['error']}",
+            )
+        for line in problems:
+            print(f"flashcp-run: {line}", file=sys.stderr)
+        if problems:  # a single run keeps its job's code (2: bad configuration); a sweep exits 1
+            codes = [int(j.get("exit_code") or 1) for j in failed] if not self.multirun else []
+            raise SystemExit(max([1, *codes]))
+
+    def _merge_and_draw(self, config: DictConfig) -> list[str]:
+        """Merge the jobs' rows and draw the figures; return what went wrong (one line each)."""
         from experiments.aggregate import aggregate
         from experiments.plot import draw
 
-        exp_dir = Path(config.results_dir) / config.name
-        summary = aggregate(exp_dir, self.run_dirs)
+        paths = [Path(j["rows"]) for j in self.jobs if j.get("rows")]
+        try:
+            summary = aggregate(self.exp_dir, rows_paths=paths) if paths else None
+        except ValueError as exc:
+            return [f"error: merge refused: {exc}"]
         if summary is None:
-            return
+            return [f"error: no rows to merge into {self.exp_dir}"]
+        problems = []
         for fig in config.get("plots", []):
-            log.info("figure %s -> %s", fig, draw(fig, exp_dir))
+            try:
+                log.info("figure %s -> %s", fig, draw(fig, self.exp_dir))
+            except ValueError as exc:
+                problems.append(f"error: figure {fig} not drawn: {exc}")
+        return problems
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._finish(config)

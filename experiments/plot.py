@@ -9,6 +9,10 @@
 * ``fig7``: speedup over ``llama3`` against context length, one line per method, training and
   inference panels — the paper's Fig. 7.
 * ``fig3``: kernel efficiency (TFLOP/s per layout) from ``fig3.csv`` — the paper's Fig. 3.
+
+A figure that cannot be drawn faithfully raises ValueError saying why (two summary rows for one bar,
+a grid the figure has no axis for); a bar or point without data is drawn as a marked gap ("n/a"),
+never silently left out.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
+
+from flashcp.results import IDENTITY_COLUMNS, read_rows
 
 METHOD_ORDER = ("llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "ilp")
 COLORS = MappingProxyType({
@@ -58,6 +64,32 @@ def _require(df: pd.DataFrame, fig: str, **needs: int) -> None:
         raise ValueError(f"{fig} plots speedup over llama3, but the summary has no llama3 runs")
 
 
+def _one_per(df: pd.DataFrame, fig: str, keys: list[str]) -> None:
+    """Raise ValueError if two summary rows share ``keys`` (one bar or point): the runs differ in
+    something the figure has no axis for; the message names the differing columns and values."""
+    dup = df[df.duplicated(keys, keep=False)]
+    if dup.empty:
+        return
+    first = dup.groupby(keys, dropna=False).get_group(tuple(dup[keys].iloc[0]))
+    differ = [
+        c for c in (*IDENTITY_COLUMNS, "name") if c in first and first[c].nunique(dropna=False) > 1
+    ]
+    what = (
+        "; ".join(f"{c} {', '.join(sorted(map(str, first[c].unique())))}" for c in differ)
+        or "nothing"
+    )
+    at = ", ".join(f"{k}={v}" for k, v in zip(keys, dup[keys].iloc[0], strict=True))
+    raise ValueError(
+        f"{fig} has {len(first)} summary rows for one bar ({at}); they differ in {what}"
+    )
+
+
+def _mark_missing(ax, x: float) -> None:
+    """Mark a bar without data at ``x`` (data coordinates) so a gap is never read as a value."""
+    ax.text(x, 0.02, "n/a", rotation=90, ha="center", va="bottom", fontsize=6, color="#b00000",
+            transform=ax.get_xaxis_transform())  # fmt: skip
+
+
 DATASET_ORDER = ("wlb_llm", "pile", "redpajama")
 
 
@@ -69,10 +101,13 @@ def _datasets(df: pd.DataFrame) -> list[str]:
 def plot_fig5(summary: pd.DataFrame, out: Path) -> Path:
     """Fig. 5-style speedup bars normalised to llama3."""
     _require(summary, "fig5")
+    _one_per(summary, "fig5", ["mode", "dataset", "method", "num_heads", "cp_size"])
     modes = [m for m in ("train", "infer") if m in set(summary["mode"])]
     datasets = _datasets(summary)
     methods = _methods(summary)
-    groups = summary[["num_heads", "cp_size"]].drop_duplicates().sort_values(["num_heads", "cp_size"])
+    groups = (
+        summary[["num_heads", "cp_size"]].drop_duplicates().sort_values(["num_heads", "cp_size"])
+    )
     groups = list(groups.itertuples(index=False, name=None))
     fig, axes = plt.subplots(
         len(modes), len(datasets), figsize=(4.2 * len(datasets), 3.2 * len(modes)),
@@ -86,12 +121,21 @@ def plot_fig5(summary: pd.DataFrame, out: Path) -> Path:
             for k, method in enumerate(methods):
                 vals = []
                 for heads, cp in groups:
-                    v = sub[(sub["method"] == method) & (sub["num_heads"] == heads) & (sub["cp_size"] == cp)]
+                    v = sub[
+                        (sub["method"] == method)
+                        & (sub["num_heads"] == heads)
+                        & (sub["cp_size"] == cp)
+                    ]
                     vals.append(float(v["speedup_vs_llama3"].iloc[0]) if len(v) else float("nan"))
                 xs = [g + (k - (len(methods) - 1) / 2) * width for g in range(len(groups))]
                 ax.bar(xs, vals, width, label=method, color=COLORS.get(method))
+                for x, v in zip(xs, vals, strict=True):
+                    if v != v:  # NaN: no run, a failed run, or no llama3 run to compare with
+                        _mark_missing(ax, x)
             ax.axhline(1.0, color="black", lw=0.8, ls="--")
-            ax.set_xticks(range(len(groups)), [f"{h}h, CP{cp}" for h, cp in groups], fontsize=8)
+            ax.set_xticks(
+                range(len(groups)), [f"{int(h)}h, CP{int(cp)}" for h, cp in groups], fontsize=8
+            )
             ax.set_title(f"{ds} — {'training' if mode == 'train' else 'inference'}", fontsize=10)
             if j == 0:
                 ax.set_ylabel("speedup over llama3")
@@ -105,12 +149,22 @@ def plot_fig5(summary: pd.DataFrame, out: Path) -> Path:
 
 
 def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
-    """Fig. 6-style stacked latency breakdown per method (training, largest CP size)."""
+    """Fig. 6-style stacked latency breakdown per method (training; one CP size and model per
+    dataset)."""
     sub = summary[summary["mode"] == "train"] if "train" in set(summary["mode"]) else summary
-    sub = sub[sub["cp_size"] == sub["cp_size"].max()]
+    for col in ("cp_size", "num_heads"):
+        many = sub.groupby("dataset")[col].nunique()
+        if (many > 1).any():
+            vals = ", ".join(str(v) for v in sorted(sub[col].dropna().unique()))
+            raise ValueError(
+                f"fig6 needs one cp_size and model per dataset; this sweep has {col} {vals}"
+            )
+    _one_per(sub, "fig6", ["dataset", "method"])
     datasets = _datasets(sub)
     methods = _methods(sub)
-    fig, axes = plt.subplots(1, len(datasets), figsize=(max(7.5, 4.5 * len(datasets)), 3.6), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(datasets), figsize=(max(7.5, 4.5 * len(datasets)), 3.6), squeeze=False
+    )
     for j, ds in enumerate(datasets):
         ax = axes[0][j]
         d = sub[sub["dataset"] == ds].set_index("method").reindex(methods)
@@ -118,10 +172,15 @@ def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
         for col, label in PHASES:
             if col not in d:
                 continue
-            vals = d[col].fillna(0.0)
+            vals = d[col].astype("float64").fillna(0.0)
             ax.bar(d.index, vals, bottom=bottom, label=label)
             bottom += vals
-        ax.set_title(f"{ds}, CP{int(sub['cp_size'].max())}, {sub['num_heads'].max()} heads", fontsize=10)
+        for x, total in enumerate(d["total_ms_mean"].astype("float64")):
+            if total != total:  # no (ok) run of this method on this dataset
+                _mark_missing(ax, x)
+        ds_rows = sub[sub["dataset"] == ds]
+        ax.set_title(f"{ds}, CP{int(ds_rows['cp_size'].iloc[0])}, {int(ds_rows['num_heads'].iloc[0])} heads",
+                     fontsize=10)  # fmt: skip
         ax.set_ylabel("mean latency per layer step (ms)")
         ax.tick_params(axis="x", labelsize=8)
     axes[0][-1].legend(fontsize=7)
@@ -138,16 +197,24 @@ def plot_fig7(summary: pd.DataFrame, out: Path) -> Path:
     for col in ("dataset", "cp_size", "num_heads"):
         if summary[col].nunique() > 1:
             raise ValueError(f"fig7 draws one line per method; the summary mixes several {col}")
+    _one_per(summary, "fig7", ["mode", "method", "context_len"])
     modes = [m for m in ("train", "infer") if m in set(summary["mode"])]
     methods = _methods(summary)
-    fig, axes = plt.subplots(1, len(modes), figsize=(max(7.5, 4.5 * len(modes)), 3.4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(modes), figsize=(max(7.5, 4.5 * len(modes)), 3.4), squeeze=False, sharey=True
+    )
     for i, mode in enumerate(modes):
         ax = axes[0][i]
         sub = summary[summary["mode"] == mode]
         for method in methods:
             d = sub[sub["method"] == method].sort_values("context_len")
-            ax.plot(d["context_len"] // 1024, d["speedup_vs_llama3"], marker="o", label=method,
-                    color=COLORS.get(method))  # fmt: skip
+            x, y = (
+                d["context_len"].astype("float64") / 1024,
+                d["speedup_vs_llama3"].astype("float64"),
+            )
+            ax.plot(x, y, marker="o", label=method, color=COLORS.get(method))
+            for xm in x[y.isna()]:
+                _mark_missing(ax, xm)
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         ax.set_xlabel("context length (K tokens)")
         ax.set_title("training" if mode == "train" else "inference", fontsize=10)
@@ -155,7 +222,7 @@ def plot_fig7(summary: pd.DataFrame, out: Path) -> Path:
             ax.set_ylabel("speedup over llama3")
     axes[0][0].legend(fontsize=7)
     ds, cp, h = summary["dataset"].iloc[0], summary["cp_size"].iloc[0], summary["num_heads"].iloc[0]
-    fig.suptitle(f"Speedup vs context length: {ds}, CP{cp}, {h} heads ({_subtitle(summary, 'point')})",
+    fig.suptitle(f"Speedup vs context length: {ds}, CP{int(cp)}, {int(h)} heads ({_subtitle(summary, 'point')})",
                  fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(out, dpi=130)
@@ -168,14 +235,18 @@ def plot_fig3(table: pd.DataFrame, out: Path) -> Path:
     cases = list(dict.fromkeys(table["case"]))
     passes = list(dict.fromkeys(table["pass"]))
     layouts = list(dict.fromkeys(table["layout"]))
-    fig, axes = plt.subplots(1, len(passes), figsize=(4.5 * len(passes), 3.4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(passes), figsize=(4.5 * len(passes), 3.4), squeeze=False, sharey=True
+    )
     width = 0.8 / len(layouts)
     for i, ps in enumerate(passes):
         ax = axes[0][i]
         for k, layout in enumerate(layouts):
             vals = []
             for case in cases:
-                v = table[(table["case"] == case) & (table["layout"] == layout) & (table["pass"] == ps)]
+                v = table[
+                    (table["case"] == case) & (table["layout"] == layout) & (table["pass"] == ps)
+                ]
                 vals.append(float(v["tflops"].iloc[0]) if len(v) else float("nan"))
             xs = [c + (k - (len(layouts) - 1) / 2) * width for c in range(len(cases))]
             ax.bar(xs, vals, width, label=layout)
@@ -197,7 +268,8 @@ def draw(fig: str, exp_dir: str | Path) -> Path:
     """Draw figure ``fig`` (fig3 | fig5 | fig6 | fig7) from the CSVs in ``exp_dir``.
 
     Raises:
-        ValueError: unknown figure name, or its CSV is missing.
+        ValueError: unknown figure name, its CSV is missing, or the data cannot be drawn faithfully
+            (the message says why).
     """
     exp_dir = Path(exp_dir)
     plotters = {"fig5": plot_fig5, "fig6": plot_fig6, "fig7": plot_fig7, "fig3": plot_fig3}
@@ -206,7 +278,8 @@ def draw(fig: str, exp_dir: str | Path) -> Path:
     csv = exp_dir / ("fig3.csv" if fig == "fig3" else "summary.csv")
     if not csv.exists():
         raise ValueError(f"{csv} does not exist; run the experiment (and its aggregation) first")
-    return plotters[fig](pd.read_csv(csv), exp_dir / f"{fig}.png")
+    table = pd.read_csv(csv) if fig == "fig3" else read_rows(csv)
+    return plotters[fig](table, exp_dir / f"{fig}.png")
 
 
 if __name__ == "__main__":

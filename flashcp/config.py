@@ -9,6 +9,7 @@ Units are in field names or comments; allowed values are listed beside each fiel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from omegaconf import MISSING
@@ -24,12 +25,22 @@ __all__ = [
 ]
 
 TASKS = ("main", "kernel_efficiency", "table2")
-EXECUTORS = ("sim", "dist")
+#: executor -> its options that change a run's results (part of the run identity); a new
+#: executor is one more line here (and its conf/executor/<name>.yaml)
+EXECUTOR_OPTIONS: MappingProxyType[str, tuple[str, ...]] = MappingProxyType({
+    "sim": (),
+    "dist": ("backend", "warmup", "iters"),
+})  # fmt: skip
+EXECUTORS = tuple(EXECUTOR_OPTIONS)
+#: executors whose results depend on the ``hardware`` profile (part of their identity)
+USES_HARDWARE_PROFILE = frozenset({"sim"})
+#: what happens to a document longer than context_len (see :class:`DatasetConfig`)
+OVERLONG = ("split", "cut", "error")
 
 
 @dataclass
 class DatasetConfig:
-    """Where document lengths come from (DESIGN.md §5)."""
+    """Where document lengths come from (docs/design.md §5)."""
 
     #: wlb_llm | pile | redpajama | stress | file
     name: str = MISSING
@@ -39,6 +50,11 @@ class DatasetConfig:
     weighting: str = "documents"
     #: cap on a single draw, tokens, applied before cutting to the context (null: 4 x context_len)
     cap: int | None = None
+    #: a document longer than context_len: split (into consecutive documents of at most
+    #: context_len tokens, as a data loader streaming documents into sequences does; no token is
+    #: lost) | cut (to context_len, the rest discarded, counted in overlong_tokens_cut and warned
+    #: about) | error (refuse, before any work, a dataset that has such documents)
+    overlong: str = "split"
 
 
 @dataclass
@@ -137,7 +153,9 @@ def run_hash(*, _root_: Any) -> str:
     from flashcp.results import config_hash
 
     picked = {
-        k: OmegaConf.to_container(_root_[k], resolve=True) if OmegaConf.is_config(_root_[k]) else _root_[k]
+        k: OmegaConf.to_container(_root_[k], resolve=True)
+        if OmegaConf.is_config(_root_[k])
+        else _root_[k]
         for k in RESULT_KEYS
     }
     return config_hash(picked)[:6]
@@ -169,10 +187,18 @@ def check_config(cfg: Any) -> None:
 
     if cfg.task not in TASKS:
         raise ValueError(f"unknown task {cfg.task!r}; choose one of {', '.join(TASKS)}")
+    if cfg.dataset.overlong not in OVERLONG:
+        raise ValueError(
+            f"unknown dataset.overlong {cfg.dataset.overlong!r}; choose one of {', '.join(OVERLONG)}"
+        )
     if cfg.executor.name not in EXECUTORS:
-        raise ValueError(f"unknown executor {cfg.executor.name!r}; choose one of {', '.join(EXECUTORS)}")
+        raise ValueError(
+            f"unknown executor {cfg.executor.name!r}; choose one of {', '.join(EXECUTORS)}"
+        )
     if cfg.dataset.name not in DATASETS:
-        raise ValueError(f"unknown dataset {cfg.dataset.name!r}; choose one of {', '.join(DATASETS)}")
+        raise ValueError(
+            f"unknown dataset {cfg.dataset.name!r}; choose one of {', '.join(DATASETS)}"
+        )
     if cfg.method.name not in METHODS:
         raise ValueError(f"unknown method {cfg.method.name!r}; choose one of {', '.join(METHODS)}")
     if cfg.cp_size < 1:
@@ -191,7 +217,9 @@ def check_config(cfg: Any) -> None:
         check_mode(mode)
     m = cfg.model
     AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
-    check_method_options(cfg.method.name, cfg.method.options, int(cfg.context_len), int(cfg.cp_size))
+    check_method_options(
+        cfg.method.name, cfg.method.options, int(cfg.context_len), int(cfg.cp_size)
+    )
 
 
 def check_method_options(method: str, options: Any, context_len: int, cp_size: int) -> None:
@@ -209,9 +237,15 @@ def check_method_options(method: str, options: Any, context_len: int, cp_size: i
     from flashcp.registry import get_planner
 
     planner = get_planner(method)
-    opts = OmegaConf.to_container(options, resolve=True) if OmegaConf.is_config(options) else dict(options)
+    opts = (
+        OmegaConf.to_container(options, resolve=True)
+        if OmegaConf.is_config(options)
+        else dict(options)
+    )
     params = inspect.signature(planner).parameters
-    allowed = [p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY and p != "validate"]
+    allowed = [
+        p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY and p != "validate"
+    ]
     for key in opts:
         if key not in allowed:
             raise ValueError(

@@ -1,10 +1,14 @@
-"""``executor=dist`` step measurement on gloo ranks: schema, positive times, counted bytes."""
+"""``executor=dist`` on gloo ranks: step schema, positive times, counted bytes; a rank failure
+ends every rank within seconds; a failing sequence is a status row."""
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import pytest
 import torch
-from mp_utils import run_ranks
+from mp_utils import RankError, run_ranks
 
 from flashcp.comm import AttnShape, comm_volume
 from flashcp.executors.dist import check_comm, init_from_env, measure_step
@@ -88,3 +92,68 @@ def test_init_from_env_outside_torchrun():
         if proc.is_alive():
             proc.kill()
     assert row["comm_bytes"] == 0 and row["total_ms"] > 0 and row["attn_bwd_ms"] > 0
+
+
+def _one_rank_raises(rank, n):
+    import torch.distributed as dist
+
+    from flashcp.executors.dist import abort_group_on_error
+
+    t0 = time.monotonic()
+    try:
+        with abort_group_on_error(None, "step"):
+            if rank == 2:
+                raise RuntimeError("injected failure on rank 2")
+            dist.all_reduce(torch.ones(4))  # the others wait here for rank 2
+    finally:
+        print(f"rank {rank} ended after {time.monotonic() - t0:.1f} s")
+
+
+def test_a_rank_failure_ends_every_rank_within_seconds():
+    """Rank 2 raises while ranks 0, 1, 3 wait in a collective whose timeout is 60 s: every rank
+    ends within seconds, rank 2 with its own exception, the others with PeerFailure."""
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(_one_rank_raises, 4, timeout_s=60)
+    assert time.monotonic() - t0 < 20
+    msg = str(info.value)
+    assert "did not report" not in msg  # every rank ended by itself, none was killed
+    ranks = msg.split("--- rank ")[1:]
+    assert len(ranks) == 4
+    for text in ranks:
+        if text.startswith("2 "):
+            assert "injected failure on rank 2" in text and "PeerFailure" not in text
+        else:
+            assert "PeerFailure" in text and "another rank failed" in text
+
+
+def _dist_rows(rank, n):
+    from omegaconf import OmegaConf
+
+    import experiments.run as run_mod
+    from flashcp.registry import get_planner
+
+    real = get_planner("per_doc")
+
+    def planner(doc_lens, cp_size, **options):
+        if rank == 1 and len(doc_lens) == 2:  # the second sequence fails on rank 1 only
+            raise ValueError("planner rejects this sequence")
+        return real(doc_lens, cp_size, **options)
+
+    run_mod.get_planner = lambda name: planner
+    cfg = OmegaConf.create({
+        "cp_size": n, "seed": 0, "modes": ["infer"],
+        "method": {"name": "per_doc", "options": {}},
+        "model": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
+        "executor": {"name": "dist", "backend": "cpu", "warmup": 0, "iters": 1, "timeout_s": 30},
+    })  # fmt: skip
+    seqs = [np.array(LENS), np.array([64, 64]), np.array([100, 20, 8])]
+    return run_mod.run_dist(cfg, seqs)
+
+
+def test_a_failing_sequence_is_a_status_row():
+    res = run_ranks(_dist_rows, 2, timeout_s=120)
+    rows = res[0]
+    assert res[1] is None and [r["seq_idx"] for r in rows] == [0, 1, 2]
+    assert rows[0]["status"] == "ok" and rows[2]["status"] == "ok" and rows[2]["total_ms"] > 0
+    assert rows[1]["status"] == "error: ValueError: planner rejects this sequence (rank 1)"

@@ -1,4 +1,4 @@
-"""``executor=dist``: run a plan for real, one process per CP rank (DESIGN.md §4).
+"""``executor=dist``: run a plan for real, one process per CP rank (docs/design.md §4).
 
 Under ``torchrun`` every rank calls :func:`init_from_env` once and then :func:`measure_step` for each
 plan: seeded random Q/K/V (identical on every rank), sharded by the plan, through the method's
@@ -7,13 +7,24 @@ timed with :class:`flashcp.ops.timing.PhaseTimer` (CUDA events on GPU, wall cloc
 median over timed steps is taken per rank, and the slowest rank per phase is reported, as the
 simulator does. Bytes come from the ops' counters and are checked against
 :func:`flashcp.comm.comm_volume`.
+
+Failures. A rank that raises inside a step cannot leave its peers waiting in a collective until
+the timeout: :func:`abort_group_on_error` prints its traceback (prefixed with its rank) and aborts
+the process group, so every other rank's pending or next collective fails within seconds with
+:class:`PeerFailure`. Failures every rank can see before a step (a planner that rejects a
+sequence) are agreed on with :func:`agree_errors` and become result rows instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import statistics
+import sys
 import time
+import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -28,7 +39,85 @@ from flashcp.plan import Plan
 from flashcp.registry import COMM_KIND
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 
-__all__ = ["check_comm", "init_from_env", "measure_step"]
+__all__ = [
+    "PeerFailure",
+    "abort_group",
+    "abort_group_on_error",
+    "agree_errors",
+    "check_comm",
+    "init_from_env",
+    "measure_step",
+]
+
+log = logging.getLogger(__name__)
+
+
+#: how a collective reports that another rank has gone (gloo transport errors, aborted communicators)
+_PEER_GONE = ("by peer", "Connection reset", "Connection closed", "Broken pipe", "aborted")
+
+
+class PeerFailure(RuntimeError):
+    """This rank stopped because another rank failed and aborted the process group."""
+
+
+def abort_group(group=None) -> None:
+    """Abort ``group`` (default: the world) on this rank without waiting for the others: pending
+    and later collectives of every other rank fail at once (gloo: the peers see their connections
+    close; NCCL: the communicators are aborted, and torchrun stops the other processes when this
+    one exits)."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    with contextlib.suppress(Exception):
+        if abort is not None:
+            abort(group) if group is not None and group is not dist.group.WORLD else abort()
+        else:
+            dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def abort_group_on_error(group=None, what: str = "step") -> Iterator[None]:
+    """Run a block of collectives; if it raises on this rank, print the traceback with the rank
+    (stderr and log), abort ``group`` so no other rank waits for this one, and re-raise.
+
+    An error that is this rank's view of another rank's abort (a collective failing because a peer
+    closed the group) is re-raised as :class:`PeerFailure` with one line, so only the rank that
+    failed first prints a traceback.
+
+    Raises:
+        PeerFailure: another rank aborted the group.
+        Exception: the block's own exception, after the abort.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        yield
+    except PeerFailure:
+        raise
+    except Exception as exc:
+        peer = isinstance(exc, getattr(dist, "DistBackendError", ())) or any(
+            sign in str(exc) for sign in _PEER_GONE
+        )
+        abort_group(group)
+        if peer:
+            raise PeerFailure(
+                f"rank {rank}: {what}: stopped, another rank failed ({exc})"
+            ) from None
+        text = f"rank {rank}: {what} failed; aborting the process group\n{traceback.format_exc()}"
+        print(text, file=sys.stderr, flush=True)
+        log.error("%s", text)
+        raise
+
+
+def agree_errors(error: str | None, group=None) -> str | None:
+    """Let the ranks agree whether a step may run: every rank passes its own error message (None
+    if it has none); every rank gets the first one, tagged with its rank, or None when no rank
+    has one. A collective (``all_gather_object``) under the group's timeout."""
+    if group_size(group) == 1:
+        return error
+    errors: list[str | None] = [None] * group_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    for r, e in enumerate(errors):
+        if e is not None:
+            return e if all(x == e for x in errors) else f"{e} (rank {r})"
+    return None
 
 
 def init_from_env(timeout_s: float = 120.0):

@@ -23,8 +23,8 @@ all-gather again plus a reduce-scatter of the same rows in ``grad_comm_dtype``.
 K and V travel together as one ``(rows, 2, h, D)`` buffer in the model dtype; only KV heads move.
 Both passes process the KV heads in groups of h (``heads_per_group``, the head stride of
 ``ring-flash-attn``'s llama3 variant), one all-gather (and one reduce-scatter) per group, so the
-gathered KV and the gradient buffer hold h heads, not all Hkv: the backward's extra memory is
-stated in :func:`allgather_attn_backward`.
+gathered KV and the gradient buffer hold h heads, not all Hkv: :func:`allgather_peak_bytes`
+states the peak memory.
 
 Pad tokens (``plan.pad``, the last rows of a rank's tensors) take no part: the op runs on each
 rank's document rows only (metadata :meth:`AllGatherMeta.without_pad`), their KV is never sent,
@@ -296,11 +296,12 @@ def resolve_heads_per_group(
     Args:
         heads_per_group: an integer >= 1 (values above ``num_kv_heads`` mean all heads at once),
             or None: the largest divisor h of ``num_kv_heads`` whose gradient buffer
-            ``(T + N*M) * 2 * h * head_dim`` elements of ``compute_dtype(dtype)`` fits in
+            ``(C/N + N*M) * 2 * h * head_dim`` elements of ``compute_dtype(dtype)`` fits in
             :data:`HEAD_GROUP_BUDGET_BYTES` (at least 1). It depends only on the plan and the
-            shapes, so every rank picks the same value (their collectives must match).
-        meta: this rank's metadata (T = ``meta.tokens``, N = ``meta.cp_size``,
-            M = ``meta.send_max``).
+            shapes (C/N counts pad rows, which differ between ranks only in how many are pad),
+            so every rank picks the same value: their collectives must match.
+        meta: this rank's metadata (N = ``meta.cp_size``, M = ``meta.send_max``, C = its plan's
+            ``context_len``).
     Returns:
         h, 1 <= h <= num_kv_heads.
     Raises:
@@ -309,7 +310,8 @@ def resolve_heads_per_group(
     check_heads_per_group(heads_per_group)
     if heads_per_group is not None:
         return min(int(heads_per_group), num_kv_heads)
-    rows = meta.tokens + meta.cp_size * meta.send_max
+    # rank-independent: meta.tokens is this rank's document rows in the pad-free metadata
+    rows = meta.plan.context_len // meta.cp_size + meta.cp_size * meta.send_max
     per_head = rows * 2 * head_dim * compute_dtype(dtype).itemsize
     fits = [h for h in range(1, num_kv_heads + 1) if num_kv_heads % h == 0]
     return max([h for h in fits if h * per_head <= HEAD_GROUP_BUDGET_BYTES] or [1])
@@ -328,7 +330,9 @@ def allgather_peak_bytes(
     """Peak bytes one rank's all-gather op allocates during its forward and its backward call
     (inputs excluded; outputs included from the moment they exist), kernel workspace excluded.
 
-    With R = T + N*M rows of the gathered KV (T local tokens, M rows of the largest send buffer),
+    With R = T + N*M rows of the gathered KV (T = the rank's document tokens: pad rows take no
+    part, though with pad the op returns a zero-padded copy of out; M rows of the largest send
+    buffer),
     Tk = keys of all local segments (``meta.kv_index`` rows), h = ``heads_per_group`` (resolved),
     G = H / Hkv, D = head_dim, e = element size of ``dtype``, a = of ``compute_dtype(dtype)``,
     c = of ``grad_comm_dtype`` (resolved), s = 1 when there are several head groups (the q / out /
@@ -364,7 +368,7 @@ def allgather_peak_bytes(
     e = dtype.itemsize
     a = compute_dtype(dtype).itemsize
     c = resolve_grad_comm_dtype(grad_comm_dtype, dtype).itemsize
-    t, m, n, d = meta.tokens, meta.send_max, meta.cp_size, head_dim
+    t, m, n, d = meta.doc_tokens, meta.send_max, meta.cp_size, head_dim
     r, tk = t + n * m, int(meta.kv_index.numel())
     g = num_heads // num_kv_heads
     s, st, cast = int(h < num_kv_heads), int(staged_collectives), int(c != a)

@@ -272,13 +272,19 @@ def plan_metrics(plan: Plan) -> dict[str, Any]:
     ``comm_tokens`` is what the method really moves: KV tokens one rank receives per pass, per K or
     V, per KV head — Eq. 4 for full all-gather and for the ring, Eq. 5 for sharding-aware
     all-gather — and ``comm_saving`` = 1 - comm_tokens / comm_tokens_full. ``comm_tokens_sharded``
-    is Eq. 5 on the method's layout: what sharding-aware communication would move for it.
+    is Eq. 5 on the method's layout: what sharding-aware communication would move for it. ILP
+    plans add ``ilp_solver_status``, ``ilp_gap``, ``ilp_warm_start_given`` and
+    ``ilp_warm_start_accepted``.
     """
     s = plan.summary()
     keys = ("imbalance_ratio", "comm_tokens", "comm_tokens_full", "comm_saving",
             "comm_tokens_sharded", "num_split_docs", "num_pieces",
             "max_shards_per_rank")  # fmt: skip
-    return {k: s[k] for k in keys}
+    out = {k: s[k] for k in keys}
+    if plan.method == "ilp":  # the solver's outcome (flashcp.ilp.plan_ilp's info)
+        for k in ("solver_status", "gap", "warm_start_given", "warm_start_accepted"):
+            out[f"ilp_{k}"] = plan.info.get(k)
+    return out
 
 
 def _error_status(exc: BaseException) -> str:

@@ -16,8 +16,10 @@ The planner keeps the paper's other building blocks (greedy whole-document place
 equalisation by heads: :func:`flashcp.heuristic._whole_doc_pass`) and searches:
 
 1. for each split layout in :data:`_LAYOUTS` (Per-Doc; tail + heads with budgets f = 0.5 ..
-   0.85, heads over the other N - 1 ranks or all N; or a hybrid that keeps documents heavier
-   than 2 W_mean Per-Doc, where a tail would hold too little of them), the paper's loop: split
+   0.85, heads over the other N - 1 ranks or all N; a hybrid that keeps documents heavier
+   than 2 W_mean Per-Doc, where a tail would hold too little of them; or *tail + Per-Doc head*,
+   the head cut into 2N zigzag chunks over all ranks or 2(N-1) over the others, for documents
+   much heavier than a rank's share or longer than 2 C/N), the paper's loop: split
    the k longest documents, smallest k meeting the target R (others: k up to the Per-Doc k + 1);
 2. *substitution*, in the best layout: the k - 1 longest plus one other document x, for x among the
    next ``num_candidates`` longest;
@@ -28,7 +30,8 @@ equalisation by heads: :func:`flashcp.heuristic._whole_doc_pass`) and searches:
 Every candidate is evaluated exactly (its plan is built and measured), and the paper's own plan
 (:func:`~flashcp.heuristic.plan_flashcp` at the same target) is one of them, so on the same input
 the result never communicates more than ``flashcp`` at the same target when that plan meets it.
-Time: a few dozen whole-document passes, 5-50 ms per 128K sequence in CPython (bench_ilp.py).
+Time: a few dozen whole-document passes, 5-50 ms per 128K sequence in CPython
+(``experiments/bench_planners.py``).
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ __all__ = ["plan_flashcp_refined"]
 
 #: split layouts tried: None = Per-Doc (2N chunks); ``(f, spread_all, g)`` = tail + heads with
 #: tails of at most f * W_mean workload (Eq. 3), heads over the other N - 1 ranks or over all N;
-#: split documents heavier than g * W_mean (None: none) stay Per-Doc
-_LAYOUTS: tuple[tuple[float, bool, float | None] | None, ...] = (
+#: split documents heavier than g * W_mean (None: none) stay Per-Doc; ``(f, "zigzag", o)`` =
+#: tail + Per-Doc head (:func:`_zigzag_head`) within f * W_mean, the head over all N ranks
+#: (o = None) or over the N - 1 others (o = 1.0)
+_LAYOUTS: tuple[tuple[float, bool | str, float | None] | None, ...] = (
     None,
     (0.7, False, None),
     (0.85, False, None),
@@ -55,6 +60,9 @@ _LAYOUTS: tuple[tuple[float, bool, float | None] | None, ...] = (
     (0.85, False, 2.0),
     (0.7, True, 2.0),
     (0.85, True, 2.0),
+    (0.9, "zigzag", None),
+    (0.97, "zigzag", None),
+    (0.9, "zigzag", 1.0),
 )
 
 
@@ -134,12 +142,72 @@ def _tail_heads(
     return rows
 
 
+def _zigzag_head(
+    d: np.ndarray, n: int, split: tuple[int, ...], budget: float, others: bool
+) -> tuple[np.ndarray, ...] | None:
+    """Shard columns ``(rank, doc, start, length)`` of the *tail + Per-Doc head* split.
+
+    Each document of ``split`` (longest first) keeps its tail on the least-loaded rank, as long
+    as that rank can hold within ``budget`` workload counting its share of the head (Eq. 3); the
+    head (the first ``d - t`` tokens) is cut into 2N Per-Doc chunks, rank r holding chunks r and
+    2N-1-r, so that every rank gets an equal share of the head's tokens, workload and
+    communication (``others``: 2(N-1) chunks over the N - 1 other ranks, so the tail's rank keeps
+    its whole budget for the tail). For a document much heavier than a rank's share (several times W_mean, or
+    longer than 2 C/N tokens) this keeps the expensive tail whole where Per-Doc would send
+    almost all of it. None when a rank would exceed C/N tokens.
+    """
+    tpr = int(d.sum()) // n
+    work, tokens = [0.0] * n, [0.0] * n
+    m = n - 1 if others else n  # ranks sharing a head
+    if n == 1:  # nothing to split over
+        return None
+    cols: list[tuple[np.ndarray, ...]] = []
+    for doc in sorted(split, key=lambda i: -int(d[i])):
+        length = int(d[doc])
+        r = min(range(n), key=work.__getitem__)
+        share = 0.0 if others else 1.0 / n  # the tail rank's share of the head
+
+        def cost(t: int, length=length, share=share) -> float:  # tail plus r's share of head
+            h = length - t
+            return (length * (length + 1) - h * (h + 1)) / 2 + share * h * (h + 1) / 2
+
+        hi = int((tpr - tokens[r] - share * length) / (1 - share))
+        hi = max(0, min(length - 1, hi))
+        lo = 0
+        while lo < hi:  # longest tail within the budget (cost grows with t)
+            mid = (lo + hi + 1) // 2
+            if work[r] + cost(mid) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        t = lo
+        h = length - t
+        if t:
+            cols.append(tuple(np.array([x], dtype=np.int64) for x in (r, doc, h, t)))
+            work[r] += (length * (length + 1) - h * (h + 1)) / 2
+            tokens[r] += t
+        sizes, _ = per_doc_chunk_sizes(np.array([h], dtype=np.int64), m)
+        hr, hd, hs, hl = per_doc_columns(np.array([doc], dtype=np.int64), sizes, m)
+        ranks = np.array([q for q in range(n) if not others or q != r], dtype=np.int64)
+        hr = ranks[hr]
+        cols.append((hr, hd, hs, hl))
+        for q, w, k in zip(hr.tolist(), shard_workload(hs, hl).tolist(), hl.tolist(), strict=True):
+            work[q] += w
+            tokens[q] += k
+    if not cols:
+        return None
+    rank, doc, start, length = (np.concatenate(c) for c in zip(*cols, strict=True))
+    if np.bincount(rank, weights=length, minlength=n).max() > tpr:
+        return None
+    return rank, doc, start, length
+
+
 def _candidate(
     d: np.ndarray,
     n: int,
     split: tuple[int, ...],
     order: list[int],
-    layout: tuple[float, bool, float | None] | None,
+    layout: tuple[float, bool | str, float | None] | None,
 ) -> Plan | None:
     """The plan that splits the documents ``split`` (Per-Doc when ``layout`` is None, else
     tail + heads, see :data:`_LAYOUTS`) and places every other
@@ -148,15 +216,22 @@ def _candidate(
     lens = d.tolist()
     tpr = int(d.sum()) // n
     mean_work = float((d * (d + 1) // 2).sum()) / n
-    if layout is None:
+    if layout is not None and layout[1] == "zigzag":
+        cols4 = _zigzag_head(d, n, split, layout[0] * mean_work, bool(layout[2]))
+        if cols4 is None:
+            return None
+        rank, doc, start, length = cols4
+        per_doc, tail = (), ()
+    elif layout is None:
         per_doc, tail = split, ()
     else:
         thr = np.inf if layout[2] is None else layout[2] * mean_work
         per_doc = tuple(i for i in split if lens[i] * (lens[i] + 1) // 2 > thr)
         tail = tuple(i for i in split if lens[i] * (lens[i] + 1) // 2 <= thr)
-    ids = np.array(per_doc, dtype=np.int64)
-    sizes, _ = per_doc_chunk_sizes(d[ids], n)  # (|S|, 2N) chunk lengths
-    rank, doc, start, length = per_doc_columns(ids, sizes, n)
+    if layout is None or layout[1] != "zigzag":
+        ids = np.array(per_doc, dtype=np.int64)
+        sizes, _ = per_doc_chunk_sizes(d[ids], n)  # (|S|, 2N) chunk lengths
+        rank, doc, start, length = per_doc_columns(ids, sizes, n)
     if tail:
         keep = length > 0
         rank, doc, start, length = rank[keep], doc[keep], start[keep], length[keep]
@@ -192,6 +267,89 @@ def _candidate(
     )
 
 
+def _longest_suffix(end: int, room: float) -> int:
+    """Largest l >= 0 with Eq. 3 workload of the segment [end - l, end) at most ``room``:
+    ``l (2 end - l + 1) / 2 <= room`` (closed form of the quadratic, then corrected by one)."""
+    if room <= 0:
+        return 0
+    b = 2 * end + 1
+    disc = b * b - 8 * room
+    if disc <= 0:
+        return end
+    ln = min(end, int((b - disc**0.5) / 2))
+    while ln < end and (ln + 1) * (b - ln - 1) <= 2 * room:
+        ln += 1
+    while ln > 0 and ln * (b - ln) > 2 * room:
+        ln -= 1
+    return ln
+
+
+def _fill(
+    lens: list[int], order: list[int], n: int, tpr: int, budget: float, head_to_least_sent: bool
+) -> list[tuple[int, int, int, int]]:
+    """Shard rows ``(rank, doc, start, length)`` of the *fill* layout: documents, longest first,
+    are placed whole on the rank with the most workload room that has token room for them; a
+    document that fits whole nowhere is cut from its end: its tail (its last shard, free) goes to
+    the rank that can take the longest suffix within ``budget`` workload (Eq. 3) and C/N tokens,
+    and each further segment (a non-last shard: it costs its length, Eq. 5) to the rank that can
+    take the longest one (``head_to_least_sent``: among ranks with room, the one that sends
+    least). Splits therefore cut a document over as few ranks as the budget allows, instead of
+    2N chunks. When the budget leaves no room, segments go to ranks by token room alone."""
+    work = [0.0] * n
+    tokens = [0] * n
+    send = [0] * n
+    rows = []
+    for doc in order:
+        length = lens[doc]
+        fits = [
+            r
+            for r in range(n)
+            if tpr - tokens[r] >= length and budget - work[r] >= length * (length + 1) / 2
+        ]
+        if fits:
+            r = max(fits, key=lambda q: budget - work[q])
+            rows.append((r, doc, 0, length))
+            tokens[r] += length
+            work[r] += length * (length + 1) // 2
+            continue
+        end = length
+        while end > 0:
+            open_ranks = [r for r in range(n) if tokens[r] < tpr]
+            cands = [
+                (min(tpr - tokens[r], _longest_suffix(end, budget - work[r])), r)
+                for r in open_ranks
+            ]
+            best = max(c[0] for c in cands)
+            if best == 0:  # the budget is spent: token room alone
+                r = max(open_ranks, key=lambda q: tpr - tokens[q])
+                seg = min(end, tpr - tokens[r])
+            elif end < length and head_to_least_sent:
+                r = min((q for ln, q in cands if ln > 0), key=lambda q: (send[q], -work[q]))
+                seg = next(ln for ln, q in cands if q == r)
+            else:
+                seg, r = max(cands)
+            start = end - seg
+            rows.append((r, doc, start, seg))
+            tokens[r] += seg
+            work[r] += _work(start, seg)
+            if end < length:
+                send[r] += seg
+            end = start
+    return rows
+
+
+def _fill_candidate(
+    d: np.ndarray, n: int, order: list[int], budget_ratio: float, least_sent: bool
+) -> Plan:
+    """The plan of :func:`_fill` with a workload budget of ``budget_ratio * W_mean``. Not validated."""
+    lens = d.tolist()
+    tpr = int(d.sum()) // n
+    mean_work = float((d * (d + 1) // 2).sum()) / n
+    rows = _fill(lens, order, n, tpr, budget_ratio * mean_work, least_sent)
+    cols = np.array(rows, dtype=np.int64).reshape(-1, 4).T
+    return make_plan("flashcp_refined", n, d, *cols, validate=False)
+
+
 def _work(p: int, s: int) -> int:
     """Eq. 3: query-key pairs per head of a shard with prefix p and length s."""
     return (2 * p + s + 1) * s // 2
@@ -216,7 +374,8 @@ def plan_flashcp_refined(
     Returns:
         A :class:`~flashcp.plan.Plan` with ``method="flashcp_refined"``, status ``"ok"`` when the
         imbalance ratio is <= R, else ``"target_not_met"``. ``info``: ``split_docs`` (sorted),
-        ``split_layout`` (``per_doc``, ``tail_heads_<f>`` or ``tail_heads_<f>_all``),
+        ``split_layout`` (``per_doc``, ``tail_heads_<f>``, ``tail_heads_<f>_all`` or
+        ``tail_zigzag_head_<f>``),
         ``paper_per_doc_docs`` (the paper heuristic's set), ``candidates`` (plans evaluated),
         ``target_imbalance``.
     Raises:
@@ -234,7 +393,7 @@ def plan_flashcp_refined(
     cache: dict[tuple, Plan | None] = {}
 
     def evaluate(
-        layout: tuple[float, bool, float | None] | None, s: tuple[int, ...]
+        layout: tuple[float, bool | str, float | None] | None, s: tuple[int, ...]
     ) -> Plan | None:
         key = (layout, tuple(sorted(s)))
         if key not in cache:
@@ -280,6 +439,8 @@ def plan_flashcp_refined(
         "split_docs": list(best_set),
         "split_layout": "per_doc"
         if layout is None
+        else f"tail_zigzag_head_{layout[0]:g}" + ("_others" if layout[2] else "")
+        if layout[1] == "zigzag"
         else f"tail_heads_{layout[0]:g}"
         + ("_all" if layout[1] else "")
         + ("" if layout[2] is None else f"_perdoc_above_{layout[2]:g}"),

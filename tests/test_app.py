@@ -101,6 +101,8 @@ def test_issue4_planners_run_in_the_app(tmp_path, overrides):
     df = pd.read_csv(out)
     assert (df["status"] == "ok").all() and (df["comm_saving"] >= 0).all()
     assert df["plan_status"].iloc[0] in ("ok", "time_limit", "fallback", "target_not_met")
+    if "method=ilp" in overrides:  # the solver's outcome travels with the rows
+        assert {"ilp_solver_status", "ilp_warm_start_accepted"} <= set(df.columns)
 
 
 def test_changed_config_is_rerun(tmp_path):

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
+import stat
+import tempfile
+import time
 import warnings
 
 import numpy as np
 import pytest
 
 from flashcp.heuristic import plan_flashcp
-from flashcp.ilp import block_pieces, plan_ilp, plan_objective
+from flashcp.ilp import FORMULATIONS, block_pieces, plan_ilp, plan_objective
+from flashcp.ilp.worker import _cbc_log
 from flashcp.plan import make_plan
 from flashcp.refined import plan_flashcp_refined
 from flashcp.registry import COMM_KIND, get_planner
 
 
-def _brute_force(doc_lens, n, block_size, comm_weight, max_imbalance=None):
+@functools.cache
+def _brute_force(doc_lens: tuple, n, block_size, comm_weight, max_imbalance=None):
     """Minimum of the ILP objective over every assignment of the grid's pieces to ranks."""
     d = np.asarray(doc_lens, dtype=np.int64)
     pdoc, pstart, plen = block_pieces(d, block_size)
@@ -44,6 +51,7 @@ def _solvers():
     return out
 
 
+@pytest.mark.parametrize("formulation", FORMULATIONS)
 @pytest.mark.parametrize("solver", _solvers())
 @pytest.mark.parametrize(
     "doc_lens, n, block, weight, cap",
@@ -53,10 +61,12 @@ def _solvers():
         ([4, 3, 2, 3], 3, 2, 1.0, None),
         ([9, 2, 1], 3, 2, 0.5, None),
         ([6, 5, 3, 2], 2, 2, 5.0, 1.1),
+        ([2, 2, 2, 4, 1, 1], 3, 2, 3.0, 1.3),  # equal single-piece documents: aggregated
+        ([12, 2, 2], 2, 2, 1.0, 1.2),  # a document heavier than any rank's budget
     ],
 )
-def test_ilp_optimum_equals_brute_force(doc_lens, n, block, weight, cap, solver):
-    expected = _brute_force(doc_lens, n, block, weight, cap)
+def test_ilp_optimum_equals_brute_force(doc_lens, n, block, weight, cap, solver, formulation):
+    expected = _brute_force(tuple(doc_lens), n, block, weight, cap)
     plan = plan_ilp(
         doc_lens,
         n,
@@ -64,6 +74,7 @@ def test_ilp_optimum_equals_brute_force(doc_lens, n, block, weight, cap, solver)
         comm_weight=weight,
         max_imbalance=cap,
         solver=solver,
+        formulation=formulation,
         gap=0.0,
         time_limit_s=30,
         warm_start=None,
@@ -76,6 +87,114 @@ def test_ilp_optimum_equals_brute_force(doc_lens, n, block, weight, cap, solver)
     # the model's objective is the plan's own metrics (both maxima tight at the optimum)
     assert plan.info["model_objective"] == pytest.approx(expected, abs=1e-5)
     assert plan.info["gap"] == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_formulations_agree_on_random_instances(seed):
+    rng = np.random.default_rng(seed)
+    d = rng.integers(1, 40, size=int(rng.integers(4, 8)))
+    d[-1] += (-int(d.sum())) % 3
+    objectives = []
+    for formulation in FORMULATIONS:
+        plan = plan_ilp(
+            d, 3, block_size=8, max_imbalance=1.1, gap=0.0, time_limit_s=60,
+            formulation=formulation, warm_start="best",
+        )  # fmt: skip
+        assert plan.status == "ok", plan.info
+        objectives.append(plan.info["objective"])
+    assert objectives[0] == pytest.approx(objectives[1], abs=1e-6)
+
+
+def test_default_ilp_respects_the_heuristic_imbalance_target():
+    # the paper's ILP balances load: {1024} | {512, 512} (ratio 1.33) is not acceptable
+    plan = get_planner("ilp")([1024, 512, 512], 2)
+    plan.validate()
+    assert plan.status == "ok"
+    assert plan.info["max_imbalance"] == 1.05
+    assert plan.imbalance_ratio <= 1.05 + 1e-12
+    # without the cap, the weighting alone decides (the old behaviour, now explicit)
+    free = plan_ilp([1024, 512, 512], 2, max_imbalance=None, warm_start=None)
+    assert free.imbalance_ratio == pytest.approx(524800 / 393728)
+
+
+def _fake_solver(tmp_path, body: str) -> str:
+    path = tmp_path / "fake_cbc"
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to check the process")
+def test_watchdog_kills_a_hung_solver_and_cleans_up(tmp_path, monkeypatch):
+    pid_file = tmp_path / "pid"
+    fake = _fake_solver(tmp_path, f"echo $$ > {pid_file}\nexec sleep 1000")
+    work = tmp_path / "tmp"
+    work.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(work))
+    t0 = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match="killed"):
+        plan = plan_ilp(
+            [8, 4, 2, 2], 2, block_size=2, time_limit_s=1, watchdog_grace_s=1, solver_path=fake
+        )
+    assert time.perf_counter() - t0 < 20
+    plan.validate()
+    assert plan.status == "fallback" and plan.info["solver_status"] == "killed"
+    assert plan.info["fallback_method"] == "flashcp"
+    assert plan.digest() == plan_flashcp([8, 4, 2, 2], 2).digest()
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # SIGKILL is delivered asynchronously
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    assert not _alive(pid)
+    assert list(work.iterdir()) == []  # no *-pulp.mps / .mst, no job folder left
+    with pytest.raises(ValueError, match="killed"):
+        plan_ilp([8, 4, 2, 2], 2, block_size=2, time_limit_s=1, watchdog_grace_s=0,
+                 solver_path=fake, on_failure="raise")  # fmt: skip
+
+
+def test_crashing_solver_falls_back(tmp_path):
+    fake = _fake_solver(tmp_path, "exit 3")
+    with pytest.warns(RuntimeWarning, match="no solution"):
+        plan = plan_ilp([8, 4, 2, 2], 2, block_size=2, time_limit_s=10, solver_path=fake)
+    assert plan.status == "fallback" and plan.info["solver_status"] == "not_solved"
+
+
+def test_cbc_warm_start_acceptance_is_read_from_its_log(tmp_path):
+    log = tmp_path / "cbc.log"
+    log.write_text(
+        "MIPStart values read for 350 variables.\n"
+        "Cbc0045I MIPStart provided solution with cost 1.05316\nLower bound: 1.0123\n"
+    )
+    assert _cbc_log(str(log)) == (1.0123, True)
+    log.write_text(
+        "MIPStart values read for 350 variables.\n"
+        "Warning: mipstart values could not be used to build a solution.\n"
+    )
+    assert _cbc_log(str(log)) == (None, False)
+    log.write_text("Result - Optimal solution found\n")
+    assert _cbc_log(str(log)) == (None, None)
+
+
+@pytest.mark.parametrize("solver", _solvers())
+def test_warm_start_acceptance_is_recorded(solver):
+    d = [5000, 3000, 4000, 2000, 2000] * 3
+    plan = plan_ilp(d, 2, block_size=512, time_limit_s=30, gap=0.01, solver=solver)
+    assert plan.info["warm_start_given"] is True
+    assert plan.info["warm_start_accepted"] is True
+    assert plan.info["objective"] <= plan.info["seed_objective"] + 1e-9
+    cold = plan_ilp(
+        [8, 4, 2, 2], 2, block_size=2, warm_start=None, max_imbalance=None, solver=solver
+    )
+    assert cold.info["warm_start_given"] is False and cold.info["warm_start_accepted"] is None
 
 
 def test_block_pieces_tile_documents_end_aligned():
@@ -99,9 +218,7 @@ def test_ilp_warm_start_never_worse_than_its_seed():
     d = rng.integers(1, 300, size=12)
     d[-1] += (-int(d.sum())) % 4
     seed = plan_flashcp(d, 4, target_imbalance=1.05)
-    plan = plan_ilp(
-        d, 4, block_size=64, time_limit_s=10, warm_start="flashcp", heuristic_target_imbalance=1.05
-    )
+    plan = plan_ilp(d, 4, block_size=64, time_limit_s=5, gap=0.01, warm_start="flashcp")
     plan.validate()
     assert plan.status in ("ok", "time_limit")
     assert plan.info["objective"] <= plan_objective(seed) + 1e-9
@@ -154,6 +271,10 @@ def test_ilp_rejects_bad_options():
         plan_ilp([4, 4], 2, max_imbalance=0.5)
     with pytest.raises(ValueError, match="divisible"):
         plan_ilp([4, 3], 2)
+    with pytest.raises(ValueError, match="formulation"):
+        plan_ilp([4, 4], 2, formulation="columns")
+    with pytest.raises(ValueError, match="warm_start"):
+        plan_ilp([4, 4], 2, warm_start="llama3")
 
 
 def _random_sequences(count, context_len, seed):

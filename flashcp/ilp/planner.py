@@ -1,0 +1,292 @@
+""":func:`plan_ilp`: warm start, solve under a watchdog, read the plan back, or fall back.
+
+The formulations and what they optimise are documented in :mod:`flashcp.ilp`.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+
+from flashcp.ilp.model import FORMULATIONS, Instance, block_pieces
+from flashcp.ilp.worker import run_job
+from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan
+
+__all__ = ["plan_ilp", "plan_objective", "saving_bound"]
+
+_SOLVERS = ("cbc", "highs")
+_FAILURES = ("fallback", "raise")
+_WARM_STARTS = ("best", "flashcp", "flashcp_refined", None)
+
+
+def plan_objective(plan: Plan, comm_weight: float = 1.0) -> float:
+    """The ILP's objective evaluated on any plan: ``imbalance_ratio + comm_weight * (1 - comm_saving)``.
+
+    Dimensionless; imbalance from Eq. 3, communication from Eq. 5 over Eq. 4.
+    """
+    return plan.imbalance_ratio + comm_weight * (1.0 - plan.comm_saving)
+
+
+def saving_bound(
+    bound: float | None, max_imbalance: float | None, comm_weight: float
+) -> float | None:
+    """Upper bound on the comm_saving of any plan on the grid, from the solver's best bound B.
+
+    Every feasible plan has ``z_w <= max_imbalance`` and ``z_w + comm_weight * z_c >= B``, so
+    ``z_c >= (B - max_imbalance) / comm_weight`` and ``comm_saving = 1 - z_c`` is at most
+    ``1 - max(0, B - max_imbalance) / comm_weight``. None without a cap, a bound or a weight.
+    """
+    if bound is None or max_imbalance is None or comm_weight <= 0:
+        return None
+    return 1.0 - max(0.0, bound - max_imbalance) / comm_weight
+
+
+def _heuristic(
+    doc_lens: np.ndarray, cp_size: int, method: str, target: float, comm_weight: float
+) -> Plan:
+    """The seed / fallback plan of ``method``; ``best`` = the lower objective of the two
+    heuristics among those meeting ``target`` (ties: ``flashcp_refined``)."""
+    from flashcp.heuristic import plan_flashcp
+    from flashcp.refined import plan_flashcp_refined
+
+    if method == "flashcp":
+        return plan_flashcp(doc_lens, cp_size, target_imbalance=target)
+    if method == "flashcp_refined":
+        return plan_flashcp_refined(doc_lens, cp_size, target_imbalance=target)
+    plans = [
+        plan_flashcp_refined(doc_lens, cp_size, target_imbalance=target),
+        plan_flashcp(doc_lens, cp_size, target_imbalance=target),
+    ]
+    return min(
+        plans,
+        key=lambda p: (p.imbalance_ratio > target + 1e-12, plan_objective(p, comm_weight)),
+    )
+
+
+def _seed_ranks(seed: Plan, pdoc: np.ndarray, pstart: np.ndarray, context_len: int) -> np.ndarray:
+    """(n_pieces,) int64 rank of every piece in ``seed`` (the shard holding its first token)."""
+    order = np.lexsort((seed.start, seed.doc))
+    key_seed = seed.doc[order] * (context_len + 1) + seed.start[order]
+    idx = np.searchsorted(key_seed, pdoc * (context_len + 1) + pstart, side="right") - 1
+    return seed.rank[order][idx]
+
+
+def plan_ilp(
+    doc_lens,
+    cp_size: int,
+    *,
+    block_size: int = 1024,
+    time_limit_s: float | None = 60.0,
+    gap: float | None = 1e-4,
+    solver: str = "cbc",
+    formulation: str = "patterns",
+    comm_weight: float = 1.0,
+    max_imbalance: float | None = 1.05,
+    warm_start: str | None = "best",
+    heuristic_target_imbalance: float = 1.05,
+    threads: int | None = None,
+    on_failure: str = "fallback",
+    watchdog_grace_s: float = 10.0,
+    solver_path: str | None = None,
+    validate: bool = True,
+) -> Plan:
+    """Plan FlashCP's layout by solving the ILP of :mod:`flashcp.ilp`.
+
+    Optimises ``imbalance_ratio + comm_weight * (1 - comm_saving)`` subject to
+    ``imbalance_ratio <= max_imbalance`` over plans that cut documents at piece boundaries
+    (paper §3.4: Eq. 1, Eq. 2, Eq. 3 and Eq. 5).
+
+    Args:
+        doc_lens: (n_docs,) int, document lengths in packed order (sum C divisible by N).
+        cp_size: N >= 1.
+        block_size: piece granularity in tokens (see :func:`flashcp.ilp.block_pieces`).
+        time_limit_s: wall-clock limit of the solve (model build included), seconds; None: no
+            limit and no watchdog.
+        gap: relative optimality gap at which the solver may stop and call the result optimal
+            (None: solver default).
+        solver: ``"cbc"`` (bundled with PuLP) or ``"highs"`` (needs ``highspy``).
+        formulation: ``"patterns"`` (tail patterns, tight LP bound) or ``"pieces"`` (piece
+            assignment, the original); same optimum, see :mod:`flashcp.ilp`.
+        comm_weight: weight of ``comm_tokens / comm_tokens_full`` against the imbalance ratio in
+            the objective (dimensionless, >= 0).
+        max_imbalance: hard cap on the imbalance ratio (>= 1); default 1.05, the ``flashcp``
+            heuristic's default target. None: no cap.
+        warm_start: ``"best"`` (the better of ``flashcp`` and ``flashcp_refined`` by the
+            objective, among those meeting the cap), ``"flashcp"``, ``"flashcp_refined"`` or
+            None. The seed's heuristic targets ``max_imbalance`` (``heuristic_target_imbalance``
+            without a cap); its cut points are added to the piece grid, and it is given to the
+            solver as a MIP start. ``info["warm_start_accepted"]`` says whether the solver used
+            it (None: the solver's log did not say).
+        heuristic_target_imbalance: target of the seed without a cap, and of the fallback.
+        threads: solver threads (None: solver default).
+        on_failure: ``"fallback"`` (warn, return the ``flashcp`` heuristic's plan with status
+            ``"fallback"``) or ``"raise"`` (raise ``ValueError``) when the solver returns no
+            solution, fails, or is killed by the watchdog.
+        watchdog_grace_s: seconds past ``time_limit_s`` after which the solver's process group is
+            killed and its temporary files deleted.
+        solver_path: a CBC executable to use instead of PuLP's bundled one.
+        validate: check the fallback plan's invariants (a solver's plan is always checked).
+    Returns:
+        A :class:`~flashcp.plan.Plan` with ``method="ilp"`` and status ``"ok"`` (proven optimal
+        within ``gap``), ``"time_limit"`` (incumbent without proof) or ``"fallback"``. ``info``:
+        ``solver``, ``formulation``, ``solver_status`` (``optimal`` / ``time_limit`` /
+        ``infeasible`` / ``not_solved`` / ``killed``), ``objective`` (of the returned plan),
+        ``model_objective``, ``best_bound``, ``gap`` ((objective - bound) / objective; None when
+        unknown), ``saving_upper_bound`` (:func:`saving_bound`), ``seed_objective``,
+        ``seed_method``, ``warm_start_given``, ``warm_start_accepted``, ``block_size``,
+        ``num_pieces``, ``num_binaries``, ``num_integers``, ``build_time_s``, ``solve_time_s``,
+        ``solve_cpu_s``, ``wall_time_s``, ``time_limit_s``, ``comm_weight``, ``max_imbalance``, ``warm_start``.
+    Raises:
+        ValueError: bad lengths, ``cp_size`` < 1, C not divisible by N, bad options, HiGHS asked
+            for but not installed, or no solution with ``on_failure="raise"``.
+    """
+    d = check_doc_lens(doc_lens)
+    n = cp_size
+    context_len = int(d.sum())
+    check_cp_args(context_len, n)
+    if solver not in _SOLVERS:
+        raise ValueError(f"solver must be one of {_SOLVERS}, got {solver!r}")
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    if on_failure not in _FAILURES:
+        raise ValueError(f"on_failure must be one of {_FAILURES}, got {on_failure!r}")
+    if warm_start not in _WARM_STARTS:
+        raise ValueError(f"warm_start must be one of {_WARM_STARTS}, got {warm_start!r}")
+    if not np.isfinite(comm_weight) or comm_weight < 0:
+        raise ValueError(f"comm_weight must be a finite number >= 0, got {comm_weight!r}")
+    if max_imbalance is not None and not max_imbalance >= 1.0:
+        raise ValueError(f"max_imbalance must be >= 1 or None, got {max_imbalance!r}")
+    if time_limit_s is not None and not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be > 0 or None, got {time_limit_s!r}")
+    if gap is not None and not gap >= 0:
+        raise ValueError(f"gap must be >= 0 or None, got {gap!r}")
+    if not watchdog_grace_s >= 0:
+        raise ValueError(f"watchdog_grace_s must be >= 0, got {watchdog_grace_s!r}")
+    if solver == "highs":
+        try:
+            import highspy  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "solver='highs' needs the highspy package: pip install 'flashcp[highs]'"
+            ) from None
+    target = float(max_imbalance) if max_imbalance is not None else heuristic_target_imbalance
+
+    t0 = time.perf_counter()
+    seed = None if warm_start is None else _heuristic(d, n, warm_start, target, comm_weight)
+    cuts = None if seed is None else (seed.doc, seed.start)
+    pdoc, pstart, plen = block_pieces(d, block_size, cuts)
+    inst = Instance(d, n, pdoc, pstart, plen, float(comm_weight), max_imbalance)
+    seed_rank = None if seed is None else _seed_ranks(seed, pdoc, pstart, context_len)
+    job = {
+        "formulation": formulation,
+        "instance": inst,
+        "seed_rank": seed_rank,
+        "solver": solver,
+        "solver_path": solver_path,
+        "time_limit_s": time_limit_s,
+        "gap": gap,
+        "threads": threads,
+    }
+    res = run_job(job, time_limit_s, watchdog_grace_s)
+    wall = time.perf_counter() - t0
+
+    info: dict[str, Any] = {
+        "solver": solver,
+        "formulation": formulation,
+        "block_size": int(block_size),
+        "num_pieces": int(pdoc.size),
+        "num_binaries": res.get("num_binaries"),
+        "num_integers": res.get("num_integers"),
+        "build_time_s": res.get("build_time_s"),
+        "solve_time_s": res.get("solve_time_s"),
+        "solve_cpu_s": res.get("solve_cpu_s"),
+        "wall_time_s": wall,
+        "time_limit_s": time_limit_s,
+        "comm_weight": float(comm_weight),
+        "max_imbalance": max_imbalance,
+        "warm_start": warm_start,
+        "seed_method": None if seed is None else seed.method,
+        "seed_objective": None if seed is None else plan_objective(seed, comm_weight),
+        "warm_start_given": bool(res.get("warm_start_given")),
+        "warm_start_accepted": res.get("warm_start_accepted"),
+    }
+    error = res.get("error")
+    if res["sol"] in ("optimal", "feasible"):
+        solver_status = "optimal" if res["sol"] == "optimal" else "time_limit"
+        assign = res["assign"]
+        order = np.lexsort((pstart, pdoc, assign))
+        try:
+            plan = make_plan(
+                "ilp",
+                n,
+                d,
+                assign[order],
+                pdoc[order],
+                pstart[order],
+                plen[order],
+                status="ok" if solver_status == "optimal" else "time_limit",
+                info=info,
+                validate=True,
+            )
+        except ValueError as exc:
+            plan, error = None, f"solution violates the plan invariants: {exc}"
+        if plan is not None:
+            obj = plan_objective(plan, comm_weight)
+            bound = res["bound"]
+            if solver_status == "optimal" and bound is None:
+                bound = obj
+            plan.info.update(
+                solver_status=solver_status,
+                objective=obj,
+                model_objective=res["model_objective"],
+                best_bound=bound,
+                gap=None if bound is None else max(0.0, (obj - bound) / abs(obj)),
+                saving_upper_bound=saving_bound(bound, max_imbalance, comm_weight),
+            )
+            return plan
+        solver_status = "not_solved"
+    elif res["sol"] == "infeasible":
+        solver_status = "infeasible"
+    elif res.get("killed"):
+        solver_status = "killed"
+    else:
+        solver_status = "not_solved"
+
+    reason = (
+        f"ILP ({solver}, {formulation}, block_size={block_size}, {pdoc.size} pieces) returned no "
+        f"solution: {solver_status}" + (f" ({error})" if error else "")
+    )
+    if on_failure == "raise":
+        raise ValueError(reason)
+    warnings.warn(
+        reason + "; returning the flashcp heuristic's plan (status 'fallback')",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    h = _heuristic(d, n, "flashcp", target, comm_weight)
+    info.update(
+        solver_status=solver_status,
+        fallback_method="flashcp",
+        fallback_reason=reason,
+        heuristic_status=h.status,
+        objective=plan_objective(h, comm_weight),
+        model_objective=None,
+        best_bound=None,
+        gap=None,
+        saving_upper_bound=None,
+    )
+    return make_plan(
+        "ilp",
+        n,
+        d,
+        h.rank,
+        h.doc,
+        h.start,
+        h.length,
+        status="fallback",
+        info=info,
+        validate=validate,
+    )

@@ -1,0 +1,314 @@
+"""The ILP's solver process and the watchdog that bounds it (arXiv 2606.08476, §3.4).
+
+A MIP solver can overrun its own time limit or hang (a stuck CBC binary, a HiGHS call that never
+returns), and a solver that runs inside the planner's process, or as its child, cannot be stopped
+safely from Python. So :func:`run_job` builds and solves the model in a separate process
+(``python -m flashcp.ilp.worker JOB RESULT``) started in its own session, whose files (the job, the
+result, PuLP's ``*-pulp.mps`` / ``*-pulp.mst`` / ``*-pulp.sol``, the solver's log) all live in one
+temporary folder. The planner waits at most ``time_limit_s + grace_s``; past that it kills the
+whole process group (the worker and the solver binary it started) and deletes the folder. The
+same cleanup runs when the planner itself is interrupted. The worker reports whether the solver
+accepted the MIP start: CBC can reject it ("mipstart values could not be used").
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+
+__all__ = ["run_job", "solve_job"]
+
+
+def _cbc_log(log_path: str) -> tuple[float | None, bool | None]:
+    """``(best bound, MIP start accepted)`` from CBC's log; None where the log does not say.
+
+    The bound is the last "Lower bound:" line of the result block. The MIP start counts as
+    accepted when CBC reports "MIPStart provided solution with cost ..."; as rejected when it
+    reports that the values "could not be used", are "not valid", or could not be read.
+    """
+    try:
+        with open(log_path) as f:
+            text = f.read()
+    except OSError:
+        return None, None
+    found = re.findall(r"^Lower bound:\s*(\S+)", text, flags=re.MULTILINE)
+    try:
+        bound = float(found[-1]) if found else None
+    except ValueError:
+        bound = None
+    if "MIPStart provided solution with cost" in text:
+        accepted = True
+    elif re.search(r"could not be used|MIPstart solution is not valid|No mipstart solution", text):
+        accepted = False
+    else:
+        accepted = None
+    return bound, accepted
+
+
+def _highs_start_accepted(log_path: str) -> bool | None:
+    """Whether HiGHS used the MIP start, from its log: it reports the start's objective as a
+    feasible "solution" at the root, or says the start is infeasible; None when the log is silent."""
+    try:
+        with open(log_path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    low = text.lower()
+    if re.search(r"(start|user).{0,40}(infeasible|not feasible|rejected)", low):
+        return False
+    if re.search(r"(start|user).{0,60}(feasible|accepted|objective)", low):
+        return True
+    return None
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its finished children (a CBC binary)."""
+    import resource
+
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def solve_job(job: dict[str, Any]) -> dict[str, Any]:
+    """Build and solve one model (runs in the worker process).
+
+    ``job``: ``formulation``, ``instance`` (:class:`flashcp.ilp.model.Instance`), ``seed_rank``
+    ((n_pieces,) int64 or None), ``solver`` (``cbc`` / ``highs``), ``solver_path`` (a CBC
+    executable, or None for PuLP's bundled one), ``time_limit_s`` (wall clock for build + solve,
+    or None), ``gap``, ``threads``, ``tmpdir``.
+
+    Returns a dict: ``sol`` (``optimal`` / ``feasible`` / ``infeasible`` / ``none``), ``assign``
+    ((n_pieces,) int64 or None), ``bound``, ``model_objective``, ``error``,
+    ``warm_start_given``, ``warm_start_accepted`` (True / False / None = unknown),
+    ``num_binaries``, ``num_integers``, ``build_time_s``, ``solve_time_s`` (wall clock) and
+    ``solve_cpu_s`` (CPU seconds of the solve: on a loaded machine, what the solver really got).
+    """
+    import pulp
+
+    from flashcp.ilp.model import Infeasible, build_model
+
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {
+        "sol": "none",
+        "assign": None,
+        "bound": None,
+        "model_objective": None,
+        "error": None,
+        "warm_start_given": False,
+        "warm_start_accepted": None,
+        "num_binaries": None,
+        "num_integers": None,
+        "build_time_s": None,
+        "solve_time_s": None,
+        "solve_cpu_s": None,
+    }
+    try:
+        model = build_model(job["formulation"], job["instance"], job["seed_rank"])
+    except Infeasible as exc:
+        out.update(sol="infeasible", error=str(exc), build_time_s=time.perf_counter() - t0)
+        return out
+    prob = model.prob
+    start = bool(model.start_vars)
+    out.update(
+        num_binaries=model.num_binaries,
+        num_integers=model.num_integers,
+        warm_start_given=start,
+        build_time_s=time.perf_counter() - t0,
+    )
+    limit = job["time_limit_s"]
+    if limit is not None:  # the build counts against the wall-clock limit
+        limit = max(1.0, limit - (time.perf_counter() - t0))
+    tmp = job["tmpdir"]
+    log_path = os.path.join(tmp, "solver.log")
+    t1, c1 = time.perf_counter(), _cpu_s()
+    try:
+        if job["solver"] == "cbc":
+            for v, val in zip(model.start_vars, model.start_vals, strict=True):
+                v.setInitialValue(val)
+            with warnings.catch_warnings():  # PuLP 3.x deprecates the bundled CBC's class name
+                warnings.simplefilter("ignore", DeprecationWarning)
+                opts = dict(
+                    msg=False,
+                    timeLimit=limit,
+                    gapRel=job["gap"],
+                    threads=job["threads"],
+                    logPath=log_path,
+                    warmStart=start,
+                )
+                if job["solver_path"]:
+                    slv = pulp.COIN_CMD(path=job["solver_path"], **opts)
+                else:
+                    slv = pulp.PULP_CBC_CMD(**opts)
+            slv.tmpDir = tmp  # PuLP's *-pulp.mps / .mst / .sol go to the watched folder
+            prob.solve(slv)
+            sol = prob.sol_status
+            if sol == pulp.LpSolutionNoSolutionFound and prob.status == pulp.LpStatusInfeasible:
+                sol = pulp.LpSolutionInfeasible
+            bound, accepted = _cbc_log(log_path)
+        else:
+            import highspy
+
+            slv = pulp.HiGHS(msg=False, timeLimit=limit, gapRel=job["gap"], threads=job["threads"])
+            # PuLP's HiGHS interface has no MIP start: its actualSolve, with setSolution added
+            slv.createAndConfigureSolver(prob)
+            h = prob.solverModel
+            h.setOptionValue("output_flag", True)
+            h.setOptionValue("log_to_console", False)
+            h.setOptionValue("log_file", log_path)
+            slv.buildSolverModel(prob)
+            if start:
+                hs = highspy.HighsSolution()
+                vals = [0.0] * h.getNumCol()
+                for v, val in zip(model.start_vars, model.start_vals, strict=True):
+                    vals[v.index] = float(val)
+                hs.col_value = vals
+                hs.value_valid = True
+                h.setSolution(hs)
+            slv.callSolver(prob)
+            status, sol = slv.findSolutionValues(prob)
+            prob.assignStatus(status, sol)
+            bound = float(h.getInfo().mip_dual_bound)
+            accepted = _highs_start_accepted(log_path) if start else None
+    except pulp.PulpSolverError as exc:  # the solver crashed or wrote no solution
+        out.update(error=str(exc), solve_time_s=time.perf_counter() - t1)
+        return out
+    out["solve_time_s"] = time.perf_counter() - t1
+    out["solve_cpu_s"] = _cpu_s() - c1
+    out["warm_start_accepted"] = accepted if start else None
+    out["bound"] = bound if bound is not None and np.isfinite(bound) else None
+    if sol == pulp.LpSolutionInfeasible:
+        out["sol"] = "infeasible"
+    elif sol in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        assign = model.read()
+        if assign is None:
+            out["error"] = "the solver returned a fractional assignment"
+        else:
+            out.update(
+                sol="optimal" if sol == pulp.LpSolutionOptimal else "feasible",
+                assign=assign,
+                model_objective=float(pulp.value(prob.objective)),
+            )
+    return out
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the worker's process group (the worker and any solver binary it started)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_job(job: dict[str, Any], time_limit_s: float | None, grace_s: float) -> dict[str, Any]:
+    """Run :func:`solve_job` in a worker process under a watchdog.
+
+    Args:
+        job: as for :func:`solve_job` (``tmpdir`` is set here).
+        time_limit_s: the solver's wall-clock limit, seconds (None: wait for ever).
+        grace_s: extra seconds granted before the watchdog kills the worker's process group.
+    Returns:
+        :func:`solve_job`'s dict, plus ``killed`` (the watchdog ended the worker) and
+        A worker that dies or writes no result gives ``sol = "none"`` and its
+        stderr in ``error``.
+    """
+    tmp = tempfile.mkdtemp(prefix="flashcp_ilp_")
+    proc = None
+    try:
+        job = {**job, "tmpdir": tmp}
+        job_path, res_path = os.path.join(tmp, "job.pkl"), os.path.join(tmp, "result.pkl")
+        with open(job_path, "wb") as f:
+            pickle.dump(job, f)
+        err_path = os.path.join(tmp, "worker.err")
+        # the worker imports this very flashcp, however the caller found it
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [root, *filter(None, [os.environ.get("PYTHONPATH")])]
+        )}  # fmt: skip
+        with open(err_path, "wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "flashcp.ilp.worker", job_path, res_path],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,  # its own process group, killed as a whole
+            )
+            wait = None if time_limit_s is None else time_limit_s + grace_s
+            try:
+                proc.wait(timeout=wait)
+                killed = False
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                killed = True
+        if not killed and os.path.exists(res_path):
+            with open(res_path, "rb") as f:
+                res = pickle.load(f)
+        else:
+            with open(err_path, "rb") as f:
+                tail = f.read()[-2000:].decode(errors="replace").strip()
+            res = {
+                "sol": "none",
+                "assign": None,
+                "bound": None,
+                "model_objective": None,
+                "warm_start_given": bool(job.get("seed_rank") is not None),
+                "warm_start_accepted": None,
+                "error": (
+                    f"the watchdog killed the solver after {wait:g} s"
+                    if killed
+                    else f"the solver process exited with code {proc.returncode}: {tail}"
+                ),
+            }
+        res["killed"] = killed
+        return res
+    finally:
+        if proc is not None and proc.poll() is None:  # interrupted: leave nothing running
+            _kill_group(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _orphan_guard(parent: int, tmpdir: str) -> None:
+    """Runs in a daemon thread of the worker: when the planner process dies without cleaning up
+    (e.g. SIGKILL), delete the job's folder and kill the worker's process group."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _main(argv: list[str]) -> int:
+    import threading
+
+    job_path, res_path = argv
+    with open(job_path, "rb") as f:
+        job = pickle.load(f)
+    threading.Thread(target=_orphan_guard, args=(os.getppid(), job["tmpdir"]), daemon=True).start()
+    res = solve_job(job)
+    tmp_res = res_path + ".part"
+    with open(tmp_res, "wb") as f:
+        pickle.dump(res, f)
+    os.replace(tmp_res, res_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -124,7 +124,11 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
     )
     gm = per_seq.groupby(keys, dropna=False)["_log_speedup"].mean().apply(np.exp)
     out = out.merge(gm.rename("speedup_vs_llama3_gmean").reset_index(), on=keys, how="left")
-    return typed(out.drop(columns=["llama3_total_ms_mean"]))
+    out = out.drop(columns=["llama3_total_ms_mean"])
+    # readable, stable order (run_id is a hash: sorting by it reorders the file after every commit)
+    order = ("dataset", "context_len", "cp_size", "model", "mode", "method", "run_id")
+    out = out.sort_values([c for c in order if c in out], kind="stable", ignore_index=True)
+    return typed(out)
 
 
 def aggregate(exp_dir: str | Path, rows_paths: list[Path] | None = None) -> pd.DataFrame | None:
@@ -146,6 +150,9 @@ def aggregate(exp_dir: str | Path, rows_paths: list[Path] | None = None) -> pd.D
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1] in ("-h", "--help"):
+        print("usage: python -m experiments.aggregate RESULTS_DIR/NAME\n\n" + __doc__.strip())
+        sys.exit(0)
     if len(sys.argv) != 2:
         sys.exit("usage: python -m experiments.aggregate RESULTS_DIR/NAME")
     try:

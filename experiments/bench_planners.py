@@ -42,18 +42,28 @@ def _job(args):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sequences", type=int, default=200, help="sequences per dataset for timing planners")
-    ap.add_argument("--sweep-sequences", type=int, default=500, help="sequences per dataset in the timed sweep")
+    ap.add_argument(
+        "--sequences", type=int, default=200, help="sequences per dataset for timing planners"
+    )
+    ap.add_argument(
+        "--sweep-sequences", type=int, default=500, help="sequences per dataset in the timed sweep"
+    )
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     hw = load_hardware("h100_sxm")
     shapes = [AttnShape(16, 16, 128, "bfloat16"), AttnShape(32, 32, 128, "bfloat16")]
 
-    print(f"planning time per {C // 1024}K sequence ({args.sequences} sequences x {len(DATASETS)} datasets)")
-    print(f"{'method':<10} {'cp':>3} {'median_ms':>10} {'p90_ms':>8} {'plans/s':>9} {'sim_us/call':>12}")
+    print(
+        f"planning time per {C // 1024}K sequence ({args.sequences} sequences x {len(DATASETS)} datasets)"
+    )
+    print(
+        f"{'method':<10} {'cp':>3} {'median_ms':>10} {'p90_ms':>8} {'plans/s':>9} {'sim_us/call':>12}"
+    )
     seqs = {
-        ds: sample_sequences(load_distribution(ds, context_len=C), args.sequences, C, seed=args.seed)
+        ds: sample_sequences(
+            load_distribution(ds, context_len=C), args.sequences, C, seed=args.seed
+        )
         for ds in DATASETS
     }
     for method, cp in itertools.product(PLANNERS, (4, 8)):

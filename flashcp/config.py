@@ -234,7 +234,9 @@ def check_config(cfg: Any) -> None:
             raise ValueError(f"executor.ranks must be distinct and non-empty, got {list(ranks)}")
         for r in ranks or ():
             if not 0 <= r < cfg.cp_size:
-                raise ValueError(f"executor.ranks: rank {r} out of range for cp_size = {cfg.cp_size}")
+                raise ValueError(
+                    f"executor.ranks: rank {r} out of range for cp_size = {cfg.cp_size}"
+                )
     if cfg.num_sequences < 1:
         raise ValueError(f"num_sequences must be >= 1, got {cfg.num_sequences}")
     if cfg.workers < 1:
@@ -264,7 +266,9 @@ def check_impl_config(method: str, impl: str, executor: str) -> None:
 
     check_impl(method, impl)
     if impl == "ring_flash_attn" and executor != "sim":
-        missing = [p for p in ("flash_attn", "ring_flash_attn") if importlib.util.find_spec(p) is None]
+        missing = [
+            p for p in ("flash_attn", "ring_flash_attn") if importlib.util.find_spec(p) is None
+        ]
         if missing:
             raise ValueError(
                 f"method.impl=ring_flash_attn under executor={executor} needs {' and '.join(missing)} "

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from flashcp.results import markdown_table
 from flashcp.sim.calibration import (
     KERNEL_FIELDS,
     SHARED_FIELDS,
@@ -84,14 +85,7 @@ def _markdown(table: pd.DataFrame) -> str:
         "band",
         "within_band",
     ]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for _, r in table.iterrows():
-        lines.append(
-            "| "
-            + " | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols)
-            + " |"
-        )
-    return "\n".join(lines) + "\n"
+    return markdown_table(table[cols])
 
 
 def _stage(gpu: str, hw, free) -> tuple[FitResult, pd.DataFrame]:

@@ -32,6 +32,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from flashcp.comm import AttnShape
+from flashcp.results import markdown_table
 from flashcp.sim.hardware import HardwareProfile
 
 __all__ = ["VARIED", "perturb", "run_sensitivity"]
@@ -105,18 +106,6 @@ def _group(costs, hw, shape, modes) -> dict:
     return res
 
 
-def _markdown(df: pd.DataFrame) -> str:
-    cols = list(df.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for _, r in df.iterrows():
-        lines.append(
-            "| "
-            + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols)
-            + " |"
-        )
-    return "\n".join(lines) + "\n"
-
-
 def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     """Run the study described in the module docstring; return the per-draw table.
 
@@ -181,7 +170,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     }).reset_index()  # fmt: skip
     rng = rng[rng.method != "llama3"]
     rng.to_csv(out / "speedup_range.csv", index=False)
-    (out / "speedup_range.md").write_text(_markdown(rng))
+    (out / "speedup_range.md").write_text(markdown_table(rng, ".3f"))
 
     jt = df[df.kind == "joint"].pivot_table(
         index=["dataset", "mode", "draw"], columns="method", values="speedup_vs_llama3"
@@ -196,7 +185,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
                           "share_of_draws": share if base_a >= base_b else 1.0 - share})  # fmt: skip
     order_df = pd.DataFrame(order)
     order_df.to_csv(out / "ordering.csv", index=False)
-    (out / "ordering.md").write_text(_markdown(order_df))
+    (out / "ordering.md").write_text(markdown_table(order_df, ".3f"))
     _tornado(df, methods, datasets, modes[0], out / "tornado.png")
     return df
 

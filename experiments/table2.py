@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from flashcp.results import markdown_table
+
 __all__ = ["run_table2"]
 
 _BASELINES = ("llama3", "per_doc", "ring", "zigzag")
@@ -122,19 +124,6 @@ def _summary(rows: pd.DataFrame, target: float) -> pd.DataFrame:
             rec["ilp_warm_start_accepted"] = int((g["ilp_warm_start_accepted"] == True).sum())  # noqa: E712
         out.append(rec)
     return pd.DataFrame(out)
-
-
-def _markdown(df: pd.DataFrame) -> str:
-    """A GitHub Markdown table of ``df`` (numbers to 4 significant digits; no tabulate needed)."""
-
-    def cell(v) -> str:
-        if isinstance(v, float | np.floating):
-            return "" if np.isnan(v) else f"{v:.4g}"
-        return str(v)
-
-    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
-    return "\n".join(lines) + "\n"
 
 
 def run_table2(
@@ -263,6 +252,6 @@ def run_table2(
             "ilp_warm_start_accepted",
         ]
     ]
-    (out / "table2.md").write_text(_markdown(shown))
+    (out / "table2.md").write_text(markdown_table(shown))
     (out / "table2.tex").write_text(shown.to_latex(index=False, float_format="%.4g"))
     return summary

@@ -20,6 +20,7 @@ __all__ = [
     "code_version",
     "config_hash",
     "identity_hash",
+    "markdown_table",
     "provenance",
     "read_rows",
     "typed",
@@ -201,3 +202,21 @@ def write_csv_atomic(df, path) -> None:
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     typed(df.copy(), strict=False).to_csv(tmp, index=False)
     os.replace(tmp, path)
+
+
+def markdown_table(df, float_format: str = ".4g") -> str:
+    """``df`` as a GitHub Markdown table (floats with ``float_format``, NaN as an empty cell).
+
+    Written here rather than with ``DataFrame.to_markdown`` so the harness needs no ``tabulate``.
+    """
+    import math
+
+    def cell(v) -> str:
+        if isinstance(v, float):  # numpy floating scalars subclass float
+            return "" if math.isnan(v) else format(v, float_format)
+        return str(v)
+
+    cols = [str(c) for c in df.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines) + "\n"

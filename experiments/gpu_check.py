@@ -51,12 +51,17 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from experiments.table2 import _markdown as markdown_table  # noqa: E402
 from flashcp.comm import AttnShape  # noqa: E402
 from flashcp.data import load_distribution, sample_sequences  # noqa: E402
 from flashcp.ops.backends import get_backend  # noqa: E402
 from flashcp.registry import make_plan_for  # noqa: E402
-from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS, provenance, write_csv_atomic  # noqa: E402
+from flashcp.results import (  # noqa: E402
+    COMM_COLUMNS,
+    PHASE_COLUMNS,
+    markdown_table,
+    provenance,
+    write_csv_atomic,
+)
 from flashcp.sim import HardwareProfile, attention_kernel_ms, load_hardware, simulate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -30,7 +30,7 @@ from flashcp.sim.calibration import (
     fit_constants,
     public_targets,
 )
-from flashcp.sim.hardware import fitted_path, load_hardware
+from flashcp.sim.hardware import load_hardware
 
 __all__ = ["FREE_A100", "FREE_H100", "run_calibration"]
 
@@ -97,7 +97,11 @@ def _stage(gpu: str, hw, free) -> tuple[FitResult, pd.DataFrame]:
 def run_calibration(
     out_dir: str | Path = "results/calibration", write_profile: bool = True
 ) -> pd.DataFrame:
-    """Fit both stages, write ``out_dir`` and (``write_profile``) ``fitted_constants.yaml``.
+    """Fit both stages, write ``out_dir`` and (``write_profile``) ``out_dir/fitted_constants.yaml``.
+
+    The profiles load :func:`flashcp.sim.hardware.fitted_path`: in a checkout run from its root with
+    the default ``results_dir``, that is the file written here; an installed wheel keeps loading
+    its packaged copy (copy the new file over it, or rebuild, to use a new fit).
 
     Returns:
         The target table after the fit (one row per target, both stages).
@@ -141,8 +145,7 @@ def run_calibration(
         },
     }
     if write_profile:
-        fitted_path().parent.mkdir(parents=True, exist_ok=True)
-        with fitted_path().open("w") as fh:
+        with (out / "fitted_constants.yaml").open("w") as fh:
             fh.write(
                 "# Written by experiments/calibration.py (flashcp-run experiment=calibration); do not edit.\n"
             )

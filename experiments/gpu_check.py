@@ -55,6 +55,7 @@ from flashcp.comm import AttnShape  # noqa: E402
 from flashcp.data import load_distribution, sample_sequences  # noqa: E402
 from flashcp.ops.backends import get_backend  # noqa: E402
 from flashcp.registry import make_plan_for  # noqa: E402
+from flashcp.resources import source_root  # noqa: E402
 from flashcp.results import (  # noqa: E402
     COMM_COLUMNS,
     PHASE_COLUMNS,
@@ -64,7 +65,6 @@ from flashcp.results import (  # noqa: E402
 )
 from flashcp.sim import HardwareProfile, attention_kernel_ms, load_hardware, simulate  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 METHODS = ("llama3", "per_doc", "ring", "zigzag", "flashcp")
 DATASETS = ("wlb_llm", "pile", "redpajama")
 #: measured phases the fit uses as targets (communication phases come from the profile itself)
@@ -174,9 +174,9 @@ def _text(x) -> str:
 
 
 def run_bounded(cmd: list[str], timeout_s: float, log: Path) -> str:
-    """Run ``cmd`` in the repository in its own session, at most ``timeout_s`` seconds; write its
-    output to ``log`` and return it. On timeout the whole session (e.g. torchrun's workers) is
-    killed, so nothing is left holding the GPU.
+    """Run ``cmd`` (in the checkout, if any) in its own session, at most ``timeout_s`` seconds;
+    write its output to ``log`` and return it. On timeout the whole session (e.g. torchrun's
+    workers) is killed, so nothing is left holding the GPU.
 
     Raises:
         subprocess.TimeoutExpired: it ran out of time (the log says how far it got).
@@ -184,7 +184,7 @@ def run_bounded(cmd: list[str], timeout_s: float, log: Path) -> str:
     import os
     import signal
 
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=source_root(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip
     try:
         text, _ = proc.communicate(timeout=max(timeout_s, 1.0))
@@ -628,7 +628,8 @@ def main(argv=None) -> None:
     hw = load_hardware(args.hardware)
     if args.free:
         parse_free(args.free, hw)  # bad names fail now, not after the measurements
-    out = Path(args.out or REPO / "results" / ("gpu_check_quick" if args.quick else "gpu_check"))
+    out = Path(args.out or Path("results") / ("gpu_check_quick" if args.quick else "gpu_check"))
+    out = out.resolve()  # the runs it starts work in the checkout: give them an absolute path
     out.mkdir(parents=True, exist_ok=True)
 
     # a hard stop shortly after the budget: whatever hangs is interrupted, the step is reported as

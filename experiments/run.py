@@ -49,6 +49,7 @@ from flashcp.config import (
 )
 from flashcp.plan import Plan
 from flashcp.registry import COMM_KIND, get_planner
+from flashcp.resources import resource_path
 from flashcp.results import (
     COMM_COLUMNS,
     IDENTITY_COLUMNS,
@@ -62,7 +63,7 @@ from flashcp.results import (
 )
 
 log = logging.getLogger(__name__)
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONF_DIR = str(resource_path("conf"))
 
 #: columns that say which invocation wrote a row (not part of the identity)
 JOB_COLUMNS = ("name", "sweep_id", "job_num", "overrides", "run_id")

@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from flashcp.resources import resource_path
+
 __all__ = [
     "DATASETS",
     "WEIGHTINGS",
@@ -515,8 +517,8 @@ class EmpiricalDistribution(LengthDistribution):
 
 
 def default_data_dir() -> Path:
-    """The ``datasets/`` folder at the repository root (next to the ``flashcp`` package)."""
-    return Path(__file__).resolve().parent.parent / "datasets"
+    """The ``datasets/`` folder (of the checkout, or packaged: :func:`flashcp.resources.resource_path`)."""
+    return resource_path("datasets")
 
 
 def _read_table(path: Path, columns: Sequence[str]) -> tuple[list[str], dict[str, np.ndarray]]:

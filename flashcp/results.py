@@ -128,16 +128,21 @@ def provenance(repo_dir: str | None = None) -> dict[str, object]:
     """Where a row comes from: git commit and dirty flag of the harness (tracked files outside
     ``results/`` differ from the commit), package versions.
 
-    Versions are read from installed package metadata (torch is not imported). Missing git gives
+    Versions are read from installed package metadata (torch is not imported). Missing git, or an
+    installed wheel (no checkout: :func:`flashcp.resources.source_root`), gives
     ``git_commit = "unknown"``.
     """
     import subprocess
     from importlib import metadata
     from pathlib import Path
 
-    root = Path(repo_dir) if repo_dir else Path(__file__).resolve().parents[1]
+    from flashcp.resources import source_root
+
+    root = Path(repo_dir) if repo_dir else source_root()  # None: an installed wheel, no git
 
     def git(*args: str) -> str | None:
+        if root is None:
+            return None
         try:
             out = subprocess.run(
                 ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10

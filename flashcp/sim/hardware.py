@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from flashcp.resources import resource_path
+
 __all__ = [
     "HardwareProfile",
     "fitted_path",
@@ -268,8 +270,8 @@ class HardwareProfile:
 
 
 def hardware_dir() -> Path:
-    """``conf/hardware`` of the repository (two levels above ``flashcp/sim``)."""
-    return Path(__file__).resolve().parents[2] / "conf" / "hardware"
+    """``conf/hardware`` (of the checkout, or packaged: :func:`flashcp.resources.resource_path`)."""
+    return resource_path("conf") / "hardware"
 
 
 def list_hardware() -> list[str]:
@@ -278,9 +280,10 @@ def list_hardware() -> list[str]:
 
 
 def fitted_path() -> Path:
-    """``results/calibration/fitted_constants.yaml`` of the repository: the constants the
-    calibration experiment fitted, by section (``experiments/calibration.py``)."""
-    return Path(__file__).resolve().parents[2] / "results" / "calibration" / "fitted_constants.yaml"
+    """``results/calibration/fitted_constants.yaml`` (of the checkout, or packaged:
+    :func:`flashcp.resources.resource_path`): the constants the calibration experiment fitted, by
+    section (``experiments/calibration.py``)."""
+    return resource_path("fitted_constants")
 
 
 def read_fitted(sections) -> dict[str, float]:

@@ -8,11 +8,18 @@ rows) and ``<exp_dir>/summary.csv``: one row per (run identity, mode), grouped b
 every column of :data:`flashcp.results.IDENTITY_COLUMNS`, so runs that differ in anything that
 changes results (method options, ``num_sequences``, dataset file content, hardware constants,
 executor options, code version) are never averaged together. Each summary row has the count of
-rows, ok rows and error rows (``error``: the first error message), the mean, median and p90 of
-``total_ms``, the mean of every phase and plan metric, plus ``speedup_vs_llama3`` = mean
-``total_ms`` of ``llama3`` / mean ``total_ms`` of the method, paired only with the llama3 run of
-the same identity apart from the method (the paper's Fig. 5 normalisation), and
-``speedup_vs_llama3_gmean``, the geometric mean of per-sequence speedups.
+rows, ok rows and error rows (``error``: the first error message), the mean, median, p10 and p90
+of ``total_ms`` with the 95% interval of its mean (``total_ms_ci95_lo``/``_hi``), the mean of every
+phase and plan metric, plus ``speedup_vs_llama3`` = mean ``total_ms`` of ``llama3`` / mean
+``total_ms`` of the method, paired only with the llama3 run of the same identity apart from the
+method (the paper's Fig. 5 normalisation), its 95% interval over the sequences both runs share
+(``speedup_vs_llama3_ci95_lo``/``_hi``), and ``speedup_vs_llama3_gmean``, the geometric mean of
+per-sequence speedups.
+
+The intervals are Student-t intervals over sequences: of a mean, ``mean ± t·s/√n``; of a ratio of
+means ``R = ȳ/x̄`` over paired sequences (the same seed samples the same sequences for every
+method), the delta-method (linearisation) standard error ``s(y − R·x) / (x̄·√n)`` (Cochran,
+*Sampling Techniques*, 3rd ed., ch. 6). A run with fewer than two sequences has no interval (NaN).
 
 The merge refuses (ValueError) rows it cannot keep apart: the same (run_id, seq_idx, mode) from two
 ``rows.csv`` files (the same run written twice, e.g. copied folders), or rows without identity.
@@ -86,6 +93,29 @@ def merge_rows(exp_dir: str | Path, rows_paths: list[Path] | None = None) -> pd.
     return typed(rows.drop(columns="_source"))
 
 
+def _t95(n) -> np.ndarray:
+    """Two-sided 95% Student-t quantile for ``n`` samples (NaN where ``n < 2``)."""
+    from scipy.stats import t
+
+    n = np.asarray(n, dtype="float64")
+    return np.where(n >= 2, t.ppf(0.975, np.maximum(n - 1, 1)), np.nan)
+
+
+def _ratio_halfwidth(per_seq: pd.DataFrame, keys: list[str]) -> pd.Series:
+    """Half-width of the 95% interval of ``R = mean(_ref) / mean(total_ms)`` per group of ``keys``
+    over paired per-sequence rows: ``t · s(ref − R·x) / (x̄·√n)``, the delta-method standard error
+    of a ratio of means (Cochran, *Sampling Techniques*, 3rd ed., ch. 6)."""
+    d = per_seq[keys].copy()
+    d["_y"] = per_seq["_ref"].astype("float64")
+    d["_x"] = per_seq["total_ms"].astype("float64")
+    g = d.groupby(keys, dropna=False)
+    d["_resid"] = d["_y"] - g["_y"].transform("mean") / g["_x"].transform("mean") * d["_x"]
+    st = d.groupby(keys, dropna=False).agg(
+        n=("_x", "size"), x_mean=("_x", "mean"), s=("_resid", "std")
+    )
+    return _t95(st["n"]) * st["s"] / (st["x_mean"] * np.sqrt(st["n"]))
+
+
 def summarise(rows: pd.DataFrame) -> pd.DataFrame:
     """Per (run identity, mode) statistics of ``rows`` (see the module docstring)."""
     keys = [k for k in RUN_KEYS if k in rows]
@@ -99,7 +129,11 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
     tot = g["total_ms"]
     out["total_ms_mean"] = tot.mean()
     out["total_ms_median"] = tot.median()
+    out["total_ms_p10"] = tot.quantile(0.1)
     out["total_ms_p90"] = tot.quantile(0.9)
+    half = _t95(tot.count()) * tot.std() / np.sqrt(tot.count())
+    out["total_ms_ci95_lo"] = out["total_ms_mean"] - half
+    out["total_ms_ci95_hi"] = out["total_ms_mean"] + half
     for col in PHASE_COLUMNS:
         if col != "total_ms" and col in ok:
             out[f"{col}_mean"] = g[col].mean()
@@ -124,6 +158,11 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
     )
     gm = per_seq.groupby(keys, dropna=False)["_log_speedup"].mean().apply(np.exp)
     out = out.merge(gm.rename("speedup_vs_llama3_gmean").reset_index(), on=keys, how="left")
+    half = _ratio_halfwidth(per_seq, keys).rename("_half").reset_index()
+    out = out.merge(half, on=keys, how="left")
+    out["speedup_vs_llama3_ci95_lo"] = out["speedup_vs_llama3"] - out["_half"]
+    out["speedup_vs_llama3_ci95_hi"] = out["speedup_vs_llama3"] + out["_half"]
+    out = out.drop(columns="_half")
     out = out.drop(columns=["llama3_total_ms_mean"])
     # readable, stable order (run_id is a hash: sorting by it reorders the file after every commit)
     order = ("dataset", "context_len", "cp_size", "model", "mode", "method", "run_id")

@@ -13,6 +13,10 @@
 A figure that cannot be drawn faithfully raises ValueError saying why (two summary rows for one bar,
 a grid the figure has no axis for); a bar or point without data is drawn as a marked gap ("n/a"),
 never silently left out.
+
+Where a bar or point is a mean over sequences, its error bar is the 95% interval over sequences from
+the summary (``<value>_ci95_lo``/``_hi``, see :mod:`experiments.aggregate`); a summary written
+without those columns is drawn without error bars and its title says so.
 """
 
 from __future__ import annotations
@@ -84,6 +88,26 @@ def _one_per(df: pd.DataFrame, fig: str, keys: list[str]) -> None:
     )
 
 
+def _yerr(
+    df: pd.DataFrame, value: str, interval: str | None = None
+) -> tuple[list[float], list[float]] | None:
+    """Error bar lengths ``(below, above)`` of ``df[value]`` from the 95% interval columns
+    ``<interval>_ci95_lo``/``_hi`` (``interval`` defaults to ``value``), NaN where a row has none;
+    None when the summary has no such columns (written before they existed)."""
+    lo, hi = f"{interval or value}_ci95_lo", f"{interval or value}_ci95_hi"
+    if lo not in df or hi not in df:
+        return None
+    v = df[value].astype("float64")
+    return list(v - df[lo].astype("float64")), list(df[hi].astype("float64") - v)
+
+
+def _bars_note(has_intervals: bool, on: str = "") -> str:
+    """Title note saying what the error bars are (or that the summary has none)."""
+    if not has_intervals:
+        return "no intervals: summary written by an older harness"
+    return f"error bars{on}: 95% interval over sequences"
+
+
 def _mark_missing(ax, x: float) -> None:
     """Mark a bar without data at ``x`` (data coordinates) so a gap is never read as a value."""
     ax.text(x, 0.02, "n/a", rotation=90, ha="center", va="bottom", fontsize=6, color="#b00000",
@@ -110,7 +134,7 @@ def plot_fig5(summary: pd.DataFrame, out: Path) -> Path:
     )
     groups = list(groups.itertuples(index=False, name=None))
     fig, axes = plt.subplots(
-        len(modes), len(datasets), figsize=(4.2 * len(datasets), 3.2 * len(modes)),
+        len(modes), len(datasets), figsize=(max(7.5, 4.2 * len(datasets)), 3.2 * len(modes)),
         squeeze=False, sharey="row",
     )  # fmt: skip
     width = 0.8 / len(methods)
@@ -119,16 +143,13 @@ def plot_fig5(summary: pd.DataFrame, out: Path) -> Path:
             ax = axes[i][j]
             sub = summary[(summary["mode"] == mode) & (summary["dataset"] == ds)]
             for k, method in enumerate(methods):
-                vals = []
-                for heads, cp in groups:
-                    v = sub[
-                        (sub["method"] == method)
-                        & (sub["num_heads"] == heads)
-                        & (sub["cp_size"] == cp)
-                    ]
-                    vals.append(float(v["speedup_vs_llama3"].iloc[0]) if len(v) else float("nan"))
+                m = sub[sub["method"] == method].set_index(["num_heads", "cp_size"])
+                m = m.reindex(pd.MultiIndex.from_tuples(groups, names=["num_heads", "cp_size"]))
+                vals = list(m["speedup_vs_llama3"].astype("float64"))
+                yerr = _yerr(m, "speedup_vs_llama3")
                 xs = [g + (k - (len(methods) - 1) / 2) * width for g in range(len(groups))]
-                ax.bar(xs, vals, width, label=method, color=COLORS.get(method))
+                ax.bar(xs, vals, width, label=method, color=COLORS.get(method), yerr=yerr,
+                       error_kw={"elinewidth": 0.8, "capsize": 1.5})  # fmt: skip
                 for x, v in zip(xs, vals, strict=True):
                     if v != v:  # NaN: no run, a failed run, or no llama3 run to compare with
                         _mark_missing(ax, x)
@@ -141,7 +162,9 @@ def plot_fig5(summary: pd.DataFrame, out: Path) -> Path:
                 ax.set_ylabel("speedup over llama3")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(methods), fontsize=8, frameon=False)
-    fig.suptitle(f"Attention-layer speedup over Llama3 CP ({_subtitle(summary)})", fontsize=10)
+    note = _bars_note(_yerr(summary, "speedup_vs_llama3") is not None)
+    fig.suptitle(f"Attention-layer speedup over Llama3 CP\n({_subtitle(summary)}; {note})",
+                 fontsize=10)  # fmt: skip
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(out, dpi=130)
     plt.close(fig)
@@ -178,13 +201,19 @@ def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
         for x, total in enumerate(d["total_ms_mean"].astype("float64")):
             if total != total:  # no (ok) run of this method on this dataset
                 _mark_missing(ax, x)
+        yerr = _yerr(d, "total_ms_mean", "total_ms")
+        if yerr is not None:
+            ax.errorbar(range(len(d)), d["total_ms_mean"].astype("float64"), yerr=yerr, fmt="none",
+                        ecolor="black", elinewidth=0.8, capsize=2)  # fmt: skip
         ds_rows = sub[sub["dataset"] == ds]
         ax.set_title(f"{ds}, CP{int(ds_rows['cp_size'].iloc[0])}, {int(ds_rows['num_heads'].iloc[0])} heads",
                      fontsize=10)  # fmt: skip
         ax.set_ylabel("mean latency per layer step (ms)")
         ax.tick_params(axis="x", labelsize=8)
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"Latency breakdown, training ({_subtitle(sub)})", fontsize=10)
+    note = _bars_note(_yerr(sub, "total_ms_mean", "total_ms") is not None, " on the total")
+    fig.suptitle(f"Latency breakdown, training\n({_subtitle(sub)}; {note})",
+                 fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(out, dpi=130)
     plt.close(fig)
@@ -212,7 +241,8 @@ def plot_fig7(summary: pd.DataFrame, out: Path) -> Path:
                 d["context_len"].astype("float64") / 1024,
                 d["speedup_vs_llama3"].astype("float64"),
             )
-            ax.plot(x, y, marker="o", label=method, color=COLORS.get(method))
+            ax.errorbar(x, y, yerr=_yerr(d, "speedup_vs_llama3"), marker="o", label=method,
+                        color=COLORS.get(method), capsize=2, elinewidth=0.8)  # fmt: skip
             for xm in x[y.isna()]:
                 _mark_missing(ax, xm)
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
@@ -222,8 +252,9 @@ def plot_fig7(summary: pd.DataFrame, out: Path) -> Path:
             ax.set_ylabel("speedup over llama3")
     axes[0][0].legend(fontsize=7)
     ds, cp, h = summary["dataset"].iloc[0], summary["cp_size"].iloc[0], summary["num_heads"].iloc[0]
-    fig.suptitle(f"Speedup vs context length: {ds}, CP{int(cp)}, {int(h)} heads ({_subtitle(summary, 'point')})",
-                 fontsize=9)  # fmt: skip
+    note = _bars_note(_yerr(summary, "speedup_vs_llama3") is not None)
+    fig.suptitle(f"Speedup vs context length: {ds}, CP{int(cp)}, {int(h)} heads\n"
+                 f"({_subtitle(summary, 'point')}; {note})", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(out, dpi=130)
     plt.close(fig)

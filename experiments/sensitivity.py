@@ -35,7 +35,7 @@ from flashcp.comm import AttnShape
 from flashcp.results import markdown_table
 from flashcp.sim.hardware import HardwareProfile
 
-__all__ = ["VARIED", "perturb", "run_sensitivity"]
+__all__ = ["VARIED", "perturb", "plot_tornado", "run_sensitivity"]
 
 #: the overhead constants varied (the kernel tile rates, fixed by the FA2 table, are not)
 VARIED = (
@@ -186,12 +186,14 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     order_df = pd.DataFrame(order)
     order_df.to_csv(out / "ordering.csv", index=False)
     (out / "ordering.md").write_text(markdown_table(order_df, ".3f"))
-    _tornado(df, methods, datasets, modes[0], out / "tornado.png")
+    plot_tornado(df, methods, datasets, modes[0], out / "tornado.png")
     return df
 
 
-def _tornado(df: pd.DataFrame, methods, datasets, mode: str, path: Path) -> None:
-    """One panel per (method, dataset): speedup over llama3 at each constant's low and high end."""
+def plot_tornado(df: pd.DataFrame, methods, datasets, mode: str, path: Path) -> Path:
+    """Draw ``path`` (a PNG) from ``df`` (the rows of ``sensitivity.csv``): one panel per (method
+    other than llama3, dataset), the speedup over llama3 at each constant's low and high end of the
+    one-at-a-time sweep, sorted by range, with the calibrated speedup marked. Returns ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,3 +224,4 @@ def _tornado(df: pd.DataFrame, methods, datasets, mode: str, path: Path) -> None
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path

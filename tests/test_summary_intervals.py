@@ -9,6 +9,7 @@ import pytest
 from scipy import stats
 
 from experiments.aggregate import summarise
+from experiments.plot import _yerr
 from flashcp.results import IDENTITY_COLUMNS, INT_COLUMNS
 
 
@@ -70,3 +71,15 @@ def test_intervals_cover_the_true_value_about_95_percent():
     # binomial sd of a 95% coverage over 400 replicates is 1.1 points
     assert 0.91 <= mean_cover <= 0.985, mean_cover
     assert 0.91 <= ratio_cover <= 0.985, ratio_cover
+
+
+def test_figures_take_error_bars_from_the_interval_columns():
+    s = summarise(_rows(np.array([[3.0, 4.0, 6.0]]), np.array([[2.0, 2.5, 3.0]])))
+    below, above = _yerr(s, "speedup_vs_llama3")
+    assert below == pytest.approx(list(s["speedup_vs_llama3"] - s["speedup_vs_llama3_ci95_lo"]))
+    assert above == pytest.approx(list(s["speedup_vs_llama3_ci95_hi"] - s["speedup_vs_llama3"]))
+    assert _yerr(s, "total_ms_mean", "total_ms")[1] == pytest.approx(
+        list(s["total_ms_ci95_hi"] - s["total_ms_mean"])
+    )
+    # a summary from before the interval columns: no error bars (the title says so)
+    assert _yerr(s.drop(columns=["speedup_vs_llama3_ci95_lo"]), "speedup_vs_llama3") is None

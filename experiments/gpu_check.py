@@ -53,7 +53,7 @@ import torch  # noqa: E402
 
 from flashcp.comm import AttnShape  # noqa: E402
 from flashcp.data import load_distribution, sample_sequences  # noqa: E402
-from flashcp.ops.backends import get_backend  # noqa: E402
+from flashcp.ops.backends import get_backend, resolve_softmax_scale  # noqa: E402
 from flashcp.registry import make_plan_for  # noqa: E402
 from flashcp.results import (  # noqa: E402
     COMM_COLUMNS,
@@ -441,7 +441,7 @@ def kernel_rows(
     cases = {"1x128K": np.array([c]), "16x8K": np.full(16, c // 16)}
     for ds, seqs in sampled_sequences(args).items():
         cases.update({f"{ds}#{i}": d for i, d in enumerate(seqs)})
-    scale = shape.head_dim**-0.5
+    scale = resolve_softmax_scale(None, shape.head_dim)
     rows, slowest = [], 0.0
     for case, lens in cases.items():
         for method in args.methods:

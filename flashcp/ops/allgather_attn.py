@@ -39,7 +39,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from flashcp.ops.backends import VarlenBackend, compute_dtype, get_backend
+from flashcp.ops.backends import (
+    VarlenBackend,
+    compute_dtype,
+    get_backend,
+    resolve_softmax_scale,
+)
 from flashcp.ops.collectives import (
     CommCounter,
     all_gather_into_tensor,
@@ -65,7 +70,6 @@ __all__ = [
     "check_inputs",
     "resolve_backend",
     "resolve_heads_per_group",
-    "resolve_scale",
 ]
 
 #: default byte budget of the backward's gradient buffer (T + N*M, 2, heads_per_group, D) in
@@ -219,14 +223,6 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
         max_seqlen_q=int(ln.max()) if ln.size else 0,
         max_seqlen_k=int(klen.max()) if klen.size else 0,
     )
-
-
-def resolve_scale(softmax_scale, head_dim: int) -> float:
-    """``softmax_scale`` or ``1 / sqrt(head_dim)``; raises ValueError unless finite and > 0."""
-    scale = head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
-    if not np.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
-    return scale
 
 
 def resolve_backend(backend, device) -> VarlenBackend:
@@ -604,7 +600,8 @@ def allgather_attention(
         meta: from the method's ``prepare_<method>(plan, rank)``; reuse it for every layer.
         group: process group of the CP ranks (default: the world); size ``cp_size``.
         method: the method whose metadata ``meta`` must be.
-        softmax_scale: default ``head_dim ** -0.5``.
+        softmax_scale: default ``1 / sqrt(head_dim)``
+            (:func:`~flashcp.ops.backends.resolve_softmax_scale`).
         backend: kernel backend name or instance (:func:`flashcp.ops.backends.get_backend`).
         counter: :class:`~flashcp.ops.collectives.CommCounter` receiving the bytes moved.
         timer: :class:`~flashcp.ops.timing.PhaseTimer` receiving per-phase times.
@@ -628,7 +625,7 @@ def allgather_attention(
     check_inputs(q, k, v, meta, AllGatherMeta, method, group)
     resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)  # raises on a bad value
     check_heads_per_group(heads_per_group)
-    scale = resolve_scale(softmax_scale, q.shape[-1])
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kernel = resolve_backend(backend, q.device)
     meta.verify(group)
     if meta.doc_tokens == meta.tokens:

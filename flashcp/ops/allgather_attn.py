@@ -55,7 +55,7 @@ from flashcp.ops.collectives import (
     resolve_grad_comm_dtype,
 )
 from flashcp.ops.timing import as_timer
-from flashcp.plan import Plan
+from flashcp.plan import Plan, cu_seqlens
 
 __all__ = [
     "HEAD_GROUP_BUDGET_BYTES",
@@ -173,13 +173,13 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
     # token-level view of the document tokens: shards are sorted by rank then local order, so the
     # concatenation of every shard holds rank r's document rows at real_off[r] .. real_off[r + 1]
     real = plan.doc_tokens_per_rank  # (N,)
-    real_off = np.cumsum(real) - real
+    real_off = cu_seqlens(real)[:-1]
     n_tok = int(real.sum())
     length = plan.length
     shard_of = np.repeat(np.arange(plan.num_shards), length)  # (R,)
-    seg_off = np.cumsum(length) - length
+    seg_off = cu_seqlens(length)[:-1]
     within = np.arange(n_tok, dtype=np.int64) - seg_off[shard_of]
-    doc_off = np.cumsum(plan.doc_lens) - plan.doc_lens
+    doc_off = cu_seqlens(plan.doc_lens)[:-1]
     packed = doc_off[plan.doc[shard_of]] + plan.start[shard_of] + within  # (R,) packed position
     where = np.empty(n_tok, dtype=np.int64)
     where[packed] = np.arange(n_tok)  # packed position -> concatenation index
@@ -195,7 +195,7 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
     # keys of this rank's segments: prefix + itself of each shard's document
     doc, start, ln = plan.rank_shards(rank)
     klen = start + ln
-    k_off = np.cumsum(klen) - klen
+    k_off = cu_seqlens(klen)[:-1]
     k_within = np.arange(int(klen.sum()), dtype=np.int64) - np.repeat(k_off, klen)
     key_tok = where[np.repeat(doc_off[doc], klen) + k_within]  # concatenation index of each key
     own = owner[key_tok] == rank
@@ -206,8 +206,6 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
 
     mine = slice(int(real_off[rank]), int(real_off[rank]) + r_tok)
     send_rows = np.flatnonzero(sends[mine])
-    cu_q = np.concatenate([[0], np.cumsum(ln)])
-    cu_k = np.concatenate([[0], np.cumsum(klen)])
     return AllGatherMeta(
         method=method,
         plan=plan,
@@ -218,8 +216,8 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
         send_max=send_max,
         send_rows=torch.from_numpy(send_rows.astype(np.int64)),
         kv_index=torch.from_numpy(kv_index.astype(np.int64)),
-        cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)),
-        cu_seqlens_k=torch.from_numpy(cu_k.astype(np.int32)),
+        cu_seqlens_q=cu_seqlens(ln, device="cpu"),
+        cu_seqlens_k=cu_seqlens(klen, device="cpu"),
         max_seqlen_q=int(ln.max()) if ln.size else 0,
         max_seqlen_k=int(klen.max()) if klen.size else 0,
     )

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from flashcp.ops.collectives import check_same_plan
-from flashcp.plan import Plan
+from flashcp.plan import Plan, cu_seqlens, shard_workload
 
 __all__ = ["BlockCall", "RingMeta", "Rows", "prepare_ring_meta"]
 
@@ -151,10 +151,6 @@ class RingMeta:
             self._cache[key] = True
 
 
-def _offsets(length: np.ndarray) -> np.ndarray:
-    return (np.cumsum(length) - length).astype(np.int64)
-
-
 def _shard_segments(local, block, same_rank: bool) -> list[list[tuple]]:
     """Segments ``(q0, q1, k0, k1, causal)`` of each local query shard against one KV block.
 
@@ -231,14 +227,15 @@ def _calls(segs: list[tuple]) -> tuple[BlockCall, ...]:
         ql = np.array([s[1] - s[0] for s in g], dtype=np.int64)
         kl = np.array([s[3] - s[2] for s in g], dtype=np.int64)
         causal = bool(g[0][4])
-        pairs = int((ql * kl - (ql * (ql - 1) // 2 if causal else 0)).sum())
+        # causal segments are bottom-right aligned: prefix kl - ql, so Eq. 3 counts their pairs
+        pairs = int((shard_workload(kl - ql, ql) if causal else ql * kl).sum())
         calls.append(
             BlockCall(
                 causal,
                 _rows([(s[0], s[1]) for s in g]),
                 _rows([(s[2], s[3]) for s in g]),
-                torch.tensor(np.concatenate([[0], np.cumsum(ql)]), dtype=torch.int32),
-                torch.tensor(np.concatenate([[0], np.cumsum(kl)]), dtype=torch.int32),
+                cu_seqlens(ql, device="cpu"),
+                cu_seqlens(kl, device="cpu"),
                 int(ql.max()),
                 int(kl.max()),
                 pairs,
@@ -271,7 +268,7 @@ def prepare_ring_meta(plan: Plan, rank: int, method: str) -> RingMeta:
     shards = []
     for r in range(n):
         d, s, ln = plan.rank_shards(r)
-        shards.append((d, s, ln, _offsets(ln)))
+        shards.append((d, s, ln, cu_seqlens(ln)[:-1]))
     steps = []
     for s in range(n):
         src = (rank - s) % n

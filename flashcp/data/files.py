@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -156,32 +157,31 @@ def _read_frame(p: Path, suffix: str) -> np.ndarray:
 
 
 def _read_text(p: Path) -> np.ndarray:
-    """Lengths from a CSV or a plain text file (see :func:`read_lengths_file`)."""
+    """Lengths from a CSV or a plain text file (see :func:`read_lengths_file`); errors name the
+    file and line (``path:line``)."""
     try:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"length file {p}: cannot read: {e}") from e
-    first = next(
-        (ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), None
-    )
-    if first is None:
+    lines = [(i + 1, ln) for i, ln in enumerate(text.splitlines())]
+    lines = [(n, ln) for n, ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    if not lines:
         raise ValueError(f"length file {p} holds no document lengths")
-    is_csv = p.suffix.lower() == ".csv" or "," in first
+    if not (p.suffix.lower() == ".csv" or "," in lines[0][1]):  # plain text: one per line
+        return np.array([_parse_length(ln, f"{p}:{n}") for n, ln in lines], dtype=np.int64)
     try:
         rows = pd.read_csv(
-            io.StringIO(text),
+            io.StringIO("\n".join(ln for _, ln in lines)),
             header=None,
             dtype=str,
-            comment="#",
-            skip_blank_lines=True,
             keep_default_na=False,
-            sep="," if is_csv else "\x1f",  # plain text: one field per line
             skipinitialspace=True,
         )
-    except (pd.errors.ParserError, ValueError) as e:
-        raise ValueError(f"length file {p}: cannot parse: {e}") from e
+    except pd.errors.ParserError as e:  # pandas counts the kept lines: name the file's own line
+        msg = re.sub(r"line (\d+)", lambda m: f"line {lines[int(m[1]) - 1][0]}", str(e))
+        raise ValueError(f"length file {p}: cannot parse as CSV: {msg}") from None
     start, col = 0, 0
-    if is_csv and not all(_is_number(c) for c in rows.iloc[0] if isinstance(c, str)):
+    if not all(_is_number(c) for c in rows.iloc[0] if isinstance(c, str)):
         start = 1
         frame = rows.iloc[1:].set_axis([str(c).strip() for c in rows.iloc[0]], axis=1)
         col = list(frame.columns).index(
@@ -191,7 +191,7 @@ def _read_text(p: Path) -> np.ndarray:
         raise ValueError(f"length file {p} holds no document lengths (only a header)")
     values = rows.iloc[start:, col].tolist()
     return np.array(
-        [_parse_length(v, f"{p}: row {i}") for i, v in enumerate(values, start=start + 1)],
+        [_parse_length(v, f"{p}:{n}") for (n, _), v in zip(lines[start:], values, strict=True)],
         dtype=np.int64,
     )
 
@@ -217,7 +217,7 @@ def read_lengths_file(path: str | Path) -> np.ndarray:
         drops them).
     Raises:
         ValueError: the file is missing or unreadable, holds no lengths, or holds a value that is not
-            an integer or is < 0; the message names the file, the row and the value.
+            an integer or is < 0; the message names the file, the line (or row) and the value.
     """
     p = Path(path)
     if not p.is_file():

@@ -286,7 +286,8 @@ def ring_attention(
         meta: from ``prepare_<method>(plan, rank)``.
         group: process group of the N CP ranks (None: the default group).
         method: ``ring`` or ``zigzag`` (must match the metadata).
-        softmax_scale: default ``1 / sqrt(head_dim)``.
+        softmax_scale: default ``1 / sqrt(head_dim)``
+            (:func:`~flashcp.ops.backends.resolve_softmax_scale`).
         backend: a name for :func:`flashcp.ops.backends.get_backend` or a backend object.
         counter: optional ``CommCounter`` (adds received ``p2p`` bytes).
         timer: optional ``PhaseTimer`` (phases ``attn_fwd``, ``attn_bwd``, ``p2p``, ``others``).
@@ -300,8 +301,9 @@ def ring_attention(
     Returns:
         out: (T_local, num_heads, head_dim) in q.dtype, differentiable w.r.t. q, k, v.
     Raises:
-        ValueError: inconsistent inputs or metadata (before any communication), an unavailable
-            backend, or ranks holding different plans (after one small all-gather of digests).
+        ValueError: inconsistent inputs or metadata, a ``softmax_scale`` that is not finite and
+            > 0 (all before any communication), an unavailable backend, or ranks holding
+            different plans (after one small all-gather of digests).
     """
     _check_inputs(q, k, v, meta, method, group, grad_comm_dtype)
     be = get_backend(backend, q.device) if isinstance(backend, str) else backend

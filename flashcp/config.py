@@ -204,7 +204,7 @@ def check_config(cfg: Any) -> None:
     """
     from flashcp.comm import AttnShape, check_mode
     from flashcp.data import DATASETS
-    from flashcp.registry import METHODS
+    from flashcp.registry import get_method
 
     if cfg.task not in TASKS:
         raise ValueError(f"unknown task {cfg.task!r}; choose one of {', '.join(TASKS)}")
@@ -220,8 +220,7 @@ def check_config(cfg: Any) -> None:
         raise ValueError(
             f"unknown dataset {cfg.dataset.name!r}; choose one of {', '.join(DATASETS)}"
         )
-    if cfg.method.name not in METHODS:
-        raise ValueError(f"unknown method {cfg.method.name!r}; choose one of {', '.join(METHODS)}")
+    get_method(cfg.method.name)  # ValueError naming the known methods
     if cfg.cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cfg.cp_size}")
     if cfg.context_len < 1 or cfg.context_len % cfg.cp_size:
@@ -281,40 +280,29 @@ def check_impl_config(method: str, impl: str, executor: str) -> None:
 
 
 def check_method_options(method: str, options: Any, context_len: int, cp_size: int) -> None:
-    """Reject planner options the planner does not take, and values it rejects, before any work:
-    the planner runs once on a trial sequence (one document filling the context, which also checks
-    the layout's divisibility of ``context_len``).
+    """Reject planner options the planner does not take, values of the wrong type and values it
+    rejects, before any work: names and types against the method's options dataclass
+    (:func:`flashcp.registry.check_options`), then values by running the planner once on a trial
+    sequence (one document filling the context, which also checks the layout's divisibility of
+    ``context_len``).
 
     Raises:
         ValueError: naming the bad option or value.
     """
-    import inspect
-
     from omegaconf import OmegaConf
 
-    from flashcp.registry import get_planner
+    from flashcp.registry import check_options, get_method, get_planner
 
-    planner = get_planner(method)
-    opts = (
-        OmegaConf.to_container(options, resolve=True)
-        if OmegaConf.is_config(options)
-        else dict(options)
+    opts = check_options(
+        method,
+        OmegaConf.to_container(options, resolve=True) if OmegaConf.is_config(options) else options,
     )
-    params = inspect.signature(planner).parameters
-    allowed = [
-        p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY and p != "validate"
-    ]
-    for key in opts:
-        if key not in allowed:
-            raise ValueError(
-                f"method {method!r} has no option {key!r}; its options: {', '.join(allowed) or 'none'}"
-            )
-    if method == "ilp":  # a trial solve is too slow to run here; its options are checked by name
+    if not get_method(method).fast:  # a trial solve is too slow to run here (the ILP)
         from flashcp.plan import check_cp_args
 
         check_cp_args(context_len, cp_size)
         return
     try:
-        planner([context_len], cp_size, **opts)
-    except TypeError as exc:  # e.g. a string where a number belongs
+        get_planner(method)([context_len], cp_size, **opts)
+    except TypeError as exc:  # e.g. a list where a planner's code expects a number
         raise ValueError(f"method {method!r}: bad option value in {opts}: {exc}") from None

@@ -8,16 +8,21 @@ Units are in field names or comments; allowed values are listed beside each fiel
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from omegaconf import MISSING
 
+from flashcp.sim.hardware import HardwareProfile
+
 __all__ = [
     "DatasetConfig",
     "EmulateExecutorConfig",
     "ExecutorConfig",
+    "HardwareConfig",
     "MethodConfig",
     "ModelConfig",
     "RunConfig",
@@ -117,6 +122,34 @@ class EmulateExecutorConfig(ExecutorConfig):
     nccl_traffic: bool = False
 
 
+def _hardware_schema() -> type:
+    """``HardwareConfig``: the typed schema of the ``hardware`` group, one field per constant of
+    :class:`flashcp.sim.hardware.HardwareProfile` (whose docstring gives each unit and meaning)
+    plus ``calibration``, so the two cannot drift apart. Every constant is mandatory (a profile
+    sets it or extends one that does); curves are lists (message sizes in whole KiB)."""
+    hints = typing.get_type_hints(HardwareProfile)
+    fields: list[tuple] = []
+    for f in dataclasses.fields(HardwareProfile):
+        if not f.init:
+            continue
+        hint = hints[f.name]
+        if f.name == "busbw_curve_size_kib":
+            hint = list[int]
+        elif typing.get_origin(hint) is tuple:
+            hint = list[float]
+        fields.append((f.name, hint, field(default=MISSING)))
+    #: sections of results/calibration/fitted_constants.yaml loaded over the constants
+    fields.append(("calibration", list[str], field(default_factory=list)))
+    return dataclasses.make_dataclass(
+        "HardwareConfig", fields, namespace={"__doc__": _hardware_schema.__doc__}
+    )
+
+
+#: the ``hardware`` group's schema (conf/hardware/*.yaml extend it, directly or through another
+#: profile: ``h100_ib`` is ``h100_sxm`` with its network constants replaced)
+HardwareConfig = _hardware_schema()
+
+
 @dataclass
 class RunConfig:
     """Top-level config of one run: one (dataset, method, cp_size, model) over sampled sequences."""
@@ -124,8 +157,9 @@ class RunConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    #: hardware profile for the simulator (conf/hardware/*.yaml; validated by flashcp.sim)
-    hardware: dict[str, Any] = field(default_factory=dict)
+    #: hardware profile of the simulator and of emulate's communication model (conf/hardware/*.yaml;
+    #: typed here, values checked by flashcp.sim.load_hardware)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     #: main | kernel_efficiency (fig3) | table2
     task: str = "main"
@@ -193,6 +227,7 @@ def register_configs() -> None:
     cs.store(group="dataset", name="base_dataset", node=DatasetConfig)
     cs.store(group="method", name="base_method", node=MethodConfig)
     cs.store(group="model", name="base_model", node=ModelConfig)
+    cs.store(group="hardware", name="base_hardware", node=HardwareConfig)
     cs.store(group="executor", name="base_executor", node=ExecutorConfig)
     cs.store(group="executor", name="base_emulate_executor", node=EmulateExecutorConfig)
 

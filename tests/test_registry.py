@@ -245,3 +245,47 @@ def test_a_registered_method_runs_its_op_on_gloo_ranks(toy):
         assert err <= 1e-5 * max(1.0, float(w.abs().max())), f"{what}: err {err:.3g}"
     expect = comm_volume(plan, COMM_KIND[TOY], SHAPE, "train")
     assert all(results[r][4] == expect for r in range(n))  # counted == planned communication
+
+
+# ---- typed configuration ----------------------------------------------------------------------
+
+
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from experiments.run import CONF_DIR
+    from flashcp.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("name", ["h100_sxm", "h100_ib", "h800_sxm", "a100_sxm"])
+def test_hardware_profiles_extend_h100_sxm_through_hydra_defaults(name):
+    from omegaconf import OmegaConf
+
+    from flashcp.sim.hardware import read_profile
+
+    composed = OmegaConf.to_container(_compose(f"hardware={name}").hardware)
+    assert composed == read_profile(name)  # Hydra and load_hardware read the same constants
+    assert load_hardware(composed) == load_hardware(name)
+    base = read_profile("h100_sxm")
+    own = yaml.safe_load((REPO / "conf" / "hardware" / f"{name}.yaml").read_text())
+    if name != "h100_sxm":
+        assert own["defaults"] == ["h100_sxm", "_self_"]
+        # the file holds only what differs; everything else is h100_sxm's
+        assert all(own[k] != base[k] for k in own if k != "defaults")
+        assert {k: v for k, v in composed.items() if k not in own} == {
+            k: v for k, v in base.items() if k not in own
+        }
+
+
+@pytest.mark.parametrize(
+    "override", ["hardware.launch_uss=1", "hardware.launch_us=abc", "hardware.num_sms=1.5"]
+)
+def test_hardware_typos_fail_at_compose_time(override):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        _compose(override)

@@ -251,7 +251,8 @@ def get_planner(method: str) -> Callable[..., Plan]:
     pad_to_multiple=False, **options) -> Plan``.
 
     Every planner takes zero-length documents and pad tokens (:func:`flashcp.plan.planner_entry`).
-    An option the planner does not take is a ValueError naming it and listing the valid ones.
+    It is the function itself (an unknown keyword is Python's TypeError); :func:`make_plan_for`
+    and :func:`check_options` check option names first.
 
     Raises:
         ValueError: unknown method (the message lists the known ones), or a registered planner

@@ -55,7 +55,7 @@ from flashcp.comm import AttnShape  # noqa: E402
 from flashcp.data import load_distribution, sample_sequences  # noqa: E402
 from flashcp.ops.backends import get_backend, resolve_softmax_scale  # noqa: E402
 from flashcp.plan import cu_seqlens, shard_workload  # noqa: E402
-from flashcp.registry import make_plan_for  # noqa: E402
+from flashcp.registry import make_plan_for, method_names  # noqa: E402
 from flashcp.results import (  # noqa: E402
     COMM_COLUMNS,
     PHASE_COLUMNS,
@@ -66,7 +66,7 @@ from flashcp.results import (  # noqa: E402
 from flashcp.sim import HardwareProfile, attention_kernel_ms, load_hardware, simulate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("llama3", "per_doc", "ring", "zigzag", "flashcp")
+METHODS = method_names(paper=True)
 DATASETS = ("wlb_llm", "pile", "redpajama")
 #: measured phases the fit uses as targets (communication phases come from the profile itself)
 FIT_PHASES = ("attn_fwd_ms", "attn_bwd_ms", "others_ms")

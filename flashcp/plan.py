@@ -42,6 +42,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from flashcp.registry import CommKind, comm_kind_of
+
 __all__ = [
     "Plan",
     "Shard",
@@ -435,14 +437,13 @@ class Plan:
         """Scalar metrics of the plan (JSON-serialisable).
 
         ``comm_tokens`` / ``comm_saving`` are what the plan's *method* moves: Eq. 5 for a
-        sharding-aware method (:data:`flashcp.registry.COMM_KIND` ``allgather_sharded``, and any
+        sharding-aware method (:class:`flashcp.registry.CommKind` ``ALLGATHER_SHARDED``, and any
         unregistered method name), Eq. 4 for full all-gather and ring methods, which move the whole
         KV whatever the layout. ``comm_tokens_sharded`` is Eq. 5 on the layout in every case.
         """
-        from flashcp.registry import COMM_KIND
-
         full = self.comm_tokens_full
-        sharded = COMM_KIND.get(self.method, "allgather_sharded") == "allgather_sharded"
+        kind = comm_kind_of(self.method, default=CommKind.ALLGATHER_SHARDED)
+        sharded = kind is CommKind.ALLGATHER_SHARDED
         moved = self.comm_tokens if sharded else full
         return {
             "method": self.method,

@@ -65,3 +65,13 @@ def test_wheel_install_runs_default_experiment(tmp_path):
     # provenance of a wheel: no checkout, so no git commit; the package version instead
     assert rows["code_version"].str.startswith("flashcp==").all(), set(rows["code_version"])
     assert not (site / "results").exists() and not (site / "flashcp" / "results").exists()
+
+
+def test_a_checkout_reads_its_own_files():
+    from flashcp.resources import RESOURCES, resource_path, source_root
+
+    assert source_root() == REPO
+    for name, rel in RESOURCES.items():
+        assert resource_path(name) == REPO / rel and resource_path(name).exists()
+    with pytest.raises(ValueError, match="unknown resource 'configs'"):
+        resource_path("configs")

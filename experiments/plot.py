@@ -218,7 +218,8 @@ def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
                      fontsize=10)  # fmt: skip
         ax.set_ylabel("mean latency per layer step (ms)")
         ax.tick_params(axis="x", labelsize=8)
-    axes[0][-1].legend(fontsize=7)
+    # outside the panels: a legend inside hides the top of a stack
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     note = _bars_note(_yerr(sub, "total_ms_mean", "total_ms") is not None, " on the total")
     fig.suptitle(f"Latency breakdown, training\n({_subtitle(sub)}; {note})",
                  fontsize=10)  # fmt: skip

@@ -125,15 +125,25 @@ def _hardware_sha256(hw: dict[str, Any]) -> str:
         return config_hash(hw)
 
 
-def run_identity(cfg: DictConfig, code_version: str) -> dict[str, Any]:
+def run_identity(
+    cfg: DictConfig, code_version: str, memo: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The values of :data:`flashcp.results.IDENTITY_COLUMNS` for ``cfg`` (every value that changes
     its results) at ``code_version``. Never raises for a missing dataset file (its hash reads
-    ``"missing"``), so a failed job's rows still say which run failed."""
+    ``"missing"``), so a failed job's rows still say which run failed.
+
+    ``memo``: a dict shared by the runs of one job, so each distinct hardware profile's file and
+    fitted constants are read once."""
     ds, m, ex = cfg.dataset, cfg.model, cfg.executor
     c = int(cfg.context_len)
     uses_hw = ex.name in USES_HARDWARE_PROFILE
     from_file = ds.name == "file" and ds.path is not None  # other datasets ignore dataset.path
     hw = _container(cfg.hardware) if uses_hw else {}
+    memo = {} if memo is None else memo
+    key = _json(hw)
+    if key not in memo:
+        memo[key] = (_json(hardware_changes(hw)), _hardware_sha256(hw)) if uses_hw else ("{}", "-")
+    hw_ident = memo[key]
     ident = {
         "dataset": ds.name,
         "dataset_path": str(ds.path) if from_file else "-",
@@ -159,8 +169,8 @@ def run_identity(cfg: DictConfig, code_version: str) -> dict[str, Any]:
             {k: _container(ex[k]) for k in EXECUTOR_OPTIONS.get(ex.name, ())}
         ),
         "hardware": hw.get("name", "unknown") if uses_hw else "measured",
-        "hardware_changes": _json(hardware_changes(hw)) if uses_hw else "{}",
-        "hardware_sha256": _hardware_sha256(hw) if uses_hw else "-",
+        "hardware_changes": hw_ident[0],
+        "hardware_sha256": hw_ident[1],
         "code_version": code_version,
     }
     assert tuple(ident) == IDENTITY_COLUMNS, (
@@ -441,9 +451,12 @@ def finish_rows(
     job: dict[str, Any],
     prov: dict[str, Any],
     chash: str,
+    check_types: bool = True,
 ) -> pd.DataFrame:
     """Attach the job columns, the run identity and provenance to every row of one run
-    (docs/design.md §7) and order the columns: job, identity, measurements, provenance."""
+    (docs/design.md §7) and order the columns: job, identity, measurements, provenance.
+    ``check_types``: give the columns their types (:func:`flashcp.results.typed`); a caller that
+    concatenates several runs does it once on the result."""
     front = {
         "name": cfg.name, "sweep_id": job["sweep_id"], "job_num": job["job_num"],
         "overrides": job["overrides"], "run_id": identity_hash(ident), **ident,
@@ -460,7 +473,7 @@ def finish_rows(
             extra[col] = np.nan
     for k, v in extra.items():
         out[k] = v
-    return typed(out)  # an integer column holding a fraction is a bug: raise here
+    return typed(out) if check_types else out  # an integer holding a fraction: raise here
 
 
 def _resolved_hash(cfg: DictConfig) -> str:
@@ -544,7 +557,8 @@ def run(cfg: DictConfig) -> Path | None:
 
     job = job_info(cfg)
     prov = job["provenance"] or provenance()  # a sweep's: one code version per sweep
-    idents = [run_identity(r, prov["code_version"]) for r in runs]
+    memo: dict[str, Any] = {}
+    idents = [run_identity(r, prov["code_version"], memo) for r in runs]
     run_ids = [identity_hash(i) for i in idents]
     if len(set(run_ids)) < len(run_ids):
         raise ConfigError("grid lists the same run twice (a repeated value)")
@@ -578,11 +592,13 @@ def run(cfg: DictConfig) -> Path | None:
     for col in ov:
         rows[col] = ov[col].to_numpy()[idx]
     parts = [
-        finish_rows(r, rows[rows["run_idx"] == j], ident, job, prov, _resolved_hash(r))
-        for j, (r, ident) in enumerate(zip(runs, idents, strict=True))
+        finish_rows(r, part, ident, job, prov, _resolved_hash(r), check_types=False)
+        for (r, ident), (_, part) in zip(
+            zip(runs, idents, strict=True), rows.groupby("run_idx", sort=True), strict=True
+        )
     ]
-    df = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
-    write_rows_atomic(typed(df), out)
+    df = typed(pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0])
+    write_rows_atomic(df, out)
     t3 = time.perf_counter()
     sec = rows.attrs.get("seconds", {})
     ok = (df["status"] == "ok").sum()

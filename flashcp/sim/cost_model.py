@@ -149,6 +149,8 @@ class PlanCost:
         self.comm_kind = comm_kind
         self.impl = impl
         self.n = plan.cp_size
+        self._masks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._fwd_memo: dict[AttnShape, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         if comm_kind == "p2p_ring":
             self.ops = impl_ops(impl, plan.method)
             self._init_ring()
@@ -163,6 +165,7 @@ class PlanCost:
             return PlanCost(self.plan, hw, self.comm_kind, self.impl)
         other = copy.copy(self)
         other.hw = hw
+        other._fwd_memo = {}  # forward compute depends on the profile's constants
         return other
 
     # ---- all-gather family -------------------------------------------------------------------
@@ -420,7 +423,12 @@ class PlanCost:
 
     def _ring_masks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(N, N) masks ``[t, r]``: a kernel is launched; the step uses part of the local query
-        block; the step uses part of the source KV block."""
+        block; the step uses part of the source KV block (computed once per plan; read-only)."""
+        if self._masks is None:
+            self._masks = self._compute_ring_masks()
+        return self._masks
+
+    def _compute_ring_masks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = self.n
         local = self.q_rows[0]
         r = np.arange(n)
@@ -545,7 +553,10 @@ class PlanCost:
         hw, n = self.hw, self.n
         steps = max(n - 1, 1)
         fwd_hop = hw.p2p_us(fwd_p2p / steps) if n > 1 else 0.0
-        fa, fo, fp = self._ring_pass(*self._ring_fwd_compute(shape), fwd_hop, 0.0)
+        fwd = self._fwd_memo.get(shape)
+        if fwd is None:  # training and inference of one shape share the forward
+            fwd = self._fwd_memo[shape] = self._ring_fwd_compute(shape)
+        fa, fo, fp = self._ring_pass(*fwd, fwd_hop, 0.0)
         ba = bo = bp = 0.0
         if train and n > 1:
             grad_hop = hw.p2p_us((vol["p2p_bytes"] - 2 * fwd_p2p) / steps)

@@ -162,3 +162,24 @@ def test_rows_round_trip_through_parquet(tmp_path):
     assert int(back["comm_bytes"].iloc[0]) == 100663296
     with pytest.raises(ValueError, match=r"parquet or \.csv"):
         write_rows_atomic(df, tmp_path / "rows.json")
+
+
+def test_head_groups_at_128k_equal_simulate():
+    """At 128K the all-gather op's gradient buffer splits 32 KV heads into groups (the batched
+    pricing's per-plan group sizes)."""
+    c = 131072
+    seqs = sample_sequences(load_distribution("wlb_llm", context_len=c), 2, c, seed=1)
+    shapes = (AttnShape(32, 32, 128, "bfloat16"), AttnShape(32, 8, 128, "bfloat16"))
+    hw = load_hardware("h100_sxm")
+    for method in ("llama3", "flashcp"):
+        runs = [RunSpec(method, 8, s, ("train", "infer"), hardware=hw) for s in shapes]
+        rows = execute("sim", runs, seqs)
+        for j, spec in enumerate(runs):
+            for i, d in enumerate(seqs):
+                plan, _ = impl_plan(method, "ours", d, 8)
+                for mode in spec.modes:
+                    row = rows[(rows["run_idx"] == j) & (rows["seq_idx"] == i)]
+                    row = row[row["mode"] == mode].iloc[0]
+                    want = simulate(plan, spec.shape, hw, mode)
+                    for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
+                        assert row[col] == pytest.approx(want[col], rel=1e-12, abs=0), col

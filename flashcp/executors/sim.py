@@ -12,7 +12,6 @@ for its plan. Rows are built as columns, per (run, chunk of sequences), in ``wor
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -63,26 +62,35 @@ def error_status(exc: BaseException) -> str:
     return f"error: {type(exc).__name__}: {exc}"
 
 
-class _Columns:
-    """Rows of one run as growing columns (a column missing from a row is NaN)."""
+def _run_rows(
+    run: RunSpec,
+    base: pd.DataFrame,
+    metrics: pd.DataFrame,
+    steps: dict[str, dict[str, np.ndarray]],
+) -> pd.DataFrame:
+    """Rows of one run's priced sequences in (sequence, mode) order, built column by column.
 
-    def __init__(self) -> None:
-        self.cols: dict[str, list[Any]] = {}
-        self.n = 0
+    Args:
+        base, metrics: one row per sequence (``seq_idx``, ... / plan columns).
+        steps: per mode, (S,) arrays per phase and communication column.
+    """
+    m = len(run.modes)
+    take = np.repeat(np.arange(len(base)), m)
+    out = pd.concat(
+        [base.iloc[take].reset_index(drop=True), metrics.iloc[take].reset_index(drop=True)], axis=1
+    )
+    out["mode"] = np.tile(np.array(run.modes, dtype=object), len(base))
+    out["status"] = "ok"
+    for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
+        out[col] = np.stack([steps[mode][col] for mode in run.modes], axis=1).ravel()
+    return out
 
-    def add(self, values: dict[str, Any], repeat: int = 1) -> None:
-        for k, v in values.items():
-            col = self.cols.get(k)
-            if col is None:
-                col = self.cols[k] = [math.nan] * self.n
-            col.extend([v] * repeat)
-        self.n += repeat
-        for col in self.cols.values():
-            if len(col) < self.n:
-                col.extend([math.nan] * (self.n - len(col)))
 
-    def frame(self) -> pd.DataFrame:
-        return pd.DataFrame(self.cols)
+def _price(costs: list[Any], run: RunSpec, mode: str) -> dict[str, np.ndarray]:
+    """:func:`flashcp.sim.cost_model.step_many`; raises what the first failing plan raises."""
+    from flashcp.sim.cost_model import step_many
+
+    return step_many(costs, run.shape, mode)
 
 
 def price_sequences(
@@ -107,52 +115,95 @@ def price_sequences(
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(runs):
         groups.setdefault(r.plan_key, []).append(i)
-    cols = [_Columns() for _ in runs]
+    parts: list[list[pd.DataFrame]] = [[] for _ in runs]
+    errors: list[list[dict[str, Any]]] = [[] for _ in runs]
     plan_s = price_s = 0.0
+    base = pd.DataFrame({
+        "seq_idx": np.arange(first_idx, first_idx + len(seqs), dtype=np.int64),
+        "num_docs": np.array([d.size for d in seqs], dtype=np.int64),
+        "max_doc_len": np.array([d.max() for d in seqs], dtype=np.int64),
+    })  # fmt: skip
     for members in groups.values():
         spec = runs[members[0]]
         comm_kind = COMM_KIND[spec.method]
-        for i, d in enumerate(seqs, start=first_idx):
-            base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
-            t0, c0 = time.perf_counter(), time.process_time()
+        plans, metrics, ok = [], [], []
+        c0 = time.process_time()
+        for k, d in enumerate(seqs):
+            t0 = time.perf_counter()
             try:
                 plan, pad_tokens = impl_plan(
                     spec.method, spec.impl, d, spec.cp_size, **dict(spec.options)
                 )
             except Exception as exc:  # a failure is a row, not a crash (docs/design.md §7)
-                log.warning("sequence %d failed (%s): %s", i, spec.method, exc)
+                log.warning("sequence %d failed (%s): %s", first_idx + k, spec.method, exc)
                 for j in members:
-                    for mode in runs[j].modes:
-                        cols[j].add({**base, "mode": mode, "status": error_status(exc)})
+                    errors[j].extend(
+                        {**base.iloc[k].to_dict(), "mode": mode, "status": error_status(exc)}
+                        for mode in runs[j].modes
+                    )
                 continue
-            t1, c1 = time.perf_counter(), time.process_time()
-            plan_s += c1 - c0
-            metrics = {"plan_status": plan.status, "plan_ms": (t1 - t0) * 1e3}
-            metrics.update({"pad_tokens": pad_tokens, **plan_metrics(plan)})
-            costs: dict[int, PlanCost] = {}  # one per hardware profile object
+            plan_ms = (time.perf_counter() - t0) * 1e3
+            plans.append(plan)
+            ok.append(k)
+            metrics.append({
+                "plan_status": plan.status, "plan_ms": plan_ms, "pad_tokens": pad_tokens,
+                **plan_metrics(plan),
+            })  # fmt: skip
+        c1 = time.process_time()
+        plan_s += c1 - c0
+        if ok:
+            ok_base, ok_metrics = base.iloc[ok].reset_index(drop=True), pd.DataFrame(metrics)
+            costs: dict[int, list[Any]] = {}  # per hardware profile object: one PlanCost a plan
             for j in members:
                 run = runs[j]
+                hw_costs = costs.get(id(run.hardware))
+                if hw_costs is None:
+                    prev = next(iter(costs.values()), None)
+                    hw_costs = costs[id(run.hardware)] = (
+                        [PlanCost(p, run.hardware, comm_kind, run.impl) for p in plans]
+                        if prev is None
+                        else [c.with_hardware(run.hardware) for c in prev]
+                    )
                 try:
-                    cost = costs.get(id(run.hardware))
-                    if cost is None:
-                        first = next(iter(costs.values()), None)
-                        cost = (
-                            PlanCost(plan, run.hardware, comm_kind, run.impl)
-                            if first is None
-                            else first.with_hardware(run.hardware)
-                        )
-                        costs[id(run.hardware)] = cost
-                    steps = [cost.step(run.shape, mode) for mode in run.modes]
-                except Exception as exc:  # the cost model rejected this plan
-                    log.warning("sequence %d failed (%s): %s", i, run.method, exc)
-                    for mode in run.modes:
-                        cols[j].add({**base, "mode": mode, "status": error_status(exc)})
+                    steps = {mode: _price(hw_costs, run, mode) for mode in run.modes}
+                except Exception:  # find the plans the cost model rejects: price one at a time
+                    parts[j].extend(
+                        _price_one_by_one(run, hw_costs, ok_base, ok_metrics, errors[j])
+                    )
                     continue
-                for mode, step in zip(run.modes, steps, strict=True):
-                    cols[j].add({**base, **metrics, "mode": mode, "status": "ok", **step})
-            price_s += time.process_time() - c1
-    frames = [c.frame().assign(run_idx=j) for j, c in enumerate(cols)]
+                parts[j].append(_run_rows(run, ok_base, ok_metrics, steps))
+        price_s += time.process_time() - c1
+    frames = []
+    for j in range(len(runs)):
+        pieces = [*parts[j], pd.DataFrame(errors[j])] if errors[j] else parts[j]
+        df = pd.concat(pieces, ignore_index=True) if pieces else pd.DataFrame()
+        if errors[j] and len(df):
+            df = df.sort_values("seq_idx", kind="stable", ignore_index=True)
+        frames.append(df.assign(run_idx=j))
     return pd.concat(frames, ignore_index=True), {"plan_s": plan_s, "price_s": price_s}
+
+
+def _price_one_by_one(
+    run: RunSpec,
+    costs: list[Any],
+    base: pd.DataFrame,
+    metrics: pd.DataFrame,
+    errors: list[dict[str, Any]],
+) -> list[pd.DataFrame]:
+    """Price each plan alone; a plan the cost model rejects becomes error rows in ``errors``."""
+    out = []
+    for k, cost in enumerate(costs):
+        try:
+            steps = {mode: _price([cost], run, mode) for mode in run.modes}
+        except Exception as exc:
+            log.warning("sequence %d failed (%s): %s", base["seq_idx"].iloc[k], run.method, exc)
+            errors.extend(
+                {**base.iloc[k].to_dict(), "mode": mode, "status": error_status(exc)}
+                for mode in run.modes
+            )
+            continue
+        out.append(_run_rows(run, base.iloc[[k]], metrics.iloc[[k]], steps))
+    return out
 
 
 def _price_star(args: tuple) -> tuple[pd.DataFrame, dict[str, float]]:

@@ -79,7 +79,7 @@ from flashcp.sim.hardware import HardwareProfile, load_hardware
 from flashcp.sim.impl import AG_GROUP_BUDGET_BYTES, RFA_HEADS_K_STRIDE, check_impl, impl_ops
 from flashcp.sim.kernel import TileStats, bwd_extra_us, bwd_tile_counts, fwd_tile_counts, kernel_us
 
-__all__ = ["COMM_KINDS", "PlanCost", "overlap_us", "simulate", "simulate_many"]
+__all__ = ["COMM_KINDS", "PlanCost", "overlap_us", "simulate", "simulate_many", "step_many"]
 
 COMM_KINDS = ("allgather_full", "allgather_sharded", "p2p_ring")
 
@@ -595,6 +595,129 @@ class PlanCost:
         for col in COMM_COLUMNS:
             out[col] = vol[col]
         return {k: out[k] for k in (*PHASE_COLUMNS, *COMM_COLUMNS)}
+
+
+def step_many(costs: Sequence[PlanCost], shape: AttnShape, mode: str) -> dict[str, np.ndarray]:
+    """:meth:`PlanCost.step` of many plans at once: (S,) arrays per column, equal (to rounding,
+    1e-12 relative) to ``[c.step(shape, mode) for c in costs]``.
+
+    The all-gather family in the project's implementation (``impl="ours"``, the same cp_size and
+    hardware profile for every plan) is priced with one set of numpy operations on (S, N) arrays;
+    other plans fall back to one :meth:`PlanCost.step` each.
+
+    Returns:
+        Every column of ``PHASE_COLUMNS`` (float64) and ``COMM_COLUMNS`` (int64), (S,) each.
+    Raises:
+        ValueError: unknown mode.
+    """
+    check_mode(mode)
+    cols = (*PHASE_COLUMNS, *COMM_COLUMNS)
+    if not costs:
+        return {c: np.zeros(0) for c in cols}
+    first = costs[0]
+    batch = (
+        first.comm_kind != "p2p_ring"
+        and all(c.impl == "ours" for c in costs)
+        and all(
+            c.hw is first.hw and c.n == first.n and c.comm_kind == first.comm_kind for c in costs
+        )
+    )
+    if not batch:
+        steps = [c.step(shape, mode) for c in costs]
+        return {c: np.array([s[c] for s in steps]) for c in cols}
+    return _step_allgather_batch(costs, shape, mode)
+
+
+def _step_allgather_batch(
+    costs: Sequence[PlanCost], shape: AttnShape, mode: str
+) -> dict[str, np.ndarray]:
+    """:meth:`PlanCost._step_allgather` (``ours``) vectorised over plans: the same operations in
+    the same order on (S, N) arrays (``[:, None]`` marks a per-plan value)."""
+    first = costs[0]
+    hw, n, kind = first.hw, first.n, first.comm_kind
+    train = mode == "train"
+    h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
+    vols = [comm_volume(c.plan, kind, shape, mode) for c in costs]
+    vol = {k: np.array([v[k] for v in vols], dtype=np.int64) for k in COMM_COLUMNS}
+    local = np.stack([c.q_rows for c in costs])  # (S, N)
+    kv_rows = np.stack([c.kv_rows for c in costs])
+    send_max = np.stack([c.send_rows for c in costs]).max(axis=1)  # (S,)
+    fwd = TileStats(*(np.stack([getattr(c.fwd, f) for c in costs]) for f in TileStats._fields))
+    rows = local.max(axis=1) + n * send_max
+    per_head = rows * 2 * d * 4
+    hg = np.ones(len(costs), dtype=np.int64)
+    for k in range(1, hkv + 1):  # the largest divisor of hkv whose buffer fits (else 1)
+        if hkv % k == 0:
+            hg = np.where(k * per_head <= AG_GROUP_BUDGET_BYTES, k, hg)
+    groups = hkv // hg
+    qh = h // groups
+    total_scale = n / (n - 1) if n > 1 else 1.0
+    n_ag = 2 if train else 1
+    ag_bytes = vol["allgather_bytes"] / n_ag / groups
+    ag = np.array([hw.collective_us(b, b * total_scale, hw.allgather_busbw_gbps) for b in ag_bytes])
+    c_ = lambda a: a[:, None]  # noqa: E731  (S,) -> (S, 1)
+    kv_el = 2.0 * hg * d
+    build = first._op_us(4, local * c_(kv_el) * e * 2 + c_(send_max * kv_el * e * 3))
+    keys = first._op_us(1, kv_rows * c_(kv_el) * e * 2)
+    split = groups > 1
+    fwd_k = kernel_us(fwd, c_(qh), d, hw, False)
+    fwd_copies = (
+        build + keys + np.where(c_(split), first._op_us(3, local * c_(qh) * d * e * 4), 0.0)
+    )
+    fwd_ops = 6 + np.where(split, 3, 0)
+    coll_host = np.where(ag_bytes > 0, hw.collective_host_us, 0.0)
+    dev_f = c_(groups) * (c_(ag) + fwd_copies + fwd_k)
+    host_f = groups * (coll_host + hw.host_op_us * (fwd_ops + 1))
+    out = {
+        "allgather_ms": groups * ag / 1e3,
+        "attn_fwd_ms": (c_(groups) * fwd_k).max(axis=1) / 1e3,
+        "attn_bwd_ms": np.zeros(len(costs)),
+        "reducescatter_ms": np.zeros(len(costs)),
+        "p2p_ms": np.zeros(len(costs)),
+        "others_ms": (c_(groups) * fwd_copies + np.maximum(c_(host_f) - dev_f, 0.0)).max(axis=1)
+        / 1e3,
+    }
+    if train:
+        bwd = TileStats(*(np.stack([getattr(c.bwd, f) for c in costs]) for f in TileStats._fields))
+        rs_bytes = vol["reducescatter_bytes"] / groups
+        rs = np.array(
+            [hw.collective_us(b, b * total_scale, hw.reducescatter_busbw_gbps) for b in rs_bytes]
+        )
+        # bwd_extra_us for the group shape (qh query heads, hg KV heads), per plan
+        nbytes = local * c_(qh) * (d * (3 * e + 8) + 4)
+        gqa = c_(qh != hg)
+        nbytes = np.where(gqa, nbytes + kv_rows * 2 * d * e * c_(qh + hg), nbytes)
+        launches = hw.bwd_extra_kernels + np.where(gqa, 1, 0)
+        extra = np.where(local > 0, launches * hw.launch_us + hw.copy_us(nbytes), 0.0)
+        bwd_k = kernel_us(bwd, c_(qh), d, hw, True) + extra
+        grads = first._op_us(
+            6,
+            local * c_(qh) * d * e * 2
+            + c_(rows * kv_el * 4)
+            + kv_rows * c_(kv_el) * 12
+            + c_(send_max * kv_el * 12)
+            + local * c_(kv_el) * (4 + e),
+        )
+        bwd_copies = (
+            build
+            + keys
+            + grads
+            + np.where(c_(split), first._op_us(3, local * c_(qh) * d * e * 2), 0.0)
+        )
+        bwd_ops = 11 + np.where(split, 3, 0)
+        dev_b = c_(groups) * (c_(ag) + bwd_copies + bwd_k + c_(rs))
+        host_b = groups * (2 * coll_host + hw.host_op_us * (bwd_ops + 1))
+        out["allgather_ms"] = out["allgather_ms"] + groups * ag / 1e3
+        out["attn_bwd_ms"] = (c_(groups) * bwd_k).max(axis=1) / 1e3
+        out["reducescatter_ms"] = groups * rs / 1e3
+        out["others_ms"] = (
+            out["others_ms"]
+            + (c_(groups) * bwd_copies + np.maximum(c_(host_b) - dev_b, 0.0)).max(axis=1) / 1e3
+        )
+    phases = [out[c] for c in PHASE_COLUMNS if c != "total_ms"]
+    out["total_ms"] = np.array([math.fsum(x) for x in zip(*phases, strict=True)])
+    out.update(vol)
+    return out
 
 
 def simulate(

@@ -149,6 +149,7 @@ class PlanCost:
         self.comm_kind = comm_kind
         self.impl = impl
         self.n = plan.cp_size
+        self.num_docs = plan.num_docs
         self._masks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._fwd_memo: dict[AttnShape, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         if comm_kind == "p2p_ring":
@@ -430,20 +431,20 @@ class PlanCost:
 
     def _compute_ring_masks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = self.n
-        local = self.q_rows[0]
+        local = self.q_rows[..., 0, :]
         r = np.arange(n)
-        src_rows = local[(r[None, :] - np.arange(n)[:, None]) % n]
+        src_rows = local[..., (r[None, :] - np.arange(n)[:, None]) % n]
         work = self.q_rows > 0
         if self.impl == "ours":
             launched = work.copy()
         elif self.ops.skip_after_rank:
-            launched = np.arange(n)[:, None] <= r[None, :]
+            launched = np.broadcast_to(np.arange(n)[:, None] <= r[None, :], work.shape).copy()
         else:
-            launched = np.ones((n, n), dtype=bool)
-        launched[0] = True
-        part_q = work & (self.q_rows < local[None, :])
+            launched = np.ones(work.shape, dtype=bool)
+        launched[..., 0, :] = True
+        part_q = work & (self.q_rows < local[..., None, :])
         part_k = work & (self.kv_rows < src_rows)
-        part_q[0] = part_k[0] = False
+        part_q[..., 0, :] = part_k[..., 0, :] = False
         return launched, part_q, part_k
 
     def _op_us(self, count, nbytes):
@@ -472,16 +473,17 @@ class PlanCost:
             n_ops = n_ops + part_q
             nbytes = nbytes + np.where(part_q, out_el * 2 * e, 0.0)
         else:  # ring-flash-attn: step 0 only casts its block to fp32 (out = block_out.to(fp32))
-            n_ops[0] = 1
-            nbytes[0] = out_el[0] * (e + 4)
-        local_el = self.q_rows[0] * h * d
-        n_ops[-1] += 1  # out.to(q.dtype)
-        nbytes[-1] += local_el * (4 + e)
+            n_ops[..., 0, :] = 1
+            nbytes[..., 0, :] = out_el[..., 0, :] * (e + 4)
+        local_el = self.q_rows[..., 0, :] * h * d
+        n_ops[..., -1, :] += 1  # out.to(q.dtype)
+        nbytes[..., -1, :] += local_el * (4 + e)
         other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
         host = hw.ring_step_fwd_us + hw.host_op_us * (launched + n_ops)
         if ops.per_doc_host:  # get_half_index twice, q[half_index1] once per call
-            host[0] += 2 * self.plan.num_docs * hw.doc_host_us + hw.host_op_us
-            other[0] += self._op_us(1, local_el * e)
+            docs = np.asarray(self.num_docs)[..., None]
+            host[..., 0, :] += 2 * docs * hw.doc_host_us + hw.host_op_us
+            other[..., 0, :] += self._op_us(1, local_el * e)
         return attn, other, host
 
     def _ring_bwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -499,8 +501,8 @@ class PlanCost:
         work = self.q_rows > 0
         q_el = self.q_rows * h * d
         kv_el = 2.0 * self.kv_rows * hkv * d
-        local_q = self.q_rows[0] * h * d
-        local_kv = 2.0 * self.q_rows[0] * hkv * d
+        local_q = self.q_rows[..., 0, :] * h * d
+        local_kv = 2.0 * self.q_rows[..., 0, :] * hkv * d
         n_ops = np.where(work, ops.accum_ops, 0) + np.where(part_k, ops.half_gather_ops, 0)
         nbytes = np.where(work, (q_el + kv_el) * hw.accum_bytes_eager, 0.0)
         nbytes = nbytes + np.where(part_k, kv_el * 2 * e, 0.0)
@@ -512,40 +514,40 @@ class PlanCost:
         if self.impl == "ours":  # per step: zero this step's dK/dV, combine with the incoming sum
             n_ops = n_ops + part_q + np.where(work, 3, 0)
             nbytes = nbytes + np.where(part_q, 2.0 * q_el * 2 * e, 0.0)
-            nbytes = nbytes + np.where(work, local_kv * (4 + 12 + 8), 0.0)
+            nbytes = nbytes + np.where(work, local_kv[..., None, :] * (4 + 12 + 8), 0.0)
         else:  # step 0 casts the block gradients to fp32
-            n_ops[0] = 3
-            nbytes[0] = (q_el[0] + kv_el[0]) * (e + 4)
-        n_ops[-1] += 3  # final casts of dq, dk, dv
-        nbytes[-1] += (local_q + local_kv) * (4 + e)
+            n_ops[..., 0, :] = 3
+            nbytes[..., 0, :] = (q_el[..., 0, :] + kv_el[..., 0, :]) * (e + 4)
+        n_ops[..., -1, :] += 3  # final casts of dq, dk, dv
+        nbytes[..., -1, :] += (local_q + local_kv) * (4 + e)
         other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
         host = hw.ring_step_bwd_us + hw.host_op_us * (launched + n_ops)
         if ops.per_doc_host:  # get_half_lse: a Python loop over documents; dout/q/out halves
-            docs = self.plan.num_docs
-            host[0] += docs * hw.doc_host_us + 3 * hw.host_op_us
-            other[0] += docs * hw.launch_us + self._op_us(3, 1.5 * local_q * 2 * e)
+            docs = np.asarray(self.num_docs)[..., None]
+            host[..., 0, :] += docs * hw.doc_host_us + 3 * hw.host_op_us
+            other[..., 0, :] += docs * hw.launch_us + self._op_us(3, 1.5 * local_q * 2 * e)
         return attn, other, host
 
-    def _ring_pass(
-        self, attn, other, host, hop_us: float, tail_us: float
-    ) -> tuple[float, float, float]:
-        """Compose one ring pass from (N, N) ``[t, r]`` device and host µs (module docstring):
-        every step but the last overlaps one hop of ``hop_us``; ``tail_us`` is exposed at the end.
+    def _ring_pass(self, attn, other, host, hop_us, tail_us):
+        """Compose one ring pass from (..., N, N) ``[t, r]`` device and host µs (module
+        docstring): every step but the last overlaps one hop of ``hop_us``; ``tail_us`` is exposed
+        at the end (scalars, or (S,) arrays for S plans).
 
-        Returns ``(attention, others, exposed_p2p)`` in µs summing to the pass time.
+        Returns ``(attention, others, exposed_p2p)`` in µs summing to the pass time, shaped
+        ``attn.shape[:-2]``.
         """
         compute = attn + other
-        hop = np.zeros(self.n)
-        hop[:-1] = hop_us
-        device, slowed = overlap_us(compute, hop[:, None], self.hw)
+        hop = np.zeros(attn.shape[:-1])
+        hop[..., :-1] = np.asarray(hop_us, dtype=np.float64)[..., None]
+        device, slowed = overlap_us(compute, hop[..., None], self.hw)
         scale = np.divide(slowed, compute, out=np.ones_like(compute), where=compute > 0)
-        attn_t = (attn * scale).max(axis=1)
-        comp_t = slowed.max(axis=1)
-        gpu_t = device.max(axis=1)
-        total_t = np.maximum(device, host).max(axis=1)
-        p2p = float((gpu_t - comp_t).sum()) + tail_us
-        a = float(attn_t.sum())
-        return a, float(total_t.sum()) + tail_us - a - p2p, p2p
+        attn_t = (attn * scale).max(axis=-1)
+        comp_t = slowed.max(axis=-1)
+        gpu_t = device.max(axis=-1)
+        total_t = np.maximum(device, host).max(axis=-1)
+        p2p = (gpu_t - comp_t).sum(axis=-1) + tail_us
+        a = attn_t.sum(axis=-1)
+        return a, total_t.sum(axis=-1) + tail_us - a - p2p, p2p
 
     def _step_ring(
         self, shape: AttnShape, train: bool, vol: dict[str, int], fwd_p2p: int
@@ -567,11 +569,11 @@ class PlanCost:
             ba, bo, bp = self._ring_pass(*self._ring_bwd_compute(shape), 0.0, 0.0)
         return {
             "allgather_ms": 0.0,
-            "attn_fwd_ms": fa / 1e3,
-            "attn_bwd_ms": ba / 1e3,
+            "attn_fwd_ms": float(fa) / 1e3,
+            "attn_bwd_ms": float(ba) / 1e3,
             "reducescatter_ms": 0.0,
-            "p2p_ms": (fp + bp) / 1e3,
-            "others_ms": (fo + bo) / 1e3,
+            "p2p_ms": (float(fp) + float(bp)) / 1e3,
+            "others_ms": (float(fo) + float(bo)) / 1e3,
         }
 
     # ---- public ------------------------------------------------------------------------------
@@ -601,9 +603,10 @@ def step_many(costs: Sequence[PlanCost], shape: AttnShape, mode: str) -> dict[st
     """:meth:`PlanCost.step` of many plans at once: (S,) arrays per column, equal (to rounding,
     1e-12 relative) to ``[c.step(shape, mode) for c in costs]``.
 
-    The all-gather family in the project's implementation (``impl="ours"``, the same cp_size and
-    hardware profile for every plan) is priced with one set of numpy operations on (S, N) arrays;
-    other plans fall back to one :meth:`PlanCost.step` each.
+    Plans of one cp_size, hardware profile and implementation are priced with one set of numpy
+    operations: the ring family on (S, N, N) arrays through :class:`PlanCost`'s own ring methods,
+    the all-gather family (``impl="ours"``) on (S, N) arrays by :func:`_step_allgather_batch`;
+    other plans (ring-flash-attn's llama3) fall back to one :meth:`PlanCost.step` each.
 
     Returns:
         Every column of ``PHASE_COLUMNS`` (float64) and ``COMM_COLUMNS`` (int64), (S,) each.
@@ -615,17 +618,81 @@ def step_many(costs: Sequence[PlanCost], shape: AttnShape, mode: str) -> dict[st
     if not costs:
         return {c: np.zeros(0) for c in cols}
     first = costs[0]
-    batch = (
-        first.comm_kind != "p2p_ring"
-        and all(c.impl == "ours" for c in costs)
-        and all(
-            c.hw is first.hw and c.n == first.n and c.comm_kind == first.comm_kind for c in costs
-        )
+    same = all(
+        c.hw is first.hw and c.n == first.n and c.comm_kind == first.comm_kind for c in costs
     )
-    if not batch:
-        steps = [c.step(shape, mode) for c in costs]
-        return {c: np.array([s[c] for s in steps]) for c in cols}
-    return _step_allgather_batch(costs, shape, mode)
+    if same and first.comm_kind == "p2p_ring" and all(c.ops == first.ops for c in costs):
+        return _step_ring_batch(costs, shape, mode)
+    if same and first.comm_kind != "p2p_ring" and all(c.impl == "ours" for c in costs):
+        return _step_allgather_batch(costs, shape, mode)
+    steps = [c.step(shape, mode) for c in costs]
+    return {c: np.array([s[c] for s in steps]) for c in cols}
+
+
+class _PlanCostStack(PlanCost):
+    """The ring statistics of S plans (same cp_size, hardware, implementation) stacked along a
+    leading axis: (S, N, N) arrays, so :class:`PlanCost`'s ring methods (written for any leading
+    axes) price all of them with one set of numpy operations."""
+
+    def __init__(self, costs: Sequence[PlanCost]) -> None:
+        first = costs[0]
+        self.plan = None
+        self.hw, self.comm_kind, self.impl, self.n, self.ops = (
+            first.hw, first.comm_kind, first.impl, first.n, first.ops,
+        )  # fmt: skip
+        self.num_docs = np.array([c.num_docs for c in costs])
+        self.fwd = TileStats(
+            *(np.stack([getattr(c.fwd, f) for c in costs]) for f in TileStats._fields)
+        )
+        self.bwd = TileStats(
+            *(np.stack([getattr(c.bwd, f) for c in costs]) for f in TileStats._fields)
+        )
+        self.q_rows = np.stack([c.q_rows for c in costs])
+        self.kv_rows = np.stack([c.kv_rows for c in costs])
+        self._masks = None
+        self._fwd_memo = {}
+
+
+def _step_ring_batch(
+    costs: Sequence[PlanCost], shape: AttnShape, mode: str
+) -> dict[str, np.ndarray]:
+    """:meth:`PlanCost._step_ring` of S plans at once (:class:`_PlanCostStack`)."""
+    first = costs[0]
+    hw, n, kind = first.hw, first.n, first.comm_kind
+    train = mode == "train"
+    stack = _PlanCostStack(costs)
+    vols = [comm_volume(c.plan, kind, shape, mode) for c in costs]
+    fwd_p2p = [
+        comm_volume(c.plan, kind, shape, "infer")["p2p_bytes"] if train else v["p2p_bytes"]
+        for c, v in zip(costs, vols, strict=True)
+    ]
+    steps = max(n - 1, 1)
+    fwd_hop = np.array([hw.p2p_us(f / steps) if n > 1 else 0.0 for f in fwd_p2p])
+    fa, fo, fp = stack._ring_pass(*stack._ring_fwd_compute(shape), fwd_hop, 0.0)
+    zero = np.zeros(len(costs))
+    ba = bo = bp = zero
+    if train and n > 1:
+        grad_hop = np.array(
+            [
+                hw.p2p_us((v["p2p_bytes"] - 2 * f) / steps)
+                for v, f in zip(vols, fwd_p2p, strict=True)
+            ]
+        )
+        ba, bo, bp = stack._ring_pass(*stack._ring_bwd_compute(shape), fwd_hop + grad_hop, grad_hop)
+    elif train:
+        ba, bo, bp = stack._ring_pass(*stack._ring_bwd_compute(shape), 0.0, 0.0)
+    out = {
+        "allgather_ms": zero,
+        "attn_fwd_ms": fa / 1e3,
+        "attn_bwd_ms": ba / 1e3,
+        "reducescatter_ms": zero,
+        "p2p_ms": (fp + bp) / 1e3,
+        "others_ms": (fo + bo) / 1e3,
+    }
+    phases = [out[c] for c in PHASE_COLUMNS if c != "total_ms"]
+    out["total_ms"] = np.array([math.fsum(x) for x in zip(*phases, strict=True)])
+    out.update({k: np.array([v[k] for v in vols], dtype=np.int64) for k in COMM_COLUMNS})
+    return out
 
 
 def _step_allgather_batch(

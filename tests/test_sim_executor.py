@@ -14,7 +14,7 @@ from flashcp.comm import AttnShape
 from flashcp.config import register_configs
 from flashcp.data import load_distribution, sample_sequences
 from flashcp.executors import RunSpec, execute
-from flashcp.executors.sim import plan_metrics
+from flashcp.executors.sim import CHUNK, plan_metrics
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS, read_rows, write_rows_atomic
 from flashcp.sim import impl_plan, load_hardware, simulate
 
@@ -63,7 +63,8 @@ def test_rows_equal_simulate_per_plan(seqs, method, impl):
 
 def test_workers_give_the_same_rows(seqs):
     runs = [RunSpec(m, 4, SHAPES[0], ("train",), hardware="h100_sxm") for m in ("ring", "flashcp")]
-    seqs = list(seqs) * 30  # more than one chunk of sequences
+    seqs = list(seqs) * 50
+    assert len(seqs) > CHUNK  # several chunks, in two processes
     one = execute("sim", runs, seqs)
     two = execute("sim", runs, seqs, workers=2)
     cols = ["run_idx", "seq_idx", "mode", *PHASE_COLUMNS, *COMM_COLUMNS]

@@ -35,8 +35,8 @@ PLAN_COLUMNS: tuple[str, ...] = (
     "comm_saving", "comm_tokens_sharded", "num_split_docs", "num_pieces", "max_shards_per_rank",
 )  # fmt: skip
 
-#: sequences per unit of work handed to a worker process
-CHUNK = 64
+#: sequences per unit of work handed to a worker process (larger: less per-call overhead)
+CHUNK = 128
 
 
 def plan_metrics(plan: Plan) -> dict[str, Any]:
@@ -63,27 +63,23 @@ def error_status(exc: BaseException) -> str:
 
 
 def _run_rows(
-    run: RunSpec,
-    base: pd.DataFrame,
-    metrics: pd.DataFrame,
-    steps: dict[str, dict[str, np.ndarray]],
+    run: RunSpec, per_seq: dict[str, np.ndarray], steps: dict[str, dict[str, np.ndarray]]
 ) -> pd.DataFrame:
     """Rows of one run's priced sequences in (sequence, mode) order, built column by column.
 
     Args:
-        base, metrics: one row per sequence (``seq_idx``, ... / plan columns).
+        per_seq: (S,) arrays per column that does not depend on the mode (``seq_idx``, plan
+            columns).
         steps: per mode, (S,) arrays per phase and communication column.
     """
     m = len(run.modes)
-    take = np.repeat(np.arange(len(base)), m)
-    out = pd.concat(
-        [base.iloc[take].reset_index(drop=True), metrics.iloc[take].reset_index(drop=True)], axis=1
-    )
-    out["mode"] = np.tile(np.array(run.modes, dtype=object), len(base))
-    out["status"] = "ok"
+    n = len(per_seq["seq_idx"])
+    cols = {k: np.repeat(v, m) for k, v in per_seq.items()}
+    cols["mode"] = np.tile(np.array(run.modes, dtype=object), n)
+    cols["status"] = np.full(n * m, "ok", dtype=object)
     for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
-        out[col] = np.stack([steps[mode][col] for mode in run.modes], axis=1).ravel()
-    return out
+        cols[col] = np.stack([steps[mode][col] for mode in run.modes], axis=1).ravel()
+    return pd.DataFrame(cols)
 
 
 def _price(costs: list[Any], run: RunSpec, mode: str) -> dict[str, np.ndarray]:
@@ -118,11 +114,11 @@ def price_sequences(
     parts: list[list[pd.DataFrame]] = [[] for _ in runs]
     errors: list[list[dict[str, Any]]] = [[] for _ in runs]
     plan_s = price_s = 0.0
-    base = pd.DataFrame({
+    base = {
         "seq_idx": np.arange(first_idx, first_idx + len(seqs), dtype=np.int64),
         "num_docs": np.array([d.size for d in seqs], dtype=np.int64),
         "max_doc_len": np.array([d.max() for d in seqs], dtype=np.int64),
-    })  # fmt: skip
+    }
     for members in groups.values():
         spec = runs[members[0]]
         comm_kind = COMM_KIND[spec.method]
@@ -138,9 +134,10 @@ def price_sequences(
                 log.warning("sequence %d failed (%s): %s", first_idx + k, spec.method, exc)
                 for j in members:
                     errors[j].extend(
-                        {**base.iloc[k].to_dict(), "mode": mode, "status": error_status(exc)}
+                        {**{c: v[k] for c, v in base.items()}, "mode": mode,
+                         "status": error_status(exc)}
                         for mode in runs[j].modes
-                    )
+                    )  # fmt: skip
                 continue
             plan_ms = (time.perf_counter() - t0) * 1e3
             plans.append(plan)
@@ -152,7 +149,8 @@ def price_sequences(
         c1 = time.process_time()
         plan_s += c1 - c0
         if ok:
-            ok_base, ok_metrics = base.iloc[ok].reset_index(drop=True), pd.DataFrame(metrics)
+            per_seq = {k: v[ok] for k, v in base.items()}
+            per_seq.update({k: np.array(v) for k, v in pd.DataFrame(metrics).items()})
             costs: dict[int, list[Any]] = {}  # per hardware profile object: one PlanCost a plan
             for j in members:
                 run = runs[j]
@@ -167,11 +165,9 @@ def price_sequences(
                 try:
                     steps = {mode: _price(hw_costs, run, mode) for mode in run.modes}
                 except Exception:  # find the plans the cost model rejects: price one at a time
-                    parts[j].extend(
-                        _price_one_by_one(run, hw_costs, ok_base, ok_metrics, errors[j])
-                    )
+                    parts[j].extend(_price_one_by_one(run, hw_costs, per_seq, errors[j]))
                     continue
-                parts[j].append(_run_rows(run, ok_base, ok_metrics, steps))
+                parts[j].append(_run_rows(run, per_seq, steps))
         price_s += time.process_time() - c1
     frames = []
     for j in range(len(runs)):
@@ -184,25 +180,23 @@ def price_sequences(
 
 
 def _price_one_by_one(
-    run: RunSpec,
-    costs: list[Any],
-    base: pd.DataFrame,
-    metrics: pd.DataFrame,
-    errors: list[dict[str, Any]],
+    run: RunSpec, costs: list[Any], per_seq: dict[str, np.ndarray], errors: list[dict[str, Any]]
 ) -> list[pd.DataFrame]:
     """Price each plan alone; a plan the cost model rejects becomes error rows in ``errors``."""
     out = []
     for k, cost in enumerate(costs):
+        one = {c: v[k : k + 1] for c, v in per_seq.items()}
         try:
             steps = {mode: _price([cost], run, mode) for mode in run.modes}
         except Exception as exc:
-            log.warning("sequence %d failed (%s): %s", base["seq_idx"].iloc[k], run.method, exc)
+            log.warning("sequence %d failed (%s): %s", one["seq_idx"][0], run.method, exc)
             errors.extend(
-                {**base.iloc[k].to_dict(), "mode": mode, "status": error_status(exc)}
+                {**{c: one[c][0] for c in ("seq_idx", "num_docs", "max_doc_len")},
+                 "mode": mode, "status": error_status(exc)}
                 for mode in run.modes
-            )
+            )  # fmt: skip
             continue
-        out.append(_run_rows(run, base.iloc[[k]], metrics.iloc[[k]], steps))
+        out.append(_run_rows(run, one, steps))
     return out
 
 

@@ -4,9 +4,10 @@
 Plans are made once per (sequence, method, impl, cp_size, options) (:attr:`RunSpec.plan_key`) and
 their shape- and mode-independent statistics once per (plan, hardware tile shape)
 (:class:`flashcp.sim.PlanCost`); every run sharing the plan (another model, another hardware
-profile) and every mode is then priced from them with :meth:`flashcp.sim.PlanCost.step`, the
-same code :func:`flashcp.sim.simulate` runs, so a row holds exactly the numbers ``simulate`` gives
-for its plan. Rows are built as columns, per (run, chunk of sequences), in ``workers`` processes.
+profile) and every mode is then priced from them. A worker process takes a chunk of
+:data:`CHUNK` sequences, plans them, and prices each (run, mode) of the chunk at once with
+:func:`flashcp.sim.cost_model.step_many` (numpy operations over the chunk's plans; equal to
+:func:`flashcp.sim.simulate` per plan, tested to 1e-12). Rows are built as columns.
 """
 
 from __future__ import annotations
@@ -239,8 +240,9 @@ def execute(
         for mode in r.modes:
             check_mode(mode)
         check_impl(r.method, r.impl)
-        hw = loaded.setdefault(id(r.hardware), load_hardware(r.hardware))
-        specs.append(_replace_hw(r, hw))
+        if id(r.hardware) not in loaded:
+            loaded[id(r.hardware)] = load_hardware(r.hardware)
+        specs.append(_replace_hw(r, loaded[id(r.hardware)]))
     jobs = [(specs, seqs[i : i + CHUNK], i) for i in range(0, len(seqs), CHUNK)]
     parts: list[pd.DataFrame] = []
     seconds = {"plan_s": 0.0, "price_s": 0.0}

@@ -60,7 +60,10 @@ the all-gather with other layers' work, and stream-ordering stalls beyond the tw
 
 Speed: a plan's tile counts, segment lists and copy counts do not depend on heads, head_dim,
 dtype or mode; :func:`simulate_many` computes them once and then prices each (shape, mode) with a
-few numpy operations on (N,) or (N, N) arrays.
+few numpy operations on (N,) or (N, N) arrays. :func:`step_many` prices many plans at once: the
+ring methods of :class:`PlanCost` work on any leading axes (a stack of plans is (S, N, N)), and
+:func:`_step_allgather_batch` is :meth:`PlanCost._step_allgather` on (S, N) arrays (the two are
+kept equal by a test to 1e-12).
 """
 
 from __future__ import annotations

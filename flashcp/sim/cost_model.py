@@ -62,8 +62,8 @@ Speed: a plan's tile counts, segment lists and copy counts do not depend on head
 dtype or mode; :func:`simulate_many` computes them once and then prices each (shape, mode) with a
 few numpy operations on (N,) or (N, N) arrays. :func:`step_many` prices many plans at once: the
 ring methods of :class:`PlanCost` work on any leading axes (a stack of plans is (S, N, N)), and
-:func:`_step_allgather_batch` is :meth:`PlanCost._step_allgather` on (S, N) arrays (the two are
-kept equal by a test to 1e-12).
+:func:`_step_allgather_batch` prices the all-gather family (ours) on (S, N) arrays
+(:meth:`PlanCost._step_allgather` calls it with one plan).
 """
 
 from __future__ import annotations
@@ -224,72 +224,9 @@ class PlanCost:
         to the local rows. Groups run one after another (no overlap)."""
         if self.impl == "ring_flash_attn":
             return self._step_rfa_llama3(shape, train, vol)
-        hw, n = self.hw, self.n
-        h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
-        local = self.q_rows  # (N,) rows per rank
-        send_max = float(self.send_rows.max())
-        rows = local.max() + n * send_max  # rows of the source buffer
-        per_head = rows * 2 * d * 4  # fp32 gradient buffer per KV head
-        fits = [
-            k for k in range(1, hkv + 1) if hkv % k == 0 and k * per_head <= AG_GROUP_BUDGET_BYTES
-        ]
-        hg = max(fits or [1])
-        groups = hkv // hg
-        qh = h // groups
-        gshape = AttnShape(qh, hg, d, shape.dtype)
-        total_scale = n / (n - 1) if n > 1 else 1.0
-        n_ag = 2 if train else 1
-        ag_bytes = vol["allgather_bytes"] / n_ag / groups
-        ag = hw.collective_us(ag_bytes, ag_bytes * total_scale, hw.allgather_busbw_gbps)
-        kv_el = 2.0 * hg * d  # elements per KV row of a group
-        # source: local K and V copied in, send buffer zeroed and packed by index
-        build = self._op_us(4, local * kv_el * e * 2 + send_max * kv_el * e * 3)
-        keys = self._op_us(1, self.kv_rows * kv_el * e * 2)  # index_select of the segments' keys
-        split = groups > 1  # head slices of (T, H, D) tensors are copied, outputs copied back
-        fwd_k = kernel_us(self.fwd, qh, d, hw, False)
-        fwd_copies = build + keys + (self._op_us(3, local * qh * d * e * 4) if split else 0.0)
-        fwd_ops = 6 + (3 if split else 0)
-        coll_host = hw.collective_host_us if ag_bytes > 0 else 0.0
-        dev_f = groups * (ag + fwd_copies + fwd_k)
-        host_f = groups * (coll_host + hw.host_op_us * (fwd_ops + 1))
-        out = {
-            "allgather_ms": groups * ag / 1e3,
-            "attn_fwd_ms": float((groups * fwd_k).max()) / 1e3,
-            "attn_bwd_ms": 0.0,
-            "reducescatter_ms": 0.0,
-            "p2p_ms": 0.0,
-            "others_ms": float((groups * fwd_copies + np.maximum(host_f - dev_f, 0.0)).max()) / 1e3,
-        }
-        if not train:
-            return out
-        rs_bytes = vol["reducescatter_bytes"] / groups
-        rs = hw.collective_us(rs_bytes, rs_bytes * total_scale, hw.reducescatter_busbw_gbps)
-        bwd_k = kernel_us(self.bwd, qh, d, hw, True) + bwd_extra_us(
-            self.q_rows, self.kv_rows, gshape, hw
-        )
-        # dq into place; zero the fp32 gradient buffer; scatter-add dK and dV of the segments;
-        # add the reduce-scattered rows to the local part; dk, dv into place
-        grads = self._op_us(
-            6,
-            local * qh * d * e * 2
-            + rows * kv_el * 4
-            + self.kv_rows * kv_el * 12
-            + send_max * kv_el * 12
-            + local * kv_el * (4 + e),
-        )
-        bwd_copies = (
-            build + keys + grads + (self._op_us(3, local * qh * d * e * 2) if split else 0.0)
-        )
-        bwd_ops = 11 + (3 if split else 0)
-        dev_b = groups * (ag + bwd_copies + bwd_k + rs)
-        host_b = groups * (2 * coll_host + hw.host_op_us * (bwd_ops + 1))
-        out["allgather_ms"] += groups * ag / 1e3
-        out["attn_bwd_ms"] = float((groups * bwd_k).max()) / 1e3
-        out["reducescatter_ms"] = groups * rs / 1e3
-        out["others_ms"] += (
-            float((groups * bwd_copies + np.maximum(host_b - dev_b, 0.0)).max()) / 1e3
-        )
-        return out
+        # one implementation of the formulas, vectorised over plans (here: one plan)
+        out = _step_allgather_batch([self], shape, "train" if train else "infer")
+        return {c: float(out[c][0]) for c in PHASE_COLUMNS if c != "total_ms"}
 
     def _step_rfa_llama3(
         self, shape: AttnShape, train: bool, vol: dict[str, int]
@@ -701,8 +638,8 @@ def _step_ring_batch(
 def _step_allgather_batch(
     costs: Sequence[PlanCost], shape: AttnShape, mode: str
 ) -> dict[str, np.ndarray]:
-    """:meth:`PlanCost._step_allgather` (``ours``) vectorised over plans: the same operations in
-    the same order on (S, N) arrays (``[:, None]`` marks a per-plan value)."""
+    """The project's all-gather op (``ours``; :meth:`PlanCost._step_allgather` describes it) for S
+    plans on (S, N) arrays (``c_(x)`` marks a per-plan value broadcast over ranks)."""
     first = costs[0]
     hw, n, kind = first.hw, first.n, first.comm_kind
     train = mode == "train"

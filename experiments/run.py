@@ -39,6 +39,7 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.launch import ignore_sigint
 from flashcp.comm import AttnShape
 from flashcp.config import (
     EXECUTOR_OPTIONS,
@@ -363,7 +364,7 @@ def run_sim(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]]:
         if int(cfg.workers) == 1:
             results = map(_plan_rows_star, jobs)
         else:
-            pool = ProcessPoolExecutor(max_workers=int(cfg.workers))
+            pool = ProcessPoolExecutor(int(cfg.workers), initializer=ignore_sigint)
             results = pool.map(_plan_rows_star, jobs)
         for job, part in zip(jobs, results, strict=True):
             rows.extend(part)
@@ -693,4 +694,6 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from experiments.launch import main as launch_main  # readable errors, clean Ctrl-C/SIGTERM
+
+    launch_main()

@@ -1,6 +1,6 @@
 """Merge the rows of finished runs into one per-sequence CSV and a per-run summary.
 
-    python -m experiments.aggregate results/fig5
+    python -m experiments.aggregate outputs/fig5
 
 Reads ``rows.csv`` files — the ones a sweep's jobs report (the Hydra callback), or every
 ``<exp_dir>/runs/*/rows.csv`` on disk (the command line) — and writes ``<exp_dir>/rows.csv`` (all
@@ -149,16 +149,29 @@ def aggregate(exp_dir: str | Path, rows_paths: list[Path] | None = None) -> pd.D
     return summary
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 2 and sys.argv[1] in ("-h", "--help"):
-        print("usage: python -m experiments.aggregate RESULTS_DIR/NAME\n\n" + __doc__.strip())
-        sys.exit(0)
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m experiments.aggregate RESULTS_DIR/NAME")
+def _cli(argv: list[str] | None = None) -> None:
+    """``python -m experiments.aggregate DIR``: merge every run of DIR; one line on error."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.aggregate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "exp_dir",
+        metavar="RESULTS_DIR/NAME",
+        help="experiment folder whose runs/*/rows.csv to merge",
+    )
+    args = ap.parse_args(argv)
     try:
-        s = aggregate(sys.argv[1])
+        s = aggregate(args.exp_dir)
     except ValueError as exc:
         sys.exit(f"error: {exc}")
     if s is None:
-        sys.exit(f"no runs found under {sys.argv[1]}/runs")
-    print(f"wrote {sys.argv[1]}/rows.csv and summary.csv ({len(s)} summary rows)")
+        sys.exit(f"error: no runs found under {args.exp_dir}/runs")
+    print(f"wrote {args.exp_dir}/rows.csv and summary.csv ({len(s)} summary rows)")
+
+
+if __name__ == "__main__":
+    _cli()

@@ -21,6 +21,7 @@ environment (what ``torchrun`` sets), and ``on_job_end`` tears the job's process
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as _dt
 import json
@@ -225,6 +226,17 @@ class AggregateResults(Callback):
         except RuntimeError as exc:
             print(f"flashcp-run: error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
+        # an interrupted sweep (Ctrl-C, SIGTERM) never reaches _finish: clean up at exit
+        atexit.register(self._cleanup)
+
+    def _cleanup(self) -> None:
+        """Remove this sweep's job records and release its lock (idempotent)."""
+        if self.exp_dir is None or self.lock is None:
+            return
+        shutil.rmtree(self.exp_dir / JOBS_DIR / self.lock["sweep_id"], ignore_errors=True)
+        with contextlib.suppress(OSError):  # empty once no other sweep has records here
+            (self.exp_dir / JOBS_DIR).rmdir()
+        release_lock(self.exp_dir, self.lock)
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._start(config, multirun=False)
@@ -275,10 +287,7 @@ class AggregateResults(Callback):
         try:
             problems = self._merge_and_draw(config, jobs) if merge else []
         finally:
-            shutil.rmtree(self.exp_dir / JOBS_DIR / self.lock["sweep_id"], ignore_errors=True)
-            with contextlib.suppress(OSError):  # empty once no other sweep has records here
-                (self.exp_dir / JOBS_DIR).rmdir()
-            release_lock(self.exp_dir, self.lock)
+            self._cleanup()
         failed = [j for j in jobs if j.get("error")]
         if failed and not self.multirun:
             problems.insert(0, f"error: {failed[0]['error']}")

@@ -362,15 +362,17 @@ def run_sim(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]]:
     )
     with bar:
         if int(cfg.workers) == 1:
-            results = map(_plan_rows_star, jobs)
-        else:
+            pool, results = None, map(_plan_rows_star, jobs)
+        else:  # workers leave Ctrl-C to this process, which stops the pool (experiments.launch)
             pool = ProcessPoolExecutor(int(cfg.workers), initializer=ignore_sigint)
             results = pool.map(_plan_rows_star, jobs)
-        for job, part in zip(jobs, results, strict=True):
-            rows.extend(part)
-            bar.update(len(job[0]))
-        if int(cfg.workers) > 1:
-            pool.shutdown()
+        try:
+            for job, part in zip(jobs, results, strict=True):
+                rows.extend(part)
+                bar.update(len(job[0]))
+        finally:  # also on Ctrl-C / SIGTERM: drop queued chunks, let running ones end, join
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
     return rows
 
 

@@ -136,3 +136,33 @@ def test_default_outputs_are_ignored_by_git():
         proc = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO, timeout=30)
         assert proc.returncode == 0, f"{path} is not ignored by git"
     assert (REPO / "results" / "fig5" / "summary.csv").exists()  # the committed reference
+
+
+def test_compare_matches_runs_across_code_versions(tmp_path):
+    """``python -m experiments.aggregate --compare REF NEW``: runs match by identity apart from the
+    code version; a changed time and a missing run are reported (exit code 1 for the latter)."""
+    from experiments.aggregate import _cli, aggregate, compare
+    from experiments.run import run
+
+    register_configs()
+    for method in ("llama3", "flashcp"):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose("config", overrides=[*SMALL, f"method={method}", f"results_dir={tmp_path}", "name=ref"])  # fmt: skip
+        run(cfg)
+    aggregate(tmp_path / "ref")
+    new = tmp_path / "new"
+    new.mkdir()
+    summary = pd.read_csv(tmp_path / "ref" / "summary.csv")
+    summary["code_version"] = "other"
+    summary["run_id"] = "other"
+    summary.loc[summary["method"] == "flashcp", "total_ms_mean"] *= 1.5
+    summary.to_csv(new / "summary.csv", index=False)
+    table = compare(tmp_path / "ref", new)
+    assert (table["found"] == "both").all() and len(table) == 4
+    flash = table[table["method"] == "flashcp"]
+    assert flash["total_ms_rel_change"].round(9).eq(0.5).all()
+    assert table.loc[table["method"] == "llama3", "total_ms_rel_change"].eq(0).all()
+    summary[summary["method"] == "llama3"].to_csv(new / "summary.csv", index=False)
+    with pytest.raises(SystemExit) as info:
+        _cli(["--compare", str(tmp_path / "ref"), str(new)])
+    assert info.value.code == 1

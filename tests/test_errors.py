@@ -136,3 +136,18 @@ def test_signal_ends_sweep_with_one_line_and_no_orphans(tmp_path, signum, to_gro
     time.sleep(0.5)
     assert _group_pids(proc.pid) == [], "worker processes outlived flashcp-run"
     assert not (tmp_path / "sig" / ".sweep.lock").exists()  # the next sweep starts cleanly
+
+
+def test_launcher_in_experiment_config_needs_multirun(capsys, monkeypatch, tmp_path):
+    """An experiment config may choose its launcher (Hydra honours it under -m); without -m a
+    single run would ignore it, so that is refused."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "par.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /hydra/launcher: joblib\nname: par\n"
+    )
+    search = f"hydra.searchpath=[file://{tmp_path / 'conf'}]"
+    code, _, err = _flashcp_run(
+        capsys, monkeypatch, "experiment=par", search, f"results_dir={tmp_path / 'out'}"
+    )
+    assert code == 2 and err.strip().count("\n") == 0
+    assert "hydra/launcher=joblib launches the jobs of a sweep" in err and "add -m" in err

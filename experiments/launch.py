@@ -15,12 +15,15 @@ instead of a traceback or a page of Hydra internals:
   (:func:`launch_problem`, called by :class:`experiments.callbacks.AggregateResults`): a sweep over
   experiment configs (``-m experiment=fig6,fig7``: Hydra composes the sweep before choosing the
   experiment, so the sweeps they define are skipped), a launcher without ``-m`` (a single run
-  ignores ``hydra/launcher``), an experiment that defines a sweep run without ``-m``, and a key
-  added with ``+`` that no schema has (``+cp_sise=4`` would run with the default ``cp_size``).
-* Ctrl-C (SIGINT) and SIGTERM end the process with one line (exit 130 / 143). Worker processes of
-  the simulator's pool ignore SIGINT (:func:`ignore_sigint`, their initializer) and are terminated
-  by the parent, so no worker outlives it and none prints a traceback. Finished runs stay on disk:
-  rerunning the command resumes.
+  ignores ``hydra/launcher``), an experiment that defines a sweep run without ``-m``, a key
+  added with ``+`` that no schema has (``+cp_sise=4`` would run with the default ``cp_size``), and
+  ``executor=dist`` under a submitit launcher whose tasks per job differ from ``cp_size``.
+* Ctrl-C (SIGINT) and SIGTERM end the process with one line (exit 130 / 143). Workers of the
+  simulator's process pool ignore SIGINT (:func:`ignore_sigint`, their initializer); the run drops
+  the queued chunks and joins them, and :func:`end_children` terminates any child process left, so
+  none outlives the sweep and none prints a traceback. Finished runs stay on disk: rerunning the
+  command resumes. (Under ``hydra/launcher=joblib`` a terminal's Ctrl-C also reaches joblib's own
+  worker processes, which may print their interruption; the sweep still ends.)
 """
 
 from __future__ import annotations

@@ -215,12 +215,13 @@ class AggregateResults(Callback):
         from experiments.launch import launch_problem
 
         self.exp_dir, self.multirun = experiment_dir(config), multirun
+        problem = launch_problem(config, multirun)  # the same on every rank under torchrun
+        if problem is not None:
+            if is_rank0():
+                print(f"flashcp-run: error: {problem}", file=sys.stderr)
+            raise SystemExit(2)
         if not is_rank0():
             return
-        problem = launch_problem(config, multirun)
-        if problem is not None:
-            print(f"flashcp-run: error: {problem}", file=sys.stderr)
-            raise SystemExit(2)
         try:
             self.lock = acquire_lock(self.exp_dir)
         except RuntimeError as exc:

@@ -4,6 +4,7 @@ fields; Ctrl-C and SIGTERM end a sweep with one line, no traceback and no worker
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -12,11 +13,27 @@ import time
 from pathlib import Path
 
 import pytest
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 
 from experiments.launch import main
 
 REPO = Path(__file__).resolve().parents[1]
 GROUPS = ("experiment", "dataset", "method", "model", "hardware", "executor")
+
+
+@pytest.fixture(autouse=True)
+def _isolate_hydra():
+    """``main`` runs Hydra in this process: undo what it leaves behind (its config singleton,
+    which would make later direct ``run(cfg)`` calls think they run under Hydra, and the logging
+    handlers it installs on the captured streams)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    HydraConfig.instance().cfg = None
+    GlobalHydra.instance().clear()
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def _flashcp_run(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:

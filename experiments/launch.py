@@ -154,7 +154,7 @@ def added_unknown_keys(config: Any) -> list[str]:
     overrides = list(config.hydra.overrides.task)
     problems = []
     for ov in OverridesParser.create().parse_overrides(overrides):
-        if not ov.is_add() or ov.key_or_group.startswith("hydra"):
+        if not (ov.is_add() or ov.is_force_add()) or ov.key_or_group.startswith("hydra"):
             continue
         key = ov.key_or_group
         if key in config.hydra.runtime.choices:  # +group=option adds a config, not a key

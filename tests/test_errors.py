@@ -53,6 +53,7 @@ def _flashcp_run(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
         (["hydra/launcher=nope"], "hydra/launcher=nope: no such option; choose one of basic, joblib,"),
         (["cp_sise=4"], "unknown key cp_sise (in cp_sise=4); did you mean cp_size?"),
         (["+cp_sise=4"], "unknown key cp_sise (in +cp_sise=4); did you mean cp_size?"),
+        (["++cp_sise=4"], "unknown key cp_sise (in ++cp_sise=4); did you mean cp_size?"),
         (["-m", "+cp_sise=2,4"], "unknown key cp_sise (in +cp_sise=2,4); did you mean cp_size?"),
         (["model.num_hedas=3"], "did you mean model.num_heads or model.num_kv_heads?"),
         (["+model.foo=1"], "unknown key model.foo (in +model.foo=1); keys in model: name, num_heads"),

@@ -13,7 +13,7 @@ import numpy as np
 
 from flashcp.ilp.model import FORMULATIONS, Instance, block_pieces
 from flashcp.ilp.worker import run_job
-from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan
+from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
 
 __all__ = ["plan_ilp", "plan_objective", "saving_bound"]
 
@@ -74,6 +74,7 @@ def _seed_ranks(seed: Plan, pdoc: np.ndarray, pstart: np.ndarray, context_len: i
     return seed.rank[order][idx]
 
 
+@planner_entry("ilp")
 def plan_ilp(
     doc_lens,
     cp_size: int,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import multiprocessing
 import os
 import signal
@@ -61,6 +62,8 @@ def _field_type(schema: Any, key: str) -> str:
         hint = typing.get_type_hints(schema)[key]
     except (KeyError, NameError, TypeError):
         return "another type"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "one of " + ", ".join(str(m.value) for m in hint)
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 

@@ -58,6 +58,7 @@ def _flashcp_run(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
         (["model.num_hedas=3"], "did you mean model.num_heads or model.num_kv_heads?"),
         (["+model.foo=1"], "unknown key model.foo (in +model.foo=1); keys in model: name, num_heads"),
         (["cp_size=abc"], "cp_size=abc: cp_size takes int, got 'abc'"),
+        (["dataset.overlong=x"], "dataset.overlong takes one of split, cut, error, got 'x'"),
         (["modes=[x"], "cannot parse 'modes=[x'"),
         (["-m", "experiment=fig6,fig7"], "flashcp-run -m experiment=fig6; flashcp-run -m experiment=fig7"),
         (["experiment=fig5"], "add -m (flashcp-run -m experiment=fig5), or hydra.sweeper.params=null"),

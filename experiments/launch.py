@@ -117,8 +117,10 @@ def explain_hydra_error(exc: BaseException) -> str | None:
             schema = cause.object_type
             value = override.split("=", 1)[-1] if "=" in override else "?"
             return f"{override}: {key} takes {_field_type(schema, key.rsplit('.', 1)[-1])}, got {value!r}"
-        first = str(exc).strip().splitlines()
-        return first[0] if first else None
+        text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        if text.startswith("Ambiguous value for argument"):  # a sweep without -m
+            text = text.split(" 1. ", 1)[0] + "; add -m to sweep over it, or write [a,b] for a list"
+        return text or None
     if isinstance(exc, ValueError) and _raised_in_hydra(exc):  # a command-line usage error
         return str(exc).strip().splitlines()[0]
     return None

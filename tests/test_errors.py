@@ -60,6 +60,7 @@ def _flashcp_run(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
         (["cp_size=abc"], "cp_size=abc: cp_size takes int, got 'abc'"),
         (["dataset.overlong=x"], "dataset.overlong takes one of split, cut, error, got 'x'"),
         (["modes=[x"], "cannot parse 'modes=[x'"),
+        (["method=flashcp,llama3"], "'method=flashcp,llama3'; add -m to sweep over it"),
         (["-m", "experiment=fig6,fig7"], "flashcp-run -m experiment=fig6; flashcp-run -m experiment=fig7"),
         (["experiment=fig5"], "add -m (flashcp-run -m experiment=fig5), or hydra.sweeper.params=null"),
         (["hydra/launcher=joblib"], "a single run ignores it; add -m"),

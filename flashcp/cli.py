@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--doc-lens-file",
         metavar="PATH",
-        help="file of document lengths: .npy, text (one per line) or CSV (column doc_len)",
+        help="file of document lengths: .npy, text (one per line), CSV, Parquet or JSON (column doc_len)",
     )
     p.add_argument(
         "--context-len",

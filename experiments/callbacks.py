@@ -118,8 +118,8 @@ def release_lock(exp_dir: str | Path, info: dict[str, Any] | None) -> None:
 
 class AggregateResults(Callback):
     """Lock the experiment folder when a run or sweep starts; when it ends, merge the rows the
-    jobs wrote (where they wrote them, as each job reports its ``rows.csv``) into
-    ``<folder>/rows.csv`` and ``summary.csv`` (:func:`experiments.aggregate.aggregate`), draw the
+    jobs wrote (where they wrote them, as each job reports its rows file) into
+    ``<folder>/rows.parquet`` and ``summary.csv`` (:func:`experiments.aggregate.aggregate`), draw the
     figures in ``plots``, release the lock, and exit non-zero with one line when a job failed or
     a figure could not be drawn.
 

@@ -1,25 +1,35 @@
-"""Benchmark: planner and simulator speed, and the wall time of the paper-scale sweep.
+"""Benchmark: planner and simulator speed, and the wall time of the Fig. 5 sweep.
 
-    python experiments/bench_planners.py                       # quick: ~1 minute
-    python experiments/bench_planners.py --sweep-sequences 100000 --workers 2   # the paper's scale
+    python experiments/bench_planners.py                       # quick: ~2 minutes
+    python experiments/bench_planners.py --sweep-sequences 100000   # the paper's scale
 
 Prints, per method (and ``flashcp_refined``), the median / p90 planning time per 128K sequence at
-CP 4 and 8 (plans per second = 1000 / median ms) and the simulator's time per (plan, shape, mode); then times the sweep
-of Fig. 5 (3 datasets x 5 methods x CP 4/8 x 16/32 heads x train/infer) through the same code path
-as ``flashcp-run`` (``experiments.run.plan_rows``) with ``--sweep-sequences`` sequences per dataset,
-and extrapolates linearly to 100K sequences per dataset when fewer were run.
+CP 4 and 8 (plans per second = 1000 / median ms) and the simulator's time per (plan, shape, mode).
+Then runs the Fig. 5 sweep exactly as a user does (``flashcp-run -m experiment=fig5
+num_sequences=<n>`` in a subprocess, into a temporary folder: 3 datasets x 5 methods x CP 4/8 x
+16/32 heads x train/infer) and prints its wall time with the breakdown the jobs log: sampling,
+planning and pricing (CPU-seconds summed over worker processes), the executor's wall time,
+writing, and the end-of-sweep merge; with fewer than 100,000 sequences it also extrapolates the
+per-sequence parts linearly to the paper's 100,000. The load average before and after is printed:
+on a shared machine every wall time is inflated by the other processes, CPU-seconds the least, so
+it also prints the time on idle cores the CPU-seconds imply (planning + pricing over the workers,
+plus sampling, writing, merge and startup as measured).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
-from experiments.run import plan_rows
 from flashcp.comm import AttnShape
 from flashcp.data import load_distribution, sample_sequences
 from flashcp.registry import get_planner, method_names
@@ -32,13 +42,50 @@ METHODS = method_names(paper=True)
 #: goal: <= 2 ms median per 128K sequence at CP 8)
 PLANNERS = method_names(fast=True)
 C = 131072
+REPO = Path(__file__).resolve().parents[1]
+#: what a job of ``experiments.run`` logs when it finishes, and what the merge logs
+_JOB = re.compile(
+    r"(\d+) runs, (\d+) rows .* in ([\d.]+) s -> .*seconds: sampling ([\d.]+), planning ([\d.]+), "
+    r"pricing ([\d.]+) \(CPU-s in workers\), executor ([\d.]+), writing ([\d.]+)"
+)
+_MERGE = re.compile(r"(\d+) rows, (\d+) summary rows -> .* in ([\d.]+) s \(merge\)")
 
 
-def _job(args):
-    seqs, method, cp, shape, hw = args
-    t0 = time.perf_counter()
-    plan_rows(seqs, 0, method, cp, {}, shape, ["train", "infer"], hw)
-    return time.perf_counter() - t0
+def time_sweep(num_sequences: int, workers: int, timeout_s: float) -> dict[str, float]:
+    """Run ``flashcp-run -m experiment=fig5`` with ``num_sequences`` in a temporary results folder;
+    return its wall time and the summed breakdown of its jobs' log lines (seconds).
+
+    Raises:
+        RuntimeError: the sweep failed (its last output lines in the message).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            sys.executable, "-m", "experiments.run", "-m", "experiment=fig5",
+            f"num_sequences={num_sequences}", f"workers={workers}", f"results_dir={tmp}",
+            "progress=false", "plots=[]",
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+        wall = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"the sweep failed ({proc.returncode}):\n" + "\n".join(out.splitlines()[-15:])
+        )
+    parts = dict.fromkeys(
+        ("runs", "rows", "jobs_s", "sampling", "planning_cpu", "pricing_cpu", "executor",
+         "writing", "merge"), 0.0,
+    )  # fmt: skip
+    for m in _JOB.finditer(out):
+        for k, v in zip(list(parts)[:8], m.groups(), strict=True):
+            parts[k] += float(v)
+    merge = _MERGE.search(out)
+    parts["merge"] = float(merge.group(3)) if merge else float("nan")
+    parts["wall"] = wall
+    return parts
 
 
 def main() -> None:
@@ -47,11 +94,22 @@ def main() -> None:
         "--sequences", type=int, default=200, help="sequences per dataset for timing planners"
     )
     ap.add_argument(
-        "--sweep-sequences", type=int, default=500, help="sequences per dataset in the timed sweep"
+        "--sweep-sequences", type=int, default=1000, help="sequences per dataset in the timed sweep"
     )
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=3600, help="limit of the sweep, seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--sweep-only", action="store_true", help="time only the Fig. 5 sweep, not the planners"
+    )
     args = ap.parse_args()
+    if not args.sweep_only:
+        time_planners(args)
+    time_fig5(args)
+
+
+def time_planners(args: argparse.Namespace) -> None:
+    """Median / p90 planning time per sequence and simulator time per (plan, shape, mode)."""
     hw = load_hardware("h100_sxm")
     shapes = [AttnShape(16, 16, 128, "bfloat16"), AttnShape(32, 32, 128, "bfloat16")]
 
@@ -83,30 +141,32 @@ def main() -> None:
         print(f"{method:<10} {cp:>3} {med:>10.3f} {np.percentile(times, 90):>8.3f} "
               f"{1e3 / med:>9.0f} {np.median(sim_times):>12.1f}")  # fmt: skip
 
+
+def time_fig5(args: argparse.Namespace) -> None:
+    """Wall time and breakdown of ``flashcp-run -m experiment=fig5`` (module docstring)."""
     n = args.sweep_sequences
-    print(f"\nFig. 5 sweep, {n} sequences per dataset, {args.workers} worker(s):")
-    t0 = time.perf_counter()
-    sweep = {
-        ds: sample_sequences(load_distribution(ds, context_len=C), n, C, seed=args.seed)
-        for ds in DATASETS
-    }
-    t_sample = time.perf_counter() - t0
-    jobs = []
-    for ds, method, cp, shape in itertools.product(DATASETS, METHODS, (4, 8), shapes):
-        s = sweep[ds]
-        jobs.extend((s[i : i + 250], method, cp, shape, hw) for i in range(0, n, 250))
-    t0 = time.perf_counter()
-    if args.workers > 1:
-        with ProcessPoolExecutor(args.workers) as pool:
-            busy = sum(pool.map(_job, jobs))
-    else:
-        busy = sum(map(_job, jobs))
-    wall = time.perf_counter() - t0 + t_sample
-    runs = len(DATASETS) * len(METHODS) * 2 * len(shapes)
-    print(f"  {runs} runs x {n} sequences x 2 modes = {runs * n * 2:,} rows in {wall:.1f} s "
-          f"(sampling {t_sample:.1f} s, {busy:.1f} CPU-s in workers)")  # fmt: skip
+    load0 = os.getloadavg()[0]
+    print(f"\nFig. 5 sweep (flashcp-run -m experiment=fig5), {n} sequences per dataset, "
+          f"{args.workers} worker(s), load average {load0:.1f} on {os.cpu_count()} cores:")  # fmt: skip
+    t = time_sweep(n, args.workers, args.timeout)
+    other = t["wall"] - t["jobs_s"] - t["merge"]
+    print(f"  {int(t['runs'])} runs, {int(t['rows']):,} rows in {t['wall']:.1f} s wall "
+          f"(load average after: {os.getloadavg()[0]:.1f})")  # fmt: skip
+    print(f"  sampling {t['sampling']:.1f} s | planning {t['planning_cpu']:.1f} CPU-s | "
+          f"pricing {t['pricing_cpu']:.1f} CPU-s | executor {t['executor']:.1f} s wall | "
+          f"writing {t['writing']:.1f} s | merge {t['merge']:.1f} s | "
+          f"startup, composition and figures {other:.1f} s")  # fmt: skip
+    # on idle cores the executor's wall time is its CPU time over the workers: the estimate a
+    # loaded machine cannot measure directly
+    cpu_wall = (t["planning_cpu"] + t["pricing_cpu"]) / args.workers
+    serial = t["sampling"] + t["writing"] + t["merge"]
+    print(f"  on {args.workers} idle cores (planning + pricing CPU-s / workers, plus the rest): "
+          f"{cpu_wall + serial + other:.1f} s")  # fmt: skip
     if n < 100_000:
-        print(f"  extrapolated to 100,000 sequences per dataset: {wall * 100_000 / n / 60:.1f} min")
+        scale = 100_000 / n
+        est = other + scale * (cpu_wall + serial)
+        print(f"  extrapolated to 100,000 sequences per dataset on idle cores: {est / 60:.1f} min "
+              f"(per-sequence parts x{scale:g}, startup as measured)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -197,7 +197,7 @@ class AggregateResults(Callback):
     """Refuse a launch Hydra would silently get wrong
     (:func:`experiments.launch.launch_problem`); lock the experiment folder when a run or sweep
     starts; when it ends, merge the rows its jobs wrote (where they wrote them, as each job
-    records its ``rows.csv`` on disk) into ``<folder>/rows.csv`` and ``summary.csv``
+    records its rows file on disk) into ``<folder>/rows.parquet`` and ``summary.csv``
     (:func:`experiments.aggregate.aggregate`), draw the figures in ``plots``, release the lock,
     and exit non-zero with one line when a job failed or a figure could not be drawn.
 

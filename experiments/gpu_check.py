@@ -61,6 +61,7 @@ from flashcp.results import (  # noqa: E402
     PHASE_COLUMNS,
     markdown_table,
     provenance,
+    read_rows,
     write_csv_atomic,
 )
 from flashcp.sim import HardwareProfile, attention_kernel_ms, load_hardware, simulate  # noqa: E402
@@ -699,9 +700,9 @@ def main(argv=None) -> None:
                 run_bounded(
                     cmd, budget.left() - (25 if not args.quick else 5), out / "dist_log.txt"
                 )
-                if not (out / "dist" / "rows.csv").exists():
+                if not (out / "dist" / "rows.parquet").exists():
                     raise RuntimeError("executor=dist wrote no rows; see dist_log.txt")
-                rows_d = pd.read_csv(out / "dist" / "rows.csv")
+                rows_d = read_rows(out / "dist" / "rows.parquet")
                 write_csv_atomic(rows_d, out / "dist.csv")
                 cols = ["method", "mode", "attn_fwd_ms", "attn_bwd_ms", "total_ms"]
                 print(rows_d[cols].to_string(), flush=True)

@@ -19,8 +19,8 @@ instead of a traceback or a page of Hydra internals:
   added with ``+`` that no schema has (``+cp_sise=4`` would run with the default ``cp_size``), and
   ``executor=dist`` under a submitit launcher whose tasks per job differ from ``cp_size``.
 * Ctrl-C (SIGINT) and SIGTERM end the process with one line (exit 130 / 143). Workers of the
-  simulator's process pool ignore SIGINT (:func:`ignore_sigint`, their initializer); the run drops
-  the queued chunks and joins them, and :func:`end_children` terminates any child process left, so
+  simulator's process pool ignore SIGINT (their initializer, :mod:`flashcp.executors.sim`); the run
+  drops the queued chunks and joins them, and :func:`end_children` terminates any child left, so
   none outlives the sweep and none prints a traceback. Finished runs stay on disk: rerunning the
   command resumes. (Under ``hydra/launcher=joblib`` a terminal's Ctrl-C also reaches joblib's own
   worker processes, which may print their interruption; the sweep still ends.)
@@ -231,13 +231,6 @@ def _submitit_ranks(config: Any) -> int | None:
     if "submitit" not in str(launcher.get("_target_", "")):
         return None
     return int(launcher.nodes) * int(launcher.tasks_per_node)
-
-
-def ignore_sigint() -> None:
-    """Initializer of worker processes: leave Ctrl-C to the parent, which ends them (a worker that
-    took it would print a traceback of its own), and let SIGTERM end them at once."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _signal_handler(main_pid: int) -> Any:

@@ -1,21 +1,29 @@
-"""Hydra entry point of the harness: sample sequences, plan them, run the plans, write rows.
+"""Hydra entry point of the harness: compose the config, sample sequences, call an executor,
+write rows.
 
     flashcp-run                                   # one run (defaults in conf/config.yaml)
     flashcp-run -m experiment=fig5                # the paper's main comparison, simulated
     flashcp-run -m method=flashcp,llama3 dataset=pile cp_size=4,8 model=h16,h32 name=my_sweep
+    flashcp-run grid.model=[h16,h32] grid.cp_size=[4,8]   # 4 runs in one job, plans shared
     torchrun --nproc-per-node 4 -m experiments.run executor=dist cp_size=4 ...   # real ranks
 
-One run is one configuration (dataset, method and its options, cp_size, model, context_len, ...)
-over ``num_sequences`` sampled sequences and every mode in ``modes``. It writes ``rows.csv`` (one
-row per sequence and mode) atomically at the end into its Hydra output folder, next to
-``.hydra/`` and its log (by default ``${results_dir}/${name}/runs/${run_key}``).
+One run is one configuration (dataset, method and its options, cp_size, model, hardware,
+context_len, ...) over ``num_sequences`` sampled sequences and every mode in ``modes``. One Hydra
+job executes one run, or under ``executor=sim`` the runs of its ``grid``
+(:func:`grid_runs`): they share the job's sampled sequences, each (sequence, method, cp_size) is
+planned once and priced for every model and hardware profile. The executor
+(:func:`flashcp.executors.execute`: ``sim``, ``dist`` or ``emulate``) turns plans into rows; this
+module adds identity and provenance and writes the job's rows (one row per run, sequence and mode)
+atomically as ``rows.parquet`` into its Hydra output folder, next to ``.hydra/`` and its log (by
+default ``${results_dir}/${name}/runs/${run_key}``). The log line of a job gives its time in
+sampling, planning, pricing and writing.
 
 Identity. Every row carries the run's identity (:data:`flashcp.results.IDENTITY_COLUMNS`: every
 value that changes its results, code version included) and ``run_id``, its hash, plus ``sweep_id``
 and ``job_num`` of the invocation that wrote it.
 
-Resume. A run whose ``rows.csv`` already holds rows of the same ``run_id`` is skipped. A run whose
-rows came from other code (``code_version`` differs) or from a failed attempt is redone, with a
+Resume. A job whose ``rows.parquet`` already holds rows of exactly its runs (the same ``run_id``
+values) is skipped. A job whose rows came from other code (``code_version`` differs) or from a failed attempt is redone, with a
 warning that names both versions.
 
 Failures. A job that raises becomes rows with ``status = "error: ..."`` and its traceback in its log;
@@ -30,16 +38,14 @@ import logging
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import hydra
 import numpy as np
 import pandas as pd
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from experiments.launch import ignore_sigint
 from flashcp.comm import AttnShape
 from flashcp.config import (
     EXECUTOR_OPTIONS,
@@ -48,8 +54,8 @@ from flashcp.config import (
     check_config,
     register_configs,
 )
-from flashcp.plan import Plan
-from flashcp.registry import COMM_KIND, get_planner
+from flashcp.executors import RunSpec, execute
+from flashcp.executors.sim import error_status
 from flashcp.results import (
     COMM_COLUMNS,
     IDENTITY_COLUMNS,
@@ -59,7 +65,7 @@ from flashcp.results import (
     provenance,
     read_rows,
     typed,
-    write_csv_atomic,
+    write_rows_atomic,
 )
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,8 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 #: columns that say which invocation wrote a row (not part of the identity)
 JOB_COLUMNS = ("name", "sweep_id", "job_num", "overrides", "run_id")
+#: a job's rows, in its Hydra output folder (Parquet: a paper-scale job holds millions of rows)
+ROWS_FILE = "rows.parquet"
 
 
 class ConfigError(ValueError):
@@ -117,15 +125,25 @@ def _hardware_sha256(hw: dict[str, Any]) -> str:
         return config_hash(hw)
 
 
-def run_identity(cfg: DictConfig, code_version: str) -> dict[str, Any]:
+def run_identity(
+    cfg: DictConfig, code_version: str, memo: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The values of :data:`flashcp.results.IDENTITY_COLUMNS` for ``cfg`` (every value that changes
     its results) at ``code_version``. Never raises for a missing dataset file (its hash reads
-    ``"missing"``), so a failed job's rows still say which run failed."""
+    ``"missing"``), so a failed job's rows still say which run failed.
+
+    ``memo``: a dict shared by the runs of one job, so each distinct hardware profile's file and
+    fitted constants are read once."""
     ds, m, ex = cfg.dataset, cfg.model, cfg.executor
     c = int(cfg.context_len)
     uses_hw = ex.name in USES_HARDWARE_PROFILE
     from_file = ds.name == "file" and ds.path is not None  # other datasets ignore dataset.path
     hw = _container(cfg.hardware) if uses_hw else {}
+    memo = {} if memo is None else memo
+    key = _json(hw)
+    if key not in memo:
+        memo[key] = (_json(hardware_changes(hw)), _hardware_sha256(hw)) if uses_hw else ("{}", "-")
+    hw_ident = memo[key]
     ident = {
         "dataset": ds.name,
         "dataset_path": str(ds.path) if from_file else "-",
@@ -151,8 +169,8 @@ def run_identity(cfg: DictConfig, code_version: str) -> dict[str, Any]:
             {k: _container(ex[k]) for k in EXECUTOR_OPTIONS.get(ex.name, ())}
         ),
         "hardware": hw.get("name", "unknown") if uses_hw else "measured",
-        "hardware_changes": _json(hardware_changes(hw)) if uses_hw else "{}",
-        "hardware_sha256": _hardware_sha256(hw) if uses_hw else "-",
+        "hardware_changes": hw_ident[0],
+        "hardware_sha256": hw_ident[1],
         "code_version": code_version,
     }
     assert tuple(ident) == IDENTITY_COLUMNS, (
@@ -267,211 +285,128 @@ def sample(cfg: DictConfig) -> tuple[list[np.ndarray], list[dict[str, int]]]:
     return np.split(doc_lens, offsets[1:-1]), counts
 
 
-def plan_metrics(plan: Plan) -> dict[str, Any]:
-    """Plan columns of a row (from :meth:`flashcp.plan.Plan.summary`).
+GRID_GROUPS = ("method", "model", "hardware")
+#: what ``grid`` may vary inside one job: config groups (their options are files
+#: ``conf/<group>/<name>.yaml``) and ``cp_size``. The sampled sequences are shared, so
+#: nothing that changes them (dataset, context_len, seed, num_sequences) can be in a grid.
+GRID_KEYS = (*GRID_GROUPS, "cp_size")
 
-    ``comm_tokens`` is what the method really moves: KV tokens one rank receives per pass, per K or
-    V, per KV head — Eq. 4 for full all-gather and for the ring, Eq. 5 for sharding-aware
-    all-gather — and ``comm_saving`` = 1 - comm_tokens / comm_tokens_full. ``comm_tokens_sharded``
-    is Eq. 5 on the method's layout: what sharding-aware communication would move for it. ILP
-    plans add ``ilp_solver_status``, ``ilp_gap``, ``ilp_warm_start_given`` and
-    ``ilp_warm_start_accepted``.
+
+def _group_option(group: str, name: str) -> DictConfig:
+    """``conf/<group>/<name>.yaml`` composed as Hydra composes a group option: its ``defaults``
+    (the group's schema ``base_*`` from the ConfigStore, or another option of the group) first,
+    then the file itself.
+
+    Raises:
+        ConfigError: no such option (naming the valid ones), or a defaults entry it cannot read.
     """
-    s = plan.summary()
-    keys = ("imbalance_ratio", "comm_tokens", "comm_tokens_full", "comm_saving",
-            "comm_tokens_sharded", "num_split_docs", "num_pieces",
-            "max_shards_per_rank")  # fmt: skip
-    out = {k: s[k] for k in keys}
-    if plan.method == "ilp":  # the solver's outcome (flashcp.ilp.plan_ilp's info)
-        for k in ("solver_status", "gap", "warm_start_given", "warm_start_accepted"):
-            out[f"ilp_{k}"] = plan.info.get(k)
+    from hydra.core.config_store import ConfigStore
+
+    path = Path(CONF_DIR) / group / f"{name}.yaml"
+    if not path.is_file():
+        valid = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ConfigError(f"grid: no {group} {name!r}; choose from {', '.join(valid)}")
+    node = OmegaConf.load(path)
+    defaults = list(node.pop("defaults", []) or [])
+    out = OmegaConf.create({})
+    self_seen = False
+    parts: list[Any] = []
+    for entry in defaults:
+        if entry == "_self_":
+            parts.append(node)
+            self_seen = True
+        elif isinstance(entry, str) and entry.startswith("base_"):
+            parts.append(
+                OmegaConf.structured(ConfigStore.instance().load(f"{group}/{entry}.yaml").node)
+            )
+        elif isinstance(entry, str):
+            parts.append(_group_option(group, entry))
+        else:
+            raise ConfigError(f"grid: cannot read defaults entry {entry!r} of {path}")
+    if not self_seen:
+        parts.append(node)
+    for part in parts:
+        out = OmegaConf.merge(out, part)
     return out
 
 
-def _error_status(exc: BaseException) -> str:
-    return f"error: {type(exc).__name__}: {exc}"
+def grid_runs(cfg: DictConfig) -> list[DictConfig]:
+    """The runs of one job: ``cfg`` itself when ``cfg.grid`` is empty, else one config per
+    combination of the values in ``cfg.grid`` (:class:`flashcp.config.GridConfig`: lists for keys
+    of :data:`GRID_KEYS`; a group value is an option name such as ``grid.model=[h16,h32]``), each
+    equal to the config the overrides ``key=value`` would compose, with an empty grid. The runs share the
+    job's sampled sequences, and under ``executor=sim`` each plan is made once and priced for
+    every model and hardware profile.
 
-
-def plan_rows(
-    seqs: list[np.ndarray],
-    first_idx: int,
-    method: str,
-    cp_size: int,
-    options: dict[str, Any],
-    shape: AttnShape,
-    modes: list[str],
-    hw: Any,
-    impl: str = "ours",
-) -> list[dict[str, Any]]:
-    """Plan and simulate sequences ``first_idx, first_idx + 1, ...``: one row per (sequence, mode).
-
-    ``impl`` picks the implementation (:mod:`flashcp.sim.impl`): its layout (with the padding
-    ring-flash-attn needs, counted in ``pad_tokens``) and the ops it launches.
-    A sequence whose planner or simulation fails becomes rows with ``status = "error: ..."``.
+    Raises:
+        ConfigError: an unknown grid key or option, an empty list, or a grid under
+            ``executor=dist`` or ``emulate`` (one run per job).
     """
-    from flashcp.sim import simulate_many
-    from flashcp.sim.impl import impl_plan
+    import itertools
 
-    comm_kind = COMM_KIND[method]
-    rows: list[dict[str, Any]] = []
-    for i, d in enumerate(seqs, start=first_idx):
-        base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
-        try:
-            t0 = time.perf_counter()
-            plan, pad_tokens = impl_plan(method, impl, d, cp_size, **options)
-            plan_ms = (time.perf_counter() - t0) * 1e3
-            sims = simulate_many(plan, [shape], modes, hw, comm_kind=comm_kind, impl=impl)
-        except Exception as exc:  # a failure is a row, not a crash (docs/design.md §7)
-            log.warning("sequence %d failed: %s", i, exc)
-            rows.extend({**base, "mode": mode, "status": _error_status(exc)} for mode in modes)
-            continue
-        metrics = {"plan_status": plan.status, "plan_ms": plan_ms, "pad_tokens": pad_tokens}
-        metrics.update(plan_metrics(plan))
-        for mode, sim in zip(modes, sims, strict=True):
-            rows.append({**base, **metrics, "mode": mode, "status": "ok", **sim})
-    return rows
-
-
-def _plan_rows_star(args: tuple) -> list[dict[str, Any]]:
-    return plan_rows(*args)
-
-
-def run_sim(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]]:
-    """Plan + simulate every sequence, in ``cfg.workers`` processes, with a progress bar."""
-    from tqdm import tqdm
-
-    from flashcp.sim import load_hardware
-
-    hw = load_hardware(_container(cfg.hardware))
-    shape = attn_shape(cfg)
-    modes = list(cfg.modes)
-    options = _container(cfg.method.options)
-    impl = str(cfg.method.get("impl", "ours"))
-    chunk = 64
-    jobs = [
-        (seqs[i : i + chunk], i, cfg.method.name, int(cfg.cp_size), options, shape, modes, hw, impl)
-        for i in range(0, len(seqs), chunk)
-    ]
-    rows: list[dict[str, Any]] = []
-    bar = tqdm(
-        total=len(seqs),
-        desc=cfg.run_key,
-        unit="seq",
-        disable=not (cfg.progress and sys.stderr.isatty()),
-        leave=False,
-    )
-    with bar:
-        if int(cfg.workers) == 1:
-            pool, results = None, map(_plan_rows_star, jobs)
-        else:  # workers leave Ctrl-C to this process, which stops the pool (experiments.launch)
-            pool = ProcessPoolExecutor(int(cfg.workers), initializer=ignore_sigint)
-            results = pool.map(_plan_rows_star, jobs)
-        try:
-            for job, part in zip(jobs, results, strict=True):
-                rows.extend(part)
-                bar.update(len(job[0]))
-        finally:  # also on Ctrl-C / SIGTERM: drop queued chunks, let running ones end, join
-            if pool is not None:
-                pool.shutdown(cancel_futures=True)
-    return rows
-
-
-def run_dist(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]] | None:
-    """Run every plan for real on the torchrun process group; rows on rank 0, None elsewhere.
-
-    Every rank plans every sequence (a pure function, so identical everywhere) and the ranks agree
-    on whether planning succeeded (:func:`flashcp.executors.dist.agree_errors`): a sequence whose
-    planner fails on any rank is a row with ``status = "error: ..."`` on all of them. An exception
-    while measuring (inside collectives) cannot be recovered: the rank that raised prints it and
-    aborts the group, so every rank stops within seconds
-    (:func:`flashcp.executors.dist.abort_group_on_error`).
-    """
-    import torch
-    import torch.distributed as dist
-
-    from flashcp.executors.dist import (
-        abort_group_on_error,
-        agree_errors,
-        init_from_env,
-        measure_step,
-    )
-
-    group = init_from_env(float(cfg.executor.timeout_s))
-    world = dist.get_world_size()
-    if world != int(cfg.cp_size):
-        raise ValueError(
-            f"torchrun started {world} ranks but cp_size = {cfg.cp_size}; they must match"
+    grid = {k: v for k, v in (_container(cfg.get("grid")) or {}).items() if v is not None}
+    if not grid:
+        return [cfg]
+    bad = [k for k in grid if k not in GRID_KEYS]
+    if bad:
+        raise ConfigError(f"grid: cannot vary {', '.join(bad)}; choose from {', '.join(GRID_KEYS)}")
+    if cfg.executor.name != "sim":
+        raise ConfigError(
+            f"grid is for executor=sim; executor={cfg.executor.name} runs one configuration per "
+            "job (sweep it with -m instead)"
         )
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-    planner = get_planner(cfg.method.name)
-    options = _container(cfg.method.options)
-    shape = attn_shape(cfg)
-    rows: list[dict[str, Any]] = []
-    for i, d in enumerate(seqs):
-        base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
-        try:
-            plan, err = planner(d, int(cfg.cp_size), **options), None
-        except Exception as exc:
-            plan, err = None, _error_status(exc)
-        status = agree_errors(err, group)
-        if status is not None:
-            log.warning("sequence %d failed: %s", i, status)
-            rows.extend({**base, "mode": mode, "status": status} for mode in cfg.modes)
-            continue
-        metrics = {"plan_status": plan.status, "pad_tokens": 0, **plan_metrics(plan)}
-        for mode in cfg.modes:
-            with abort_group_on_error(group, f"sequence {i}, mode {mode}"):
-                res = measure_step(
-                    plan, shape, mode, group=group, device=device, backend=cfg.executor.backend,
-                    warmup=int(cfg.executor.warmup), iters=int(cfg.executor.iters), seed=int(cfg.seed) + i,
-                )  # fmt: skip
-            rows.append({**base, **metrics, "mode": mode, "status": "ok", **res})
-    return rows if dist.get_rank() == 0 else None
+    for k, values in grid.items():
+        if not values:
+            raise ConfigError(f"grid.{k} is empty; list at least one value or leave it null")
+    loaded = {(k, v): _group_option(k, str(v)) for k in GRID_GROUPS if k in grid for v in grid[k]}
+    runs = []
+    for combo in itertools.product(*grid.values()):
+        run_cfg = cfg.copy()
+        with open_dict(run_cfg):
+            for k in run_cfg.grid:
+                run_cfg.grid[k] = None
+            for k, v in zip(grid, combo, strict=True):
+                run_cfg[k] = loaded[(k, v)] if k in GRID_GROUPS else v
+        runs.append(run_cfg)
+    return runs
 
 
-def run_emulate(cfg: DictConfig, seqs: list[np.ndarray]) -> list[dict[str, Any]]:
-    """Replay every plan's ranks on one device (``executor=emulate``,
-    :mod:`flashcp.executors.emulate`); communication priced by ``cfg.hardware``. One process, so
-    a sequence whose planning or replay fails is a row with ``status = "error: ..."``."""
-    import torch
-
-    from flashcp.executors.emulate import emulate_step
-    from flashcp.sim import load_hardware
-
-    hw = load_hardware(_container(cfg.hardware))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    planner = get_planner(cfg.method.name)
-    options = _container(cfg.method.options)
+def run_spec(cfg: DictConfig, hardware: Any = None) -> RunSpec:
+    """The :class:`flashcp.executors.RunSpec` of one run's config (``hardware``: its loaded
+    profile, shared between runs with the same one so their plan statistics are shared)."""
     ex = cfg.executor
-    ranks = None if ex.ranks is None else [int(r) for r in ex.ranks]
-    rows: list[dict[str, Any]] = []
-    for i, d in enumerate(seqs):
-        base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
-        try:
-            t0 = time.perf_counter()
-            plan = planner(d, int(cfg.cp_size), **options)
-            plan_ms = (time.perf_counter() - t0) * 1e3
-            metrics = {"plan_status": plan.status, "plan_ms": plan_ms, "pad_tokens": 0}
-            metrics.update(plan_metrics(plan))
-            res = [
-                emulate_step(
-                    plan, attn_shape(cfg), mode, hw, device=device, backend=ex.backend,
-                    warmup=int(ex.warmup), iters=int(ex.iters), seed=int(cfg.seed) + i,
-                    ranks=ranks, nccl_traffic=bool(ex.nccl_traffic), timeout_s=float(ex.timeout_s),
-                )
-                for mode in cfg.modes
-            ]  # fmt: skip
-        except Exception as exc:  # a failure is a row, not a crash (docs/design.md §7)
-            log.warning("sequence %d failed: %s", i, exc)
-            rows.extend({**base, "mode": m, "status": _error_status(exc)} for m in cfg.modes)
-            continue
-        for mode, r in zip(cfg.modes, res, strict=True):
-            rows.append({**base, **metrics, "mode": mode, "status": "ok", **r})
-    return rows
+    uses_hw = ex.name in USES_HARDWARE_PROFILE
+    return RunSpec(
+        method=str(cfg.method.name),
+        cp_size=int(cfg.cp_size),
+        shape=attn_shape(cfg),
+        modes=tuple(cfg.modes),
+        options=_container(cfg.method.options),
+        impl=str(cfg.method.get("impl", "ours")),
+        hardware=hardware if hardware is not None or not uses_hw else _container(cfg.hardware),
+        seed=int(cfg.seed),
+        executor={k: _container(v) for k, v in ex.items() if k != "name"},
+    )
+
+
+def execute_runs(cfg: DictConfig, runs: list[DictConfig], seqs: list[np.ndarray]):
+    """Call the configured executor (:func:`flashcp.executors.execute`) on the job's runs,
+    loading each distinct hardware profile once."""
+    hws: dict[str, Any] = {}
+    specs = []
+    for r in runs:
+        hw = None
+        if r.executor.name in USES_HARDWARE_PROFILE:
+            from flashcp.sim import load_hardware
+
+            hw_dict = _container(r.hardware)
+            hw = hws.setdefault(_json(hw_dict), load_hardware(hw_dict))
+        specs.append(run_spec(r, hw))
+    kwargs: dict[str, Any] = {}
+    if cfg.executor.name == "sim":
+        show = cfg.progress and sys.stderr.isatty()
+        kwargs = {"workers": int(cfg.workers), "progress": str(cfg.run_key) if show else None}
+    return execute(cfg.executor.name, specs, seqs, **kwargs)
 
 
 def job_info(cfg: DictConfig) -> dict[str, Any]:
@@ -511,29 +446,34 @@ def job_info(cfg: DictConfig) -> dict[str, Any]:
 
 def finish_rows(
     cfg: DictConfig,
-    rows: list[dict[str, Any]],
+    rows: pd.DataFrame | list[dict[str, Any]],
     ident: dict[str, Any],
     job: dict[str, Any],
     prov: dict[str, Any],
     chash: str,
+    check_types: bool = True,
 ) -> pd.DataFrame:
-    """Attach the job columns, the run identity and provenance to every row
-    (docs/design.md §7) and order the columns: job, identity, measurements, provenance."""
+    """Attach the job columns, the run identity and provenance to every row of one run
+    (docs/design.md §7) and order the columns: job, identity, measurements, provenance.
+    ``check_types``: give the columns their types (:func:`flashcp.results.typed`); a caller that
+    concatenates several runs does it once on the result."""
     front = {
         "name": cfg.name, "sweep_id": job["sweep_id"], "job_num": job["job_num"],
         "overrides": job["overrides"], "run_id": identity_hash(ident), **ident,
     }  # fmt: skip
-    df = pd.DataFrame(rows)
-    for k, v in reversed(list(front.items())):
-        df.insert(0, k, v)
-    for k, v in prov.items():
-        if k not in df:
-            df[k] = v
-    df["config_hash"] = chash
+    df = pd.DataFrame(rows).drop(columns="run_idx", errors="ignore").reset_index(drop=True)
+    body = df.drop(columns=[k for k in front if k in df])
+    n = len(body)
+    cols = {k: np.repeat(np.array([v], dtype=object), n) for k, v in front.items()}
+    out = pd.concat([pd.DataFrame(cols, index=body.index), body], axis=1)
+    extra = {k: v for k, v in prov.items() if k not in out}
+    extra["config_hash"] = chash
     for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
-        if col not in df:
-            df[col] = np.nan
-    return typed(df)  # an integer column holding a fraction is a bug: raise here
+        if col not in out:
+            extra[col] = np.nan
+    for k, v in extra.items():
+        out[k] = v
+    return typed(out) if check_types else out  # an integer holding a fraction: raise here
 
 
 def _resolved_hash(cfg: DictConfig) -> str:
@@ -543,111 +483,138 @@ def _resolved_hash(cfg: DictConfig) -> str:
     return config_hash(resolved)
 
 
-def _previous(out: Path) -> tuple[str | None, str | None, bool]:
-    """(run_id, code_version, failed) of the rows already in ``out``; Nones if unreadable."""
+def _previous(out: Path) -> tuple[set[str], str | None, bool]:
+    """(run_ids, code_version, failed) of the rows already in ``out``; empty if unreadable."""
     try:
         prev = read_rows(out)
     except (OSError, ValueError, pd.errors.ParserError):
-        return None, None, True
+        return set(), None, True
     if "run_id" not in prev or prev.empty:
-        return None, None, True
+        return set(), None, True
     failed = bool(prev["seq_idx"].isna().all()) if "seq_idx" in prev else True
     return (
-        str(prev["run_id"].iloc[0]),
+        set(prev["run_id"].dropna().astype(str)),
         str(prev.get("code_version", pd.Series(["?"])).iloc[0]),
         failed,
     )
 
 
-def run(cfg: DictConfig) -> Path | None:
-    """Execute one run described by ``cfg``; return the path of its rows.csv (None off rank 0).
-
-    Raises:
-        ConfigError: a configuration value is bad (before any work).
-        Exception: whatever the run raised; :func:`main` turns it into error rows.
-    """
-    try:
-        check_config(cfg)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+def _other_task(cfg: DictConfig) -> Path | None:
+    """Tasks that write their own tables (Fig. 3, calibration, sensitivity, Table 2)."""
     if cfg.task == "kernel_efficiency":
         from experiments.fig3 import run_fig3
 
         out = run_fig3(cfg)
         log.info("kernel efficiency -> %s and fig3.png", out)
         return out
+    out_dir = Path(cfg.results_dir) / cfg.name
     if cfg.task in ("calibration", "sensitivity"):
         from experiments.calibration import run_calibration
         from experiments.sensitivity import run_sensitivity
 
-        out_dir = Path(cfg.results_dir) / cfg.name
         if cfg.task == "calibration":
             run_calibration(out_dir)
         else:
             run_sensitivity(cfg, out_dir)
         log.info("%s -> %s", cfg.task, out_dir)
         return out_dir
-    if cfg.task == "table2":
-        from experiments.table2 import run_table2
+    from experiments.table2 import run_table2
 
-        out_dir = Path(cfg.results_dir) / cfg.name
-        run_table2(
-            out_dir=str(out_dir), seed=int(cfg.seed), dataset=cfg.dataset.name,
-            cp_size=int(cfg.cp_size), context_len=int(cfg.context_len),
-            **OmegaConf.to_container(cfg.table2, resolve=True),
-        )  # fmt: skip
-        log.info("Table 2 -> %s/table2.{csv,md,tex}", out_dir)
-        return out_dir / "table2.csv"
+    run_table2(
+        out_dir=str(out_dir), seed=int(cfg.seed), dataset=cfg.dataset.name,
+        cp_size=int(cfg.cp_size), context_len=int(cfg.context_len),
+        **OmegaConf.to_container(cfg.table2, resolve=True),
+    )  # fmt: skip
+    log.info("Table 2 -> %s/table2.{csv,md,tex}", out_dir)
+    return out_dir / "table2.csv"
+
+
+def _checked_runs(cfg: DictConfig) -> list[DictConfig]:
+    """:func:`grid_runs` with every run's config checked (ConfigError naming the bad value)."""
+    try:
+        check_config(cfg)
+        runs = grid_runs(cfg)
+        for r in runs:
+            check_config(r)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return runs
+
+
+def run(cfg: DictConfig) -> Path | None:
+    """Execute one job described by ``cfg`` (one run, or the runs of ``cfg.grid``); return the
+    path of its rows file (None off rank 0).
+
+    Raises:
+        ConfigError: a configuration value is bad (before any work).
+        Exception: whatever the run raised; :func:`main` turns it into error rows.
+    """
+    runs = _checked_runs(cfg)
+    if cfg.task != "main":
+        return _other_task(cfg)
 
     job = job_info(cfg)
     prov = job["provenance"] or provenance()  # a sweep's: one code version per sweep
-    ident = run_identity(cfg, prov["code_version"])
-    run_id = identity_hash(ident)
-    out = job["out_dir"] / "rows.csv"
+    memo: dict[str, Any] = {}
+    idents = [run_identity(r, prov["code_version"], memo) for r in runs]
+    run_ids = [identity_hash(i) for i in idents]
+    if len(set(run_ids)) < len(run_ids):
+        raise ConfigError("grid lists the same run twice (a repeated value)")
+    out = job["out_dir"] / ROWS_FILE
     if out.exists():
-        prev_id, prev_code, failed = _previous(out)
-        if prev_id == run_id and not failed:
-            log.info("%s: already done (run_id %s), skipping", cfg.run_key, run_id)
+        prev_ids, prev_code, failed = _previous(out)
+        if prev_ids == set(run_ids) and not failed:
+            log.info("%s: already done (run_id %s), skipping", cfg.run_key, ", ".join(run_ids))
             return out
         if failed:
             log.info("%s: the previous attempt failed; running again", cfg.run_key)
-        elif prev_code != ident["code_version"]:
+        elif prev_code != idents[0]["code_version"]:
             log.warning(
-                "%s: rows.csv was computed with code %s, this is %s: redoing the run",
-                cfg.run_key, prev_code, ident["code_version"],
+                "%s: %s was computed with code %s, this is %s: redoing the run",
+                cfg.run_key, out.name, prev_code, idents[0]["code_version"],
             )  # fmt: skip
         else:
             log.warning(
-                "%s: rows.csv holds run %s, this is %s: redoing the run",
-                cfg.run_key,
-                prev_id,
-                run_id,
-            )
+                "%s: %s holds runs %s, this is %s: redoing the run",
+                cfg.run_key, out.name, ", ".join(sorted(prev_ids)), ", ".join(run_ids),
+            )  # fmt: skip
     t0 = time.perf_counter()
     seqs, overlong = sample(cfg)
-    runners = {"sim": run_sim, "dist": run_dist, "emulate": run_emulate}
-    rows = runners[cfg.executor.name](cfg, seqs)
+    t1 = time.perf_counter()
+    rows = execute_runs(cfg, runs, seqs)
     if rows is None:
         return None
-    for r in rows:
-        r.update(overlong[r["seq_idx"]])
-    df = finish_rows(cfg, rows, ident, job, prov, _resolved_hash(cfg))
-    write_csv_atomic(df, out)
+    t2 = time.perf_counter()
+    ov = pd.DataFrame(overlong)
+    idx = rows["seq_idx"].to_numpy(dtype=np.int64)
+    for col in ov:
+        rows[col] = ov[col].to_numpy()[idx]
+    parts = [
+        finish_rows(r, part, ident, job, prov, _resolved_hash(r), check_types=False)
+        for (r, ident), (_, part) in zip(
+            zip(runs, idents, strict=True), rows.groupby("run_idx", sort=True), strict=True
+        )
+    ]
+    df = typed(pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0])
+    write_rows_atomic(df, out)
+    t3 = time.perf_counter()
+    sec = rows.attrs.get("seconds", {})
     ok = (df["status"] == "ok").sum()
     log.info(
-        "%s: %d rows (%d ok) in %.1f s -> %s",
-        cfg.run_key,
-        len(df),
-        ok,
-        time.perf_counter() - t0,
-        out,
-    )
+        "%s: %d runs, %d rows (%d ok) in %.1f s -> %s; seconds: sampling %.2f, planning %.2f, "
+        "pricing %.2f (CPU-s in workers), executor %.2f, writing %.2f",
+        cfg.run_key, len(runs), len(df), ok, t3 - t0, out, t1 - t0, sec.get("plan_s", float("nan")),
+        sec.get("price_s", float("nan")), t2 - t1, t3 - t2,
+    )  # fmt: skip
     return out
 
 
 def write_error_rows(cfg: DictConfig, exc: BaseException) -> Path | None:
-    """Record a failed run: one row per mode with ``seq_idx`` missing and ``status = "error: ..."``,
-    identity and provenance as a finished run has them. None off rank 0 or if even that fails."""
+    """Record a failed job: per run of the job (one when its grid is bad) one row per mode with
+    ``seq_idx`` missing and ``status = "error: ..."``, identity and provenance as a finished run
+    has them. None off rank 0 or if even that fails."""
     from experiments.callbacks import is_rank0
 
     if not is_rank0():
@@ -655,10 +622,18 @@ def write_error_rows(cfg: DictConfig, exc: BaseException) -> Path | None:
     try:
         job = job_info(cfg)
         prov = job["provenance"] or provenance()  # a sweep's: one code version per sweep
-        ident = run_identity(cfg, prov["code_version"])
-        rows = [{"seq_idx": None, "mode": mode, "status": _error_status(exc)} for mode in cfg.modes]
-        out = job["out_dir"] / "rows.csv"
-        write_csv_atomic(finish_rows(cfg, rows, ident, job, prov, _resolved_hash(cfg)), out)
+        try:
+            runs = grid_runs(cfg)
+        except ValueError:
+            runs = [cfg]
+        status = error_status(exc)
+        parts = []
+        for r in runs:
+            ident = run_identity(r, prov["code_version"])
+            rows = [{"seq_idx": None, "mode": mode, "status": status} for mode in r.modes]
+            parts.append(finish_rows(r, rows, ident, job, prov, _resolved_hash(r)))
+        out = job["out_dir"] / ROWS_FILE
+        write_rows_atomic(typed(pd.concat(parts, ignore_index=True)), out)
     except Exception:  # the job already failed; say so in its log and keep the first error
         log.exception("could not write the error rows of %s", cfg.get("run_key"))
         return None

@@ -27,6 +27,7 @@ __all__ = [
     "EmulateExecutorConfig",
     "Executor",
     "ExecutorConfig",
+    "GridConfig",
     "HardwareConfig",
     "MethodConfig",
     "ModelConfig",
@@ -197,6 +198,24 @@ HardwareConfig = _hardware_schema()
 
 
 @dataclass
+class GridConfig:
+    """``executor=sim``: the runs of one job, sharing its sampled sequences and plans
+    (``experiments.run.grid_runs``). Each combination of the listed values is its own run (its
+    own ``run_id`` and identity), equal to the run the overrides ``key=value`` would configure;
+    null leaves the job's own value. Plans are made once per (sequence, method, cp_size) and
+    priced for every model and hardware profile."""
+
+    #: method options (conf/method/), e.g. [llama3, flashcp]
+    method: list[str] | None = None
+    #: model options (conf/model/), e.g. [h16, h32]
+    model: list[str] | None = None
+    #: hardware profiles (conf/hardware/), e.g. [h100_sxm, a100_sxm]
+    hardware: list[str] | None = None
+    #: CP sizes, e.g. [4, 8]
+    cp_size: list[int] | None = None
+
+
+@dataclass
 class RunConfig:
     """Top-level config of one run: one (dataset, method, cp_size, model) over sampled sequences."""
 
@@ -232,6 +251,8 @@ class RunConfig:
     progress: bool = True
     #: figures to draw after a sweep: fig5 | fig6 | fig7 | fig3
     plots: list[str] = field(default_factory=list)
+    #: executor=sim: runs of this job that share its sequences and plans (see GridConfig)
+    grid: GridConfig = field(default_factory=GridConfig)
     #: options of task=table2 (see experiments/table2.py)
     table2: dict[str, Any] = field(default_factory=dict)
     #: options of task=sensitivity (see experiments/sensitivity.py)
@@ -241,7 +262,7 @@ class RunConfig:
 #: config fields that change a run's results; their hash names the run's folder
 RESULT_KEYS = (
     "task", "dataset", "method", "model", "hardware", "executor", "cp_size", "context_len",
-    "num_sequences", "seed", "modes",
+    "num_sequences", "seed", "modes", "grid",
 )  # fmt: skip
 
 
@@ -258,8 +279,34 @@ def run_hash(*, _root_: Any) -> str:
         if OmegaConf.is_config(_root_[k])
         else _root_[k]
         for k in RESULT_KEYS
+        if k in _root_
     }
+    if not any((picked.get("grid") or {}).values()):  # no grid: the folder name it always had
+        picked.pop("grid", None)
     return config_hash(picked)[:6]
+
+
+def run_name(*, _root_: Any) -> str:
+    """OmegaConf resolver ``${run_name:}``, the folder name of a job (``run_key``):
+    ``<dataset>-<method>-cp<N>-h<heads>kv<kv_heads>-C<context_len>-<run_hash>``. A dimension the
+    job's ``grid`` varies lists its values joined by ``+`` (``llama3+flashcp``, ``cp4+8``,
+    ``h16+h32``; a hardware grid adds ``-h100_sxm+a100_sxm``)."""
+    from omegaconf import OmegaConf
+
+    grid = OmegaConf.to_container(_root_.grid) if "grid" in _root_ else {}
+    grid = {k: v for k, v in (grid or {}).items() if v is not None}
+
+    def part(key: str, single: str) -> str:
+        return "+".join(str(v) for v in grid[key]) if key in grid else single
+
+    m = _root_.model
+    name = (
+        f"{_root_.dataset.name}-{part('method', _root_.method.name)}-cp{part('cp_size', _root_.cp_size)}"
+        f"-{part('model', f'h{m.num_heads}kv{m.num_kv_heads}')}"
+    )
+    if "hardware" in grid:
+        name += f"-{part('hardware', '')}"
+    return f"{name}-C{_root_.context_len}-{run_hash(_root_=_root_)}"
 
 
 def register_configs() -> None:
@@ -268,6 +315,7 @@ def register_configs() -> None:
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("run_hash", run_hash, replace=True)
+    OmegaConf.register_new_resolver("run_name", run_name, replace=True)
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)

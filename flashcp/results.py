@@ -6,7 +6,9 @@ One row per (run, sequence, mode); units are in the column names. Executors fill
 
 Integer columns (:data:`INT_COLUMNS`) are pandas nullable ``Int64``: a failed row's missing value
 is ``<NA>``, never a float that turns ``cp_size`` into ``4.0``. Write rows with
-:func:`write_csv_atomic` and read them with :func:`read_rows` to keep those types.
+:func:`write_rows_atomic` and read them with :func:`read_rows` to keep those types. Per-sequence
+tables (a run's rows, a sweep's merged rows: millions of rows at the paper's scale) are Parquet
+files; summaries and small tables are CSV.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ __all__ = [
     "read_rows",
     "typed",
     "write_csv_atomic",
+    "write_rows_atomic",
 ]
 
 #: latency breakdown of one attention layer's CP step, milliseconds (slowest rank per phase).
@@ -112,16 +115,28 @@ def typed(df, strict: bool = True):
     return df
 
 
-def read_rows(path):
-    """Read a rows or summary CSV written by the harness, with integer columns as ``Int64`` and
-    hashes/ids as text (a plain ``pd.read_csv`` turns an integer column with a missing value into
-    floats and a hex hash like ``1e5`` into a number)."""
+def read_rows(path, columns=None):
+    """Read a rows or summary table written by the harness (``.parquet`` or ``.csv``), with
+    integer columns as ``Int64`` and hashes/ids as text (a plain ``pd.read_csv`` turns an integer
+    column with a missing value into floats and a hex hash like ``1e5`` into a number).
+
+    Args:
+        path: a ``.parquet`` or ``.csv`` file.
+        columns: read only these columns (default: all).
+    Raises:
+        ValueError: another suffix.
+    """
     import pandas as pd
 
+    suffix = str(path).rsplit(".", 1)[-1]
+    if suffix == "parquet":
+        return typed(pd.read_parquet(path, columns=columns), strict=False)
+    if suffix != "csv":
+        raise ValueError(f"{path}: rows are .parquet or .csv files")
     head = pd.read_csv(path, nrows=0).columns
     dtypes = {c: "Int64" for c in INT_COLUMNS if c in head}
     dtypes.update({c: "string" for c in TEXT_COLUMNS if c in head})
-    return pd.read_csv(path, dtype=dtypes)
+    return pd.read_csv(path, dtype=dtypes, usecols=columns)
 
 
 def provenance(repo_dir: str | None = None) -> dict[str, object]:
@@ -220,3 +235,26 @@ def markdown_table(df, float_format: str = ".4g") -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines) + "\n"
+
+
+def write_rows_atomic(df, path) -> None:
+    """Write rows to ``path`` (``.parquet``, or ``.csv`` through :func:`write_csv_atomic`) through
+    a temporary file and an atomic rename. Parquet keeps the column types (``Int64`` with
+    missing values, text) exactly.
+
+    Raises:
+        ValueError: ``path`` is neither ``.parquet`` nor ``.csv``.
+    """
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    if path.suffix == ".csv":
+        write_csv_atomic(df, path)
+        return
+    if path.suffix != ".parquet":
+        raise ValueError(f"{path}: rows are written as .parquet or .csv files")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    typed(df.copy(), strict=False).to_parquet(tmp, index=False)
+    os.replace(tmp, path)

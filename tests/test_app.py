@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -16,7 +15,7 @@ from experiments.aggregate import aggregate
 from experiments.plot import draw
 from experiments.run import CONF_DIR, run
 from flashcp.config import register_configs
-from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
+from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS, read_rows
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
@@ -42,9 +41,10 @@ def test_every_experiment_composes(experiment):
 def test_fig5_sweeps_the_paper_grid():
     cfg = _compose("experiment=fig5", hydra_cfg=True)
     params = cfg.hydra.sweeper.params
-    assert params.dataset == "wlb_llm,pile,redpajama"
-    assert set(params.method.split(",")) == {"llama3", "per_doc", "ring", "zigzag", "flashcp"}
-    assert params.cp_size == "4,8" and params.model == "h16,h32"
+    assert params.dataset == "wlb_llm,pile,redpajama"  # one job per dataset ...
+    grid = cfg.grid  # ... planning and pricing these runs from the same sequences
+    assert set(grid.method) == {"llama3", "per_doc", "ring", "zigzag", "flashcp"}
+    assert list(grid.cp_size) == [4, 8] and list(grid.model) == ["h16", "h32"]
     assert cfg.context_len == 131072 and list(cfg.modes) == ["train", "infer"]
 
 
@@ -69,7 +69,7 @@ def test_run_writes_rows_then_resumes_and_aggregates(tmp_path):
     for method in ("llama3", "flashcp", "ring"):
         cfg = _small(tmp_path, f"method={method}", "dataset=pile")
         out = run(cfg)
-        df = pd.read_csv(out)
+        df = read_rows(out)
         frames.append(df)
         assert len(df) == 3 * 2 and set(df["mode"]) == {"train", "infer"}
         assert (df["status"] == "ok").all()
@@ -82,7 +82,7 @@ def test_run_writes_rows_then_resumes_and_aggregates(tmp_path):
     # the same seed gives every method the same sequences
     assert all((f["num_docs"].values == frames[0]["num_docs"].values).all() for f in frames)
     summary = aggregate(tmp_path / "t")
-    assert (tmp_path / "t" / "rows.csv").exists()
+    assert (tmp_path / "t" / "rows.parquet").exists()
     base = summary[summary["method"] == "llama3"]
     assert (base["speedup_vs_llama3"] == 1.0).all()
     fl = summary[summary["method"] == "flashcp"]
@@ -98,7 +98,7 @@ def test_run_writes_rows_then_resumes_and_aggregates(tmp_path):
 )  # fmt: skip
 def test_issue4_planners_run_in_the_app(tmp_path, overrides):
     out = run(_small(tmp_path, *overrides, "num_sequences=1"))
-    df = pd.read_csv(out)
+    df = read_rows(out)
     assert (df["status"] == "ok").all() and (df["comm_saving"] >= 0).all()
     assert df["plan_status"].iloc[0] in ("ok", "time_limit", "fallback", "target_not_met")
     if "method=ilp" in overrides:  # the solver's outcome travels with the rows
@@ -107,10 +107,10 @@ def test_issue4_planners_run_in_the_app(tmp_path, overrides):
 
 def test_changed_config_is_rerun(tmp_path):
     out = run(_small(tmp_path, "method=per_doc"))
-    before = pd.read_csv(out, dtype=str)["config_hash"].iloc[0]
+    before = read_rows(out)["config_hash"].iloc[0]
     out2 = run(_small(tmp_path, "method=per_doc", "seed=1"))
     assert out2 != out and out.exists()  # its own folder: the finished run is kept
-    assert pd.read_csv(out2, dtype=str)["config_hash"].iloc[0] != before
+    assert read_rows(out2)["config_hash"].iloc[0] != before
     # a swept field that is not in the readable part of the folder name still gets its own folder
     out3 = run(_small(tmp_path, "method=per_doc", "model.num_kv_heads=8"))
     assert out3 not in (out, out2)
@@ -138,7 +138,7 @@ def test_multirun_cli_merges_the_sweep(tmp_path):
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = pd.read_csv(tmp_path / "sweep" / "rows.csv")
+    rows = read_rows(tmp_path / "sweep" / "rows.parquet")
     assert set(rows["method"]) == {"flashcp", "llama3"} and set(rows["cp_size"]) == {2, 4}
     assert len(rows) == 2 * 2 * 2 * 2
     assert (tmp_path / "sweep" / "fig5.png").exists()

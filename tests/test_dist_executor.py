@@ -128,27 +128,25 @@ def test_a_rank_failure_ends_every_rank_within_seconds():
 
 
 def _dist_rows(rank, n):
-    from omegaconf import OmegaConf
+    import flashcp.registry as registry
+    from flashcp.comm import AttnShape
+    from flashcp.executors import RunSpec, execute
 
-    import experiments.run as run_mod
-    from flashcp.registry import get_planner
-
-    real = get_planner("per_doc")
+    real = registry.get_planner("per_doc")
 
     def planner(doc_lens, cp_size, **options):
         if rank == 1 and len(doc_lens) == 2:  # the second sequence fails on rank 1 only
             raise ValueError("planner rejects this sequence")
         return real(doc_lens, cp_size, **options)
 
-    run_mod.get_planner = lambda name: planner
-    cfg = OmegaConf.create({
-        "cp_size": n, "seed": 0, "modes": ["infer"],
-        "method": {"name": "per_doc", "options": {}},
-        "model": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
-        "executor": {"name": "dist", "backend": "cpu", "warmup": 0, "iters": 1, "timeout_s": 30},
-    })  # fmt: skip
+    registry.get_planner = lambda name: planner
+    spec = RunSpec(
+        method="per_doc", cp_size=n, shape=AttnShape(4, 2, 8, "float32"), modes=("infer",),
+        executor={"backend": "cpu", "warmup": 0, "iters": 1, "timeout_s": 30},
+    )  # fmt: skip
     seqs = [np.array(LENS), np.array([64, 64]), np.array([100, 20, 8])]
-    return run_mod.run_dist(cfg, seqs)
+    rows = execute("dist", [spec], seqs)
+    return None if rows is None else rows.to_dict("records")
 
 
 def test_a_failing_sequence_is_a_status_row():

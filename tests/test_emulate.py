@@ -218,6 +218,7 @@ def test_flashcp_run_executor_emulate(tmp_path):
 
     from experiments.run import CONF_DIR, run
     from flashcp.config import register_configs
+    from flashcp.results import read_rows
 
     register_configs()
     common = [
@@ -233,7 +234,7 @@ def test_flashcp_run_executor_emulate(tmp_path):
                 "config", overrides=[*common, f"name={ex}", f"executor={ex}"]
                 + (extra if ex == "emulate" else [])
             )  # fmt: skip
-            frames[ex] = pd.read_csv(run(cfg))
+            frames[ex] = read_rows(run(cfg))
         with pytest.raises(ValueError, match="out of range"):
             run(compose("config", overrides=[*common, "executor=emulate", "executor.ranks=[4]"]))
     sim, emu = frames["sim"], frames["emulate"]

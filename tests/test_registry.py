@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 import yaml
@@ -201,6 +200,7 @@ def test_a_registered_method_runs_in_the_app(toy, tmp_path):
 
     from experiments.run import CONF_DIR, run
     from flashcp.config import register_configs
+    from flashcp.results import read_rows
 
     register_configs()
     overrides = [
@@ -209,7 +209,7 @@ def test_a_registered_method_runs_in_the_app(toy, tmp_path):
     ]  # fmt: skip
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    df = pd.read_csv(run(cfg))
+    df = read_rows(run(cfg))
     assert set(df["method"]) == {TOY} and (df["status"] == "ok").all() and len(df) == 4
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         bad = compose("config", overrides=[*overrides, "+method.options.bogus=1"])
@@ -309,3 +309,38 @@ def test_enum_fields_keep_their_strings():
     plain = {"executor": "emulate", "task": "table2", "overlong": "split"}
     typed = {"executor": cfg.executor.name, "task": cfg.task, "overlong": cfg.dataset.overlong}
     assert config_hash(typed) == config_hash(plain)
+
+
+def test_the_plan_cli_takes_any_planner_option(capsys):
+    import json
+
+    from flashcp.cli import main
+
+    args = [
+        "plan",
+        "--method",
+        "flashcp_refined",
+        "--cp-size",
+        "4",
+        "--doc-lens",
+        "9000,3000,500,4000",
+    ]
+    assert (
+        main([*args, "--option", "num_candidates=4", "--option", "target_imbalance=1.3", "--json"])
+        == 0
+    )
+    got = json.loads(capsys.readouterr().out)
+    want = make_plan_for(
+        "flashcp_refined", [9000, 3000, 500, 4000], 4, num_candidates=4, target_imbalance=1.3
+    )
+    assert got["ranks"] == want.to_dict()["ranks"]
+    for bad, needle in [
+        ("bogus=1", "no option 'bogus'; its options: target_imbalance, num_candidates"),
+        ("num_candidates=many", "bad value 'many' for option 'num_candidates'"),
+        ("num_candidates", "--option takes KEY=VALUE"),
+    ]:
+        assert main([*args, "--option", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+    assert main(["plan", "--method", "ulysses", "--cp-size", "2", "--doc-lens", "4"]) == 2
+    assert "invalid choice: 'ulysses'" in capsys.readouterr().err

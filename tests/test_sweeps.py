@@ -5,15 +5,14 @@ what they cannot draw. Each test is built from a small example of the fault it g
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
@@ -80,7 +79,7 @@ def test_swept_options_and_sizes_are_not_averaged(tmp_path):
     )
     assert (train["num_rows"] == 3).all()
     # the imbalance of each row is its own configuration's, not a mix
-    rows = read_rows(tmp_path / "t" / "rows.csv")
+    rows = read_rows(tmp_path / "t" / "rows.parquet")
     for _, s in train.iterrows():
         mine = rows[(rows["run_id"] == s["run_id"]) & (rows["mode"] == "train")]
         assert s["imbalance_ratio_mean"] == pytest.approx(mine["imbalance_ratio"].mean())
@@ -104,7 +103,7 @@ def test_merge_refuses_the_same_run_twice(tmp_path):
     out = run(_small(tmp_path, "method=llama3"))
     copy = out.parent.with_name(out.parent.name + "-copy")
     copy.mkdir()
-    (copy / "rows.csv").write_bytes(out.read_bytes())
+    (copy / out.name).write_bytes(out.read_bytes())
     with pytest.raises(ValueError, match="several files"):
         merge_rows(tmp_path / "t")
 
@@ -166,7 +165,7 @@ def test_failing_jobs_are_rows_and_the_sweep_goes_on(tmp_path):
     )
     assert not (pinned / "fig6.png").exists() and (pinned / "fig5.png").exists()
     # the merge found the rows where the jobs wrote them
-    rows = read_rows(pinned / "rows.csv")
+    rows = read_rows(pinned / "rows.parquet")
     assert len(rows) == 2 * 2 * 2 + 2 * 2  # ok: 2 runs x 2 seq x 2 modes; failed: 2 runs x 2 modes
     failed = rows[rows["dataset"] == "file"]
     assert failed["status"].str.startswith("error: ValueError").all()
@@ -177,9 +176,8 @@ def test_failing_jobs_are_rows_and_the_sweep_goes_on(tmp_path):
     logs = [p.read_text() for p in pinned.glob("runs/file-*/*.log")]
     assert len(logs) == 2 and all("Traceback" in t and "missing.csv" in t for t in logs)
     # integer columns stay integers beside error rows (fault 6)
-    with open(pinned / "rows.csv", newline="") as f:
-        for cells in csv.DictReader(f):
-            assert "." not in cells["cp_size"] and "." not in cells["comm_bytes"]
+    schema = pq.read_schema(pinned / "rows.parquet")
+    assert schema.field("cp_size").type == "int64" and schema.field("comm_bytes").type == "int64"
     for col in INT_COLUMNS:
         if col in rows:
             assert rows[col].dtype == "Int64", col
@@ -194,11 +192,14 @@ def test_error_rows_keep_integer_columns(tmp_path):
     bad = _small(tmp_path, "method=flashcp", "dataset=file", "dataset.path=nope.txt")
     write_error_rows(bad, ValueError("nope.txt does not exist"))
     aggregate(tmp_path / "t")
-    raw = pd.read_csv(tmp_path / "t" / "rows.csv")
-    assert raw["cp_size"].dtype == np.int64 and raw["comm_bytes"].isna().any()
-    assert "100663296.0" not in (tmp_path / "t" / "rows.csv").read_text()
-    rows = read_rows(tmp_path / "t" / "rows.csv")
+    raw = pd.read_parquet(tmp_path / "t" / "rows.parquet")
+    assert raw["cp_size"].dtype == "Int64" and raw["comm_bytes"].isna().any()
+    schema = pq.read_schema(tmp_path / "t" / "rows.parquet")
+    assert schema.field("comm_bytes").type == "int64"  # missing is null, not a float NaN
+    rows = read_rows(tmp_path / "t" / "rows.parquet")
     assert rows["comm_bytes"].dtype == "Int64" and rows["seq_idx"].dtype == "Int64"
+    # the summary stays a CSV whose integer columns read as integers
+    assert "." not in pd.read_csv(tmp_path / "t" / "summary.csv", dtype=str)["cp_size"].iloc[0]
 
 
 def _lengths(tmp_path: Path) -> Path:

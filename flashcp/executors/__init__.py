@@ -1,3 +1,94 @@
-"""Executors that run plans for real (docs/design.md §4). The analytic ``sim`` executor lives with the
-simulator; :mod:`flashcp.executors.dist` runs real ops over torch.distributed. Submodules import
-torch lazily from the caller's point of view: import them explicitly."""
+"""Executors: one interface, plans in, rows out (docs/design.md §4).
+
+Every executor is called as ``execute(runs, seqs, ...) -> pandas.DataFrame`` with the runs of one
+job (:class:`RunSpec`: method, options, cp_size, attention shape, modes, hardware, executor
+options) and the job's sampled sequences. A row is one (run, sequence, mode): ``run_idx`` (the
+run's position in ``runs``), ``seq_idx``, ``num_docs``, ``max_doc_len``, the plan columns, ``mode``,
+``status`` (``"ok"`` or ``"error: ..."``; a sequence whose planner or step fails is a row, not a
+crash), every :data:`flashcp.results.PHASE_COLUMNS` (ms) and :data:`flashcp.results.COMM_COLUMNS`
+(bytes). The harness (``experiments/run.py``) adds the run identity and provenance.
+
+* :mod:`flashcp.executors.sim`: the analytic cost model; plans each (sequence, method, options,
+  cp_size) once and prices every run that shares the plan (several models, hardware profiles).
+* :mod:`flashcp.executors.dist`: real ops over torch.distributed (one run per job, under torchrun).
+* :mod:`flashcp.executors.emulate`: every rank's real ops replayed on one device.
+
+:func:`execute` picks the module by name and imports it (and torch, for dist and emulate) only then.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashcp.comm import AttnShape
+
+__all__ = ["EXECUTORS", "RunSpec", "execute"]
+
+#: executor names (``executor.name`` in the config) -> module
+EXECUTORS: dict[str, str] = {
+    "sim": "flashcp.executors.sim",
+    "dist": "flashcp.executors.dist",
+    "emulate": "flashcp.executors.emulate",
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What an executor needs to know of one run.
+
+    Attributes:
+        method: registry method name; ``options`` its planner options; ``impl`` its
+            implementation (``ours`` or ``ring_flash_attn``, :mod:`flashcp.sim.impl`).
+        cp_size: N, ranks.
+        shape: query heads, KV heads, head_dim and dtype of the attention layer.
+        modes: ``train`` and/or ``infer``.
+        hardware: a :class:`flashcp.sim.HardwareProfile` (sim, emulate) or None (dist).
+        seed: seed of the run (dist and emulate draw Q/K/V from ``seed + seq_idx``).
+        executor: the executor's own options (dist/emulate: ``backend``, ``warmup``, ``iters``,
+            ``timeout_s``; emulate: ``ranks``, ``nccl_traffic``).
+    """
+
+    method: str
+    cp_size: int
+    shape: AttnShape
+    modes: tuple[str, ...]
+    options: Mapping[str, Any] = field(default_factory=dict)
+    impl: str = "ours"
+    hardware: Any = None
+    seed: int = 0
+    executor: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def plan_key(self) -> tuple:
+        """Runs with equal keys share their plans: (method, impl, cp_size, options)."""
+        import json
+
+        return (
+            self.method,
+            self.impl,
+            self.cp_size,
+            json.dumps(dict(self.options), sort_keys=True),
+        )
+
+
+def execute(executor: str, runs: Sequence[RunSpec], seqs: Sequence[Any], **kwargs: Any):
+    """Run ``runs`` on ``seqs`` with the executor named ``executor``.
+
+    Args:
+        executor: ``sim``, ``dist`` or ``emulate``.
+        runs: the job's runs (dist and emulate take exactly one).
+        seqs: (n_docs,) int64 document lengths per sequence, each summing to ``context_len``.
+        kwargs: the executor's own keywords (sim: ``workers``, ``progress``; dist: ``group``).
+    Returns:
+        A DataFrame of rows (see the module docstring); None on a dist rank other than 0.
+    Raises:
+        ValueError: unknown executor, or what the executor raises for bad input.
+    """
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
+    if not runs:
+        raise ValueError("no runs to execute")
+    return importlib.import_module(EXECUTORS[executor]).execute(runs, seqs, **kwargs)

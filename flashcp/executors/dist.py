@@ -44,6 +44,7 @@ __all__ = [
     "abort_group_on_error",
     "agree_errors",
     "check_comm",
+    "execute",
     "init_from_env",
     "measure_step",
 ]
@@ -270,3 +271,74 @@ def measure_step(
     if check:
         check_comm(result, plan, shape, mode)
     return result
+
+
+def execute(runs, seqs, *, group=None):
+    """``executor=dist``: run one plan per sequence for real on the process group
+    (:mod:`flashcp.executors`' interface); rows on rank 0, None elsewhere.
+
+    Every rank plans every sequence (a pure function, so identical everywhere) and the ranks agree
+    on whether planning succeeded (:func:`agree_errors`): a sequence whose planner fails on any
+    rank is a row with ``status = "error: ..."`` on all of them. An exception while measuring
+    (inside collectives) cannot be recovered: the rank that raised prints it and aborts the group,
+    so every other rank stops within seconds (:func:`abort_group_on_error`).
+
+    Args:
+        runs: exactly one :class:`flashcp.executors.RunSpec` (``executor`` options ``backend``,
+            ``warmup``, ``iters``, ``timeout_s``).
+        seqs: (n_docs,) int64 document lengths per sequence.
+        group: the process group (default: :func:`init_from_env`, ``torchrun``'s ranks).
+    Raises:
+        ValueError: several runs, or a world size other than the run's ``cp_size`` (before any
+            collective).
+    """
+    import pandas as pd
+
+    from flashcp.executors.sim import error_status, plan_metrics
+    from flashcp.registry import get_planner
+
+    if len(runs) != 1:
+        raise ValueError(f"executor=dist runs one run per job, got {len(runs)}")
+    run = runs[0]
+    ex = dict(run.executor)
+    if group is None:
+        group = init_from_env(float(ex.get("timeout_s", 120.0)))
+    world = group_size(group)
+    if world != run.cp_size:
+        raise ValueError(
+            f"torchrun started {world} ranks but cp_size = {run.cp_size}; they must match"
+        )
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    planner = get_planner(run.method)
+    rows: list[dict] = []
+    for i, d in enumerate(seqs):
+        base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
+        try:
+            plan, err = planner(d, run.cp_size, **dict(run.options)), None
+        except Exception as exc:
+            plan, err = None, error_status(exc)
+        status = agree_errors(err, group)
+        if status is not None:
+            log.warning("sequence %d failed: %s", i, status)
+            rows.extend({**base, "mode": mode, "status": status} for mode in run.modes)
+            continue
+        metrics = {"plan_status": plan.status, "pad_tokens": 0, **plan_metrics(plan)}
+        for mode in run.modes:
+            with abort_group_on_error(group, f"sequence {i}, mode {mode}"):
+                res = measure_step(
+                    plan, run.shape, mode, group=group, device=device,
+                    backend=ex.get("backend", "auto"), warmup=int(ex.get("warmup", 1)),
+                    iters=int(ex.get("iters", 3)), seed=run.seed + i,
+                )  # fmt: skip
+            rows.append({**base, **metrics, "mode": mode, "status": "ok", **res})
+    if group_rank(group) != 0:
+        return None
+    out = pd.DataFrame(rows).assign(run_idx=0)
+    for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
+        if col not in out:
+            out[col] = float("nan")
+    return out

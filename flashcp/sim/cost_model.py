@@ -60,7 +60,10 @@ the all-gather with other layers' work, and stream-ordering stalls beyond the tw
 
 Speed: a plan's tile counts, segment lists and copy counts do not depend on heads, head_dim,
 dtype or mode; :func:`simulate_many` computes them once and then prices each (shape, mode) with a
-few numpy operations on (N,) or (N, N) arrays.
+few numpy operations on (N,) or (N, N) arrays. :func:`step_many` prices many plans at once: the
+ring methods of :class:`PlanCost` work on any leading axes (a stack of plans is (S, N, N)), and
+:func:`_step_allgather_batch` prices the all-gather family (ours) on (S, N) arrays
+(:meth:`PlanCost._step_allgather` calls it with one plan).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ from flashcp.sim.hardware import HardwareProfile, load_hardware
 from flashcp.sim.impl import AG_GROUP_BUDGET_BYTES, RFA_HEADS_K_STRIDE, check_impl, impl_ops
 from flashcp.sim.kernel import TileStats, bwd_extra_us, bwd_tile_counts, fwd_tile_counts, kernel_us
 
-__all__ = ["COMM_KINDS", "PlanCost", "overlap_us", "simulate", "simulate_many"]
+__all__ = ["COMM_KINDS", "PlanCost", "overlap_us", "simulate", "simulate_many", "step_many"]
 
 COMM_KINDS = ("allgather_full", "allgather_sharded", "p2p_ring")
 
@@ -149,6 +152,9 @@ class PlanCost:
         self.comm_kind = comm_kind
         self.impl = impl
         self.n = plan.cp_size
+        self.num_docs = plan.num_docs
+        self._masks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._fwd_memo: dict[AttnShape, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         if comm_kind == "p2p_ring":
             self.ops = impl_ops(impl, plan.method)
             self._init_ring()
@@ -163,6 +169,7 @@ class PlanCost:
             return PlanCost(self.plan, hw, self.comm_kind, self.impl)
         other = copy.copy(self)
         other.hw = hw
+        other._fwd_memo = {}  # forward compute depends on the profile's constants
         return other
 
     # ---- all-gather family -------------------------------------------------------------------
@@ -217,72 +224,9 @@ class PlanCost:
         to the local rows. Groups run one after another (no overlap)."""
         if self.impl == "ring_flash_attn":
             return self._step_rfa_llama3(shape, train, vol)
-        hw, n = self.hw, self.n
-        h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
-        local = self.q_rows  # (N,) rows per rank
-        send_max = float(self.send_rows.max())
-        rows = local.max() + n * send_max  # rows of the source buffer
-        per_head = rows * 2 * d * 4  # fp32 gradient buffer per KV head
-        fits = [
-            k for k in range(1, hkv + 1) if hkv % k == 0 and k * per_head <= AG_GROUP_BUDGET_BYTES
-        ]
-        hg = max(fits or [1])
-        groups = hkv // hg
-        qh = h // groups
-        gshape = AttnShape(qh, hg, d, shape.dtype)
-        total_scale = n / (n - 1) if n > 1 else 1.0
-        n_ag = 2 if train else 1
-        ag_bytes = vol["allgather_bytes"] / n_ag / groups
-        ag = hw.collective_us(ag_bytes, ag_bytes * total_scale, hw.allgather_busbw_gbps)
-        kv_el = 2.0 * hg * d  # elements per KV row of a group
-        # source: local K and V copied in, send buffer zeroed and packed by index
-        build = self._op_us(4, local * kv_el * e * 2 + send_max * kv_el * e * 3)
-        keys = self._op_us(1, self.kv_rows * kv_el * e * 2)  # index_select of the segments' keys
-        split = groups > 1  # head slices of (T, H, D) tensors are copied, outputs copied back
-        fwd_k = kernel_us(self.fwd, qh, d, hw, False)
-        fwd_copies = build + keys + (self._op_us(3, local * qh * d * e * 4) if split else 0.0)
-        fwd_ops = 6 + (3 if split else 0)
-        coll_host = hw.collective_host_us if ag_bytes > 0 else 0.0
-        dev_f = groups * (ag + fwd_copies + fwd_k)
-        host_f = groups * (coll_host + hw.host_op_us * (fwd_ops + 1))
-        out = {
-            "allgather_ms": groups * ag / 1e3,
-            "attn_fwd_ms": float((groups * fwd_k).max()) / 1e3,
-            "attn_bwd_ms": 0.0,
-            "reducescatter_ms": 0.0,
-            "p2p_ms": 0.0,
-            "others_ms": float((groups * fwd_copies + np.maximum(host_f - dev_f, 0.0)).max()) / 1e3,
-        }
-        if not train:
-            return out
-        rs_bytes = vol["reducescatter_bytes"] / groups
-        rs = hw.collective_us(rs_bytes, rs_bytes * total_scale, hw.reducescatter_busbw_gbps)
-        bwd_k = kernel_us(self.bwd, qh, d, hw, True) + bwd_extra_us(
-            self.q_rows, self.kv_rows, gshape, hw
-        )
-        # dq into place; zero the fp32 gradient buffer; scatter-add dK and dV of the segments;
-        # add the reduce-scattered rows to the local part; dk, dv into place
-        grads = self._op_us(
-            6,
-            local * qh * d * e * 2
-            + rows * kv_el * 4
-            + self.kv_rows * kv_el * 12
-            + send_max * kv_el * 12
-            + local * kv_el * (4 + e),
-        )
-        bwd_copies = (
-            build + keys + grads + (self._op_us(3, local * qh * d * e * 2) if split else 0.0)
-        )
-        bwd_ops = 11 + (3 if split else 0)
-        dev_b = groups * (ag + bwd_copies + bwd_k + rs)
-        host_b = groups * (2 * coll_host + hw.host_op_us * (bwd_ops + 1))
-        out["allgather_ms"] += groups * ag / 1e3
-        out["attn_bwd_ms"] = float((groups * bwd_k).max()) / 1e3
-        out["reducescatter_ms"] = groups * rs / 1e3
-        out["others_ms"] += (
-            float((groups * bwd_copies + np.maximum(host_b - dev_b, 0.0)).max()) / 1e3
-        )
-        return out
+        # one implementation of the formulas, vectorised over plans (here: one plan)
+        out = _step_allgather_batch([self], shape, "train" if train else "infer")
+        return {c: float(out[c][0]) for c in PHASE_COLUMNS if c != "total_ms"}
 
     def _step_rfa_llama3(
         self, shape: AttnShape, train: bool, vol: dict[str, int]
@@ -420,22 +364,27 @@ class PlanCost:
 
     def _ring_masks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(N, N) masks ``[t, r]``: a kernel is launched; the step uses part of the local query
-        block; the step uses part of the source KV block."""
+        block; the step uses part of the source KV block (computed once per plan; read-only)."""
+        if self._masks is None:
+            self._masks = self._compute_ring_masks()
+        return self._masks
+
+    def _compute_ring_masks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = self.n
-        local = self.q_rows[0]
+        local = self.q_rows[..., 0, :]
         r = np.arange(n)
-        src_rows = local[(r[None, :] - np.arange(n)[:, None]) % n]
+        src_rows = local[..., (r[None, :] - np.arange(n)[:, None]) % n]
         work = self.q_rows > 0
         if self.impl == "ours":
             launched = work.copy()
         elif self.ops.skip_after_rank:
-            launched = np.arange(n)[:, None] <= r[None, :]
+            launched = np.broadcast_to(np.arange(n)[:, None] <= r[None, :], work.shape).copy()
         else:
-            launched = np.ones((n, n), dtype=bool)
-        launched[0] = True
-        part_q = work & (self.q_rows < local[None, :])
+            launched = np.ones(work.shape, dtype=bool)
+        launched[..., 0, :] = True
+        part_q = work & (self.q_rows < local[..., None, :])
         part_k = work & (self.kv_rows < src_rows)
-        part_q[0] = part_k[0] = False
+        part_q[..., 0, :] = part_k[..., 0, :] = False
         return launched, part_q, part_k
 
     def _op_us(self, count, nbytes):
@@ -464,16 +413,17 @@ class PlanCost:
             n_ops = n_ops + part_q
             nbytes = nbytes + np.where(part_q, out_el * 2 * e, 0.0)
         else:  # ring-flash-attn: step 0 only casts its block to fp32 (out = block_out.to(fp32))
-            n_ops[0] = 1
-            nbytes[0] = out_el[0] * (e + 4)
-        local_el = self.q_rows[0] * h * d
-        n_ops[-1] += 1  # out.to(q.dtype)
-        nbytes[-1] += local_el * (4 + e)
+            n_ops[..., 0, :] = 1
+            nbytes[..., 0, :] = out_el[..., 0, :] * (e + 4)
+        local_el = self.q_rows[..., 0, :] * h * d
+        n_ops[..., -1, :] += 1  # out.to(q.dtype)
+        nbytes[..., -1, :] += local_el * (4 + e)
         other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
         host = hw.ring_step_fwd_us + hw.host_op_us * (launched + n_ops)
         if ops.per_doc_host:  # get_half_index twice, q[half_index1] once per call
-            host[0] += 2 * self.plan.num_docs * hw.doc_host_us + hw.host_op_us
-            other[0] += self._op_us(1, local_el * e)
+            docs = np.asarray(self.num_docs)[..., None]
+            host[..., 0, :] += 2 * docs * hw.doc_host_us + hw.host_op_us
+            other[..., 0, :] += self._op_us(1, local_el * e)
         return attn, other, host
 
     def _ring_bwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -491,8 +441,8 @@ class PlanCost:
         work = self.q_rows > 0
         q_el = self.q_rows * h * d
         kv_el = 2.0 * self.kv_rows * hkv * d
-        local_q = self.q_rows[0] * h * d
-        local_kv = 2.0 * self.q_rows[0] * hkv * d
+        local_q = self.q_rows[..., 0, :] * h * d
+        local_kv = 2.0 * self.q_rows[..., 0, :] * hkv * d
         n_ops = np.where(work, ops.accum_ops, 0) + np.where(part_k, ops.half_gather_ops, 0)
         nbytes = np.where(work, (q_el + kv_el) * hw.accum_bytes_eager, 0.0)
         nbytes = nbytes + np.where(part_k, kv_el * 2 * e, 0.0)
@@ -504,40 +454,40 @@ class PlanCost:
         if self.impl == "ours":  # per step: zero this step's dK/dV, combine with the incoming sum
             n_ops = n_ops + part_q + np.where(work, 3, 0)
             nbytes = nbytes + np.where(part_q, 2.0 * q_el * 2 * e, 0.0)
-            nbytes = nbytes + np.where(work, local_kv * (4 + 12 + 8), 0.0)
+            nbytes = nbytes + np.where(work, local_kv[..., None, :] * (4 + 12 + 8), 0.0)
         else:  # step 0 casts the block gradients to fp32
-            n_ops[0] = 3
-            nbytes[0] = (q_el[0] + kv_el[0]) * (e + 4)
-        n_ops[-1] += 3  # final casts of dq, dk, dv
-        nbytes[-1] += (local_q + local_kv) * (4 + e)
+            n_ops[..., 0, :] = 3
+            nbytes[..., 0, :] = (q_el[..., 0, :] + kv_el[..., 0, :]) * (e + 4)
+        n_ops[..., -1, :] += 3  # final casts of dq, dk, dv
+        nbytes[..., -1, :] += (local_q + local_kv) * (4 + e)
         other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
         host = hw.ring_step_bwd_us + hw.host_op_us * (launched + n_ops)
         if ops.per_doc_host:  # get_half_lse: a Python loop over documents; dout/q/out halves
-            docs = self.plan.num_docs
-            host[0] += docs * hw.doc_host_us + 3 * hw.host_op_us
-            other[0] += docs * hw.launch_us + self._op_us(3, 1.5 * local_q * 2 * e)
+            docs = np.asarray(self.num_docs)[..., None]
+            host[..., 0, :] += docs * hw.doc_host_us + 3 * hw.host_op_us
+            other[..., 0, :] += docs * hw.launch_us + self._op_us(3, 1.5 * local_q * 2 * e)
         return attn, other, host
 
-    def _ring_pass(
-        self, attn, other, host, hop_us: float, tail_us: float
-    ) -> tuple[float, float, float]:
-        """Compose one ring pass from (N, N) ``[t, r]`` device and host µs (module docstring):
-        every step but the last overlaps one hop of ``hop_us``; ``tail_us`` is exposed at the end.
+    def _ring_pass(self, attn, other, host, hop_us, tail_us):
+        """Compose one ring pass from (..., N, N) ``[t, r]`` device and host µs (module
+        docstring): every step but the last overlaps one hop of ``hop_us``; ``tail_us`` is exposed
+        at the end (scalars, or (S,) arrays for S plans).
 
-        Returns ``(attention, others, exposed_p2p)`` in µs summing to the pass time.
+        Returns ``(attention, others, exposed_p2p)`` in µs summing to the pass time, shaped
+        ``attn.shape[:-2]``.
         """
         compute = attn + other
-        hop = np.zeros(self.n)
-        hop[:-1] = hop_us
-        device, slowed = overlap_us(compute, hop[:, None], self.hw)
+        hop = np.zeros(attn.shape[:-1])
+        hop[..., :-1] = np.asarray(hop_us, dtype=np.float64)[..., None]
+        device, slowed = overlap_us(compute, hop[..., None], self.hw)
         scale = np.divide(slowed, compute, out=np.ones_like(compute), where=compute > 0)
-        attn_t = (attn * scale).max(axis=1)
-        comp_t = slowed.max(axis=1)
-        gpu_t = device.max(axis=1)
-        total_t = np.maximum(device, host).max(axis=1)
-        p2p = float((gpu_t - comp_t).sum()) + tail_us
-        a = float(attn_t.sum())
-        return a, float(total_t.sum()) + tail_us - a - p2p, p2p
+        attn_t = (attn * scale).max(axis=-1)
+        comp_t = slowed.max(axis=-1)
+        gpu_t = device.max(axis=-1)
+        total_t = np.maximum(device, host).max(axis=-1)
+        p2p = (gpu_t - comp_t).sum(axis=-1) + tail_us
+        a = attn_t.sum(axis=-1)
+        return a, total_t.sum(axis=-1) + tail_us - a - p2p, p2p
 
     def _step_ring(
         self, shape: AttnShape, train: bool, vol: dict[str, int], fwd_p2p: int
@@ -545,7 +495,10 @@ class PlanCost:
         hw, n = self.hw, self.n
         steps = max(n - 1, 1)
         fwd_hop = hw.p2p_us(fwd_p2p / steps) if n > 1 else 0.0
-        fa, fo, fp = self._ring_pass(*self._ring_fwd_compute(shape), fwd_hop, 0.0)
+        fwd = self._fwd_memo.get(shape)
+        if fwd is None:  # training and inference of one shape share the forward
+            fwd = self._fwd_memo[shape] = self._ring_fwd_compute(shape)
+        fa, fo, fp = self._ring_pass(*fwd, fwd_hop, 0.0)
         ba = bo = bp = 0.0
         if train and n > 1:
             grad_hop = hw.p2p_us((vol["p2p_bytes"] - 2 * fwd_p2p) / steps)
@@ -556,11 +509,11 @@ class PlanCost:
             ba, bo, bp = self._ring_pass(*self._ring_bwd_compute(shape), 0.0, 0.0)
         return {
             "allgather_ms": 0.0,
-            "attn_fwd_ms": fa / 1e3,
-            "attn_bwd_ms": ba / 1e3,
+            "attn_fwd_ms": float(fa) / 1e3,
+            "attn_bwd_ms": float(ba) / 1e3,
             "reducescatter_ms": 0.0,
-            "p2p_ms": (fp + bp) / 1e3,
-            "others_ms": (fo + bo) / 1e3,
+            "p2p_ms": (float(fp) + float(bp)) / 1e3,
+            "others_ms": (float(fo) + float(bo)) / 1e3,
         }
 
     # ---- public ------------------------------------------------------------------------------
@@ -584,6 +537,194 @@ class PlanCost:
         for col in COMM_COLUMNS:
             out[col] = vol[col]
         return {k: out[k] for k in (*PHASE_COLUMNS, *COMM_COLUMNS)}
+
+
+def step_many(costs: Sequence[PlanCost], shape: AttnShape, mode: str) -> dict[str, np.ndarray]:
+    """:meth:`PlanCost.step` of many plans at once: (S,) arrays per column, equal (to rounding,
+    1e-12 relative) to ``[c.step(shape, mode) for c in costs]``.
+
+    Plans of one cp_size, hardware profile and implementation are priced with one set of numpy
+    operations: the ring family on (S, N, N) arrays through :class:`PlanCost`'s own ring methods,
+    the all-gather family (``impl="ours"``) on (S, N) arrays by :func:`_step_allgather_batch`;
+    other plans (ring-flash-attn's llama3) fall back to one :meth:`PlanCost.step` each.
+
+    Returns:
+        Every column of ``PHASE_COLUMNS`` (float64) and ``COMM_COLUMNS`` (int64), (S,) each.
+    Raises:
+        ValueError: unknown mode.
+    """
+    check_mode(mode)
+    cols = (*PHASE_COLUMNS, *COMM_COLUMNS)
+    if not costs:
+        return {c: np.zeros(0) for c in cols}
+    first = costs[0]
+    same = all(
+        c.hw is first.hw and c.n == first.n and c.comm_kind == first.comm_kind for c in costs
+    )
+    if same and first.comm_kind == "p2p_ring" and all(c.ops == first.ops for c in costs):
+        return _step_ring_batch(costs, shape, mode)
+    if same and first.comm_kind != "p2p_ring" and all(c.impl == "ours" for c in costs):
+        return _step_allgather_batch(costs, shape, mode)
+    steps = [c.step(shape, mode) for c in costs]
+    return {c: np.array([s[c] for s in steps]) for c in cols}
+
+
+class _PlanCostStack(PlanCost):
+    """The ring statistics of S plans (same cp_size, hardware, implementation) stacked along a
+    leading axis: (S, N, N) arrays, so :class:`PlanCost`'s ring methods (written for any leading
+    axes) price all of them with one set of numpy operations."""
+
+    def __init__(self, costs: Sequence[PlanCost]) -> None:
+        first = costs[0]
+        self.plan = None
+        self.hw, self.comm_kind, self.impl, self.n, self.ops = (
+            first.hw, first.comm_kind, first.impl, first.n, first.ops,
+        )  # fmt: skip
+        self.num_docs = np.array([c.num_docs for c in costs])
+        self.fwd = TileStats(
+            *(np.stack([getattr(c.fwd, f) for c in costs]) for f in TileStats._fields)
+        )
+        self.bwd = TileStats(
+            *(np.stack([getattr(c.bwd, f) for c in costs]) for f in TileStats._fields)
+        )
+        self.q_rows = np.stack([c.q_rows for c in costs])
+        self.kv_rows = np.stack([c.kv_rows for c in costs])
+        self._masks = None
+        self._fwd_memo = {}
+
+
+def _step_ring_batch(
+    costs: Sequence[PlanCost], shape: AttnShape, mode: str
+) -> dict[str, np.ndarray]:
+    """:meth:`PlanCost._step_ring` of S plans at once (:class:`_PlanCostStack`)."""
+    first = costs[0]
+    hw, n, kind = first.hw, first.n, first.comm_kind
+    train = mode == "train"
+    stack = _PlanCostStack(costs)
+    vols = [comm_volume(c.plan, kind, shape, mode) for c in costs]
+    fwd_p2p = [
+        comm_volume(c.plan, kind, shape, "infer")["p2p_bytes"] if train else v["p2p_bytes"]
+        for c, v in zip(costs, vols, strict=True)
+    ]
+    steps = max(n - 1, 1)
+    fwd_hop = np.array([hw.p2p_us(f / steps) if n > 1 else 0.0 for f in fwd_p2p])
+    fa, fo, fp = stack._ring_pass(*stack._ring_fwd_compute(shape), fwd_hop, 0.0)
+    zero = np.zeros(len(costs))
+    ba = bo = bp = zero
+    if train and n > 1:
+        grad_hop = np.array(
+            [
+                hw.p2p_us((v["p2p_bytes"] - 2 * f) / steps)
+                for v, f in zip(vols, fwd_p2p, strict=True)
+            ]
+        )
+        ba, bo, bp = stack._ring_pass(*stack._ring_bwd_compute(shape), fwd_hop + grad_hop, grad_hop)
+    elif train:
+        ba, bo, bp = stack._ring_pass(*stack._ring_bwd_compute(shape), 0.0, 0.0)
+    out = {
+        "allgather_ms": zero,
+        "attn_fwd_ms": fa / 1e3,
+        "attn_bwd_ms": ba / 1e3,
+        "reducescatter_ms": zero,
+        "p2p_ms": (fp + bp) / 1e3,
+        "others_ms": (fo + bo) / 1e3,
+    }
+    phases = [out[c] for c in PHASE_COLUMNS if c != "total_ms"]
+    out["total_ms"] = np.array([math.fsum(x) for x in zip(*phases, strict=True)])
+    out.update({k: np.array([v[k] for v in vols], dtype=np.int64) for k in COMM_COLUMNS})
+    return out
+
+
+def _step_allgather_batch(
+    costs: Sequence[PlanCost], shape: AttnShape, mode: str
+) -> dict[str, np.ndarray]:
+    """The project's all-gather op (``ours``; :meth:`PlanCost._step_allgather` describes it) for S
+    plans on (S, N) arrays (``c_(x)`` marks a per-plan value broadcast over ranks)."""
+    first = costs[0]
+    hw, n, kind = first.hw, first.n, first.comm_kind
+    train = mode == "train"
+    h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
+    vols = [comm_volume(c.plan, kind, shape, mode) for c in costs]
+    vol = {k: np.array([v[k] for v in vols], dtype=np.int64) for k in COMM_COLUMNS}
+    local = np.stack([c.q_rows for c in costs])  # (S, N)
+    kv_rows = np.stack([c.kv_rows for c in costs])
+    send_max = np.stack([c.send_rows for c in costs]).max(axis=1)  # (S,)
+    fwd = TileStats(*(np.stack([getattr(c.fwd, f) for c in costs]) for f in TileStats._fields))
+    rows = local.max(axis=1) + n * send_max
+    per_head = rows * 2 * d * 4
+    hg = np.ones(len(costs), dtype=np.int64)
+    for k in range(1, hkv + 1):  # the largest divisor of hkv whose buffer fits (else 1)
+        if hkv % k == 0:
+            hg = np.where(k * per_head <= AG_GROUP_BUDGET_BYTES, k, hg)
+    groups = hkv // hg
+    qh = h // groups
+    total_scale = n / (n - 1) if n > 1 else 1.0
+    n_ag = 2 if train else 1
+    ag_bytes = vol["allgather_bytes"] / n_ag / groups
+    ag = np.array([hw.collective_us(b, b * total_scale, hw.allgather_busbw_gbps) for b in ag_bytes])
+    c_ = lambda a: a[:, None]  # noqa: E731  (S,) -> (S, 1)
+    kv_el = 2.0 * hg * d
+    build = first._op_us(4, local * c_(kv_el) * e * 2 + c_(send_max * kv_el * e * 3))
+    keys = first._op_us(1, kv_rows * c_(kv_el) * e * 2)
+    split = groups > 1
+    fwd_k = kernel_us(fwd, c_(qh), d, hw, False)
+    fwd_copies = (
+        build + keys + np.where(c_(split), first._op_us(3, local * c_(qh) * d * e * 4), 0.0)
+    )
+    fwd_ops = 6 + np.where(split, 3, 0)
+    coll_host = np.where(ag_bytes > 0, hw.collective_host_us, 0.0)
+    dev_f = c_(groups) * (c_(ag) + fwd_copies + fwd_k)
+    host_f = groups * (coll_host + hw.host_op_us * (fwd_ops + 1))
+    out = {
+        "allgather_ms": groups * ag / 1e3,
+        "attn_fwd_ms": (c_(groups) * fwd_k).max(axis=1) / 1e3,
+        "attn_bwd_ms": np.zeros(len(costs)),
+        "reducescatter_ms": np.zeros(len(costs)),
+        "p2p_ms": np.zeros(len(costs)),
+        "others_ms": (c_(groups) * fwd_copies + np.maximum(c_(host_f) - dev_f, 0.0)).max(axis=1)
+        / 1e3,
+    }
+    if train:
+        bwd = TileStats(*(np.stack([getattr(c.bwd, f) for c in costs]) for f in TileStats._fields))
+        rs_bytes = vol["reducescatter_bytes"] / groups
+        rs = np.array(
+            [hw.collective_us(b, b * total_scale, hw.reducescatter_busbw_gbps) for b in rs_bytes]
+        )
+        # bwd_extra_us for the group shape (qh query heads, hg KV heads), per plan
+        nbytes = local * c_(qh) * (d * (3 * e + 8) + 4)
+        gqa = c_(qh != hg)
+        nbytes = np.where(gqa, nbytes + kv_rows * 2 * d * e * c_(qh + hg), nbytes)
+        launches = hw.bwd_extra_kernels + np.where(gqa, 1, 0)
+        extra = np.where(local > 0, launches * hw.launch_us + hw.copy_us(nbytes), 0.0)
+        bwd_k = kernel_us(bwd, c_(qh), d, hw, True) + extra
+        grads = first._op_us(
+            6,
+            local * c_(qh) * d * e * 2
+            + c_(rows * kv_el * 4)
+            + kv_rows * c_(kv_el) * 12
+            + c_(send_max * kv_el * 12)
+            + local * c_(kv_el) * (4 + e),
+        )
+        bwd_copies = (
+            build
+            + keys
+            + grads
+            + np.where(c_(split), first._op_us(3, local * c_(qh) * d * e * 2), 0.0)
+        )
+        bwd_ops = 11 + np.where(split, 3, 0)
+        dev_b = c_(groups) * (c_(ag) + bwd_copies + bwd_k + c_(rs))
+        host_b = groups * (2 * coll_host + hw.host_op_us * (bwd_ops + 1))
+        out["allgather_ms"] = out["allgather_ms"] + groups * ag / 1e3
+        out["attn_bwd_ms"] = (c_(groups) * bwd_k).max(axis=1) / 1e3
+        out["reducescatter_ms"] = groups * rs / 1e3
+        out["others_ms"] = (
+            out["others_ms"]
+            + (c_(groups) * bwd_copies + np.maximum(c_(host_b) - dev_b, 0.0)).max(axis=1) / 1e3
+        )
+    phases = [out[c] for c in PHASE_COLUMNS if c != "total_ms"]
+    out["total_ms"] = np.array([math.fsum(x) for x in zip(*phases, strict=True)])
+    out.update(vol)
+    return out
 
 
 def simulate(

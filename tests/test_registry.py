@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 import yaml
@@ -201,6 +200,7 @@ def test_a_registered_method_runs_in_the_app(toy, tmp_path):
 
     from experiments.run import CONF_DIR, run
     from flashcp.config import register_configs
+    from flashcp.results import read_rows
 
     register_configs()
     overrides = [
@@ -209,7 +209,7 @@ def test_a_registered_method_runs_in_the_app(toy, tmp_path):
     ]  # fmt: skip
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    df = pd.read_csv(run(cfg))
+    df = read_rows(run(cfg))
     assert set(df["method"]) == {TOY} and (df["status"] == "ok").all() and len(df) == 4
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         bad = compose("config", overrides=[*overrides, "+method.options.bogus=1"])

@@ -63,7 +63,7 @@ def per_doc_chunk_sizes(
     n = cp_size
     d = np.asarray(doc_lens, dtype=np.int64)
     base, rem = d // (2 * n), d % (2 * n)
-    first = (cursor + np.concatenate([[0], np.cumsum(rem)[:-1]])) % n  # (n_docs,)
+    first = (cursor + cu_seqlens(rem)[:-1]) % n  # (n_docs,) rank of each first extra token
     r = np.arange(n)
     # extra tokens of rank r for doc i: count of k in [0, rem_i) with (first_i + k) % n == r
     extra = rem[:, None] // n + (((r[None, :] - first[:, None]) % n) < (rem[:, None] % n))

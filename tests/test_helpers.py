@@ -63,6 +63,7 @@ def test_softmax_scale_rule():
     for d in (1, 8, 64, 96, 128, 256):
         assert resolve_softmax_scale(None, d) == 1.0 / math.sqrt(d)
     assert resolve_softmax_scale(0.25, 128) == 0.25
+    assert resolve_softmax_scale(None, np.int64(64)) == 0.125  # a NumPy head_dim works too
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="softmax_scale"):
             resolve_softmax_scale(bad, 64)

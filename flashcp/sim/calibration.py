@@ -39,6 +39,7 @@ import numpy as np
 import pandas as pd
 
 from flashcp.comm import AttnShape
+from flashcp.plan import doc_workload
 from flashcp.sim.hardware import HardwareProfile, load_hardware
 
 __all__ = [
@@ -283,7 +284,7 @@ def _magi_ratio(hw: HardwareProfile, total: int, backward: bool, docs, cache) ->
     t_one = _call_ms(s_one, total, shape, hw, backward)
     vals = []
     for d, st in zip(docs, s_docs, strict=True):
-        useful = float((d * (d + 1)).sum()) / (total * (total + 1))
+        useful = float(doc_workload(d).sum()) / doc_workload(total)  # Eq. 3 pairs vs one doc
         vals.append(useful * t_one / _call_ms(st, total, shape, hw, backward))
     return float(np.mean(vals))
 

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -122,9 +123,9 @@ def resolve_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
         ValueError: ``softmax_scale`` is not finite and > 0, or ``head_dim`` is not an integer
             >= 1.
     """
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int | np.integer) or head_dim < 1:
         raise ValueError(f"head_dim must be an integer >= 1, got {head_dim!r}")
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    scale = 1.0 / math.sqrt(int(head_dim)) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
     return scale

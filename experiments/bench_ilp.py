@@ -54,7 +54,7 @@ def _ilp_row(sweep: str, doc_lens: np.ndarray, cp_size: int, **opts) -> dict:
         "context_len": plan.context_len,
         "num_docs": plan.num_docs,
         "block_size": info["block_size"],
-        "num_pieces": info["num_pieces"],
+        "num_grid_pieces": info["num_grid_pieces"],
         "num_binaries": info["num_binaries"],
         "time_limit_s": info["time_limit_s"],
         "build_s": info["build_time_s"],

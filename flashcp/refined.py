@@ -40,7 +40,14 @@ import numpy as np
 
 from flashcp.heuristic import _whole_doc_pass, plan_flashcp
 from flashcp.layout import per_doc_chunk_sizes, per_doc_columns
-from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, shard_workload
+from flashcp.plan import (
+    Plan,
+    check_cp_args,
+    check_doc_lens,
+    make_plan,
+    planner_entry,
+    shard_workload,
+)
 
 __all__ = ["plan_flashcp_refined"]
 
@@ -355,6 +362,7 @@ def _work(p: int, s: int) -> int:
     return (2 * p + s + 1) * s // 2
 
 
+@planner_entry("flashcp_refined")
 def plan_flashcp_refined(
     doc_lens,
     cp_size: int,

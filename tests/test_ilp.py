@@ -349,3 +349,22 @@ def test_run_table2_smoke(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     ilp = summary.set_index("method").loc["ilp"]
     assert ilp["ilp_optimal"] + ilp["ilp_time_limit"] + ilp["ilp_fallback"] == 1
+
+
+@pytest.mark.parametrize(
+    "planner, opts",
+    [(plan_flashcp_refined, {}), (plan_ilp, {"block_size": 2, "time_limit_s": 10})],
+)
+def test_refined_and_ilp_share_the_zero_length_and_pad_handling(planner, opts):
+    assert planner.is_planner_entry
+    plan = planner([8, 0, 4, 2, 0, 2], 2, **opts)
+    plan.validate()
+    assert plan.num_docs == 6 and 1 not in plan.doc.tolist() and 4 not in plan.doc.tolist()
+    assert all(i not in (1, 4) for k, v in plan.info.items() if k.endswith("_docs") for i in v)
+    padded = planner([8, 4, 2, 1], 2, pad_to_multiple=True, **opts)
+    padded.validate()
+    assert padded.num_pad == 1 and padded.tokens_per_rank.tolist() == [8, 8]
+    empty = planner([0, 0], 2, **opts)
+    assert empty.num_shards == 0
+    if planner is plan_ilp:
+        assert "num_grid_pieces" in plan.info and "num_pieces" not in plan.info

@@ -13,7 +13,7 @@ import numpy as np
 
 from flashcp.ilp.model import FORMULATIONS, Instance, block_pieces
 from flashcp.ilp.worker import run_job
-from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan
+from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
 
 __all__ = ["plan_ilp", "plan_objective", "saving_bound"]
 
@@ -74,6 +74,7 @@ def _seed_ranks(seed: Plan, pdoc: np.ndarray, pstart: np.ndarray, context_len: i
     return seed.rank[order][idx]
 
 
+@planner_entry("ilp")
 def plan_ilp(
     doc_lens,
     cp_size: int,
@@ -137,7 +138,7 @@ def plan_ilp(
         ``model_objective``, ``best_bound``, ``gap`` ((objective - bound) / objective; None when
         unknown), ``saving_upper_bound`` (:func:`saving_bound`), ``seed_objective``,
         ``seed_method``, ``warm_start_given``, ``warm_start_accepted``, ``block_size``,
-        ``num_pieces``, ``num_binaries``, ``num_integers``, ``build_time_s``, ``solve_time_s``,
+        ``num_grid_pieces`` (pieces of the grid, not of the plan: :attr:`Plan.num_pieces`), ``num_binaries``, ``num_integers``, ``build_time_s``, ``solve_time_s``,
         ``solve_cpu_s``, ``wall_time_s``, ``time_limit_s``, ``comm_weight``, ``max_imbalance``, ``warm_start``.
     Raises:
         ValueError: bad lengths, ``cp_size`` < 1, C not divisible by N, bad options, HiGHS asked
@@ -197,7 +198,7 @@ def plan_ilp(
         "solver": solver,
         "formulation": formulation,
         "block_size": int(block_size),
-        "num_pieces": int(pdoc.size),
+        "num_grid_pieces": int(pdoc.size),
         "num_binaries": res.get("num_binaries"),
         "num_integers": res.get("num_integers"),
         "build_time_s": res.get("build_time_s"),

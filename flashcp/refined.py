@@ -399,14 +399,7 @@ def plan_flashcp_refined(
         raise ValueError(f"num_candidates must be >= 0, got {num_candidates!r}")
     order = np.argsort(-d, kind="stable").tolist()
     cache: dict[tuple, Plan | None] = {}
-
-    def evaluate(
-        layout: tuple[float, bool | str, float | None] | None, s: tuple[int, ...]
-    ) -> Plan | None:
-        key = (layout, tuple(sorted(s)))
-        if key not in cache:
-            cache[key] = _candidate(d, n, key[1], order, layout)
-        return cache[key]
+    keys: dict[tuple, tuple] = {}  # the ranking key of every cached candidate, computed once
 
     def meets(p: Plan | None) -> bool:
         return p is not None and p.imbalance_ratio <= target_imbalance
@@ -414,29 +407,44 @@ def plan_flashcp_refined(
     def rank_key(p: Plan | None) -> tuple:
         if p is None:
             return (True, np.inf, np.inf)
-        return (not meets(p), p.comm_tokens, p.imbalance_ratio)
+        ratio = p.imbalance_ratio
+        return (ratio > target_imbalance, p.comm_tokens, ratio)
+
+    def evaluate(
+        layout: tuple[float, bool | str, float | None] | None, s: tuple[int, ...]
+    ) -> tuple:
+        """The ranking key of the candidate (``layout``, ``s``); its plan is ``cache[...]``."""
+        key = (layout, tuple(sorted(s)))
+        if key not in cache:
+            cache[key] = _candidate(d, n, key[1], order, layout)
+            keys[key] = rank_key(cache[key])
+        return keys[key]
+
+    def best_cached() -> tuple:
+        key = min(keys, key=keys.__getitem__)
+        return key, cache[key]
 
     # 1. the paper's longest-first loop, once per split layout
     paper_k = 0
-    while paper_k < len(order) and not meets(evaluate(None, tuple(order[:paper_k]))):
+    while paper_k < len(order) and evaluate(None, tuple(order[:paper_k]))[0]:
         paper_k += 1
     for layout in _LAYOUTS[1:]:  # tail + heads should need no more splits than Per-Doc
         for k in range(1, min(paper_k + 1, len(order)) + 1):
-            if meets(evaluate(layout, tuple(order[:k]))):
+            if not evaluate(layout, tuple(order[:k]))[0]:
                 break
-    (layout, best_set), best = min(cache.items(), key=lambda kv: rank_key(kv[1]))
+    (layout, best_set), best = best_cached()
     k = len(best_set)
     # 2. substitution of the k-th longest, in the best layout
     if k > 0:
         for x in order[k : k + num_candidates]:
             evaluate(layout, (*order[: k - 1], x))
-    (layout, best_set), best = min(cache.items(), key=lambda kv: rank_key(kv[1]))
+    (layout, best_set), best = best_cached()
     # 3. elimination
     while meets(best) and best_set:
         for x in best_set:
             evaluate(layout, tuple(m for m in best_set if m != x))
-        (layout2, set2), cand = min(cache.items(), key=lambda kv: rank_key(kv[1]))
-        if rank_key(cand) >= rank_key(best):
+        (layout2, set2), cand = best_cached()
+        if keys[(layout2, set2)] >= keys[(layout, best_set)]:
             break
         layout, best_set, best = layout2, set2, cand
     paper = plan_flashcp(d, n, target_imbalance=target_imbalance, validate=False)

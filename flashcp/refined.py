@@ -55,8 +55,9 @@ __all__ = ["plan_flashcp_refined"]
 #: tails of at most f * W_mean workload (Eq. 3), heads over the other N - 1 ranks or over all N;
 #: split documents heavier than g * W_mean (None: none) stay Per-Doc; ``(f, "zigzag", o)`` =
 #: tail + Per-Doc head (:func:`_zigzag_head`) within f * W_mean, the head over all N ranks
-#: (o = None) or over the N - 1 others (o = 1.0)
-_LAYOUTS: tuple[tuple[float, bool | str, float | None] | None, ...] = (
+#: (o = None), over the N - 1 others (o = 1.0), or over the others but for the head's first
+#: chunk, which stays with the tail (o = "first")
+_LAYOUTS: tuple[tuple[float, bool | str, float | str | None] | None, ...] = (
     None,
     (0.7, False, None),
     (0.85, False, None),
@@ -70,6 +71,8 @@ _LAYOUTS: tuple[tuple[float, bool | str, float | None] | None, ...] = (
     (0.9, "zigzag", None),
     (0.97, "zigzag", None),
     (0.9, "zigzag", 1.0),
+    (0.95, "zigzag", "first"),
+    (1.0, "zigzag", "first"),
 )
 
 
@@ -150,7 +153,7 @@ def _tail_heads(
 
 
 def _zigzag_head(
-    d: np.ndarray, n: int, split: tuple[int, ...], budget: float, others: bool
+    d: np.ndarray, n: int, split: tuple[int, ...], budget: float, others: bool | str
 ) -> tuple[np.ndarray, ...] | None:
     """Shard columns ``(rank, doc, start, length)`` of the *tail + Per-Doc head* split.
 
@@ -161,11 +164,17 @@ def _zigzag_head(
     communication (``others``: 2(N-1) chunks over the N - 1 other ranks, so the tail's rank keeps
     its whole budget for the tail). For a document much heavier than a rank's share (several times W_mean, or
     longer than 2 C/N tokens) this keeps the expensive tail whole where Per-Doc would send
-    almost all of it. None when a rank would exceed C/N tokens.
+    almost all of it. ``others="first"``: the tail's rank also holds the head's first chunk
+    ``[0, a)`` with ``a = h / N`` (the cheapest tokens of the head, Eq. 3), and the rest of the head
+    goes to the N - 1 others in 2(N-1) chunks, so every rank sends about h / N tokens (Eq. 5 is
+    a max over ranks) while the tail's rank adds only ``a (a+1) / 2`` workload: what the ILP's
+    optimal plans do with a document longer than a rank's workload share. None when a rank
+    would exceed C/N tokens.
     """
     tpr = int(d.sum()) // n
     work, tokens = [0.0] * n, [0.0] * n
-    m = n - 1 if others else n  # ranks sharing a head
+    first = others == "first"
+    m = n - 1 if others else n  # ranks sharing the (rest of the) head
     if n == 1:  # nothing to split over
         return None
     cols: list[tuple[np.ndarray, ...]] = []
@@ -176,9 +185,14 @@ def _zigzag_head(
 
         def cost(t: int, length=length, share=share) -> float:  # tail plus r's share of head
             h = length - t
+            if first:  # the head's first chunk [0, h // N)
+                return (length * (length + 1) - h * (h + 1)) / 2 + (h // n) * (h // n + 1) / 2
             return (length * (length + 1) - h * (h + 1)) / 2 + share * h * (h + 1) / 2
 
-        hi = int((tpr - tokens[r] - share * length) / (1 - share))
+        if first:  # tokens t + (length - t) / N within the rank's room
+            hi = int((tpr - tokens[r] - length / n) / (1 - 1 / n))
+        else:
+            hi = int((tpr - tokens[r] - share * length) / (1 - share))
         hi = max(0, min(length - 1, hi))
         lo = 0
         while lo < hi:  # longest tail within the budget (cost grows with t)
@@ -193,8 +207,14 @@ def _zigzag_head(
             cols.append(tuple(np.array([x], dtype=np.int64) for x in (r, doc, h, t)))
             work[r] += (length * (length + 1) - h * (h + 1)) / 2
             tokens[r] += t
-        sizes, _ = per_doc_chunk_sizes(np.array([h], dtype=np.int64), m)
+        a = h // n if first else 0  # the tail rank's first head chunk
+        if a:
+            cols.append(tuple(np.array([x], dtype=np.int64) for x in (r, doc, 0, a)))
+            work[r] += a * (a + 1) / 2
+            tokens[r] += a
+        sizes, _ = per_doc_chunk_sizes(np.array([h - a], dtype=np.int64), m)
         hr, hd, hs, hl = per_doc_columns(np.array([doc], dtype=np.int64), sizes, m)
+        hs = hs + a
         ranks = np.array([q for q in range(n) if not others or q != r], dtype=np.int64)
         hr = ranks[hr]
         cols.append((hr, hd, hs, hl))
@@ -224,7 +244,8 @@ def _candidate(
     tpr = int(d.sum()) // n
     mean_work = float((d * (d + 1) // 2).sum()) / n
     if layout is not None and layout[1] == "zigzag":
-        cols4 = _zigzag_head(d, n, split, layout[0] * mean_work, bool(layout[2]))
+        mode = layout[2] if isinstance(layout[2], str) else bool(layout[2])
+        cols4 = _zigzag_head(d, n, split, layout[0] * mean_work, mode)
         if cols4 is None:
             return None
         rank, doc, start, length = cols4
@@ -455,7 +476,8 @@ def plan_flashcp_refined(
         "split_docs": list(best_set),
         "split_layout": "per_doc"
         if layout is None
-        else f"tail_zigzag_head_{layout[0]:g}" + ("_others" if layout[2] else "")
+        else f"tail_zigzag_head_{layout[0]:g}"
+        + ("_first" if layout[2] == "first" else "_others" if layout[2] else "")
         if layout[1] == "zigzag"
         else f"tail_heads_{layout[0]:g}"
         + ("_all" if layout[1] else "")

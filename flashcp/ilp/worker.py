@@ -88,12 +88,15 @@ _DIVE_SOLVES = 40
 
 
 def _lp_rounded_start(model, inst, seed_objective: float | None) -> dict[str, Any]:
-    """Solve ``model``'s LP relaxation, fix the last shard of every document whose choice is
-    fractional to its largest share and re-solve, one document at a time (a dive, at most
-    :data:`_DIVE_SOLVES` LP solves),
-    then cut the remaining fractional solution into a plan
-    (:func:`flashcp.ilp.model.round_fractions`). When that plan meets the imbalance cap and beats
-    ``seed_objective``, return it as a MIP start on the grid refined by its cut points.
+    """A MIP start from ``model``'s LP relaxation.
+
+    Solve the LP, then dive: fix the most decided fractional last-shard choice, re-solve, and
+    repeat, one document at a time (at most :data:`_DIVE_SOLVES` LP solves; a choice that makes
+    the LP infeasible is forbidden instead), then round the counts of aggregated documents. Cut
+    the root and the dived solutions into plans (:func:`flashcp.ilp.model.round_fractions`) and
+    keep the better; when it meets the imbalance cap and beats ``seed_objective``, return it as
+    a MIP start on the grid refined by its cut points. The LP solves count against the solve's
+    time limit (they run before it starts).
 
     Returns ``{"lp_bound", "objective", "instance", "seed_rank"}`` (``instance`` / ``seed_rank``
     None when the rounded plan is not used; ``lp_bound`` / ``objective`` None when unknown).

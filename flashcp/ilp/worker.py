@@ -83,11 +83,15 @@ def _cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-#: most LP solves of the dive in :func:`_lp_rounded_start`
+#: most LP solves of the dive in :func:`_lp_rounded_start`, and the share of the solve's time
+#: limit it may take
 _DIVE_SOLVES = 40
+_DIVE_SHARE = 0.25
 
 
-def _lp_rounded_start(model, inst, seed_objective: float | None) -> dict[str, Any]:
+def _lp_rounded_start(
+    model, inst, seed_objective: float | None, deadline: float | None = None
+) -> dict[str, Any]:
     """A MIP start from ``model``'s LP relaxation.
 
     Solve the LP, then dive: fix the most decided fractional last-shard choice, re-solve, and
@@ -96,7 +100,8 @@ def _lp_rounded_start(model, inst, seed_objective: float | None) -> dict[str, An
     the root and the dived solutions into plans (:func:`flashcp.ilp.model.round_fractions`) and
     keep the better; when it meets the imbalance cap and beats ``seed_objective``, return it as
     a MIP start on the grid refined by its cut points. The LP solves count against the solve's
-    time limit (they run before it starts).
+    time limit (they run before it starts); the dive stops at ``deadline``
+    (``time.perf_counter()`` seconds, None: no deadline).
 
     Returns ``{"lp_bound", "objective", "instance", "seed_rank"}`` (``instance`` / ``seed_rank``
     None when the rounded plan is not used; ``lp_bound`` / ``objective`` None when unknown).
@@ -121,6 +126,8 @@ def _lp_rounded_start(model, inst, seed_objective: float | None) -> dict[str, An
         # a time (forbid the choice instead when fixing it makes the LP infeasible), so that
         # fewer documents are cut where the LP shares them between ranks
         for _ in range(_DIVE_SOLVES):
+            if deadline is not None and time.perf_counter() > deadline:
+                break
             shares = [
                 (max((v.value() or 0.0) for v in vs), vs) for vs in (model.tail_vars or {}).values()
             ]
@@ -229,7 +236,9 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     try:
         model = build_model(job["formulation"], inst, seed_rank)
         if job.get("lp_rounding"):
-            rounded = _lp_rounded_start(model, inst, job.get("seed_objective"))
+            limit = job["time_limit_s"]  # the dive may take a quarter of the time limit
+            deadline = None if limit is None else t0 + _DIVE_SHARE * limit
+            rounded = _lp_rounded_start(model, inst, job.get("seed_objective"), deadline)
             out.update(lp_bound=rounded["lp_bound"], lp_rounded_objective=rounded["objective"])
             if rounded["instance"] is not None:  # a better start than the heuristic's
                 inst, seed_rank = rounded["instance"], rounded["seed_rank"]

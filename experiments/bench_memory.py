@@ -49,9 +49,9 @@ from flashcp.ops.allgather_attn import (
     resolve_heads_per_group,
 )
 from flashcp.ops.sharding import shard_tensor
-from flashcp.registry import make_plan_for
+from flashcp.registry import make_plan_for, method_names
 
-METHODS = ("llama3", "per_doc", "flashcp", "flashcp_refined", "ilp", "ring", "zigzag")
+METHODS = method_names()
 RING_FAMILY = ("ring", "zigzag")
 MIB = 2**20
 

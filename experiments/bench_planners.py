@@ -22,14 +22,15 @@ import numpy as np
 from experiments.run import plan_rows
 from flashcp.comm import AttnShape
 from flashcp.data import load_distribution, sample_sequences
-from flashcp.registry import get_planner
+from flashcp.registry import get_planner, method_names
 from flashcp.sim import load_hardware, simulate_many
 
 DATASETS = ("wlb_llm", "pile", "redpajama")
-METHODS = ("llama3", "per_doc", "ring", "zigzag", "flashcp")
-#: planners timed per sequence: the Fig. 5 methods and flashcp_refined (speed goal: <= 2 ms median
-#: per 128K sequence at CP 8)
-PLANNERS = (*METHODS, "flashcp_refined")
+#: the methods of the paper's Fig. 5 comparison, simulated in the timed sweep
+METHODS = method_names(paper=True)
+#: planners timed per sequence: every fast one, i.e. the Fig. 5 methods and flashcp_refined (speed
+#: goal: <= 2 ms median per 128K sequence at CP 8)
+PLANNERS = method_names(fast=True)
 C = 131072
 
 

@@ -53,8 +53,9 @@ import torch  # noqa: E402
 
 from flashcp.comm import AttnShape  # noqa: E402
 from flashcp.data import load_distribution, sample_sequences  # noqa: E402
-from flashcp.ops.backends import get_backend  # noqa: E402
-from flashcp.registry import make_plan_for  # noqa: E402
+from flashcp.ops.backends import get_backend, resolve_softmax_scale  # noqa: E402
+from flashcp.plan import cu_seqlens, shard_workload  # noqa: E402
+from flashcp.registry import make_plan_for, method_names  # noqa: E402
 from flashcp.results import (  # noqa: E402
     COMM_COLUMNS,
     PHASE_COLUMNS,
@@ -65,7 +66,7 @@ from flashcp.results import (  # noqa: E402
 from flashcp.sim import HardwareProfile, attention_kernel_ms, load_hardware, simulate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("llama3", "per_doc", "ring", "zigzag", "flashcp")
+METHODS = method_names(paper=True)
 DATASETS = ("wlb_llm", "pile", "redpajama")
 #: measured phases the fit uses as targets (communication phases come from the profile itself)
 FIT_PHASES = ("attn_fwd_ms", "attn_bwd_ms", "others_ms")
@@ -441,7 +442,7 @@ def kernel_rows(
     cases = {"1x128K": np.array([c]), "16x8K": np.full(16, c // 16)}
     for ds, seqs in sampled_sequences(args).items():
         cases.update({f"{ds}#{i}": d for i, d in enumerate(seqs)})
-    scale = shape.head_dim**-0.5
+    scale = resolve_softmax_scale(None, shape.head_dim)
     rows, slowest = [], 0.0
     for case, lens in cases.items():
         for method in args.methods:
@@ -453,12 +454,8 @@ def kernel_rows(
             for r in range(n):
                 _, start, length = plan.rank_shards(r)
                 q_lens, kv_lens = length, start + length
-                cu_q = torch.tensor(
-                    np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=device
-                )
-                cu_k = torch.tensor(
-                    np.concatenate([[0], np.cumsum(kv_lens)]), dtype=torch.int32, device=device
-                )
+                cu_q = cu_seqlens(q_lens, device=device)
+                cu_k = cu_seqlens(kv_lens, device=device)
                 tq, tk = int(q_lens.sum()), int(kv_lens.sum())
                 q = torch.randn(tq, shape.num_heads, shape.head_dim, device=device, dtype=dtype)
                 k = torch.randn(tk, shape.num_kv_heads, shape.head_dim, device=device, dtype=dtype)
@@ -474,7 +471,7 @@ def kernel_rows(
                 for name, fn, backward in (("forward", fwd, False), ("backward", bwd, True)):
                     ms = _time_ms(fn, device, args.warmup, args.iters)
                     sim = attention_kernel_ms(q_lens, kv_lens, True, shape, hw, backward=backward)
-                    pairs = float(((2 * start + length + 1) * length // 2).sum())
+                    pairs = float(shard_workload(start, length).sum())
                     flops = (
                         4.0 * shape.head_dim * shape.num_heads * pairs * (2.5 if backward else 1.0)
                     )

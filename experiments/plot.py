@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import MappingProxyType
 
 import matplotlib
 
@@ -27,13 +26,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from flashcp.registry import get_method, method_names
 from flashcp.results import IDENTITY_COLUMNS, read_rows
 
-METHOD_ORDER = ("llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "ilp")
-COLORS = MappingProxyType({
-    "llama3": "#7f7f7f", "per_doc": "#1f77b4", "ring": "#ff7f0e", "zigzag": "#2ca02c",
-    "flashcp": "#d62728", "flashcp_refined": "#9467bd", "ilp": "#8c564b",
-})  # fmt: skip
 PHASES = (
     ("allgather_ms_mean", "AllGather"), ("attn_fwd_ms_mean", "Attention FWD"),
     ("attn_bwd_ms_mean", "Attention BWD"), ("reducescatter_ms_mean", "ReduceScatter"),
@@ -42,8 +37,20 @@ PHASES = (
 
 
 def _methods(df: pd.DataFrame) -> list[str]:
+    """Methods present in ``df``: registered ones in the registry's order, then any others."""
     present = set(df["method"])
-    return [m for m in METHOD_ORDER if m in present] + sorted(present - set(METHOD_ORDER))
+    order = method_names()
+    return [m for m in order if m in present] + sorted(present - set(order))
+
+
+def _label(method: str) -> str:
+    """A method's display name (its name if it is not registered)."""
+    return get_method(method).display_name if method in method_names() else method
+
+
+def _color(method: str) -> str | None:
+    """A method's colour (matplotlib's next one if it is not registered)."""
+    return get_method(method).color if method in method_names() else None
 
 
 def _subtitle(df: pd.DataFrame, per: str = "bar") -> str:
@@ -128,7 +135,7 @@ def plot_fig5(summary: pd.DataFrame, out: Path) -> Path:
                     ]
                     vals.append(float(v["speedup_vs_llama3"].iloc[0]) if len(v) else float("nan"))
                 xs = [g + (k - (len(methods) - 1) / 2) * width for g in range(len(groups))]
-                ax.bar(xs, vals, width, label=method, color=COLORS.get(method))
+                ax.bar(xs, vals, width, label=_label(method), color=_color(method))
                 for x, v in zip(xs, vals, strict=True):
                     if v != v:  # NaN: no run, a failed run, or no llama3 run to compare with
                         _mark_missing(ax, x)
@@ -168,6 +175,7 @@ def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
     for j, ds in enumerate(datasets):
         ax = axes[0][j]
         d = sub[sub["dataset"] == ds].set_index("method").reindex(methods)
+        d.index = [_label(m) for m in d.index]
         bottom = pd.Series(0.0, index=d.index)
         for col, label in PHASES:
             if col not in d:
@@ -212,7 +220,7 @@ def plot_fig7(summary: pd.DataFrame, out: Path) -> Path:
                 d["context_len"].astype("float64") / 1024,
                 d["speedup_vs_llama3"].astype("float64"),
             )
-            ax.plot(x, y, marker="o", label=method, color=COLORS.get(method))
+            ax.plot(x, y, marker="o", label=_label(method), color=_color(method))
             for xm in x[y.isna()]:
                 _mark_missing(ax, xm)
         ax.axhline(1.0, color="black", lw=0.8, ls="--")

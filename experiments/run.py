@@ -98,10 +98,10 @@ def file_sha256(path: str | Path) -> str:
 def hardware_changes(hw: dict[str, Any]) -> dict[str, Any]:
     """Constants of a composed hardware profile that differ from its file ``conf/hardware/<name>``
     (command-line overrides such as ``hardware.launch_us=10``); every constant if no such file."""
-    from flashcp.sim.hardware import hardware_dir
+    from flashcp.sim.hardware import list_hardware, read_profile
 
-    path = hardware_dir() / f"{hw.get('name')}.yaml"
-    base = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
+    name = hw.get("name")
+    base = read_profile(name) if name in list_hardware() else {}
     return {k: v for k, v in hw.items() if k != "defaults" and base.get(k) != v}
 
 

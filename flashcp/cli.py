@@ -8,6 +8,8 @@ Examples::
     flashcp plan --method llama3 --cp-size 8 --doc-lens-file lens.npy --context-len 131072
     flashcp plan --method flashcp --cp-size 4 --doc-lens 2999 --pad-to-multiple
     flashcp plan --method ring --cp-size 4 --doc-lens 16,24,0,0 --num-pad 24
+    flashcp plan --method flashcp_refined --cp-size 4 --doc-lens 9000,3000,500,4000 \\
+        --option num_candidates=4
 
 ``--context-len C`` packs the lengths the way the sampler does (documents appended in order until
 C tokens are full, the last one cut; fewer than C tokens in all is an error). Without it the
@@ -25,20 +27,20 @@ this module only reports them.
 from __future__ import annotations
 
 import argparse
-import inspect
+import dataclasses
 import json
 import re
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
 from flashcp.data import read_lengths_file
 from flashcp.plan import Plan, check_doc_lens
-from flashcp.registry import METHODS, get_planner
+from flashcp.registry import check_options, get_planner, method_names, options_schema
 
-__all__ = ["format_table", "main", "pack_doc_lens", "parse_doc_lens"]
+__all__ = ["format_table", "main", "pack_doc_lens", "parse_doc_lens", "parse_options"]
 
 EXIT_USAGE = 2
 
@@ -130,7 +132,25 @@ def format_table(plan: Plan) -> str:
 
 def _takes_target(method: str) -> bool:
     """Whether ``method``'s planner has a ``target_imbalance`` option (flashcp and its variants)."""
-    return "target_imbalance" in inspect.signature(get_planner(method)).parameters
+    return "target_imbalance" in {f.name for f in dataclasses.fields(options_schema(method))}
+
+
+def parse_options(items: Sequence[str]) -> dict[str, Any]:
+    """Parse ``--option KEY=VALUE`` arguments into a dict; a value is read as a YAML scalar
+    (``1.1`` a float, ``null`` None, ``highs`` a string).
+
+    Raises:
+        ValueError: an item without ``=`` or with an empty key (named).
+    """
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--option takes KEY=VALUE, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
 
 
 def _json_default(obj):
@@ -149,10 +169,10 @@ def _plan_command(args: argparse.Namespace) -> int:
         doc_lens = parse_doc_lens(args.doc_lens)
     if args.context_len is not None:
         doc_lens = pack_doc_lens(doc_lens, args.context_len)
-    options = {}
+    options = check_options(args.method, parse_options(args.option))
     if args.target_imbalance is not None:
         if not _takes_target(args.method):
-            takers = ", ".join(m for m in METHODS if _takes_target(m))
+            takers = ", ".join(m for m in method_names() if _takes_target(m))
             raise ValueError(
                 f"--target-imbalance applies only to {takers}, not to method {args.method!r}"
             )
@@ -177,14 +197,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan one packed sequence and print the shards of every rank",
         description="Plan one packed sequence with one method and print the plan.",
     )
-    p.add_argument("--method", required=True, help=f"planner: one of {', '.join(METHODS)}")
+    p.add_argument(
+        "--method",
+        required=True,
+        choices=method_names(),
+        metavar="METHOD",
+        help=f"planner: one of {', '.join(method_names())}",
+    )
     p.add_argument("--cp-size", type=int, required=True, help="number of CP ranks N (>= 1)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--doc-lens", help="document lengths in tokens, comma-separated, e.g. 4,12")
     src.add_argument(
         "--doc-lens-file",
         metavar="PATH",
-        help="file of document lengths: .npy, text (one per line) or CSV (column doc_len)",
+        help="file of document lengths: .npy, text (one per line), CSV, Parquet or JSON (column doc_len)",
     )
     p.add_argument(
         "--context-len",
@@ -195,7 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target-imbalance",
         type=float,
-        help="flashcp only: imbalance ratio to reach (default 1.05)",
+        help="flashcp and flashcp_refined: imbalance ratio to reach (default 1.05; 1.02 refined)",
+    )
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a planner option, repeatable (e.g. --option num_candidates=8); an option the method "
+        "does not take is an error that lists the ones it does",
     )
     p.add_argument(
         "--num-pad",

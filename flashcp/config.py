@@ -2,42 +2,91 @@
 
 Every YAML file of a group extends its group's schema (``defaults: [base_<group>]``), so a
 misspelt key or a value of the wrong type fails when Hydra composes the config, before any work.
-Units are in field names or comments; allowed values are listed beside each field and checked by
-:func:`check_config` (values that a type alone cannot pin down).
+Names with a fixed set of values are enums (:class:`Task`, :class:`Executor`, :class:`Overlong`:
+a bad one fails at compose time, listing the valid ones); the ``hardware`` group is typed by
+:data:`HardwareConfig`, one field per simulator constant. Units are in field names or comments;
+:func:`check_config` checks what a type alone cannot pin down (method names and options against
+the method registry, divisibility, ranges).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
 from omegaconf import MISSING
 
+from flashcp.sim.hardware import HardwareProfile
+
 __all__ = [
     "DatasetConfig",
     "EmulateExecutorConfig",
+    "Executor",
     "ExecutorConfig",
+    "HardwareConfig",
     "MethodConfig",
     "ModelConfig",
+    "Overlong",
     "RunConfig",
+    "Task",
     "check_config",
     "register_configs",
 ]
 
-TASKS = ("main", "kernel_efficiency", "table2", "calibration", "sensitivity")
+
+class Task(StrEnum):
+    """What one ``flashcp-run`` job does (set by the ``experiment`` configs)."""
+
+    #: sample, plan and run sequences: one row per sequence and mode (Fig. 5, 6, 7)
+    main = "main"
+    #: the paper's Fig. 3 kernel-efficiency study (experiments/fig3.py)
+    kernel_efficiency = "kernel_efficiency"
+    #: the paper's Table 2, heuristics against the ILP (experiments/table2.py)
+    table2 = "table2"
+    #: fit the simulator's free constants (experiments/calibration.py)
+    calibration = "calibration"
+    #: vary the simulator's overhead constants (experiments/sensitivity.py)
+    sensitivity = "sensitivity"
+
+
+class Executor(StrEnum):
+    """How a plan is run (docs/design.md §4)."""
+
+    #: the analytic simulator on a hardware profile, anywhere
+    sim = "sim"
+    #: real ranks over torch.distributed (NCCL on GPUs, gloo on CPU)
+    dist = "dist"
+    #: every rank's real work replayed on one device, communication priced by the profile
+    emulate = "emulate"
+
+
+class Overlong(StrEnum):
+    """What happens to a document longer than ``context_len`` (see :class:`DatasetConfig`)."""
+
+    split = "split"
+    cut = "cut"
+    error = "error"
+
+
+# Members are lower case, equal to their values: OmegaConf writes and reads enums by member name,
+# and rows, run folders and saved configs keep the strings they always had.
+TASKS = tuple(Task)
 #: executor -> its options that change a run's results (part of the run identity); a new
-#: executor is one more line here (and its conf/executor/<name>.yaml)
-EXECUTOR_OPTIONS: MappingProxyType[str, tuple[str, ...]] = MappingProxyType({
-    "sim": (),
-    "dist": ("backend", "warmup", "iters"),
-    "emulate": ("backend", "warmup", "iters", "ranks", "nccl_traffic"),
+#: executor is one more member of :class:`Executor`, one line here and its conf/executor/<name>.yaml
+EXECUTOR_OPTIONS: MappingProxyType[Executor, tuple[str, ...]] = MappingProxyType({
+    Executor.sim: (),
+    Executor.dist: ("backend", "warmup", "iters"),
+    Executor.emulate: ("backend", "warmup", "iters", "ranks", "nccl_traffic"),
 })  # fmt: skip
-EXECUTORS = tuple(EXECUTOR_OPTIONS)
-#: executors whose results depend on the ``hardware`` profile (part of their identity)
-USES_HARDWARE_PROFILE = frozenset({"sim", "emulate"})  # emulate prices communication with it
-#: what happens to a document longer than context_len (see :class:`DatasetConfig`)
-OVERLONG = ("split", "cut", "error")
+EXECUTORS = tuple(Executor)
+#: executors whose results depend on the ``hardware`` profile (part of their identity); emulate
+#: prices communication with it
+USES_HARDWARE_PROFILE = frozenset({Executor.sim, Executor.emulate})
+OVERLONG = tuple(Overlong)
 
 
 @dataclass
@@ -56,17 +105,19 @@ class DatasetConfig:
     #: context_len tokens, as a data loader streaming documents into sequences does; no token is
     #: lost) | cut (to context_len, the rest discarded, counted in overlong_tokens_cut and warned
     #: about) | error (refuse, before any work, a dataset that has such documents)
-    overlong: str = "split"
+    overlong: Overlong = Overlong.split
 
 
 @dataclass
 class MethodConfig:
     """A CP method (planner + communication pattern), docs/design.md §3."""
 
-    #: llama3 | per_doc | ring | zigzag | flashcp | flashcp_refined | ilp
+    #: a registered method (flashcp.registry.method_names(): llama3, per_doc, ring, zigzag, flashcp,
+    #: flashcp_refined, ilp); checked against the registry by check_config
     name: str = MISSING
     #: planner options passed as keyword arguments (e.g. target_imbalance for flashcp;
-    #: block_size, time_limit_s, gap, solver for ilp)
+    #: block_size, time_limit_s, gap, solver for ilp), checked against the method's options
+    #: dataclass (flashcp.registry.options_schema) by check_config
     options: dict[str, Any] = field(default_factory=dict)
     #: implementation of the layout: ours (this project's ops) | ring_flash_attn (the
     #: ring-flash-attn package, for ring, zigzag, llama3; docs/design.md §4)
@@ -92,8 +143,8 @@ class ModelConfig:
 class ExecutorConfig:
     """How a plan is run: analytic simulator or real torch.distributed ranks."""
 
-    #: sim | dist
-    name: str = "sim"
+    #: sim | dist | emulate
+    name: Executor = Executor.sim
     #: attention kernel backend for dist: auto | flash_attn | torch_cuda | cpu | reference
     backend: str = "auto"
     #: untimed warm-up steps before timing (dist)
@@ -110,11 +161,39 @@ class EmulateExecutorConfig(ExecutorConfig):
     on one device; ``backend``, ``warmup``, ``iters`` as for dist, ``timeout_s`` bounds the record
     pass's collectives. Communication is priced by the ``hardware`` profile."""
 
-    name: str = "emulate"
+    name: Executor = Executor.emulate
     #: ranks to replay (null: all); the row reports the slowest of them per phase
     ranks: list[int] | None = None
     #: CUDA only: copy each ring message on a second stream while the rank computes
     nccl_traffic: bool = False
+
+
+def _hardware_schema() -> type:
+    """``HardwareConfig``: the typed schema of the ``hardware`` group, one field per constant of
+    :class:`flashcp.sim.hardware.HardwareProfile` (whose docstring gives each unit and meaning)
+    plus ``calibration``, so the two cannot drift apart. Every constant is mandatory (a profile
+    sets it or extends one that does); curves are lists (message sizes in whole KiB)."""
+    hints = typing.get_type_hints(HardwareProfile)
+    fields: list[tuple] = []
+    for f in dataclasses.fields(HardwareProfile):
+        if not f.init:
+            continue
+        hint = hints[f.name]
+        if f.name == "busbw_curve_size_kib":
+            hint = list[int]
+        elif typing.get_origin(hint) is tuple:
+            hint = list[float]
+        fields.append((f.name, hint, field(default=MISSING)))
+    #: sections of results/calibration/fitted_constants.yaml loaded over the constants
+    fields.append(("calibration", list[str], field(default_factory=list)))
+    return dataclasses.make_dataclass(
+        "HardwareConfig", fields, namespace={"__doc__": _hardware_schema.__doc__}
+    )
+
+
+#: the ``hardware`` group's schema (conf/hardware/*.yaml extend it, directly or through another
+#: profile: ``h100_ib`` is ``h100_sxm`` with its network constants replaced)
+HardwareConfig = _hardware_schema()
 
 
 @dataclass
@@ -124,11 +203,12 @@ class RunConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    #: hardware profile for the simulator (conf/hardware/*.yaml; validated by flashcp.sim)
-    hardware: dict[str, Any] = field(default_factory=dict)
+    #: hardware profile of the simulator and of emulate's communication model (conf/hardware/*.yaml;
+    #: typed here, values checked by flashcp.sim.load_hardware)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
-    #: main | kernel_efficiency (fig3) | table2
-    task: str = "main"
+    #: main | kernel_efficiency (fig3) | table2 | calibration | sensitivity
+    task: Task = Task.main
     #: experiment name: results go to ${results_dir}/${name}
     name: str = "default"
     #: folder name of one run inside ${results_dir}/${name}/runs (interpolated in config.yaml)
@@ -193,6 +273,7 @@ def register_configs() -> None:
     cs.store(group="dataset", name="base_dataset", node=DatasetConfig)
     cs.store(group="method", name="base_method", node=MethodConfig)
     cs.store(group="model", name="base_model", node=ModelConfig)
+    cs.store(group="hardware", name="base_hardware", node=HardwareConfig)
     cs.store(group="executor", name="base_executor", node=ExecutorConfig)
     cs.store(group="executor", name="base_emulate_executor", node=EmulateExecutorConfig)
 
@@ -200,28 +281,18 @@ def register_configs() -> None:
 def check_config(cfg: Any) -> None:
     """Check values a type cannot pin down; raise ValueError naming the bad value.
 
-    Called before any work (and, for ``executor=dist``, before any collective).
+    Called before any work (and, for ``executor=dist``, before any collective) on a config composed
+    against :class:`RunConfig` (the enums are checked by then).
     """
     from flashcp.comm import AttnShape, check_mode
     from flashcp.data import DATASETS
-    from flashcp.registry import METHODS
+    from flashcp.registry import get_method
 
-    if cfg.task not in TASKS:
-        raise ValueError(f"unknown task {cfg.task!r}; choose one of {', '.join(TASKS)}")
-    if cfg.dataset.overlong not in OVERLONG:
-        raise ValueError(
-            f"unknown dataset.overlong {cfg.dataset.overlong!r}; choose one of {', '.join(OVERLONG)}"
-        )
-    if cfg.executor.name not in EXECUTORS:
-        raise ValueError(
-            f"unknown executor {cfg.executor.name!r}; choose one of {', '.join(EXECUTORS)}"
-        )
     if cfg.dataset.name not in DATASETS:
         raise ValueError(
             f"unknown dataset {cfg.dataset.name!r}; choose one of {', '.join(DATASETS)}"
         )
-    if cfg.method.name not in METHODS:
-        raise ValueError(f"unknown method {cfg.method.name!r}; choose one of {', '.join(METHODS)}")
+    get_method(cfg.method.name)  # ValueError naming the known methods
     if cfg.cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cfg.cp_size}")
     if cfg.context_len < 1 or cfg.context_len % cfg.cp_size:
@@ -281,40 +352,29 @@ def check_impl_config(method: str, impl: str, executor: str) -> None:
 
 
 def check_method_options(method: str, options: Any, context_len: int, cp_size: int) -> None:
-    """Reject planner options the planner does not take, and values it rejects, before any work:
-    the planner runs once on a trial sequence (one document filling the context, which also checks
-    the layout's divisibility of ``context_len``).
+    """Reject planner options the planner does not take, values of the wrong type and values it
+    rejects, before any work: names and types against the method's options dataclass
+    (:func:`flashcp.registry.check_options`), then values by running the planner once on a trial
+    sequence (one document filling the context, which also checks the layout's divisibility of
+    ``context_len``).
 
     Raises:
         ValueError: naming the bad option or value.
     """
-    import inspect
-
     from omegaconf import OmegaConf
 
-    from flashcp.registry import get_planner
+    from flashcp.registry import check_options, get_method, get_planner
 
-    planner = get_planner(method)
-    opts = (
-        OmegaConf.to_container(options, resolve=True)
-        if OmegaConf.is_config(options)
-        else dict(options)
+    opts = check_options(
+        method,
+        OmegaConf.to_container(options, resolve=True) if OmegaConf.is_config(options) else options,
     )
-    params = inspect.signature(planner).parameters
-    allowed = [
-        p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY and p != "validate"
-    ]
-    for key in opts:
-        if key not in allowed:
-            raise ValueError(
-                f"method {method!r} has no option {key!r}; its options: {', '.join(allowed) or 'none'}"
-            )
-    if method == "ilp":  # a trial solve is too slow to run here; its options are checked by name
+    if not get_method(method).fast:  # a trial solve is too slow to run here (the ILP)
         from flashcp.plan import check_cp_args
 
         check_cp_args(context_len, cp_size)
         return
     try:
-        planner([context_len], cp_size, **opts)
-    except TypeError as exc:  # e.g. a string where a number belongs
+        get_planner(method)([context_len], cp_size, **opts)
+    except TypeError as exc:  # e.g. a list where a planner's code expects a number
         raise ValueError(f"method {method!r}: bad option value in {opts}: {exc}") from None

@@ -41,14 +41,17 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp.layout import per_doc_chunk_sizes
-from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
+from flashcp.plan import (
+    Plan,
+    check_cp_args,
+    check_doc_lens,
+    doc_workload,
+    make_plan,
+    planner_entry,
+    shard_workload,
+)
 
 __all__ = ["plan_flashcp"]
-
-
-def _workload(p: int, s: int) -> int:
-    """Eq. 3: query-key pairs per head of a shard with prefix p and length s."""
-    return (2 * p + s + 1) * s // 2
 
 
 def _later_needs(deficits: list[int], surplus: int) -> set[int]:
@@ -150,7 +153,7 @@ def _greedy(
         r = min(range(n), key=work.__getitem__)
         d = lens[doc]
         pieces[r].append([doc, 0, d])
-        work[r] += d * (d + 1) // 2
+        work[r] += doc_workload(d)
         tokens[r] += d
     return pieces, work, tokens
 
@@ -192,7 +195,7 @@ def _equalise(
             moved = 0
             for pc, take in _choose_moves(pieces[donor], need, later):
                 doc, p, s = pc
-                w_head = _workload(p, take)
+                w_head = shard_workload(p, take)
                 pieces[rec].append([doc, p, take])
                 if take == s:
                     pieces[donor].remove(pc)
@@ -300,7 +303,7 @@ def plan_flashcp(
     tpr = context_len // n
     lens = d.tolist()
     order = np.argsort(-d, kind="stable").tolist()
-    mean_work = float((d * (d + 1) // 2).sum()) / n
+    mean_work = float(doc_workload(d).sum()) / n
 
     # Per-Doc chunk sizes of every document, in the order documents join the Per-Doc set
     sizes_sorted, _ = per_doc_chunk_sizes(d[order], n)
@@ -317,7 +320,7 @@ def plan_flashcp(
                 s = row[j]
                 r = j if j < n else 2 * n - 1 - j
                 base_tokens[r] += s
-                base_work[r] += _workload(p, s)
+                base_work[r] += shard_workload(p, s)
                 p += s
         ratio, pieces = _fewest_cuts_pass(
             order[k:], lens, base_tokens, base_work, n, tpr, target_imbalance, mean_work

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashcp.plan import cu_seqlens
+
 __all__ = ["per_doc_chunk_sizes", "per_doc_columns", "split_packed"]
 
 
@@ -24,7 +26,7 @@ def split_packed(doc_lens: np.ndarray, num_chunks: int, num_pad: int = 0) -> tup
         in packed order, a piece being the intersection of one chunk with one document;
         ``chunk_pad`` (num_chunks,) int64, pad tokens of each chunk (the last chunks hold them).
     """
-    cu = np.concatenate([[0], np.cumsum(doc_lens)])
+    cu = cu_seqlens(doc_lens)
     real = int(cu[-1])
     size = (real + int(num_pad)) // num_chunks
     bounds = np.arange(num_chunks + 1, dtype=np.int64) * size

@@ -42,11 +42,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from flashcp.registry import CommKind, comm_kind_of
+
 __all__ = [
     "Plan",
     "Shard",
     "check_cp_args",
     "check_doc_lens",
+    "cu_seqlens",
     "doc_workload",
     "kv_bytes",
     "make_plan",
@@ -68,28 +71,62 @@ class Shard(NamedTuple):
 
     @property
     def workload(self) -> int:
-        """Query-key pairs per head, Eq. 3: (2p + s + 1) s / 2."""
-        return (2 * self.start + self.length + 1) * self.length // 2
+        """Query-key pairs per head, Eq. 3: (2p + s + 1) s / 2 (:func:`shard_workload`)."""
+        return shard_workload(self.start, self.length)
 
 
-def shard_workload(start: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """Eq. 3 of the paper, vectorised: ``(2p + s + 1) * s / 2`` query-key pairs per head.
+def shard_workload(start, length):
+    """Eq. 3 of the paper: ``W = (2p + s + 1) * s / 2`` causal query-key pairs per head of a shard
+    with prefix p and length s (exact integers). The one place the formula is written.
 
     Args:
-        start: (n,) int, prefix length p of each shard.
-        length: (n,) int, length s of each shard.
+        start: prefix length p of each shard: a Python int, or an (n,) int array.
+        length: length s of each shard, >= 0: a Python int, or an (n,) int array.
     Returns:
-        (n,) int64, causal query-key pairs of each shard (exact integers).
+        a Python int when both arguments are integers (exact, no overflow), else (n,) int64.
     """
-    start = np.asarray(start, dtype=np.int64)
-    length = np.asarray(length, dtype=np.int64)
+    if not (_is_int(start) and _is_int(length)):
+        start = np.asarray(start, dtype=np.int64)
+        length = np.asarray(length, dtype=np.int64)
     return (2 * start + length + 1) * length // 2
 
 
-def doc_workload(doc_lens: np.ndarray) -> np.ndarray:
-    """Workload of whole documents, ``d (d + 1) / 2`` (Eq. 3 with p = 0, s = d); (n,) int64."""
-    d = np.asarray(doc_lens, dtype=np.int64)
-    return d * (d + 1) // 2
+def doc_workload(doc_lens):
+    """Workload of whole documents, ``d (d + 1) / 2`` (Eq. 3 with p = 0, s = d): a Python int for an
+    int, else (n,) int64."""
+    return shard_workload(0, doc_lens)
+
+
+def cu_seqlens(lengths, *, device=None):
+    """Cumulative lengths ``[0, l_0, l_0 + l_1, ..., sum(l)]``: segment i is rows
+    ``cu[i]:cu[i + 1]`` (FlashAttention's varlen ``cu_seqlens``). The one place it is derived;
+    ``cu_seqlens(l)[:-1]`` are the segments' first rows.
+
+    Args:
+        lengths: (n,) ints >= 0 (a list or an array).
+        device: None for a NumPy array; else a torch device, for the int32 tensor on it that the
+            varlen kernels take.
+    Returns:
+        (n + 1,) int64 ndarray, or (n + 1,) torch.int32 tensor on ``device``.
+    Raises:
+        ValueError: ``lengths`` is not 1-D, or its total does not fit the int32 tensor.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.ndim != 1:
+        raise ValueError(f"lengths must be 1-D, got shape {lengths.shape}")
+    cu = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    if device is None:
+        return cu
+    import torch  # planners stay NumPy-only; only the ops ask for a tensor
+
+    if cu[-1] > np.iinfo(np.int32).max:
+        raise ValueError(f"{int(cu[-1])} rows do not fit int32 cu_seqlens")
+    return torch.from_numpy(cu.astype(np.int32)).to(device)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
 def check_doc_lens(doc_lens: Any, context_len: int | None = None) -> np.ndarray:
@@ -244,7 +281,7 @@ class Plan:
     def rank_offsets(self) -> np.ndarray:
         """(cp_size + 1,) int64: shards of rank r are rows ``rank_offsets[r]:rank_offsets[r+1]``."""
         counts = np.bincount(self.rank, minlength=self.cp_size)
-        return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return cu_seqlens(counts)
 
     # ---- workload ----------------------------------------------------------------------------
     @property
@@ -400,14 +437,13 @@ class Plan:
         """Scalar metrics of the plan (JSON-serialisable).
 
         ``comm_tokens`` / ``comm_saving`` are what the plan's *method* moves: Eq. 5 for a
-        sharding-aware method (:data:`flashcp.registry.COMM_KIND` ``allgather_sharded``, and any
+        sharding-aware method (:class:`flashcp.registry.CommKind` ``ALLGATHER_SHARDED``, and any
         unregistered method name), Eq. 4 for full all-gather and ring methods, which move the whole
         KV whatever the layout. ``comm_tokens_sharded`` is Eq. 5 on the layout in every case.
         """
-        from flashcp.registry import COMM_KIND
-
         full = self.comm_tokens_full
-        sharded = COMM_KIND.get(self.method, "allgather_sharded") == "allgather_sharded"
+        kind = comm_kind_of(self.method, default=CommKind.ALLGATHER_SHARDED)
+        sharded = kind is CommKind.ALLGATHER_SHARDED
         moved = self.comm_tokens if sharded else full
         return {
             "method": self.method,

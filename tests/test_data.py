@@ -1,4 +1,4 @@
-"""Tests of the document-length distributions and the sequence sampler (flashcp/data.py).
+"""Tests of the document-length distributions and the sequence sampler (flashcp/data/).
 
 Statistical checks compare large samples with values computed *here* from the tables (not from the
 class under test) and from docs/design.md §5. Tolerances are Z standard errors of the estimate, with the
@@ -9,6 +9,7 @@ sampler fails with probability < 1e-6 per check (and the seeds are fixed, so run
 from __future__ import annotations
 
 import csv
+import importlib.util
 import itertools
 import math
 import re
@@ -349,6 +350,51 @@ def test_bad_user_files(tmp_path, name, text, bad):
     p = write(tmp_path, name, text)
     with pytest.raises(ValueError, match=re.escape(p.name)) as e:
         load_distribution("file", path=p)
+    assert bad in str(e.value)
+
+
+def test_user_frame_formats(tmp_path):
+    """JSON, JSON Lines and Parquet length files (read with pandas): the doc_len column, else the
+    first numeric one."""
+    want = [5, 10, 3, 7]
+    files = [
+        write(tmp_path, "a.json", "[5, 10, 3, 7]"),
+        write(tmp_path, "b.json", '{"name": ["w", "x", "y", "z"], "doc_len": [5, 10, 3, 7]}'),
+        write(
+            tmp_path,
+            "c.jsonl",
+            "".join(f'{{"id": "d{i}", "n": {d}}}\n' for i, d in enumerate(want)),
+        ),
+        write(tmp_path, "d.json", "[5.0, 10.0, 3.0, 7.0]"),
+    ]
+    if importlib.util.find_spec("pyarrow") is not None:
+        import pandas as pd
+
+        pd.DataFrame({"text": list("abcd"), "doc_len": want}).to_parquet(tmp_path / "e.parquet")
+        files.append(tmp_path / "e.parquet")
+    for f in files:
+        got = read_lengths_file(f)
+        assert got.dtype == np.int64, f
+        assert got.tolist() == want, f
+        assert load_distribution("file", path=f).mean() == pytest.approx(np.mean(want))
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "bad"),
+    [
+        ("neg.json", "[3, -1]", "-1"),
+        ("frac.json", '{"doc_len": [2, 2.5]}', "2.5"),
+        ("null.json", '{"doc_len": [2, null]}', "no value in row 1"),
+        ("words.json", '{"a": ["x", "y"]}', "no column named doc_len"),
+        ("empty.json", "[]", "no document lengths"),
+        ("broken.json", "[1, 2", "cannot read"),
+        ("rows.csv", "a,b\n1,2\n3,4,5\n", "cannot parse"),
+    ],
+)
+def test_bad_user_frame_files(tmp_path, name, text, bad):
+    p = write(tmp_path, name, text)
+    with pytest.raises(ValueError, match=re.escape(p.name)) as e:
+        read_lengths_file(p)
     assert bad in str(e.value)
 
 

@@ -365,3 +365,15 @@ def test_lse_merge_in_float64_is_exact():
     assert float((lse - torch.logsumexp(s, -1)).abs().max()) < 1e-14
     with pytest.raises(ValueError, match="do not match"):
         merge_lse_(out, lse, out[:2], lse[:, :2])
+
+
+@pytest.mark.parametrize("method", ["ring", "zigzag"])
+def test_bad_softmax_scale_raises(method):
+    prepare, attn = OPS[method]
+    plan = make_plan_for(method, [10, 6], 1)
+    x = torch.randn(16, 2, 8)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="softmax_scale"):
+            attn(x, x, x, prepare(plan, 0), softmax_scale=bad)
+    out = attn(x, x, x, prepare(plan, 0), softmax_scale=0.5, backend="reference")
+    assert out.shape == x.shape

@@ -39,7 +39,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from flashcp.ops.backends import VarlenBackend, compute_dtype, get_backend
+from flashcp.ops.backends import (
+    VarlenBackend,
+    compute_dtype,
+    get_backend,
+    resolve_softmax_scale,
+)
 from flashcp.ops.collectives import (
     CommCounter,
     all_gather_into_tensor,
@@ -50,7 +55,7 @@ from flashcp.ops.collectives import (
     resolve_grad_comm_dtype,
 )
 from flashcp.ops.timing import as_timer
-from flashcp.plan import Plan
+from flashcp.plan import Plan, cu_seqlens
 
 __all__ = [
     "HEAD_GROUP_BUDGET_BYTES",
@@ -65,7 +70,6 @@ __all__ = [
     "check_inputs",
     "resolve_backend",
     "resolve_heads_per_group",
-    "resolve_scale",
 ]
 
 #: default byte budget of the backward's gradient buffer (T + N*M, 2, heads_per_group, D) in
@@ -169,13 +173,13 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
     # token-level view of the document tokens: shards are sorted by rank then local order, so the
     # concatenation of every shard holds rank r's document rows at real_off[r] .. real_off[r + 1]
     real = plan.doc_tokens_per_rank  # (N,)
-    real_off = np.cumsum(real) - real
+    real_off = cu_seqlens(real)[:-1]
     n_tok = int(real.sum())
     length = plan.length
     shard_of = np.repeat(np.arange(plan.num_shards), length)  # (R,)
-    seg_off = np.cumsum(length) - length
+    seg_off = cu_seqlens(length)[:-1]
     within = np.arange(n_tok, dtype=np.int64) - seg_off[shard_of]
-    doc_off = np.cumsum(plan.doc_lens) - plan.doc_lens
+    doc_off = cu_seqlens(plan.doc_lens)[:-1]
     packed = doc_off[plan.doc[shard_of]] + plan.start[shard_of] + within  # (R,) packed position
     where = np.empty(n_tok, dtype=np.int64)
     where[packed] = np.arange(n_tok)  # packed position -> concatenation index
@@ -191,7 +195,7 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
     # keys of this rank's segments: prefix + itself of each shard's document
     doc, start, ln = plan.rank_shards(rank)
     klen = start + ln
-    k_off = np.cumsum(klen) - klen
+    k_off = cu_seqlens(klen)[:-1]
     k_within = np.arange(int(klen.sum()), dtype=np.int64) - np.repeat(k_off, klen)
     key_tok = where[np.repeat(doc_off[doc], klen) + k_within]  # concatenation index of each key
     own = owner[key_tok] == rank
@@ -202,8 +206,6 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
 
     mine = slice(int(real_off[rank]), int(real_off[rank]) + r_tok)
     send_rows = np.flatnonzero(sends[mine])
-    cu_q = np.concatenate([[0], np.cumsum(ln)])
-    cu_k = np.concatenate([[0], np.cumsum(klen)])
     return AllGatherMeta(
         method=method,
         plan=plan,
@@ -214,19 +216,11 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
         send_max=send_max,
         send_rows=torch.from_numpy(send_rows.astype(np.int64)),
         kv_index=torch.from_numpy(kv_index.astype(np.int64)),
-        cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)),
-        cu_seqlens_k=torch.from_numpy(cu_k.astype(np.int32)),
+        cu_seqlens_q=cu_seqlens(ln, device="cpu"),
+        cu_seqlens_k=cu_seqlens(klen, device="cpu"),
         max_seqlen_q=int(ln.max()) if ln.size else 0,
         max_seqlen_k=int(klen.max()) if klen.size else 0,
     )
-
-
-def resolve_scale(softmax_scale, head_dim: int) -> float:
-    """``softmax_scale`` or ``1 / sqrt(head_dim)``; raises ValueError unless finite and > 0."""
-    scale = head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
-    if not np.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
-    return scale
 
 
 def resolve_backend(backend, device) -> VarlenBackend:
@@ -604,7 +598,8 @@ def allgather_attention(
         meta: from the method's ``prepare_<method>(plan, rank)``; reuse it for every layer.
         group: process group of the CP ranks (default: the world); size ``cp_size``.
         method: the method whose metadata ``meta`` must be.
-        softmax_scale: default ``head_dim ** -0.5``.
+        softmax_scale: default ``1 / sqrt(head_dim)``
+            (:func:`~flashcp.ops.backends.resolve_softmax_scale`).
         backend: kernel backend name or instance (:func:`flashcp.ops.backends.get_backend`).
         counter: :class:`~flashcp.ops.collectives.CommCounter` receiving the bytes moved.
         timer: :class:`~flashcp.ops.timing.PhaseTimer` receiving per-phase times.
@@ -628,7 +623,7 @@ def allgather_attention(
     check_inputs(q, k, v, meta, AllGatherMeta, method, group)
     resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)  # raises on a bad value
     check_heads_per_group(heads_per_group)
-    scale = resolve_scale(softmax_scale, q.shape[-1])
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kernel = resolve_backend(backend, q.device)
     meta.verify(group)
     if meta.doc_tokens == meta.tokens:

@@ -8,9 +8,9 @@ reference gradients.
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from flashcp.ops.backends import resolve_softmax_scale
 
 __all__ = ["document_mask", "reference_attention"]
 
@@ -37,7 +37,8 @@ def reference_attention(q, k, v, doc_lens, softmax_scale: float | None = None) -
         q: (C, H, D); k, v: (C, Hkv, D) with ``H % Hkv == 0`` (query head h uses KV head
             ``h // (H // Hkv)``). Any float dtype; computed in float64.
         doc_lens: (n_docs,) int lengths summing to C.
-        softmax_scale: default ``1 / sqrt(D)``.
+        softmax_scale: default ``1 / sqrt(D)``
+            (:func:`~flashcp.ops.backends.resolve_softmax_scale`).
     Returns:
         out: (C, H, D) float64, differentiable w.r.t. q, k, v.
     Raises:
@@ -48,7 +49,7 @@ def reference_attention(q, k, v, doc_lens, softmax_scale: float | None = None) -
         raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if sum(int(x) for x in doc_lens) != c:
         raise ValueError(f"doc_lens sum to {sum(int(x) for x in doc_lens)}, expected {c}")
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, d)
     g = h // k.shape[1]
     qd = q.to(torch.float64).permute(1, 0, 2)  # (H, C, D)
     kd = k.to(torch.float64).repeat_interleave(g, dim=1).permute(1, 0, 2)  # (H, C, D)

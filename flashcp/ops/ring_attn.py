@@ -1,22 +1,13 @@
-"""Ring attention over document-masked varlen blocks, shared by ``ring`` and ``zigzag``.
+"""Ring attention runtime over document-masked varlen blocks, shared by ``ring`` and ``zigzag``.
 
 Algorithm (Ring Attention, Liu et al. 2023; the varlen/zigzag scheduling of the ``ring-flash-attn``
-package, re-derived here for arbitrary shard layouts). Rank r holds the shards of its plan in local
-order (``q, k, v: (T_local, ., D)`` with ``T_local = C / N`` on every rank). In step
-``s = 0 .. N-1`` it holds the KV block of rank ``src = (r - s) mod N`` and, for every local query
-shard and every KV shard of the *same document* in that block:
-
-* the same shard (step 0 only)   -> a causal segment (bottom-right aligned);
-* a KV shard entirely before it  -> a full (non-causal) segment;
-* a KV shard after it            -> nothing.
-
-Shards of one document never overlap, so these three cases are exhaustive. Neighbouring pairs are
-fused into as few varlen segments as possible (a query shard's visible KV shards that are adjacent
-in the block become one segment; adjacent query shards with the same keys share one segment), and
-segments go into at most a couple of varlen kernel calls per step (one causal, one full; more
-only when a query row needs several non-adjacent key ranges). A step with no pair calls no
-kernel at all: with the ``zigzag`` layout roughly half of every block is skipped, with ``ring``
-every block from a later rank is.
+package, re-derived here for arbitrary shard layouts). Which kernel calls each ring step makes
+(step ``s`` holds the KV block of rank ``(r - s) mod N``; causal, full or skipped per shard pair)
+is the metadata of :mod:`flashcp.ops.ring_meta`, built once per batch by
+:func:`~flashcp.ops.ring_meta.prepare_ring_meta` (pure, no process group). This module walks those
+calls: the point-to-point steps, the LSE merges and the autograd Function. Pad rows beyond
+``RingMeta.block_tokens`` are never sent, and no kernel call touches a pad row, so pad outputs and
+gradients are 0.
 
 Memory per rank, beyond q, k, v (T = C/N rows, e = element size, a = ``compute_dtype`` element
 size, c = ``grad_comm_dtype`` element size): the forward holds the KV block it computes on and the
@@ -25,16 +16,6 @@ query / key slices and kernel outputs); the backward holds the same two KV block
 (T H D a), this rank's partial dK/dV of the held block and of its own block (2 x 2 T Hkv D a), the
 partial sum it sends and the one it receives (2 x 2 T Hkv D c). None of it grows with N;
 ``experiments/bench_memory.py`` measures it.
-
-All metadata is built once per batch by :func:`prepare_ring_meta` (pure, no process group) and
-reused by every layer.
-
-Block sizes: every plan gives every rank exactly C/N tokens (``Plan.validate``), so every KV block
-has the same shape ``(2, C/N, Hkv, D)`` and no size exchange or padding is needed; ``zigzag`` ranks
-differ only in their *number* of segments. With pad tokens (``plan.pad``, the last rows of each
-rank) the blocks are cut to ``RingMeta.block_tokens`` rows, the most document tokens any rank holds
-(known from the plan, the same on every rank): pad rows beyond that are never sent, and no kernel
-call touches a pad row, so pad outputs and gradients are 0.
 
 Forward: ``N - 1`` ring exchanges of the KV block (posted before the step's compute, waited after);
 partial outputs merge by their LSE in ``compute_dtype`` of the inputs (float32, or float64 for
@@ -59,24 +40,14 @@ per-block contributions add up to the exact gradient.
 
 from __future__ import annotations
 
-import itertools
-import math
-from dataclasses import dataclass, field
-
-import numpy as np
 import torch
 
-from flashcp.ops.backends import VarlenBackend, compute_dtype, get_backend
-from flashcp.ops.collectives import (
-    check_same_plan,
-    group_rank,
-    group_size,
-    resolve_grad_comm_dtype,
-)
+from flashcp.ops.backends import VarlenBackend, compute_dtype, get_backend, resolve_softmax_scale
+from flashcp.ops.collectives import group_rank, group_size, resolve_grad_comm_dtype
 from flashcp.ops.lse import merge_lse_rows_, new_accumulator
 from flashcp.ops.ring_comm import RingComm
+from flashcp.ops.ring_meta import BlockCall, RingMeta, Rows, prepare_ring_meta
 from flashcp.ops.timing import as_timer
-from flashcp.plan import Plan
 
 __all__ = [
     "BlockCall",
@@ -87,250 +58,6 @@ __all__ = [
     "ring_backward",
     "ring_forward",
 ]
-
-Rows = slice | torch.Tensor
-
-
-# ---- metadata ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BlockCall:
-    """One varlen kernel call of one ring step.
-
-    Attributes:
-        causal: bottom-right causal segments (True) or full segments (False).
-        q_rows: rows of the local q taking part, in segment order: a ``slice`` or a (Tq,) int64
-            tensor of distinct rows.
-        k_rows: rows of the held KV block, in segment order: a ``slice`` or a (Tk,) int64 tensor
-            (rows may repeat when two segments share keys).
-        cu_seqlens_q, cu_seqlens_k: (n_seg + 1,) int32 segment boundaries in the gathered q / kv.
-        max_seqlen_q, max_seqlen_k: longest segment.
-        pairs: visible query-key pairs per head computed by this call.
-    """
-
-    causal: bool
-    q_rows: Rows
-    k_rows: Rows
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-    pairs: int
-
-    def to(self, device) -> BlockCall:
-        def mv(x):
-            return x if isinstance(x, slice) else x.to(device, non_blocking=True)
-
-        return BlockCall(
-            self.causal,
-            mv(self.q_rows),
-            mv(self.k_rows),
-            mv(self.cu_seqlens_q),
-            mv(self.cu_seqlens_k),
-            self.max_seqlen_q,
-            self.max_seqlen_k,
-            self.pairs,
-        )
-
-
-@dataclass(frozen=True, eq=False)
-class RingMeta:
-    """Per-batch metadata of the ring family for one rank (build with :func:`prepare_ring_meta`).
-
-    Attributes:
-        method: ``ring`` or ``zigzag`` (checked by the op).
-        plan: the plan it was built from (its digest is compared across ranks once).
-        rank: this rank r.
-        cp_size: N.
-        local_tokens: C / N, rows of this rank's q, k and v (pad included).
-        block_tokens: rows of every KV block sent around the ring: the most document tokens any
-            rank holds (= ``local_tokens`` without pad).
-        steps: ``steps[s]`` are the kernel calls on the KV block of rank ``(r - s) mod N``.
-    """
-
-    method: str
-    plan: Plan
-    rank: int
-    cp_size: int
-    local_tokens: int
-    block_tokens: int
-    steps: tuple[tuple[BlockCall, ...], ...]
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def kernel_calls(self) -> int:
-        """Varlen kernel calls per forward pass (skipped blocks call none)."""
-        return sum(len(calls) for calls in self.steps)
-
-    @property
-    def pairs(self) -> int:
-        """Query-key pairs per head computed by this rank in one forward pass (equals the rank's
-        Eq. 3 workload: nothing masked is computed)."""
-        return sum(c.pairs for calls in self.steps for c in calls)
-
-    def to(self, device) -> RingMeta:
-        """This metadata with its index tensors on ``device`` (cached: cheap to call per layer)."""
-        dev = torch.device(device)
-        if dev.type == "cpu":
-            return self
-        key = str(dev)
-        if key not in self._cache:
-            steps = tuple(tuple(c.to(dev) for c in calls) for calls in self.steps)
-            self._cache[key] = RingMeta(
-                self.method,
-                self.plan,
-                self.rank,
-                self.cp_size,
-                self.local_tokens,
-                self.block_tokens,
-                steps,
-                self._cache,
-            )
-        return self._cache[key]
-
-    def check_plan_once(self, group) -> None:
-        """Make sure every rank of ``group`` holds this plan (one digest all-gather, the first
-        time only; shared by the device copies of this metadata).
-
-        Raises:
-            ValueError: the ranks' plans differ.
-        """
-        key = ("digest_checked", id(group))
-        if key not in self._cache:
-            check_same_plan(self.plan, group)
-            self._cache[key] = True
-
-
-def _offsets(length: np.ndarray) -> np.ndarray:
-    return (np.cumsum(length) - length).astype(np.int64)
-
-
-def _shard_segments(local, block, same_rank: bool) -> list[list[tuple]]:
-    """Segments ``(q0, q1, k0, k1, causal)`` of each local query shard against one KV block.
-
-    Args:
-        local, block: ``(doc, start, length, offset)`` arrays of the query rank's shards and of
-            the block owner's shards (offset = first row in the rank's buffer).
-        same_rank: the block is the query rank's own (step 0): a shard meets itself causally.
-    """
-    by_doc: dict[int, list[int]] = {}
-    for j, d in enumerate(block[0].tolist()):
-        by_doc.setdefault(d, []).append(j)
-    _, ks, kl, ko = (a.tolist() for a in block)
-    out = []
-    for i, (d, qs, ql, qo) in enumerate(zip(*(a.tolist() for a in local), strict=True)):
-        runs: list[list] = []  # [k0, k1, causal]
-        for j in by_doc.get(d, ()):
-            if same_rank and j == i:
-                causal = True
-            elif ks[j] + kl[j] <= qs:
-                causal = False
-            else:  # after the query shard: masked
-                continue
-            if runs and runs[-1][1] == ko[j] and not runs[-1][2]:
-                runs[-1][1], runs[-1][2] = ko[j] + kl[j], causal
-            else:
-                runs.append([ko[j], ko[j] + kl[j], causal])
-        out.append([(qo, qo + ql, k0, k1, c) for k0, k1, c in runs])
-    return out
-
-
-def _fuse(per_shard: list[list[tuple]]) -> list[tuple]:
-    """Fuse the single segments of adjacent query shards when one segment computes both.
-
-    Full segments fuse when they have the same keys. Causal ones ``(Q1, K1)`` then ``(Q2, K2)``
-    fuse into ``(Q1 + Q2, K2)`` when K1 is a prefix of K2 and ``|K2| - |Q2| = |K1|``: bottom-right
-    alignment then gives every row of Q1 exactly the keys it had.
-    """
-    segs: list[tuple] = []
-    prev_single = False
-    for shard in per_shard:
-        if len(shard) == 1 and prev_single:
-            a, b = segs[-1], shard[0]
-            if a[1] == b[0] and a[4] == b[4]:
-                if not a[4] and (a[2], a[3]) == (b[2], b[3]):
-                    segs[-1] = (a[0], b[1], a[2], a[3], False)
-                    continue
-                if a[4] and a[2] == b[2] and (b[3] - b[2]) - (b[1] - b[0]) == a[3] - a[2]:
-                    segs[-1] = (a[0], b[1], b[2], b[3], True)
-                    continue
-        segs.extend(shard)
-        prev_single = len(shard) == 1
-    return segs
-
-
-def _rows(ranges: list[tuple[int, int]]) -> Rows:
-    """A slice when the ranges are back to back, else the (sum of lengths,) int64 row index."""
-    if all(b[0] == a[1] for a, b in itertools.pairwise(ranges)):
-        return slice(ranges[0][0], ranges[-1][1])
-    return torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges])
-
-
-def _calls(segs: list[tuple]) -> tuple[BlockCall, ...]:
-    """Group segments into kernel calls: one causal flag per call, disjoint query rows."""
-    groups: list[list[tuple]] = []
-    for seg in segs:  # segments arrive in non-decreasing q0: first fit keeps each call sorted
-        for g in groups:
-            if g[-1][4] == seg[4] and g[-1][1] <= seg[0]:
-                g.append(seg)
-                break
-        else:
-            groups.append([seg])
-    calls = []
-    for g in groups:
-        ql = np.array([s[1] - s[0] for s in g], dtype=np.int64)
-        kl = np.array([s[3] - s[2] for s in g], dtype=np.int64)
-        causal = bool(g[0][4])
-        pairs = int((ql * kl - (ql * (ql - 1) // 2 if causal else 0)).sum())
-        calls.append(
-            BlockCall(
-                causal,
-                _rows([(s[0], s[1]) for s in g]),
-                _rows([(s[2], s[3]) for s in g]),
-                torch.tensor(np.concatenate([[0], np.cumsum(ql)]), dtype=torch.int32),
-                torch.tensor(np.concatenate([[0], np.cumsum(kl)]), dtype=torch.int32),
-                int(ql.max()),
-                int(kl.max()),
-                pairs,
-            )
-        )
-    return tuple(calls)
-
-
-def prepare_ring_meta(plan: Plan, rank: int, method: str) -> RingMeta:
-    """Build the ring-family metadata of ``rank`` (pure: no process group, no device).
-
-    Args:
-        plan: a ``ring`` or ``zigzag`` plan (any valid plan works; ``method`` must match it).
-        rank: this rank's index in ``[0, plan.cp_size)``.
-        method: the method the caller implements (``ring`` or ``zigzag``).
-    Returns:
-        :class:`RingMeta` with the varlen kernel calls of every ring step.
-    Raises:
-        ValueError: ``plan.method != method``, a rank out of range, or an invalid plan.
-    """
-    if not isinstance(plan, Plan):
-        raise ValueError(f"expected a flashcp Plan, got {type(plan).__name__}")
-    if plan.method != method:
-        raise ValueError(f"{method} attention needs a {method!r} plan, got a {plan.method!r} plan")
-    n = plan.cp_size
-    if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < n:
-        raise ValueError(f"rank must be an integer in [0, {n}), got {rank!r}")
-    rank = int(rank)
-    plan.validate()
-    shards = []
-    for r in range(n):
-        d, s, ln = plan.rank_shards(r)
-        shards.append((d, s, ln, _offsets(ln)))
-    steps = []
-    for s in range(n):
-        src = (rank - s) % n
-        per_shard = _shard_segments(shards[rank], shards[src], same_rank=s == 0)
-        steps.append(_calls(_fuse(per_shard)))
-    block = int(plan.doc_tokens_per_rank.max())
-    return RingMeta(method, plan, rank, n, plan.context_len // n, block, tuple(steps))
-
 
 # ---- forward and backward -------------------------------------------------------------------------
 
@@ -559,7 +286,8 @@ def ring_attention(
         meta: from ``prepare_<method>(plan, rank)``.
         group: process group of the N CP ranks (None: the default group).
         method: ``ring`` or ``zigzag`` (must match the metadata).
-        softmax_scale: default ``1 / sqrt(head_dim)``.
+        softmax_scale: default ``1 / sqrt(head_dim)``
+            (:func:`~flashcp.ops.backends.resolve_softmax_scale`).
         backend: a name for :func:`flashcp.ops.backends.get_backend` or a backend object.
         counter: optional ``CommCounter`` (adds received ``p2p`` bytes).
         timer: optional ``PhaseTimer`` (phases ``attn_fwd``, ``attn_bwd``, ``p2p``, ``others``).
@@ -573,12 +301,13 @@ def ring_attention(
     Returns:
         out: (T_local, num_heads, head_dim) in q.dtype, differentiable w.r.t. q, k, v.
     Raises:
-        ValueError: inconsistent inputs or metadata (before any communication), an unavailable
-            backend, or ranks holding different plans (after one small all-gather of digests).
+        ValueError: inconsistent inputs or metadata, a ``softmax_scale`` that is not finite and
+            > 0 (all before any communication), an unavailable backend, or ranks holding
+            different plans (after one small all-gather of digests).
     """
     _check_inputs(q, k, v, meta, method, group, grad_comm_dtype)
     be = get_backend(backend, q.device) if isinstance(backend, str) else backend
-    scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[2])
     meta = meta.to(q.device)
     comm = None
     if meta.cp_size > 1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flashcp.plan import Plan
+from flashcp.plan import Plan, cu_seqlens
 
 __all__ = ["global_rows", "position_ids", "shard_tensor", "unshard"]
 
@@ -33,12 +33,12 @@ def global_rows(plan: Plan, rank: int) -> np.ndarray:
     """
     _check_rank(plan, rank)
     doc, start, length = plan.rank_shards(rank)
-    cu = np.cumsum(plan.doc_lens, dtype=np.int64)
-    doc_off = cu - plan.doc_lens
+    cu = cu_seqlens(plan.doc_lens)
+    doc_off = cu[:-1]
     first = doc_off[doc] + start  # (n_shards,) packed position of each shard's first token
-    seg_off = np.cumsum(length) - length
+    seg_off = cu_seqlens(length)[:-1]
     within = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(seg_off, length)
-    pad0 = int(cu[-1] if cu.size else 0) + int(plan.pad[:rank].sum())
+    pad0 = int(cu[-1]) + int(plan.pad[:rank].sum())
     pad_rows = np.arange(pad0, pad0 + int(plan.pad[rank]), dtype=np.int64)
     return np.concatenate([np.repeat(first, length) + within, pad_rows])
 
@@ -51,7 +51,7 @@ def position_ids(plan: Plan, rank: int) -> torch.Tensor:
     """
     _check_rank(plan, rank)
     _, start, length = plan.rank_shards(rank)
-    seg_off = np.cumsum(length) - length
+    seg_off = cu_seqlens(length)[:-1]
     within = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(seg_off, length)
     pad = np.zeros(int(plan.pad[rank]), dtype=np.int64)
     return torch.from_numpy(np.concatenate([np.repeat(start, length) + within, pad]))

@@ -72,7 +72,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from flashcp.comm import AttnShape, check_mode, comm_volume
-from flashcp.plan import Plan
+from flashcp.plan import Plan, cu_seqlens
 from flashcp.registry import COMM_KIND
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim.hardware import HardwareProfile, load_hardware
@@ -407,7 +407,7 @@ class PlanCost:
         self.fwd = TileStats(*fwd)
         self.bwd = TileStats(*bwd)
         # block-level causal skip: launch unless the source block starts after the local one ends
-        cu = np.concatenate([[0], np.cumsum(plan.doc_lens)])
+        cu = cu_seqlens(plan.doc_lens)
         pos = cu[doc] + start
         lo = np.full(n, np.iinfo(np.int64).max)
         hi = np.zeros(n, dtype=np.int64)

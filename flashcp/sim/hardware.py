@@ -35,6 +35,7 @@ __all__ = [
     "list_hardware",
     "load_hardware",
     "read_fitted",
+    "read_profile",
 ]
 
 
@@ -277,6 +278,47 @@ def list_hardware() -> list[str]:
     return sorted(p.stem for p in hardware_dir().glob("*.yaml"))
 
 
+def read_profile(name: str) -> dict[str, Any]:
+    """The constants of ``conf/hardware/<name>.yaml`` as Hydra composes them (its ``calibration``
+    key included), fitted values not applied.
+
+    A profile may extend another one through Hydra's defaults list (``defaults: [h100_sxm,
+    _self_]`` in ``h100_ib.yaml``): the profiles it names are read first, in order, and its own
+    keys are laid over them where ``_self_`` stands (last when absent). ``base_hardware``, the
+    typed schema (:mod:`flashcp.config`), adds no constant.
+
+    Raises:
+        ValueError: unknown profile name (listing the valid ones), a file that is not a mapping,
+            or a defaults list that loops.
+    """
+    import yaml
+
+    def read(name: str, seen: tuple[str, ...]) -> dict[str, Any]:
+        path = hardware_dir() / f"{name}.yaml"
+        if not isinstance(name, str) or not name or "/" in name or not path.is_file():
+            raise ValueError(
+                f"unknown hardware profile {name!r}; choose one of {', '.join(list_hardware())}"
+            )
+        if name in seen:
+            raise ValueError(f"hardware profiles extend each other in a loop: {' -> '.join(seen)}")
+        with path.open() as fh:
+            data = yaml.safe_load(fh)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a mapping of constants")
+        defaults = data.pop("defaults", None) or []
+        if "_self_" not in defaults:
+            defaults = [*defaults, "_self_"]
+        out: dict[str, Any] = {}
+        for entry in defaults:
+            if entry == "_self_":
+                out.update(data)
+            elif entry != "base_hardware":
+                out.update(read(entry, (*seen, name)))
+        return out
+
+    return read(name, ())
+
+
 def fitted_path() -> Path:
     """``results/calibration/fitted_constants.yaml`` of the repository: the constants the
     calibration experiment fitted, by section (``experiments/calibration.py``)."""
@@ -312,7 +354,8 @@ def read_fitted(sections) -> dict[str, float]:
 def load_hardware(
     name_or_dict: str | dict | HardwareProfile, calibrated: bool = True
 ) -> HardwareProfile:
-    """Load a profile by name (``conf/hardware/<name>.yaml``) or build it from a flat dict.
+    """Load a profile by name (``conf/hardware/<name>.yaml``, :func:`read_profile`) or build it
+    from a flat dict.
 
     A ``calibration`` key (a list of section names of
     ``results/calibration/fitted_constants.yaml``) overrides the listed constants with their
@@ -332,18 +375,7 @@ def load_hardware(
     if isinstance(name_or_dict, HardwareProfile):
         return name_or_dict
     if isinstance(name_or_dict, str):
-        path = hardware_dir() / f"{name_or_dict}.yaml"
-        if not name_or_dict or "/" in name_or_dict or not path.is_file():
-            raise ValueError(
-                f"unknown hardware profile {name_or_dict!r}; choose one of {', '.join(list_hardware())}"
-            )
-        import yaml
-
-        with path.open() as fh:
-            data = yaml.safe_load(fh)
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a mapping of constants")
-        return load_hardware(data, calibrated)
+        return load_hardware(read_profile(name_or_dict), calibrated)
     try:
         data = dict(name_or_dict)
     except (TypeError, ValueError):

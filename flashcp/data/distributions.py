@@ -1,25 +1,14 @@
-"""Document-length distributions and the seeded sampler that packs them into sequences.
+"""Document-length distributions (docs/design.md §5): seeded samplers with analytic moments.
 
-A training sequence of ``context_len`` (C) tokens is built by drawing documents i.i.d. from a
-length distribution and appending them until C is full; the last one is cut to fit (docs/design.md §5).
-The remainder of a cut document is discarded: the next sequence starts with a fresh draw.
-
-Distributions (:data:`DATASETS`, loaded with :func:`load_distribution`):
-
-* ``wlb_llm`` -- :class:`BinnedDistribution`: pick a bin by its document share, then a length
-  uniformly among the integers inside it. Table ``datasets/wlb_llm.csv`` (WLB-LLM production
-  profile, 128K window, as binned in the public DistCA simulator data).
-* ``pile``, ``redpajama`` -- :class:`LogNormalMixture`: pick a source with probability proportional
+* :class:`BinnedDistribution` (``wlb_llm``): pick a bin by its document share, then a length
+  uniformly among the integers inside it.
+* :class:`LogNormalMixture` (``pile``, ``redpajama``): pick a source with probability proportional
   to its *document count*, then a log-normal length with that source's mean m and shape σ
   (log-mean ``mu = ln m - σ²/2``, so that the mean is m and the median ``m exp(-σ²/2)``), rounded
-  to the nearest integer and raised to at least 1. Tables ``datasets/pile.csv`` and
-  ``datasets/redpajama.csv``.
-* ``stress`` -- :class:`StressNormal`: ``max(1, round(X))`` with ``X ~ Normal(0.5 C, 0.5 C)``
+  to the nearest integer and raised to at least 1.
+* :class:`StressNormal` (``stress``): ``max(1, round(X))`` with ``X ~ Normal(0.5 C, 0.5 C)``
   (Normal(0.5·C, 0.5·C), cut to ≥1); about 16% of its documents have length 1.
-* ``file`` -- :class:`EmpiricalDistribution`: resample a user's list of document lengths (a text,
-  CSV or ``.npy`` file) uniformly.
-
-Sources of every number are in ``datasets/README.md``.
+* :class:`EmpiricalDistribution` (``file``): resample a user's list of document lengths uniformly.
 
 Weighting. ``weighting="documents"`` (default) draws a document as above. ``weighting="tokens"``
 is length-biased: a document of length d is drawn with probability ∝ d·p(d) ("pick a random
@@ -37,52 +26,27 @@ Units: every length is in tokens; arrays of lengths are int64.
 
 from __future__ import annotations
 
-import bisect
-import csv
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import cached_property
-from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
 __all__ = [
-    "DATASETS",
     "WEIGHTINGS",
     "BinnedDistribution",
     "EmpiricalDistribution",
     "LengthDistribution",
     "LogNormalMixture",
     "StressNormal",
-    "default_data_dir",
-    "load_distribution",
-    "read_lengths_file",
-    "sample_packed",
-    "sample_sequences",
 ]
-
-DATASETS = ("wlb_llm", "pile", "redpajama", "stress", "file")
-"""Names accepted by :func:`load_distribution`."""
 
 WEIGHTINGS = ("documents", "tokens")
 """Values of the ``weighting`` option (see the module docstring)."""
-
-_TABLE_FILES = MappingProxyType(
-    {"wlb_llm": "wlb_llm.csv", "pile": "pile.csv", "redpajama": "redpajama.csv"}
-)
-
 # Largest length a float draw is clipped to before the int64 cast (exactly representable).
 _MAX_LEN = 2**53
-
-# Chunk sizes (documents per draw) used by the sequence sampler: they grow from the first to the
-# last value and then stay there. They do not depend on how many sequences are asked for, so the
-# first k sequences of a request are the same for every request of k or more sequences.
-_FIRST_CHUNK = 1 << 12
-_LAST_CHUNK = 1 << 20
-
 
 # --------------------------------------------------------------------------------------------
 # argument checks
@@ -135,7 +99,7 @@ class LengthDistribution(ABC):
     Subclasses implement :meth:`_sample` (both weightings), :meth:`moment` and :meth:`cdf`.
 
     Attributes:
-        name: the dataset name (one of :data:`DATASETS`).
+        name: the dataset name (one of :data:`flashcp.data.DATASETS`).
     """
 
     name: str
@@ -508,297 +472,3 @@ class EmpiricalDistribution(LengthDistribution):
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), "source": self.source, "num_lengths": len(self.lengths)}
-
-
-# --------------------------------------------------------------------------------------------
-# loading
-
-
-def default_data_dir() -> Path:
-    """The ``datasets/`` folder at the repository root (next to the ``flashcp`` package)."""
-    return Path(__file__).resolve().parent.parent / "datasets"
-
-
-def _read_table(path: Path, columns: Sequence[str]) -> tuple[list[str], dict[str, np.ndarray]]:
-    """Read a CSV table: first column = row labels, plus the named numeric ``columns``."""
-    if not path.is_file():
-        raise ValueError(f"length table {path} not found (set data_dir to the datasets/ folder)")
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        raise ValueError(f"length table {path} has no rows")
-    header = list(rows[0].keys())
-    missing = [c for c in columns if c not in header]
-    if missing:
-        raise ValueError(f"length table {path} lacks column(s) {missing}; has {header}")
-    out: dict[str, np.ndarray] = {}
-    for c in columns:
-        try:
-            out[c] = np.array([float(r[c]) for r in rows])
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"length table {path}: non-numeric value in column {c!r}: {e}") from e
-    return [r[header[0]] for r in rows], out
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _parse_length(text: str, where: str) -> int:
-    """Parse one document length (an integer, or an integral float such as ``12.0``), >= 0."""
-    s = text.strip()
-    try:
-        v = int(s)
-    except ValueError:
-        try:
-            f = float(s)
-        except ValueError:
-            raise ValueError(f"{where}: document length {s!r} is not an integer") from None
-        if not math.isfinite(f) or f != round(f):
-            raise ValueError(f"{where}: document length {s!r} is not an integer") from None
-        v = int(f)
-    if v < 0:
-        raise ValueError(f"{where}: document length must be >= 0, got {s!r}")
-    return v
-
-
-def read_lengths_file(path: str | Path) -> np.ndarray:
-    """Read a user's document lengths.
-
-    Formats: ``.npy`` (a 1-D integer array, or floats with integral values); a CSV (``.csv``, or
-    any file whose first data line has a comma) with a header: the column named ``doc_len``, else
-    the first column whose every value is a number; without a header, the first column;
-    otherwise plain text, one length per line. Blank lines and lines starting with ``#`` are skipped.
-
-    Returns:
-        (n,) int64 lengths, each >= 0 (zero-length documents, e.g. from repeated ``cu_seqlens``
-        offsets, are kept: planners skip them, :class:`EmpiricalDistribution` drops them).
-    Raises:
-        ValueError: the file is missing or unreadable, holds no lengths, or holds a value that is not
-            an integer or is < 0; the message names the file, the line and the value.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"length file {str(path)!r} not found")
-    if p.suffix.lower() == ".npy":
-        try:
-            arr = np.load(p, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"length file {p}: cannot read as .npy: {e}") from e
-        arr = np.asarray(arr)
-        if arr.ndim == 2 and 1 in arr.shape:
-            arr = arr.reshape(-1)
-        if arr.ndim != 1:
-            raise ValueError(f"length file {p}: expected a 1-D array, got shape {arr.shape}")
-        if arr.size == 0:
-            raise ValueError(f"length file {p} holds no document lengths")
-        if arr.dtype.kind not in "iuf":
-            raise ValueError(
-                f"length file {p}: document lengths must be integers, got dtype {arr.dtype}"
-            )
-        bad = (
-            ~np.isfinite(arr) | (arr != np.round(arr)) | (arr < 0)
-            if arr.dtype.kind == "f"
-            else arr < 0
-        )
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"length file {p}: entry {i} = {arr[i]!r} is not an integer >= 0")
-        return arr.astype(np.int64)
-
-    try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"length file {p}: cannot read: {e}") from e
-    lines = [(i + 1, ln) for i, ln in enumerate(text.splitlines())]
-    lines = [(n, ln) for n, ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    if not lines:
-        raise ValueError(f"length file {p} holds no document lengths")
-    if p.suffix.lower() == ".csv" or "," in lines[0][1]:
-        rows = [
-            (n, [c.strip() for c in r])
-            for (n, _), r in zip(lines, csv.reader(ln for _, ln in lines), strict=True)
-        ]
-        col, start = 0, 0
-        header = rows[0][1]
-        if not all(_is_number(c) for c in header):
-            start = 1
-            names = [c.lower() for c in header]
-            if "doc_len" in names:
-                col = names.index("doc_len")
-            else:
-                cols = [
-                    j
-                    for j in range(len(header))
-                    if all(j < len(r) and _is_number(r[j]) for _, r in rows[1:])
-                ]
-                if not cols:
-                    raise ValueError(
-                        f"length file {p}: no column named doc_len and no numeric column in {header}"
-                    )
-                col = cols[0]
-        if len(rows) <= start:
-            raise ValueError(f"length file {p} holds no document lengths (only a header)")
-        values = []
-        for n, r in rows[start:]:
-            if col >= len(r):
-                raise ValueError(f"{p}:{n}: missing column {col + 1}")
-            values.append(_parse_length(r[col], f"{p}:{n}"))
-        return np.array(values, dtype=np.int64)
-    return np.array([_parse_length(ln, f"{p}:{n}") for n, ln in lines], dtype=np.int64)
-
-
-def load_distribution(
-    name: str,
-    *,
-    context_len: int | None = None,
-    path: str | Path | None = None,
-    data_dir: str | Path | None = None,
-) -> LengthDistribution:
-    """Load one of :data:`DATASETS`.
-
-    Args:
-        name: ``wlb_llm``, ``pile``, ``redpajama`` (tables under ``data_dir``), ``stress`` (needs
-            ``context_len``) or ``file`` (needs ``path``, see :func:`read_lengths_file`).
-        context_len: C in tokens, for ``stress``; ignored otherwise.
-        path: the lengths file, for ``file``.
-        data_dir: folder holding the tables; default :func:`default_data_dir`.
-    Raises:
-        ValueError: unknown name (the message lists the valid ones), a missing argument, or a bad
-            table or file, naming the bad value.
-    """
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; valid: {', '.join(DATASETS)}")
-    if name == "stress":
-        if context_len is None:
-            raise ValueError("dataset 'stress' needs context_len (Normal(0.5 C, 0.5 C))")
-        return StressNormal(context_len)
-    if name == "file":
-        if path is None:
-            raise ValueError("dataset 'file' needs path (a .txt, .csv or .npy file of lengths)")
-        return EmpiricalDistribution(read_lengths_file(path), name="file", source=str(path))
-    table = Path(data_dir) if data_dir is not None else default_data_dir()
-    table = table / _TABLE_FILES[name]
-    if name == "wlb_llm":
-        _, t = _read_table(table, ["lo_tokens", "hi_tokens", "doc_pct"])
-        return BinnedDistribution(name, t["lo_tokens"], t["hi_tokens"], t["doc_pct"])
-    labels, t = _read_table(table, ["docs", "mean_tokens", "sigma"])
-    return LogNormalMixture(name, labels, t["docs"], t["mean_tokens"], t["sigma"])
-
-
-# --------------------------------------------------------------------------------------------
-# packing documents into sequences
-
-
-def _check_seq_args(
-    num_sequences: Any, context_len: Any, seed: Any, weighting: Any, cap: Any
-) -> tuple[int, int, int, str, int]:
-    n = _check_int(num_sequences, "num_sequences", 0)
-    c = _check_int(context_len, "context_len", 1)
-    s = _check_int(seed, "seed", 0)
-    w = _check_weighting(weighting)
-    cap = 4 * c if cap is None else _check_int(cap, "cap", 1)
-    return n, c, s, w, cap
-
-
-def sample_packed(
-    dist: LengthDistribution,
-    num_sequences: int,
-    context_len: int,
-    *,
-    seed: int,
-    weighting: str = "documents",
-    cap: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Sample sequences and return them packed in two flat arrays (the fast form).
-
-    Documents are drawn i.i.d. (``dist.sample(..., weighting, cap)``; ``cap`` defaults to
-    ``4 * context_len``) in one stream from ``np.random.default_rng(seed)`` and appended to the
-    current sequence until it holds ``context_len`` tokens; the last one is cut to fit and its rest
-    is discarded. The stream is drawn in chunks whose sizes do not depend on ``num_sequences``, so a
-    request for k sequences returns the first k of any longer request with the same arguments.
-
-    Args:
-        dist: the length distribution.
-        num_sequences: number of sequences, >= 0.
-        context_len: C, tokens per sequence, >= 1.
-        seed: random seed, >= 0.
-        weighting: ``"documents"`` or ``"tokens"``.
-        cap: largest single draw in tokens (before cutting); default ``4 * context_len``.
-    Returns:
-        doc_lens: (total_docs,) int64, every sequence's document lengths in packed order.
-        offsets: (num_sequences + 1,) int64; sequence i is ``doc_lens[offsets[i]:offsets[i+1]]``,
-            which sums to exactly ``context_len``.
-    Raises:
-        ValueError: a bad argument, naming it.
-    """
-    n, c, seed, weighting, cap = _check_seq_args(num_sequences, context_len, seed, weighting, cap)
-    rng = np.random.default_rng(seed)
-    pieces: list[np.ndarray] = []
-    counts: list[np.ndarray] = []
-    pending = np.zeros(0, dtype=np.int64)  # draws not yet used (a started sequence)
-    chunk, done = _FIRST_CHUNK, 0
-    while done < n:
-        buf = np.concatenate([pending, dist.sample(rng, chunk, weighting=weighting, cap=cap)])
-        chunk = min(2 * chunk, _LAST_CHUNK)
-        cs = np.cumsum(buf)  # (m,) tokens up to and including each draw
-        cs_list = cs.tolist()
-        m = len(cs_list)
-        starts: list[int] = []
-        ends: list[int] = []
-        s, base = 0, 0  # base = tokens before draw s
-        while done < n:
-            e = bisect.bisect_left(cs_list, base + c, s)  # first draw reaching C tokens
-            if e == m:
-                break
-            starts.append(s)
-            ends.append(e)
-            done += 1
-            s = e + 1
-            base = cs_list[e]
-        pending = buf[s:]
-        if not starts:
-            continue
-        st = np.asarray(starts, dtype=np.int64)
-        en = np.asarray(ends, dtype=np.int64)
-        # sequences are consecutive in the stream: draws st[0] .. en[-1]; cut each last draw
-        seg = buf[st[0] : en[-1] + 1].copy()
-        # tokens of each sequence before its last draw: cs[e-1] - cs[s-1]
-        before_last = (cs[en] - buf[en]) - (cs[st] - buf[st])
-        seg[en - st[0]] = c - before_last
-        pieces.append(seg)
-        counts.append(en - st + 1)
-    doc_lens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    if counts:
-        np.cumsum(np.concatenate(counts), out=offsets[1:])
-    return doc_lens, offsets
-
-
-def sample_sequences(
-    dist: LengthDistribution,
-    num_sequences: int,
-    context_len: int,
-    *,
-    seed: int,
-    weighting: str = "documents",
-    cap: int | None = None,
-) -> list[np.ndarray]:
-    """Sample ``num_sequences`` packed sequences of exactly ``context_len`` tokens.
-
-    Same arguments and semantics as :func:`sample_packed`.
-
-    Returns:
-        list of ``num_sequences`` arrays, each (n_docs,) int64 document lengths in packed order,
-        each >= 1 and summing to exactly ``context_len``.
-    """
-    doc_lens, offsets = sample_packed(
-        dist, num_sequences, context_len, seed=seed, weighting=weighting, cap=cap
-    )
-    if len(offsets) == 1:
-        return []
-    return np.split(doc_lens, offsets[1:-1])

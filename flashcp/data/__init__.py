@@ -1,0 +1,53 @@
+"""Document lengths: distributions, length files, and the seeded sampler that packs sequences.
+
+A training sequence of ``context_len`` (C) tokens is built by drawing documents i.i.d. from a
+length distribution and appending them until C is full; the last one is cut to fit
+(docs/design.md §5). The package has three parts:
+
+* :mod:`flashcp.data.distributions`: the length laws (:class:`BinnedDistribution`,
+  :class:`LogNormalMixture`, :class:`StressNormal`, :class:`EmpiricalDistribution`), each with
+  both weightings (``documents``, ``tokens``), a cap, and analytic moments;
+* :mod:`flashcp.data.files`: reading the distribution tables and users' length files (pandas:
+  CSV, Parquet, JSON; also ``.npy`` and plain text), and :mod:`flashcp.data.datasets`, which maps
+  each dataset name (:data:`DATASETS`) to its distribution (:func:`load_distribution`);
+* :mod:`flashcp.data.packing`: :func:`sample_packed` and :func:`sample_sequences`.
+
+Every public name is importable from :mod:`flashcp.data` itself. Units: every length is in
+tokens; arrays of lengths are int64.
+"""
+
+from __future__ import annotations
+
+from flashcp.data.datasets import DATASETS, load_distribution
+from flashcp.data.distributions import (
+    WEIGHTINGS,
+    BinnedDistribution,
+    EmpiricalDistribution,
+    LengthDistribution,
+    LogNormalMixture,
+    StressNormal,
+)
+from flashcp.data.files import (
+    LENGTH_FILE_FORMATS,
+    default_data_dir,
+    read_lengths_file,
+    read_table,
+)
+from flashcp.data.packing import sample_packed, sample_sequences
+
+__all__ = [
+    "DATASETS",
+    "LENGTH_FILE_FORMATS",
+    "WEIGHTINGS",
+    "BinnedDistribution",
+    "EmpiricalDistribution",
+    "LengthDistribution",
+    "LogNormalMixture",
+    "StressNormal",
+    "default_data_dir",
+    "load_distribution",
+    "read_lengths_file",
+    "read_table",
+    "sample_packed",
+    "sample_sequences",
+]

@@ -1,0 +1,74 @@
+"""The named datasets: each name to its length distribution (docs/design.md §5).
+
+* ``wlb_llm``: :class:`~flashcp.data.distributions.BinnedDistribution` over the table
+  ``datasets/wlb_llm.csv`` (WLB-LLM production profile, 128K window, as binned in the public
+  DistCA simulator data).
+* ``pile``, ``redpajama``: :class:`~flashcp.data.distributions.LogNormalMixture` over the tables
+  ``datasets/pile.csv`` and ``datasets/redpajama.csv``.
+* ``stress``: :class:`~flashcp.data.distributions.StressNormal` (needs ``context_len``).
+* ``file``: :class:`~flashcp.data.distributions.EmpiricalDistribution` over a user's file of
+  lengths (:func:`~flashcp.data.files.read_lengths_file`).
+
+Sources of every number are in ``datasets/README.md``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import MappingProxyType
+
+from flashcp.data.distributions import (
+    BinnedDistribution,
+    EmpiricalDistribution,
+    LengthDistribution,
+    LogNormalMixture,
+    StressNormal,
+)
+from flashcp.data.files import default_data_dir, read_lengths_file, read_table
+
+__all__ = ["DATASETS", "load_distribution"]
+
+DATASETS = ("wlb_llm", "pile", "redpajama", "stress", "file")
+"""Names accepted by :func:`load_distribution`."""
+
+_TABLE_FILES = MappingProxyType(
+    {"wlb_llm": "wlb_llm.csv", "pile": "pile.csv", "redpajama": "redpajama.csv"}
+)
+
+
+def load_distribution(
+    name: str,
+    *,
+    context_len: int | None = None,
+    path: str | Path | None = None,
+    data_dir: str | Path | None = None,
+) -> LengthDistribution:
+    """Load one of :data:`DATASETS`.
+
+    Args:
+        name: ``wlb_llm``, ``pile``, ``redpajama`` (tables under ``data_dir``), ``stress`` (needs
+            ``context_len``) or ``file`` (needs ``path``, see :func:`read_lengths_file`).
+        context_len: C in tokens, for ``stress``; ignored otherwise.
+        path: the lengths file, for ``file``.
+        data_dir: folder holding the tables; default :func:`default_data_dir`.
+    Raises:
+        ValueError: unknown name (the message lists the valid ones), a missing argument, or a bad
+            table or file, naming the bad value.
+    """
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; valid: {', '.join(DATASETS)}")
+    if name == "stress":
+        if context_len is None:
+            raise ValueError("dataset 'stress' needs context_len (Normal(0.5 C, 0.5 C))")
+        return StressNormal(context_len)
+    if name == "file":
+        if path is None:
+            raise ValueError("dataset 'file' needs path (a .txt, .csv or .npy file of lengths)")
+        return EmpiricalDistribution(read_lengths_file(path), name="file", source=str(path))
+    table = Path(data_dir) if data_dir is not None else default_data_dir()
+    table = table / _TABLE_FILES[name]
+    if name == "wlb_llm":
+        _, t = read_table(table, ["lo_tokens", "hi_tokens", "doc_pct"])
+        return BinnedDistribution(name, t["lo_tokens"], t["hi_tokens"], t["doc_pct"])
+    labels, t = read_table(table, ["docs", "mean_tokens", "sigma"])
+    return LogNormalMixture(name, labels, t["docs"], t["mean_tokens"], t["sigma"])

@@ -1,0 +1,311 @@
+"""The method registry: one MethodSpec per method, read by everything else.
+
+A toy method registered inside a test runs through the planner, the simulator, the Hydra app and
+the real op on two gloo ranks (against the float64 document-masked reference), then is removed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+from mp_utils import run_ranks
+
+from flashcp.comm import AttnShape, comm_volume
+from flashcp.ops import get_attn_op
+from flashcp.ops.collectives import CommCounter
+from flashcp.ops.reference import reference_attention
+from flashcp.ops.sharding import shard_tensor, unshard
+from flashcp.plan import make_plan, planner_entry
+from flashcp.registry import (
+    COMM_KIND,
+    CommKind,
+    MethodSpec,
+    check_options,
+    get_method,
+    get_planner,
+    make_plan_for,
+    method_names,
+    options_schema,
+    register_method,
+    unregister_method,
+)
+from flashcp.sim import load_hardware, simulate
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = "toy_reversed"
+
+
+@planner_entry(TOY)
+def plan_toy_reversed(doc_lens, cp_size: int, *, reverse: bool = True, validate: bool = True):
+    """Contiguous chunks of C / N tokens, chunk i on rank N - 1 - i (``reverse``) or on rank i."""
+    d = np.asarray(doc_lens, dtype=np.int64)
+    chunk = int(d.sum()) // cp_size
+    cu = np.concatenate([[0], np.cumsum(d)])
+    rank, doc, start, length = [], [], [], []
+    for i in range(cp_size):
+        lo, hi = i * chunk, (i + 1) * chunk
+        for j in np.flatnonzero((cu[:-1] < hi) & (cu[1:] > lo)):
+            a, b = max(lo, cu[j]), min(hi, cu[j + 1])
+            rank.append(cp_size - 1 - i if reverse else i)
+            doc.append(j)
+            start.append(a - cu[j])
+            length.append(b - a)
+    return make_plan(TOY, cp_size, d, rank, doc, start, length, validate=validate)
+
+
+@pytest.fixture
+def toy():
+    spec = register_method(
+        MethodSpec(
+            name=TOY,
+            display_name="Toy (reversed chunks)",
+            order=99,
+            planner=plan_toy_reversed,
+            comm_kind=CommKind.ALLGATHER_SHARDED,
+            prepare="flashcp.attn:prepare_flashcp",
+            attn="flashcp.attn:flashcp_attn",
+        )
+    )
+    try:
+        yield spec
+    finally:
+        unregister_method(TOY)
+
+
+# ---- the registry itself ---------------------------------------------------------------------
+
+
+def test_the_registry_lists_every_method_once_in_display_order():
+    assert method_names() == (
+        "llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "ilp",
+    )  # fmt: skip
+    assert method_names(paper=True) == ("llama3", "per_doc", "ring", "zigzag", "flashcp")
+    assert method_names(fast=True) == method_names()[:-1]
+    assert dict(COMM_KIND) == {
+        "llama3": "allgather_full", "per_doc": "allgather_full", "ring": "p2p_ring",
+        "zigzag": "p2p_ring", "flashcp": "allgather_sharded",
+        "flashcp_refined": "allgather_sharded", "ilp": "allgather_sharded",
+    }  # fmt: skip
+    assert all(isinstance(k, CommKind) for k in COMM_KIND.values())
+    # one Hydra method config per registered method, and no other
+    assert {p.stem for p in (REPO / "conf" / "method").glob("*.yaml")} == set(method_names())
+
+
+@pytest.mark.parametrize("method", method_names())
+def test_every_method_config_validates_against_its_options_schema(method):
+    data = yaml.safe_load((REPO / "conf" / "method" / f"{method}.yaml").read_text())
+    assert data["name"] == method
+    opts = data.get("options") or {}
+    assert check_options(method, opts) == opts
+    # the schema is the planner's keyword-only options with their defaults
+    schema = {f.name: f.default for f in dataclasses.fields(options_schema(method))}
+    params = inspect.signature(get_planner(method)).parameters
+    assert schema == {
+        k: p.default
+        for k, p in params.items()
+        if p.kind is p.KEYWORD_ONLY and k not in ("num_pad", "pad_to_multiple", "validate")
+    }
+
+
+def test_bad_options_name_the_option_and_list_the_valid_ones():
+    with pytest.raises(
+        ValueError, match=r"no option 'num_candidates'; its options: target_imbalance"
+    ):
+        check_options("flashcp", {"num_candidates": 3})
+    with pytest.raises(ValueError, match=r"no option 'target_imbalance'; its options: none"):
+        make_plan_for("ring", [8, 8], 2, target_imbalance=1.1)
+    with pytest.raises(ValueError, match=r"bad value 'abc' for option 'target_imbalance'"):
+        check_options("flashcp", {"target_imbalance": "abc"})
+    with pytest.raises(ValueError, match=r"bad value 1.5 for option 'block_size'"):
+        check_options("ilp", {"block_size": 1.5})
+    assert check_options("ilp", {"time_limit_s": 10, "max_imbalance": None}) == {
+        "time_limit_s": 10.0, "max_imbalance": None,
+    }  # fmt: skip
+
+
+def test_registration_errors_are_readable(toy):
+    with pytest.raises(ValueError, match="already registered"):
+        register_method(toy)
+    with pytest.raises(ValueError, match="unknown comm_kind 'nccl'"):
+        dataclasses.replace(toy, comm_kind="nccl")
+    with pytest.raises(ValueError, match="'module:function'"):
+        dataclasses.replace(toy, planner="no_colon")
+    with pytest.raises(ValueError, match="must match"):
+        dataclasses.replace(toy, name="Toy")
+    with pytest.raises(ValueError, match=r"unknown method 'nope'; choose one of llama3, "):
+        get_method("nope")
+
+
+def test_the_core_imports_neither_baselines_nor_torch():
+    code = (
+        "import sys, flashcp, flashcp.registry, flashcp.plan\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('baselines', 'torch')]\n"
+        "assert not bad, bad"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    # flashcp.registry imports nothing of the project (flashcp.plan reads it, not the reverse)
+    tree = ast.parse((REPO / "flashcp" / "registry.py").read_text())
+    tree.body = [  # typing-only imports do not run
+        n
+        for n in tree.body
+        if not (isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    ]
+    imported = [
+        n.module if isinstance(n, ast.ImportFrom) else a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for a in (n.names if isinstance(n, ast.Import) else [n])
+    ]
+    assert not [m for m in imported if m and m.split(".")[0] in ("flashcp", "baselines")]
+
+
+# ---- a method added in one line runs everywhere --------------------------------------------------
+
+LENS = [5, 11, 3, 13]  # C = 32 over 2 ranks
+SHAPE = AttnShape(4, 2, 8, "float32")
+
+
+def test_a_registered_method_plans_and_simulates(toy):
+    assert TOY in method_names() and method_names()[-1] == TOY
+    assert COMM_KIND[TOY] == CommKind.ALLGATHER_SHARDED
+    plan = make_plan_for(TOY, LENS, 2)
+    assert plan.method == TOY
+    assert [sh.doc for sh in plan.ranks()[1]] == [0, 1]  # the first chunk sits on the last rank
+    # shared edge handling: zero-length documents and pad tokens, from planner_entry
+    padded = make_plan_for(TOY, [5, 0, 11, 3, 12], 2, pad_to_multiple=True)
+    assert padded.num_pad == 1 and padded.doc_lens.tolist() == [5, 0, 11, 3, 12]
+    with pytest.raises(ValueError, match="its options: reverse"):
+        make_plan_for(TOY, LENS, 2, target_imbalance=1.1)
+    assert check_options(TOY, {"reverse": False}) == {"reverse": False}
+    hw = load_hardware("h100_sxm")
+    for mode in ("train", "infer"):
+        row = simulate(plan, SHAPE, hw, mode)
+        vol = comm_volume(plan, CommKind.ALLGATHER_SHARDED, SHAPE, mode)
+        assert {k: row[k] for k in vol} == vol and row["total_ms"] > 0
+    assert plan.summary()["comm_tokens"] == plan.comm_tokens  # priced as sharding-aware (Eq. 5)
+
+
+def test_a_registered_method_runs_in_the_app(toy, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from experiments.run import CONF_DIR, run
+    from flashcp.config import register_configs
+
+    register_configs()
+    overrides = [
+        f"results_dir={tmp_path}", "name=t", "num_sequences=2", "context_len=8192", "cp_size=4",
+        "progress=false", "method=ring", f"method.name={TOY}",
+    ]  # fmt: skip
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    df = pd.read_csv(run(cfg))
+    assert set(df["method"]) == {TOY} and (df["status"] == "ok").all() and len(df) == 4
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        bad = compose("config", overrides=[*overrides, "+method.options.bogus=1"])
+    with pytest.raises(ValueError, match="no option 'bogus'; its options: reverse"):
+        run(bad)
+
+
+def _toy_op(rank, n, lens):
+    plan = make_plan_for(TOY, lens, n)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(plan.context_len, h, 8, generator=g) for h in (4, 2, 2, 4))
+    prepare, attn = get_attn_op(TOY)
+    ql, kl, vl = (shard_tensor(x, plan, rank).requires_grad_() for x in (q, k, v))
+    counter = CommCounter()
+    out = attn(ql, kl, vl, prepare(plan, rank), backend="cpu", counter=counter)
+    out.backward(shard_tensor(dout, plan, rank))
+    return out.detach(), ql.grad, kl.grad, vl.grad, counter.as_dict()
+
+
+def test_a_registered_method_runs_its_op_on_gloo_ranks(toy):
+    n = 2
+    results = run_ranks(_toy_op, n, LENS, timeout_s=120)
+    plan = make_plan_for(TOY, LENS, n)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(plan.context_len, h, 8, generator=g) for h in (4, 2, 2, 4))
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = reference_attention(*leaves, LENS)
+    ref.backward(dout.double())
+    want = [ref.detach()] + [x.grad for x in leaves]
+    for i, (what, w) in enumerate(zip(("out", "dq", "dk", "dv"), want, strict=True)):
+        got = unshard([results[r][i] for r in range(n)], plan).double()
+        err = float((got - w).abs().max())
+        assert err <= 1e-5 * max(1.0, float(w.abs().max())), f"{what}: err {err:.3g}"
+    expect = comm_volume(plan, COMM_KIND[TOY], SHAPE, "train")
+    assert all(results[r][4] == expect for r in range(n))  # counted == planned communication
+
+
+# ---- typed configuration ----------------------------------------------------------------------
+
+
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from experiments.run import CONF_DIR
+    from flashcp.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("name", ["h100_sxm", "h100_ib", "h800_sxm", "a100_sxm"])
+def test_hardware_profiles_extend_h100_sxm_through_hydra_defaults(name):
+    from omegaconf import OmegaConf
+
+    from flashcp.sim.hardware import read_profile
+
+    composed = OmegaConf.to_container(_compose(f"hardware={name}").hardware)
+    assert composed == read_profile(name)  # Hydra and load_hardware read the same constants
+    assert load_hardware(composed) == load_hardware(name)
+    base = read_profile("h100_sxm")
+    own = yaml.safe_load((REPO / "conf" / "hardware" / f"{name}.yaml").read_text())
+    if name != "h100_sxm":
+        assert own["defaults"] == ["h100_sxm", "_self_"]
+        # the file holds only what differs; everything else is h100_sxm's
+        assert all(own[k] != base[k] for k in own if k != "defaults")
+        assert {k: v for k, v in composed.items() if k not in own} == {
+            k: v for k, v in base.items() if k not in own
+        }
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "hardware.launch_uss=1", "hardware.launch_us=abc", "hardware.num_sms=1.5", "task=fig5",
+        "executor.name=simm", "dataset.overlong=truncate",
+    ],
+)  # fmt: skip
+def test_typos_in_typed_fields_fail_at_compose_time(override):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        _compose(override)
+
+
+def test_enum_fields_keep_their_strings():
+    from omegaconf import OmegaConf
+
+    from flashcp.config import Executor, Overlong, Task
+    from flashcp.results import config_hash
+
+    cfg = _compose("executor=emulate", "experiment=table2")
+    assert cfg.executor.name is Executor.emulate and cfg.task is Task.table2
+    assert cfg.dataset.overlong is Overlong.split
+    # saved configs, hashes and rows see the same strings as before the enums
+    assert "name: emulate" in OmegaConf.to_yaml(cfg.executor)
+    plain = {"executor": "emulate", "task": "table2", "overlong": "split"}
+    typed = {"executor": cfg.executor.name, "task": cfg.task, "overlong": cfg.dataset.overlong}
+    assert config_hash(typed) == config_hash(plain)

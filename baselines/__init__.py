@@ -1,5 +1,8 @@
 """The four baselines of the FlashCP paper: Llama3 CP, Per-Doc CP, Ring attention and Zigzag ring
-attention. Each module holds its planner (a pure function of ``doc_lens`` and ``cp_size``)."""
+attention. Each ``<method>.py`` holds its planner (a pure function of ``doc_lens`` and
+``cp_size``) and each ``<method>_attn.py`` its op; :mod:`flashcp.registry` names them by
+``"module:function"`` and imports them on first use, so :mod:`flashcp` never imports this package
+at import time."""
 
 from baselines.llama3 import plan_llama3
 from baselines.per_doc import plan_per_doc

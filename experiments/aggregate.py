@@ -1,6 +1,6 @@
 """Merge the rows of finished runs into one per-sequence CSV and a per-run summary.
 
-    python -m experiments.aggregate results/fig5
+    python -m experiments.aggregate outputs/fig5
 
 Reads the runs' rows files — the ones a sweep's jobs report (the Hydra callback), or every
 ``<exp_dir>/runs/*/rows.parquet`` on disk (the command line; ``rows.csv`` of older runs too) — and
@@ -225,16 +225,96 @@ def aggregate(exp_dir: str | Path, rows_paths: list[Path] | None = None) -> pd.D
     return summary
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 2 and sys.argv[1] in ("-h", "--help"):
-        print("usage: python -m experiments.aggregate RESULTS_DIR/NAME\n\n" + __doc__.strip())
-        sys.exit(0)
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m experiments.aggregate RESULTS_DIR/NAME")
+#: identity columns in which a rerun of a committed experiment differs from it by design
+VERSION_COLUMNS = ("run_id", "code_version")
+#: what :func:`compare` reports per run
+COMPARED = ("total_ms_mean", "speedup_vs_llama3")
+
+
+def compare(ref_dir: str | Path, new_dir: str | Path) -> pd.DataFrame:
+    """Match the runs of two experiment folders (their ``summary.csv``) by run identity apart from
+    :data:`VERSION_COLUMNS`, e.g. the committed reference ``results/fig5`` and a fresh
+    ``outputs/fig5``.
+
+    Returns:
+        one row per (run identity, mode) found in either: the identity, ``<metric>_ref`` and
+        ``<metric>_new`` for each of :data:`COMPARED`, ``total_ms_rel_change`` (new / ref - 1),
+        ``speedup_change`` (new - ref) and ``found``: ``both`` | ``ref_only`` | ``new_only``.
+    Raises:
+        ValueError: a folder has no ``summary.csv``.
+    """
+    frames = []
+    for d in (ref_dir, new_dir):
+        path = Path(d) / "summary.csv"
+        if not path.exists():
+            raise ValueError(f"{path} does not exist; run or aggregate the experiment first")
+        frames.append(read_rows(path))
+    ref, new = frames
+    keys = [k for k in RUN_KEYS if k not in VERSION_COLUMNS and k in ref and k in new]
+    out = ref[[*keys, *COMPARED]].merge(
+        new[[*keys, *COMPARED]], on=keys, how="outer", suffixes=("_ref", "_new"), indicator="found"
+    )
+    found = {"both": "both", "left_only": "ref_only", "right_only": "new_only"}
+    out["found"] = out["found"].astype(str).map(found)
+    out["total_ms_rel_change"] = out["total_ms_mean_new"] / out["total_ms_mean_ref"] - 1
+    out["speedup_change"] = out["speedup_vs_llama3_new"] - out["speedup_vs_llama3_ref"]
+    return out
+
+
+def _compare_report(table: pd.DataFrame) -> list[str]:
+    """A few lines saying how two folders differ (see :func:`compare`)."""
+    both = table[table["found"] == "both"]
+    n_ref, n_new = ((table["found"] == f).sum() for f in ("ref_only", "new_only"))
+    lines = [
+        f"{len(both)} runs in both, {n_ref} only in the reference, {n_new} only in the new folder"
+    ]
+    for col in ("total_ms_rel_change", "speedup_change"):
+        change = both[col].astype("float64").abs()
+        if change.notna().any():
+            worst = both.loc[change.idxmax()]
+            run = " ".join(
+                f"{k}={worst[k]}" for k in ("dataset", "cp_size", "model", "mode", "method")
+            )
+            lines.append(f"largest {col}: {worst[col]:+.4g} ({run})")
+    return lines
+
+
+def _cli(argv: list[str] | None = None) -> None:
+    """``python -m experiments.aggregate DIR``: merge every run of DIR; one line on error."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.aggregate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "exp_dir",
+        metavar="RESULTS_DIR/NAME",
+        help="experiment folder whose runs/*/rows.parquet (or rows.csv) to merge",
+    )
+    ap.add_argument(
+        "--compare",
+        metavar="REF_DIR",
+        help="do not merge: compare the summary of RESULTS_DIR/NAME with that of REF_DIR (e.g. the "
+        "committed results/fig5); exit code 1 when a run of REF_DIR is missing",
+    )
+    args = ap.parse_args(argv)
+    if args.compare:
+        try:
+            table = compare(args.compare, args.exp_dir)
+        except ValueError as exc:
+            sys.exit(f"error: {exc}")
+        print("\n".join(_compare_report(table)))
+        sys.exit(1 if (table["found"] == "ref_only").any() else 0)
     try:
-        s = aggregate(sys.argv[1])
+        s = aggregate(args.exp_dir)
     except ValueError as exc:
         sys.exit(f"error: {exc}")
     if s is None:
-        sys.exit(f"no runs found under {sys.argv[1]}/runs")
-    print(f"wrote {sys.argv[1]}/{ROWS_FILE} and summary.csv ({len(s)} summary rows)")
+        sys.exit(f"error: no runs found under {args.exp_dir}/runs")
+    print(f"wrote {args.exp_dir}/{ROWS_FILE} and summary.csv ({len(s)} summary rows)")
+
+
+if __name__ == "__main__":
+    _cli()

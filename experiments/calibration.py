@@ -100,7 +100,7 @@ def run_calibration(
     """Fit both stages, write ``out_dir`` and (``write_profile``) ``out_dir/fitted_constants.yaml``.
 
     The profiles load :func:`flashcp.sim.hardware.fitted_path`: in a checkout run from its root with
-    the default ``results_dir``, that is the file written here; an installed wheel keeps loading
+    ``results_dir=results``, that is the file written here; an installed wheel keeps loading
     its packaged copy (copy the new file over it, or rebuild, to use a new fit).
 
     Returns:

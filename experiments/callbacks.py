@@ -6,14 +6,28 @@ A sweep (or a single run) owns its experiment folder while it runs: ``hydra.swee
 exclusively) holding its ``sweep_id``, process and code version; a second invocation on the same
 folder stops with one line and exit code 2 instead of sharing run folders, rows and logs. A lock
 left by a process that no longer runs on this host is taken over with a warning.
+
+Under every launcher. Hydra calls ``on_job_start`` / ``on_job_end`` where the job runs (in this
+process for the basic launcher; in a joblib worker; in a Slurm or local submitit job), and
+``on_multirun_end`` where the sweep was launched. So each job writes what it returned to
+``<folder>/.sweep_jobs/<sweep_id>/<job_num>.json`` and the end of the sweep reads those records
+from disk (a shared file system on Slurm), merges the rows they name and removes them. A job that
+started but never reported (killed, out of time) counts as failed.
+
+Under submitit with ``executor=dist`` every task of a job is one rank: ``on_job_start`` exports
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` from the job's
+environment (what ``torchrun`` sets), and ``on_job_end`` tears the job's process group down.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime as _dt
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 import uuid
@@ -27,6 +41,9 @@ from omegaconf import DictConfig
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".sweep.lock"
+#: per sweep, one record per job: what it returned (``rows``, ``error``, ``exit_code``) or that it
+#: started
+JOBS_DIR = ".sweep_jobs"
 
 
 def release_process_group() -> None:
@@ -116,12 +133,73 @@ def release_lock(exp_dir: str | Path, info: dict[str, Any] | None) -> None:
         (Path(exp_dir) / LOCK_NAME).unlink(missing_ok=True)
 
 
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, default=str))
+    os.replace(tmp, path)
+
+
+def experiment_dir(config: DictConfig) -> Path:
+    """The folder a run or sweep owns: ``hydra.sweep.dir`` under ``-m``, else
+    ``${results_dir}/${name}`` (``config`` has its ``hydra`` node)."""
+    from hydra.types import RunMode
+
+    if config.hydra.mode == RunMode.MULTIRUN:
+        return Path(str(config.hydra.sweep.dir))
+    return Path(str(config.results_dir)) / str(config.name)
+
+
+def export_submitit_rank_env() -> bool:
+    """Inside a submitit job of several tasks (``hydra/launcher=submitit_slurm`` or
+    ``submitit_local`` with ``tasks_per_node`` x ``nodes`` > 1) and not under torchrun: export the
+    variables of torch's ``env://`` rendezvous from the job (``MASTER_ADDR`` = the first node,
+    ``MASTER_PORT`` from the job id, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), as torchrun would.
+    Returns whether it did."""
+    if "RANK" in os.environ:
+        return False
+    try:
+        import submitit
+        from submitit.helpers import TorchDistributedEnvironment
+
+        env = submitit.JobEnvironment()
+        if env.num_tasks < 2:
+            return False
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    except (ImportError, RuntimeError):  # not a submitit job
+        return False
+    return True
+
+
+def read_job_records(exp_dir: str | Path, sweep_id: str) -> list[dict[str, Any]]:
+    """The records the jobs of sweep ``sweep_id`` wrote, by job number; a job that started but
+    never reported is ``{"dir", "error": "... did not finish ...", "exit_code": 1}``."""
+    folder = Path(exp_dir) / JOBS_DIR / sweep_id
+    jobs = []
+    for path in sorted(
+        folder.glob("*.json"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1
+    ):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            rec = {"dir": str(path), "state": "started"}
+        if rec.get("state") == "started":
+            rec = {
+                "dir": rec.get("dir"),
+                "error": "the job started but did not finish (killed, out of memory or out of time?)",
+                "exit_code": 1,
+            }
+        jobs.append(rec)
+    return jobs
+
+
 class AggregateResults(Callback):
-    """Lock the experiment folder when a run or sweep starts; when it ends, merge the rows the
-    jobs wrote (where they wrote them, as each job reports its rows file) into
-    ``<folder>/rows.parquet`` and ``summary.csv`` (:func:`experiments.aggregate.aggregate`), draw the
-    figures in ``plots``, release the lock, and exit non-zero with one line when a job failed or
-    a figure could not be drawn.
+    """Refuse a launch Hydra would silently get wrong
+    (:func:`experiments.launch.launch_problem`); lock the experiment folder when a run or sweep
+    starts; when it ends, merge the rows its jobs wrote (where they wrote them, as each job
+    records its rows file on disk) into ``<folder>/rows.parquet`` and ``summary.csv``
+    (:func:`experiments.aggregate.aggregate`), draw the figures in ``plots``, release the lock,
+    and exit non-zero with one line when a job failed or a figure could not be drawn.
 
     Runs of earlier invocations stay in ``runs/`` but are not merged;
     ``python -m experiments.aggregate DIR`` merges every run of a folder.
@@ -131,50 +209,93 @@ class AggregateResults(Callback):
         self.exp_dir: Path | None = None
         self.lock: dict[str, Any] | None = None
         self.multirun = False
-        self.jobs: list[dict[str, Any]] = []  # what main() returned: rows, error, exit_code
+        self.rank_env = False  # this process exported a submitit job's rank variables
 
-    def _start(self, exp_dir: Path, multirun: bool) -> None:
-        self.exp_dir, self.jobs, self.multirun = exp_dir, [], multirun
+    def _start(self, config: DictConfig, multirun: bool) -> None:
+        from experiments.launch import launch_problem
+
+        self.exp_dir, self.multirun = experiment_dir(config), multirun
+        problem = launch_problem(config, multirun)  # the same on every rank under torchrun
+        if problem is not None:
+            if is_rank0():
+                print(f"flashcp-run: error: {problem}", file=sys.stderr)
+            raise SystemExit(2)
         if not is_rank0():
             return
         try:
-            self.lock = acquire_lock(exp_dir)
+            self.lock = acquire_lock(self.exp_dir)
         except RuntimeError as exc:
             print(f"flashcp-run: error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
+        # an interrupted sweep (Ctrl-C, SIGTERM) never reaches _finish: clean up at exit
+        atexit.register(self._cleanup)
+
+    def _cleanup(self) -> None:
+        """Remove this sweep's job records and release its lock (idempotent)."""
+        if self.exp_dir is None or self.lock is None:
+            return
+        shutil.rmtree(self.exp_dir / JOBS_DIR / self.lock["sweep_id"], ignore_errors=True)
+        with contextlib.suppress(OSError):  # empty once no other sweep has records here
+            (self.exp_dir / JOBS_DIR).rmdir()
+        release_lock(self.exp_dir, self.lock)
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._start(Path(config.results_dir) / config.name, multirun=False)
+        self._start(config, multirun=False)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._start(Path(config.hydra.sweep.dir), multirun=True)
+        self._start(config, multirun=True)
+
+    def _record_path(self, config: DictConfig) -> Path | None:
+        """Where this job's record goes (None off rank 0, or when no sweep holds the folder)."""
+        if not is_rank0():
+            return None
+        exp_dir = experiment_dir(config)
+        lock = read_lock(exp_dir)
+        if lock is None:
+            log.warning("no sweep holds %s: this job's result is not recorded", exp_dir)
+            return None
+        num = int(config.hydra.job.get("num") or 0)
+        return exp_dir / JOBS_DIR / str(lock["sweep_id"]) / f"{num}.json"
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.executor.name == "dist":
+            self.rank_env = export_submitit_rank_env()
+        path = self._record_path(config)
+        if path is not None:
+            run_dir = str(config.hydra.runtime.output_dir)
+            _write_json_atomic(path, {"dir": run_dir, "state": "started"})
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if self.rank_env:  # this job's ranks end here; a later job is another Slurm job
+            release_process_group()
+        path = self._record_path(config)
+        if path is None:
+            return
         run_dir = str(job_return.hydra_cfg.hydra.runtime.output_dir)
         if job_return.status == JobStatus.FAILED:  # main() turns failures into rows; not expected
             err = job_return._return_value
-            self.jobs.append(
-                {"dir": run_dir, "error": f"{type(err).__name__}: {err}", "exit_code": 1}
-            )
-            return
-        self.jobs.append({"dir": run_dir, **(job_return.return_value or {})})
+            rec = {"dir": run_dir, "error": f"{type(err).__name__}: {err}", "exit_code": 1}
+        else:
+            rec = {"dir": run_dir, **(job_return.return_value or {})}
+        _write_json_atomic(path, rec)
 
     def _finish(self, config: DictConfig) -> None:
         release_process_group()
-        if not is_rank0() or self.exp_dir is None:
+        if not is_rank0() or self.exp_dir is None or self.lock is None:
             return  # under torchrun only rank 0 locks, merges and reports
+        jobs = read_job_records(self.exp_dir, self.lock["sweep_id"])
         merge = config.get("task", "main") == "main"  # other tasks write their own tables
         try:
-            problems = self._merge_and_draw(config) if merge else []
+            problems = self._merge_and_draw(config, jobs) if merge else []
         finally:
-            release_lock(self.exp_dir, self.lock)
-        failed = [j for j in self.jobs if j.get("error")]
+            self._cleanup()
+        failed = [j for j in jobs if j.get("error")]
         if failed and not self.multirun:
             problems.insert(0, f"error: {failed[0]['error']}")
         elif failed:
             problems.insert(
                 0,
-                f"{len(failed)} of {len(self.jobs)} jobs failed (rows with status 'error: ...', "
+                f"{len(failed)} of {len(jobs)} jobs failed (rows with status 'error: ...', "
                 f"traceback in each run's log); first: {failed[0]['dir']}: {failed[0]['error']}",
             )
         for line in problems:
@@ -183,12 +304,12 @@ class AggregateResults(Callback):
             codes = [int(j.get("exit_code") or 1) for j in failed] if not self.multirun else []
             raise SystemExit(max([1, *codes]))
 
-    def _merge_and_draw(self, config: DictConfig) -> list[str]:
+    def _merge_and_draw(self, config: DictConfig, jobs: list[dict[str, Any]]) -> list[str]:
         """Merge the jobs' rows and draw the figures; return what went wrong (one line each)."""
         from experiments.aggregate import aggregate
         from experiments.plot import draw
 
-        paths = [Path(j["rows"]) for j in self.jobs if j.get("rows")]
+        paths = [Path(j["rows"]) for j in jobs if j.get("rows")]
         try:
             summary = aggregate(self.exp_dir, rows_paths=paths) if paths else None
         except ValueError as exc:

@@ -322,10 +322,23 @@ def draw(fig: str, exp_dir: str | Path) -> Path:
     return plotters[fig](table, exp_dir / f"{fig}.png")
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m experiments.plot {fig3,fig5,fig6,fig7} RESULTS_DIR/NAME")
+def _cli(argv: list[str] | None = None) -> None:
+    """``python -m experiments.plot FIG DIR``: draw FIG from DIR's CSV; one line on error."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.plot",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("fig", choices=["fig3", "fig5", "fig6", "fig7"], help="figure to draw")
+    ap.add_argument("exp_dir", metavar="RESULTS_DIR/NAME", help="experiment folder with its CSV")
+    args = ap.parse_args(argv)
     try:
-        print(draw(sys.argv[1], sys.argv[2]))
+        print(draw(args.fig, args.exp_dir))
     except ValueError as exc:
         sys.exit(f"error: {exc}")
+
+
+if __name__ == "__main__":
+    _cli()

@@ -672,4 +672,6 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from experiments.launch import main as launch_main  # readable errors, clean Ctrl-C/SIGTERM
+
+    launch_main()

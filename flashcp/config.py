@@ -232,8 +232,9 @@ class RunConfig:
     name: str = "default"
     #: folder name of one run inside ${results_dir}/${name}/runs (interpolated in config.yaml)
     run_key: str = "run"
-    #: root folder of results
-    results_dir: str = "results"
+    #: root folder of results; outputs/ is ignored by git (the committed reference results are
+    #: in results/: write there with results_dir=results)
+    results_dir: str = "outputs"
     #: N, number of CP ranks
     cp_size: int = 8
     #: C, tokens per packed sequence

@@ -55,8 +55,9 @@ __all__ = ["plan_flashcp_refined"]
 #: tails of at most f * W_mean workload (Eq. 3), heads over the other N - 1 ranks or over all N;
 #: split documents heavier than g * W_mean (None: none) stay Per-Doc; ``(f, "zigzag", o)`` =
 #: tail + Per-Doc head (:func:`_zigzag_head`) within f * W_mean, the head over all N ranks
-#: (o = None) or over the N - 1 others (o = 1.0)
-_LAYOUTS: tuple[tuple[float, bool | str, float | None] | None, ...] = (
+#: (o = None), over the N - 1 others (o = 1.0), or over the others but for the head's first
+#: chunk, which stays with the tail (o = "first")
+_LAYOUTS: tuple[tuple[float, bool | str, float | str | None] | None, ...] = (
     None,
     (0.7, False, None),
     (0.85, False, None),
@@ -70,6 +71,8 @@ _LAYOUTS: tuple[tuple[float, bool | str, float | None] | None, ...] = (
     (0.9, "zigzag", None),
     (0.97, "zigzag", None),
     (0.9, "zigzag", 1.0),
+    (0.95, "zigzag", "first"),
+    (1.0, "zigzag", "first"),
 )
 
 
@@ -150,7 +153,7 @@ def _tail_heads(
 
 
 def _zigzag_head(
-    d: np.ndarray, n: int, split: tuple[int, ...], budget: float, others: bool
+    d: np.ndarray, n: int, split: tuple[int, ...], budget: float, others: bool | str
 ) -> tuple[np.ndarray, ...] | None:
     """Shard columns ``(rank, doc, start, length)`` of the *tail + Per-Doc head* split.
 
@@ -161,11 +164,17 @@ def _zigzag_head(
     communication (``others``: 2(N-1) chunks over the N - 1 other ranks, so the tail's rank keeps
     its whole budget for the tail). For a document much heavier than a rank's share (several times W_mean, or
     longer than 2 C/N tokens) this keeps the expensive tail whole where Per-Doc would send
-    almost all of it. None when a rank would exceed C/N tokens.
+    almost all of it. ``others="first"``: the tail's rank also holds the head's first chunk
+    ``[0, a)`` with ``a = h / N`` (the cheapest tokens of the head, Eq. 3), and the rest of the head
+    goes to the N - 1 others in 2(N-1) chunks, so every rank sends about h / N tokens (Eq. 5 is
+    a max over ranks) while the tail's rank adds only ``a (a+1) / 2`` workload: what the ILP's
+    optimal plans do with a document longer than a rank's workload share. None when a rank
+    would exceed C/N tokens.
     """
     tpr = int(d.sum()) // n
     work, tokens = [0.0] * n, [0.0] * n
-    m = n - 1 if others else n  # ranks sharing a head
+    first = others == "first"
+    m = n - 1 if others else n  # ranks sharing the (rest of the) head
     if n == 1:  # nothing to split over
         return None
     cols: list[tuple[np.ndarray, ...]] = []
@@ -176,9 +185,14 @@ def _zigzag_head(
 
         def cost(t: int, length=length, share=share) -> float:  # tail plus r's share of head
             h = length - t
+            if first:  # the head's first chunk [0, h // N)
+                return (length * (length + 1) - h * (h + 1)) / 2 + (h // n) * (h // n + 1) / 2
             return (length * (length + 1) - h * (h + 1)) / 2 + share * h * (h + 1) / 2
 
-        hi = int((tpr - tokens[r] - share * length) / (1 - share))
+        if first:  # tokens t + (length - t) / N within the rank's room
+            hi = int((tpr - tokens[r] - length / n) / (1 - 1 / n))
+        else:
+            hi = int((tpr - tokens[r] - share * length) / (1 - share))
         hi = max(0, min(length - 1, hi))
         lo = 0
         while lo < hi:  # longest tail within the budget (cost grows with t)
@@ -193,8 +207,14 @@ def _zigzag_head(
             cols.append(tuple(np.array([x], dtype=np.int64) for x in (r, doc, h, t)))
             work[r] += (length * (length + 1) - h * (h + 1)) / 2
             tokens[r] += t
-        sizes, _ = per_doc_chunk_sizes(np.array([h], dtype=np.int64), m)
+        a = h // n if first else 0  # the tail rank's first head chunk
+        if a:
+            cols.append(tuple(np.array([x], dtype=np.int64) for x in (r, doc, 0, a)))
+            work[r] += a * (a + 1) / 2
+            tokens[r] += a
+        sizes, _ = per_doc_chunk_sizes(np.array([h - a], dtype=np.int64), m)
         hr, hd, hs, hl = per_doc_columns(np.array([doc], dtype=np.int64), sizes, m)
+        hs = hs + a
         ranks = np.array([q for q in range(n) if not others or q != r], dtype=np.int64)
         hr = ranks[hr]
         cols.append((hr, hd, hs, hl))
@@ -224,7 +244,8 @@ def _candidate(
     tpr = int(d.sum()) // n
     mean_work = float((d * (d + 1) // 2).sum()) / n
     if layout is not None and layout[1] == "zigzag":
-        cols4 = _zigzag_head(d, n, split, layout[0] * mean_work, bool(layout[2]))
+        mode = layout[2] if isinstance(layout[2], str) else bool(layout[2])
+        cols4 = _zigzag_head(d, n, split, layout[0] * mean_work, mode)
         if cols4 is None:
             return None
         rank, doc, start, length = cols4
@@ -399,14 +420,7 @@ def plan_flashcp_refined(
         raise ValueError(f"num_candidates must be >= 0, got {num_candidates!r}")
     order = np.argsort(-d, kind="stable").tolist()
     cache: dict[tuple, Plan | None] = {}
-
-    def evaluate(
-        layout: tuple[float, bool | str, float | None] | None, s: tuple[int, ...]
-    ) -> Plan | None:
-        key = (layout, tuple(sorted(s)))
-        if key not in cache:
-            cache[key] = _candidate(d, n, key[1], order, layout)
-        return cache[key]
+    keys: dict[tuple, tuple] = {}  # the ranking key of every cached candidate, computed once
 
     def meets(p: Plan | None) -> bool:
         return p is not None and p.imbalance_ratio <= target_imbalance
@@ -414,29 +428,44 @@ def plan_flashcp_refined(
     def rank_key(p: Plan | None) -> tuple:
         if p is None:
             return (True, np.inf, np.inf)
-        return (not meets(p), p.comm_tokens, p.imbalance_ratio)
+        ratio = p.imbalance_ratio
+        return (ratio > target_imbalance, p.comm_tokens, ratio)
+
+    def evaluate(
+        layout: tuple[float, bool | str, float | None] | None, s: tuple[int, ...]
+    ) -> tuple:
+        """The ranking key of the candidate (``layout``, ``s``); its plan is ``cache[...]``."""
+        key = (layout, tuple(sorted(s)))
+        if key not in cache:
+            cache[key] = _candidate(d, n, key[1], order, layout)
+            keys[key] = rank_key(cache[key])
+        return keys[key]
+
+    def best_cached() -> tuple:
+        key = min(keys, key=keys.__getitem__)
+        return key, cache[key]
 
     # 1. the paper's longest-first loop, once per split layout
     paper_k = 0
-    while paper_k < len(order) and not meets(evaluate(None, tuple(order[:paper_k]))):
+    while paper_k < len(order) and evaluate(None, tuple(order[:paper_k]))[0]:
         paper_k += 1
     for layout in _LAYOUTS[1:]:  # tail + heads should need no more splits than Per-Doc
         for k in range(1, min(paper_k + 1, len(order)) + 1):
-            if meets(evaluate(layout, tuple(order[:k]))):
+            if not evaluate(layout, tuple(order[:k]))[0]:
                 break
-    (layout, best_set), best = min(cache.items(), key=lambda kv: rank_key(kv[1]))
+    (layout, best_set), best = best_cached()
     k = len(best_set)
     # 2. substitution of the k-th longest, in the best layout
     if k > 0:
         for x in order[k : k + num_candidates]:
             evaluate(layout, (*order[: k - 1], x))
-    (layout, best_set), best = min(cache.items(), key=lambda kv: rank_key(kv[1]))
+    (layout, best_set), best = best_cached()
     # 3. elimination
     while meets(best) and best_set:
         for x in best_set:
             evaluate(layout, tuple(m for m in best_set if m != x))
-        (layout2, set2), cand = min(cache.items(), key=lambda kv: rank_key(kv[1]))
-        if rank_key(cand) >= rank_key(best):
+        (layout2, set2), cand = best_cached()
+        if keys[(layout2, set2)] >= keys[(layout, best_set)]:
             break
         layout, best_set, best = layout2, set2, cand
     paper = plan_flashcp(d, n, target_imbalance=target_imbalance, validate=False)
@@ -447,7 +476,8 @@ def plan_flashcp_refined(
         "split_docs": list(best_set),
         "split_layout": "per_doc"
         if layout is None
-        else f"tail_zigzag_head_{layout[0]:g}" + ("_others" if layout[2] else "")
+        else f"tail_zigzag_head_{layout[0]:g}"
+        + ("_first" if layout[2] == "first" else "_others" if layout[2] else "")
         if layout[1] == "zigzag"
         else f"tail_heads_{layout[0]:g}"
         + ("_all" if layout[1] else "")

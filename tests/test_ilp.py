@@ -98,7 +98,7 @@ def test_formulations_agree_on_random_instances(seed):
     for formulation in FORMULATIONS:
         plan = plan_ilp(
             d, 3, block_size=8, max_imbalance=1.1, gap=0.0, time_limit_s=60,
-            formulation=formulation, warm_start="best",
+            formulation=formulation, warm_start="best", lp_rounding=False,
         )  # fmt: skip
         assert plan.status == "ok", plan.info
         objectives.append(plan.info["objective"])
@@ -349,3 +349,94 @@ def test_run_table2_smoke(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     ilp = summary.set_index("method").loc["ilp"]
     assert ilp["ilp_optimal"] + ilp["ilp_time_limit"] + ilp["ilp_fallback"] == 1
+
+
+@pytest.mark.parametrize(
+    "planner, opts",
+    [(plan_flashcp_refined, {}), (plan_ilp, {"block_size": 2, "time_limit_s": 10})],
+)
+def test_refined_and_ilp_share_the_zero_length_and_pad_handling(planner, opts):
+    assert planner.is_planner_entry
+    plan = planner([8, 0, 4, 2, 0, 2], 2, **opts)
+    plan.validate()
+    assert plan.num_docs == 6 and 1 not in plan.doc.tolist() and 4 not in plan.doc.tolist()
+    assert all(i not in (1, 4) for k, v in plan.info.items() if k.endswith("_docs") for i in v)
+    padded = planner([8, 4, 2, 1], 2, pad_to_multiple=True, **opts)
+    padded.validate()
+    assert padded.num_pad == 1 and padded.tokens_per_rank.tolist() == [8, 8]
+    empty = planner([0, 0], 2, **opts)
+    assert empty.num_shards == 0
+    if planner is plan_ilp:
+        assert "num_grid_pieces" in plan.info and "num_pieces" not in plan.info
+
+
+def _lp_instance(seed, n=3, block=8):
+    from flashcp.ilp.model import Instance
+
+    rng = np.random.default_rng(seed)
+    d = rng.integers(1, 40, size=int(rng.integers(4, 9)))
+    d[-1] += (-int(d.sum())) % n
+    pdoc, pstart, plen = block_pieces(d, block)
+    return Instance(d, n, pdoc, pstart, plen, 1.0, None)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rounding_a_fractional_solution_gives_a_valid_plan(seed):
+    from flashcp.ilp.model import round_fractions
+
+    inst = _lp_instance(seed)
+    n, tpr = inst.cp_size, inst.tokens_per_rank
+    rng = np.random.default_rng(seed)
+    # a fractional point with the right marginals: piece shares proportional to random weights,
+    # then scaled (Sinkhorn) so that every rank holds C / N tokens
+    f = rng.random((inst.plen.size, n)) + 1e-3
+    for _ in range(500):
+        f /= f.sum(axis=1, keepdims=True)
+        f *= tpr / (inst.plen[:, None] * f).sum(axis=0)
+    f /= f.sum(axis=1, keepdims=True)
+    plan = make_plan("ilp", n, inst.doc_lens, *round_fractions(inst, f))
+    plan.validate()  # every token once, exactly C / N per rank (Eq. 1, Eq. 2)
+    # an integral point is reproduced exactly: the plan of a heuristic, one-hot on the grid
+    ref = plan_flashcp(inst.doc_lens, n)
+    from flashcp.ilp.model import piece_ranks, refine_grid
+
+    fine = refine_grid(inst, ref.doc, ref.start)
+    ranks = piece_ranks(
+        ref.rank, ref.doc, ref.start, fine.pdoc, fine.pstart, int(ref.doc_lens.sum())
+    )
+    onehot = np.eye(n)[ranks]
+    again = make_plan("ilp", n, fine.doc_lens, *round_fractions(fine, onehot))
+    assert again.rank.size == ref.rank.size
+    assert again.comm_tokens == ref.comm_tokens
+    assert again.workload_per_rank.tolist() == ref.workload_per_rank.tolist()
+
+
+def test_refine_grid_keeps_every_cut_and_adds_the_new_ones():
+    from flashcp.ilp.model import refine_grid
+
+    inst = _lp_instance(0, block=4)
+    fine = refine_grid(inst, np.array([0, 1, 1]), np.array([1, 2, 0]))
+    old = set(zip(inst.pdoc.tolist(), inst.pstart.tolist(), strict=True))
+    new = set(zip(fine.pdoc.tolist(), fine.pstart.tolist(), strict=True))
+    assert old <= new and (0, 1) in new
+    assert (1, 2) in new or inst.doc_lens[1] <= 2
+    assert np.bincount(fine.pdoc, weights=fine.plen).tolist() == inst.doc_lens.tolist()
+
+
+@pytest.mark.parametrize("solver", _solvers())
+def test_lp_rounded_start_is_valid_and_never_worse_than_the_grid_optimum(solver):
+    doc_lens, n, block, cap = [6, 5, 3, 2], 2, 2, 1.1
+    expected = _brute_force(tuple(doc_lens), n, block, 1.0, cap)
+    plan = plan_ilp(
+        doc_lens, n, block_size=block, max_imbalance=cap, solver=solver, gap=0.0,
+        time_limit_s=30, warm_start="flashcp", lp_rounding=True,
+    )  # fmt: skip
+    plan.validate()
+    assert plan.info["lp_rounding"] is True
+    assert plan.info["lp_bound"] is not None and plan.info["lp_bound"] <= expected + 1e-9
+    assert plan.info["warm_start_source"] in ("heuristic", "lp_rounding")
+    # the grid only gains cut points (the warm starts'), so the optimum can only improve
+    assert plan.status == "ok" and plan.info["objective"] <= expected + 1e-9
+    assert plan.imbalance_ratio <= cap + 1e-12
+    without = plan_ilp(doc_lens, n, block_size=block, max_imbalance=cap, warm_start=None)
+    assert without.info["lp_rounding"] is False and without.info["lp_bound"] is None

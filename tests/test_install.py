@@ -56,8 +56,8 @@ def test_wheel_install_runs_default_experiment(tmp_path):
         [env_dir / "bin" / "flashcp-run", "num_sequences=2", "context_len=16384", "progress=false"],
         cwd=work, env=env,
     )  # fmt: skip
-    runs = list((work / "results" / "default" / "runs").glob("*/rows.parquet"))
-    assert len(runs) == 1, f"expected one run under {work}/results/default/runs, found {runs}"
+    runs = list((work / "outputs" / "default" / "runs").glob("*/rows.parquet"))
+    assert len(runs) == 1, f"expected one run under {work}/outputs/default/runs, found {runs}"
     rows = pd.read_parquet(runs[0])
     assert len(rows) == 4  # 2 sequences x (train, infer)
     assert (rows["status"] == "ok").all(), rows["status"].tolist()

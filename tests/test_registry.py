@@ -309,3 +309,38 @@ def test_enum_fields_keep_their_strings():
     plain = {"executor": "emulate", "task": "table2", "overlong": "split"}
     typed = {"executor": cfg.executor.name, "task": cfg.task, "overlong": cfg.dataset.overlong}
     assert config_hash(typed) == config_hash(plain)
+
+
+def test_the_plan_cli_takes_any_planner_option(capsys):
+    import json
+
+    from flashcp.cli import main
+
+    args = [
+        "plan",
+        "--method",
+        "flashcp_refined",
+        "--cp-size",
+        "4",
+        "--doc-lens",
+        "9000,3000,500,4000",
+    ]
+    assert (
+        main([*args, "--option", "num_candidates=4", "--option", "target_imbalance=1.3", "--json"])
+        == 0
+    )
+    got = json.loads(capsys.readouterr().out)
+    want = make_plan_for(
+        "flashcp_refined", [9000, 3000, 500, 4000], 4, num_candidates=4, target_imbalance=1.3
+    )
+    assert got["ranks"] == want.to_dict()["ranks"]
+    for bad, needle in [
+        ("bogus=1", "no option 'bogus'; its options: target_imbalance, num_candidates"),
+        ("num_candidates=many", "bad value 'many' for option 'num_candidates'"),
+        ("num_candidates", "--option takes KEY=VALUE"),
+    ]:
+        assert main([*args, "--option", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+    assert main(["plan", "--method", "ulysses", "--cp-size", "2", "--doc-lens", "4"]) == 2
+    assert "invalid choice: 'ulysses'" in capsys.readouterr().err

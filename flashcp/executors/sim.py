@@ -13,6 +13,7 @@ profile) and every mode is then priced from them. A worker process takes a chunk
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -201,6 +202,14 @@ def _price_one_by_one(
     return out
 
 
+def _worker_init() -> None:
+    """Initializer of the pool's workers: leave Ctrl-C to the parent (it stops the pool and says
+    so in one line, :mod:`experiments.launch`; a worker that took it would print a traceback) and
+    let SIGTERM end a worker at once."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _price_star(args: tuple) -> tuple[pd.DataFrame, dict[str, float]]:
     return price_sequences(*args)
 
@@ -251,7 +260,7 @@ def execute(
         disable=progress is None or not sys.stderr.isatty(),
     )  # fmt: skip
     with bar:
-        pool = ProcessPoolExecutor(max_workers=workers) if workers > 1 else None
+        pool = ProcessPoolExecutor(workers, initializer=_worker_init) if workers > 1 else None
         try:
             results = pool.map(_price_star, jobs) if pool else map(_price_star, jobs)
             for job, (part, sec) in zip(jobs, results, strict=True):

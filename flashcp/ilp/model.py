@@ -15,7 +15,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FORMULATIONS", "Infeasible", "Instance", "Model", "block_pieces", "build_model"]
+__all__ = [
+    "FORMULATIONS",
+    "Infeasible",
+    "Instance",
+    "Model",
+    "block_pieces",
+    "build_model",
+    "piece_ranks",
+    "refine_grid",
+    "round_fractions",
+]
 
 #: the ILP formulations (see :mod:`flashcp.ilp`)
 FORMULATIONS = ("patterns", "pieces")
@@ -134,6 +144,13 @@ class Model:
         read: ``read()`` -> (n_pieces,) int64 rank of every piece from the solved variables, or
             None when they are not integral.
         num_binaries, num_integers: model size.
+        fractions: ``fractions()`` -> (n_pieces, N) float64, the share of every piece on every
+            rank in the current (possibly fractional, e.g. LP-relaxed) solution; rows sum to 1.
+        tail_vars: ``{doc: [binary, ...]}``, the variables choosing each document's last shard
+            (exactly one is 1), or None (formulation ``pieces``); single-piece documents of
+            equal length, aggregated into counts, have none.
+        count_vars: ``[[integer, ...], ...]``, per group of aggregated documents its count on
+            every rank (summing to the group's size), or None.
     """
 
     prob: Any
@@ -142,6 +159,9 @@ class Model:
     read: Any
     num_binaries: int
     num_integers: int
+    fractions: Any = None
+    tail_vars: dict | None = None
+    count_vars: list | None = None
 
 
 def _expr(pairs: list[tuple[Any, float]]):
@@ -248,7 +268,11 @@ def _build_pieces(inst: Instance, seed_rank: np.ndarray | None) -> Model:
             return None
         return xv.argmax(axis=1).astype(np.int64)
 
-    return _with_maxima(Model(prob, svars, svals, read, npieces * n, 0), inst, seed_rank, z_w, z_c)
+    def fractions() -> np.ndarray:
+        return np.array([[v.value() or 0.0 for v in row] for row in x])  # (n_pieces, N)
+
+    model = Model(prob, svars, svals, read, npieces * n, 0, fractions)
+    return _with_maxima(model, inst, seed_rank, z_w, z_c)
 
 
 def _build_patterns(inst: Instance, seed_rank: np.ndarray | None) -> Model:
@@ -394,7 +418,22 @@ def _build_patterns(inst: Instance, seed_rank: np.ndarray | None) -> Model:
             out[first[members]] = np.repeat(np.arange(len(counts)), counts)
         return out if (out >= 0).all() else None
 
-    return _with_maxima(Model(prob, svars, svals, read, nbin, nint), inst, seed_rank, z_w, z_c)
+    def fractions() -> np.ndarray:
+        out = np.zeros((pdoc.size, n))
+        for doc, uv in u.items():  # a tail from piece k covers pieces k .. last
+            for (k, r), v in uv.items():
+                out[k : last[doc] + 1, r] += v.value() or 0.0
+        for i, hv in h.items():
+            out[i] += [v.value() or 0.0 for v in hv]
+        for leader, cv in cnt.items():
+            members = agg[leader]
+            share = np.array([v.value() or 0.0 for v in cv]) / len(members)
+            out[first[members], : len(cv)] += share
+        return np.clip(out, 0.0, None)
+
+    tail_vars = {doc: list(uv.values()) for doc, uv in u.items()}
+    model = Model(prob, svars, svals, read, nbin, nint, fractions, tail_vars, list(cnt.values()))
+    return _with_maxima(model, inst, seed_rank, z_w, z_c)
 
 
 def build_model(formulation: str, inst: Instance, seed_rank: np.ndarray | None) -> Model:
@@ -413,3 +452,104 @@ def build_model(formulation: str, inst: Instance, seed_rank: np.ndarray | None) 
     if formulation == "pieces":
         return _build_pieces(inst, seed_rank)
     raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+
+
+def piece_ranks(
+    rank: np.ndarray,
+    doc: np.ndarray,
+    start: np.ndarray,
+    pdoc: np.ndarray,
+    pstart: np.ndarray,
+    context_len: int,
+) -> np.ndarray:
+    """(n_pieces,) int64: the rank of every grid piece ``(pdoc, pstart)`` in a plan given by its
+    shard columns ``(rank, doc, start)`` (the shard holding the piece's first token). The grid
+    must contain the plan's cut points (:func:`block_pieces` with ``extra_cuts``)."""
+    order = np.lexsort((start, doc))
+    key = doc[order] * (context_len + 1) + start[order]
+    idx = np.searchsorted(key, pdoc * (context_len + 1) + pstart, side="right") - 1
+    return rank[order][idx]
+
+
+def refine_grid(inst: Instance, doc: np.ndarray, start: np.ndarray) -> Instance:
+    """``inst`` with its pieces further cut at the token offsets ``start`` of documents ``doc``
+    ((k,) int each), e.g. the cut points of a plan, so that the plan is representable."""
+    d = inst.doc_lens
+    cu = np.concatenate([[0], np.cumsum(d)])
+    inside = (start > 0) & (start < d[doc])
+    cuts = np.unique(
+        np.concatenate([cu[inst.pdoc] + inst.pstart, cu[doc[inside]] + start[inside], cu[-1:]])
+    )
+    pos, length = cuts[:-1], np.diff(cuts)
+    pdoc = np.searchsorted(cu, pos, side="right") - 1
+    return Instance(
+        d, inst.cp_size, pdoc, pos - cu[pdoc], length, inst.comm_weight, inst.max_imbalance
+    )
+
+
+def round_fractions(inst: Instance, frac: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Shard columns ``(rank, doc, start, length)`` of a plan that realises a fractional solution
+    by cutting pieces instead of rounding them: piece i gives about ``len_i * frac[i, r]`` tokens
+    to rank r, rounded so that every piece keeps its length and every rank gets exactly C / N
+    tokens (Eq. 1, Eq. 2). Within a piece, the rank holding most of its document's last piece
+    takes the piece's end, so that a document whose tail the solution keeps on one rank keeps it
+    there as its last shard; the other shares come before it, lowest rank first.
+
+    Args:
+        inst: the instance (its pieces).
+        frac: (n_pieces, N) float, shares of every piece on every rank, rows summing to 1 and
+            columns to C / N tokens (an LP solution's :attr:`Model.fractions`).
+    Returns:
+        (k,) int64 each, in no particular order (:func:`flashcp.plan.make_plan` sorts and merges).
+    """
+    n, tpr = inst.cp_size, inst.tokens_per_rank
+    plen = inst.plen
+    f = np.clip(np.nan_to_num(np.asarray(frac, dtype=np.float64)), 0.0, None)
+    f /= np.maximum(f.sum(axis=1, keepdims=True), 1e-12)
+    want = plen[:, None] * f  # (n_pieces, N) tokens
+    amount = np.floor(want + 1e-9).astype(np.int64)
+    # give every piece its remaining tokens, largest fractional parts first, on ranks that still
+    # lack tokens (total row and column deficits are equal, so this always completes)
+    col_left = tpr - amount.sum(axis=0)
+    for i in np.flatnonzero(amount.sum(axis=1) < plen):
+        need = int(plen[i] - amount[i].sum())
+        for r in np.argsort(-(want[i] - amount[i]), kind="stable"):
+            if need == 0:
+                break
+            take = min(need, int(col_left[r]))
+            if take > 0 and want[i, r] - amount[i, r] > 1e-9:
+                amount[i, r] += take
+                col_left[r] -= take
+                need -= take
+        for r in np.argsort(-col_left, kind="stable"):
+            if need == 0:
+                break
+            take = min(need, int(col_left[r]))
+            amount[i, r] += take
+            col_left[r] -= take
+            need -= take
+    # a rank over C / N (rounding up where its column had no room) gives back to one under it
+    over = np.flatnonzero(col_left < 0)
+    for r in over:
+        for i in np.flatnonzero(amount[:, r] > 0):
+            if col_left[r] >= 0:
+                break
+            for q in np.flatnonzero(col_left > 0):
+                move = min(int(amount[i, r]), int(-col_left[r]), int(col_left[q]))
+                amount[i, r] -= move
+                amount[i, q] += move
+                col_left[r] += move
+                col_left[q] -= move
+    n_docs = inst.doc_lens.size
+    last = np.searchsorted(inst.pdoc, np.arange(n_docs), side="right") - 1
+    tail_rank = amount[last].argmax(axis=1)  # (n_docs,)
+    rows = []
+    for i in range(plen.size):
+        tr = int(tail_rank[inst.pdoc[i]])
+        p = int(inst.pstart[i])
+        for r in [*(q for q in range(n) if q != tr), tr]:
+            a = int(amount[i, r])
+            if a:
+                rows.append((r, int(inst.pdoc[i]), p, a))
+                p += a
+    return tuple(np.array(c, dtype=np.int64) for c in zip(*rows, strict=True))

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from flashcp.ilp.model import FORMULATIONS, Instance, block_pieces
+from flashcp.ilp.model import FORMULATIONS, Instance, block_pieces, piece_ranks
 from flashcp.ilp.worker import run_job
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
 
@@ -66,14 +66,6 @@ def _heuristic(
     )
 
 
-def _seed_ranks(seed: Plan, pdoc: np.ndarray, pstart: np.ndarray, context_len: int) -> np.ndarray:
-    """(n_pieces,) int64 rank of every piece in ``seed`` (the shard holding its first token)."""
-    order = np.lexsort((seed.start, seed.doc))
-    key_seed = seed.doc[order] * (context_len + 1) + seed.start[order]
-    idx = np.searchsorted(key_seed, pdoc * (context_len + 1) + pstart, side="right") - 1
-    return seed.rank[order][idx]
-
-
 @planner_entry("ilp")
 def plan_ilp(
     doc_lens,
@@ -93,6 +85,7 @@ def plan_ilp(
     watchdog_grace_s: float = 10.0,
     solver_path: str | None = None,
     validate: bool = True,
+    lp_rounding: bool = True,
 ) -> Plan:
     """Plan FlashCP's layout by solving the ILP of :mod:`flashcp.ilp`.
 
@@ -130,6 +123,12 @@ def plan_ilp(
             killed and its temporary files deleted.
         solver_path: a CBC executable to use instead of PuLP's bundled one.
         validate: check the fallback plan's invariants (a solver's plan is always checked).
+        lp_rounding: before the MIP, solve its LP relaxation and cut the fractional solution
+            into a plan (each piece shared among ranks in the LP's proportions,
+            :func:`flashcp.ilp.model.round_fractions`); when that plan meets the cap and beats
+            the warm start, its cut points are added to the grid and it becomes the MIP start
+            (``info["warm_start_source"] = "lp_rounding"``). Like the warm start's cut points,
+            only with a ``warm_start``: without one the grid is exactly ``block_size``'s.
     Returns:
         A :class:`~flashcp.plan.Plan` with ``method="ilp"`` and status ``"ok"`` (proven optimal
         within ``gap``), ``"time_limit"`` (incumbent without proof) or ``"fallback"``. ``info``:
@@ -137,8 +136,10 @@ def plan_ilp(
         ``infeasible`` / ``not_solved`` / ``killed``), ``objective`` (of the returned plan),
         ``model_objective``, ``best_bound``, ``gap`` ((objective - bound) / objective; None when
         unknown), ``saving_upper_bound`` (:func:`saving_bound`), ``seed_objective``,
-        ``seed_method``, ``warm_start_given``, ``warm_start_accepted``, ``block_size``,
-        ``num_pieces``, ``num_binaries``, ``num_integers``, ``build_time_s``, ``solve_time_s``,
+        ``seed_method``, ``warm_start_given``, ``warm_start_accepted``, ``warm_start_source``,
+        ``lp_rounding``, ``lp_bound`` (the root LP relaxation), ``lp_rounded_objective``,
+        ``block_size``,
+        ``num_grid_pieces`` (pieces of the grid, not of the plan: :attr:`Plan.num_pieces`), ``num_binaries``, ``num_integers``, ``build_time_s``, ``solve_time_s``,
         ``solve_cpu_s``, ``wall_time_s``, ``time_limit_s``, ``comm_weight``, ``max_imbalance``, ``warm_start``.
     Raises:
         ValueError: bad lengths, ``cp_size`` < 1, C not divisible by N, bad options, HiGHS asked
@@ -180,7 +181,11 @@ def plan_ilp(
     cuts = None if seed is None else (seed.doc, seed.start)
     pdoc, pstart, plen = block_pieces(d, block_size, cuts)
     inst = Instance(d, n, pdoc, pstart, plen, float(comm_weight), max_imbalance)
-    seed_rank = None if seed is None else _seed_ranks(seed, pdoc, pstart, context_len)
+    seed_rank = (
+        None
+        if seed is None
+        else piece_ranks(seed.rank, seed.doc, seed.start, pdoc, pstart, context_len)
+    )
     job = {
         "formulation": formulation,
         "instance": inst,
@@ -190,15 +195,20 @@ def plan_ilp(
         "time_limit_s": time_limit_s,
         "gap": gap,
         "threads": threads,
+        "lp_rounding": bool(lp_rounding) and seed is not None,
+        "seed_objective": None if seed is None else plan_objective(seed, comm_weight),
     }
     res = run_job(job, time_limit_s, watchdog_grace_s)
+    if res.get("instance") is not None:  # the rounded LP start refined the grid
+        inst = res["instance"]
+        pdoc, pstart, plen = inst.pdoc, inst.pstart, inst.plen
     wall = time.perf_counter() - t0
 
     info: dict[str, Any] = {
         "solver": solver,
         "formulation": formulation,
         "block_size": int(block_size),
-        "num_pieces": int(pdoc.size),
+        "num_grid_pieces": int(pdoc.size),
         "num_binaries": res.get("num_binaries"),
         "num_integers": res.get("num_integers"),
         "build_time_s": res.get("build_time_s"),
@@ -213,6 +223,10 @@ def plan_ilp(
         "seed_objective": None if seed is None else plan_objective(seed, comm_weight),
         "warm_start_given": bool(res.get("warm_start_given")),
         "warm_start_accepted": res.get("warm_start_accepted"),
+        "warm_start_source": res.get("warm_start_source"),
+        "lp_rounding": job["lp_rounding"],
+        "lp_bound": res.get("lp_bound"),
+        "lp_rounded_objective": res.get("lp_rounded_objective"),
     }
     error = res.get("error")
     if res["sol"] in ("optimal", "feasible"):

@@ -83,19 +83,131 @@ def _cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+#: most LP solves of the dive in :func:`_lp_rounded_start`, and the share of the solve's time
+#: limit it may take
+_DIVE_SOLVES = 40
+_DIVE_SHARE = 0.25
+
+
+def _lp_rounded_start(
+    model, inst, seed_objective: float | None, deadline: float | None = None
+) -> dict[str, Any]:
+    """A MIP start from ``model``'s LP relaxation.
+
+    Solve the LP, then dive: fix the most decided fractional last-shard choice, re-solve, and
+    repeat, one document at a time (at most :data:`_DIVE_SOLVES` LP solves; a choice that makes
+    the LP infeasible is forbidden instead), then round the counts of aggregated documents. Cut
+    the root and the dived solutions into plans (:func:`flashcp.ilp.model.round_fractions`) and
+    keep the better; when it meets the imbalance cap and beats ``seed_objective``, return it as
+    a MIP start on the grid refined by its cut points. The LP solves count against the solve's
+    time limit (they run before it starts); the dive stops at ``deadline``
+    (``time.perf_counter()`` seconds, None: no deadline).
+
+    Returns ``{"lp_bound", "objective", "instance", "seed_rank"}`` (``instance`` / ``seed_rank``
+    None when the rounded plan is not used; ``lp_bound`` / ``objective`` None when unknown).
+    """
+    import pulp
+
+    from flashcp.ilp.model import piece_ranks, refine_grid, round_fractions
+    from flashcp.plan import make_plan
+
+    out = {"lp_bound": None, "objective": None, "instance": None, "seed_rank": None}
+    cats = {v.name: v.cat for v in model.prob.variables()}
+    for v in model.prob.variables():
+        v.cat = pulp.LpContinuous
+    fixed = []
+    try:
+        model.prob.solve(pulp.HiGHS(msg=False, threads=1))
+        if model.prob.status != pulp.LpStatusOptimal:
+            return out
+        out["lp_bound"] = float(pulp.value(model.prob.objective))
+        frac = root = model.fractions()
+        # dive: fix the most decided fractional last-shard choice and re-solve, one document at
+        # a time (forbid the choice instead when fixing it makes the LP infeasible), so that
+        # fewer documents are cut where the LP shares them between ranks
+        for _ in range(_DIVE_SOLVES):
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            shares = [
+                (max((v.value() or 0.0) for v in vs), vs) for vs in (model.tail_vars or {}).values()
+            ]
+            open_ = [(x, vs) for x, vs in shares if x < 1 - 1e-6]
+            if not open_:
+                break
+            _, vs = max(open_, key=lambda t: t[0])
+            v = max(vs, key=lambda w: w.value() or 0.0)
+            fixed.append((v, v.lowBound, v.upBound))
+            v.lowBound = 1
+            model.prob.solve(pulp.HiGHS(msg=False, threads=1))
+            if model.prob.status != pulp.LpStatusOptimal:
+                v.lowBound, v.upBound = 0, 0
+                model.prob.solve(pulp.HiGHS(msg=False, threads=1))
+                if model.prob.status != pulp.LpStatusOptimal:
+                    break
+            frac = model.fractions()
+        # then round the counts of aggregated documents (largest remainder), if the LP allows
+        counts = []
+        for cv in model.count_vars or []:
+            vals = np.array([v.value() or 0.0 for v in cv])
+            target = np.floor(vals + 1e-9)
+            extra = round(float(vals.sum() - target.sum()))
+            target[np.argsort(-(vals - target), kind="stable")[:extra]] += 1
+            if np.abs(vals - target).max() > 1e-6:
+                counts += [(v, v.lowBound, v.upBound, t) for v, t in zip(cv, target, strict=True)]
+        if counts:
+            for v, _, _, t in counts:
+                v.lowBound = v.upBound = float(t)
+            fixed += [(v, lb, ub) for v, lb, ub, _ in counts]
+            model.prob.solve(pulp.HiGHS(msg=False, threads=1))
+            if model.prob.status == pulp.LpStatusOptimal:
+                frac = model.fractions()
+    finally:
+        for v, lb, ub in fixed:
+            v.lowBound, v.upBound = lb, ub
+        for v in model.prob.variables():
+            v.cat = cats[v.name]
+    n, d = inst.cp_size, inst.doc_lens
+    best = None  # (over the cap, objective, plan) of the rounded root and dived solutions
+    for f in (root, frac):
+        try:
+            plan = make_plan("ilp", n, d, *round_fractions(inst, f))
+        except ValueError:
+            continue
+        over = inst.max_imbalance is not None and plan.imbalance_ratio > inst.max_imbalance + 1e-12
+        obj = plan.imbalance_ratio + inst.comm_weight * (1.0 - plan.comm_saving)
+        if best is None or (over, obj) < best[:2]:
+            best = (over, obj, plan)
+    if best is None:
+        return out
+    over, obj, plan = best
+    out["objective"] = obj
+    if not over and (seed_objective is None or obj < seed_objective - 1e-12):
+        refined = refine_grid(inst, plan.doc, plan.start)
+        out["instance"] = refined
+        out["seed_rank"] = piece_ranks(
+            plan.rank, plan.doc, plan.start, refined.pdoc, refined.pstart, int(d.sum())
+        )
+    return out
+
+
 def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     """Build and solve one model (runs in the worker process).
 
     ``job``: ``formulation``, ``instance`` (:class:`flashcp.ilp.model.Instance`), ``seed_rank``
     ((n_pieces,) int64 or None), ``solver`` (``cbc`` / ``highs``), ``solver_path`` (a CBC
     executable, or None for PuLP's bundled one), ``time_limit_s`` (wall clock for build + solve,
-    or None), ``gap``, ``threads``, ``tmpdir``.
+    or None), ``gap``, ``threads``, ``tmpdir``; optional ``lp_rounding`` (first solve the LP
+    relaxation and use its rounded plan as the MIP start when it beats the seed,
+    :func:`_lp_rounded_start`) and ``seed_objective`` (the seed plan's objective).
 
     Returns a dict: ``sol`` (``optimal`` / ``feasible`` / ``infeasible`` / ``none``), ``assign``
     ((n_pieces,) int64 or None), ``bound``, ``model_objective``, ``error``,
     ``warm_start_given``, ``warm_start_accepted`` (True / False / None = unknown),
     ``num_binaries``, ``num_integers``, ``build_time_s``, ``solve_time_s`` (wall clock) and
-    ``solve_cpu_s`` (CPU seconds of the solve: on a loaded machine, what the solver really got).
+    ``solve_cpu_s`` (CPU seconds of the solve: on a loaded machine, what the solver really got),
+    ``lp_bound`` (the root LP relaxation's objective), ``lp_rounded_objective``,
+    ``warm_start_source`` (``heuristic`` / ``lp_rounding`` / None) and ``instance`` (the refined
+    instance whose pieces ``assign`` refers to, when the rounded start refined the grid; else None).
     """
     import pulp
 
@@ -115,9 +227,23 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
         "build_time_s": None,
         "solve_time_s": None,
         "solve_cpu_s": None,
+        "lp_bound": None,
+        "lp_rounded_objective": None,
+        "warm_start_source": None if job["seed_rank"] is None else "heuristic",
+        "instance": None,
     }
+    inst, seed_rank = job["instance"], job["seed_rank"]
     try:
-        model = build_model(job["formulation"], job["instance"], job["seed_rank"])
+        model = build_model(job["formulation"], inst, seed_rank)
+        if job.get("lp_rounding"):
+            limit = job["time_limit_s"]  # the dive may take a quarter of the time limit
+            deadline = None if limit is None else t0 + _DIVE_SHARE * limit
+            rounded = _lp_rounded_start(model, inst, job.get("seed_objective"), deadline)
+            out.update(lp_bound=rounded["lp_bound"], lp_rounded_objective=rounded["objective"])
+            if rounded["instance"] is not None:  # a better start than the heuristic's
+                inst, seed_rank = rounded["instance"], rounded["seed_rank"]
+                model = build_model(job["formulation"], inst, seed_rank)
+                out.update(warm_start_source="lp_rounding", instance=inst)
     except Infeasible as exc:
         out.update(sol="infeasible", error=str(exc), build_time_s=time.perf_counter() - t0)
         return out

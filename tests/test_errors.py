@@ -1,0 +1,173 @@
+"""Errors a person can read: each mistake on the ``flashcp-run`` command line is one line naming
+the bad value and what to write instead (exit code 2); ``--help`` describes the groups and main
+fields; Ctrl-C and SIGTERM end a sweep with one line, no traceback and no worker left behind."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+
+from experiments.launch import main
+
+REPO = Path(__file__).resolve().parents[1]
+GROUPS = ("experiment", "dataset", "method", "model", "hardware", "executor")
+
+
+@pytest.fixture(autouse=True)
+def _isolate_hydra():
+    """``main`` runs Hydra in this process: undo what it leaves behind (its config singleton,
+    which would make later direct ``run(cfg)`` calls think they run under Hydra, and the logging
+    handlers it installs on the captured streams)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    HydraConfig.instance().cfg = None
+    GlobalHydra.instance().clear()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def _flashcp_run(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
+    """Run ``flashcp-run argv`` in this process; (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["flashcp-run"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    out = capsys.readouterr()
+    return info.value.code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["method=nope"], "method=nope: no such option; choose one of flashcp, flashcp_refined, ilp,"),
+        (["hydra/launcher=nope"], "hydra/launcher=nope: no such option; choose one of basic, joblib,"),
+        (["cp_sise=4"], "unknown key cp_sise (in cp_sise=4); did you mean cp_size?"),
+        (["+cp_sise=4"], "unknown key cp_sise (in +cp_sise=4); did you mean cp_size?"),
+        (["++cp_sise=4"], "unknown key cp_sise (in ++cp_sise=4); did you mean cp_size?"),
+        (["-m", "+cp_sise=2,4"], "unknown key cp_sise (in +cp_sise=2,4); did you mean cp_size?"),
+        (["model.num_hedas=3"], "did you mean model.num_heads or model.num_kv_heads?"),
+        (["+model.foo=1"], "unknown key model.foo (in +model.foo=1); keys in model: name, num_heads"),
+        (["cp_size=abc"], "cp_size=abc: cp_size takes int, got 'abc'"),
+        (["dataset.overlong=x"], "dataset.overlong takes one of split, cut, error, got 'x'"),
+        (["modes=[x"], "cannot parse 'modes=[x'"),
+        (["method=flashcp,llama3"], "'method=flashcp,llama3'; add -m to sweep over it"),
+        (["-m", "experiment=fig6,fig7"], "flashcp-run -m experiment=fig6; flashcp-run -m experiment=fig7"),
+        (["experiment=fig5"], "add -m (flashcp-run -m experiment=fig5), or hydra.sweeper.params=null"),
+        (["hydra/launcher=joblib"], "a single run ignores it; add -m"),
+        (
+            ["-m", "hydra/launcher=submitit_local", "executor=dist", "cp_size=4"],
+            "make nodes x tasks_per_node = cp_size",
+        ),
+    ],
+)  # fmt: skip
+def test_mistake_is_one_line_exit_2(capsys, monkeypatch, tmp_path, argv, expected):
+    code, _, err = _flashcp_run(capsys, monkeypatch, *argv, f"results_dir={tmp_path}")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("flashcp-run: error: ") and expected in lines[0], lines[0]
+    assert "base_" not in lines[0]  # the internal schemas are not choices
+    assert not any(tmp_path.iterdir())  # refused before any job wrote anything
+
+
+def test_help_describes_every_group_and_the_main_fields(capsys, monkeypatch):
+    code, out, _ = _flashcp_run(capsys, monkeypatch, "--help")
+    assert code == 0
+    for group in GROUPS:
+        options = sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml"))
+        line = next(x for x in out.splitlines() if x.strip().startswith(group))
+        block = out[out.index(line) : out.index(line) + 400]
+        missing = [o for o in options if o not in block]
+        assert not missing, f"--help does not list {group} options {missing}"
+    for launcher in ("basic", "joblib", "submitit_local", "submitit_slurm", "slurm", "slurm_dist"):
+        assert launcher in out
+    for field in ("cp_size=", "context_len=", "num_sequences=", "results_dir=", "method.options"):
+        assert field in out
+    assert "base_" not in out
+
+
+@pytest.mark.parametrize("module", ["experiments.aggregate", "experiments.plot"])
+def test_module_help_exits_0(module):
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage:")
+
+
+def _group_pids(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (Linux /proc)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # field 5 (pgrp), state not zombie
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize(
+    ("signum", "to_group", "code", "line"),
+    [
+        (signal.SIGINT, True, 130, "flashcp-run: interrupted (Ctrl-C)"),  # a terminal's Ctrl-C
+        (signal.SIGTERM, False, 143, "flashcp-run: terminated (SIGTERM)"),  # kill <pid>
+    ],
+)
+def test_signal_ends_sweep_with_one_line_and_no_orphans(tmp_path, signum, to_group, code, line):
+    cmd = [
+        sys.executable, "-m", "experiments.run", "-m", "method=flashcp,llama3", "num_sequences=20000",
+        "workers=2", f"results_dir={tmp_path}", "name=sig", "progress=false",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(_group_pids(proc.pid)) < 3:  # the run's two pool workers have started
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.killpg(proc.pid, signum) if to_group else proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(line)
+    time.sleep(0.5)
+    assert _group_pids(proc.pid) == [], "worker processes outlived flashcp-run"
+    assert not (tmp_path / "sig" / ".sweep.lock").exists()  # the next sweep starts cleanly
+
+
+def test_launcher_in_experiment_config_needs_multirun(capsys, monkeypatch, tmp_path):
+    """An experiment config may choose its launcher (Hydra honours it under -m); without -m a
+    single run would ignore it, so that is refused."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "par.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /hydra/launcher: joblib\nname: par\n"
+    )
+    search = f"hydra.searchpath=[file://{tmp_path / 'conf'}]"
+    code, _, err = _flashcp_run(
+        capsys, monkeypatch, "experiment=par", search, f"results_dir={tmp_path / 'out'}"
+    )
+    assert code == 2 and err.strip().count("\n") == 0
+    assert "hydra/launcher=joblib launches the jobs of a sweep" in err and "add -m" in err

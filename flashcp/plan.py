@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import operator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -85,10 +86,11 @@ def shard_workload(start, length):
     Returns:
         a Python int when both arguments are integers (exact, no overflow), else (n,) int64.
     """
-    if not (_is_int(start) and _is_int(length)):
-        start = np.asarray(start, dtype=np.int64)
-        length = np.asarray(length, dtype=np.int64)
-    return (2 * start + length + 1) * length // 2
+    try:  # the planners' inner loops call this on scalars: keep that path cheap
+        p, s = operator.index(start), operator.index(length)
+    except TypeError:
+        p, s = np.asarray(start, dtype=np.int64), np.asarray(length, dtype=np.int64)
+    return (2 * p + s + 1) * s // 2
 
 
 def doc_workload(doc_lens):
@@ -123,10 +125,6 @@ def cu_seqlens(lengths, *, device=None):
     if cu[-1] > np.iinfo(np.int32).max:
         raise ValueError(f"{int(cu[-1])} rows do not fit int32 cu_seqlens")
     return torch.from_numpy(cu.astype(np.int32)).to(device)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
 def check_doc_lens(doc_lens: Any, context_len: int | None = None) -> np.ndarray:

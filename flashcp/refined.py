@@ -44,6 +44,7 @@ from flashcp.plan import (
     Plan,
     check_cp_args,
     check_doc_lens,
+    doc_workload,
     make_plan,
     planner_entry,
     shard_workload,
@@ -242,7 +243,7 @@ def _candidate(
     heads). Not validated; None when the split does not fit (see :func:`_tail_heads`)."""
     lens = d.tolist()
     tpr = int(d.sum()) // n
-    mean_work = float((d * (d + 1) // 2).sum()) / n
+    mean_work = float(doc_workload(d).sum()) / n
     if layout is not None and layout[1] == "zigzag":
         mode = layout[2] if isinstance(layout[2], str) else bool(layout[2])
         cols4 = _zigzag_head(d, n, split, layout[0] * mean_work, mode)
@@ -372,7 +373,7 @@ def _fill_candidate(
     """The plan of :func:`_fill` with a workload budget of ``budget_ratio * W_mean``. Not validated."""
     lens = d.tolist()
     tpr = int(d.sum()) // n
-    mean_work = float((d * (d + 1) // 2).sum()) / n
+    mean_work = float(doc_workload(d).sum()) / n
     rows = _fill(lens, order, n, tpr, budget_ratio * mean_work, least_sent)
     cols = np.array(rows, dtype=np.int64).reshape(-1, 4).T
     return make_plan("flashcp_refined", n, d, *cols, validate=False)

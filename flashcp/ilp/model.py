@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from flashcp.plan import cu_seqlens, doc_workload, shard_workload
+
 __all__ = [
     "FORMULATIONS",
     "Infeasible",
@@ -58,7 +60,7 @@ def block_pieces(
     ):
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     d = np.asarray(doc_lens, dtype=np.int64)
-    cu = np.concatenate([[0], np.cumsum(d)])  # (n_docs + 1,) global document starts
+    cu = cu_seqlens(d)  # (n_docs + 1,) global document starts
     counts = -(-d // block_size)  # (n_docs,) grid pieces per document
     doc = np.repeat(np.arange(d.size, dtype=np.int64), counts)
     first = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -108,12 +110,12 @@ class Instance:
     def mean_work(self) -> float:
         """W_mean: total Eq. 3 workload over N (query-key pairs per head)."""
         d = self.doc_lens
-        return float((d * (d + 1) // 2).sum()) / self.cp_size
+        return float(doc_workload(d).sum()) / self.cp_size
 
     @property
     def pwork(self) -> np.ndarray:
         """(n_pieces,) int64, Eq. 3 workload of each piece."""
-        return (2 * self.pstart + self.plen + 1) * self.plen // 2
+        return shard_workload(self.pstart, self.plen)
 
     @property
     def is_last(self) -> np.ndarray:
@@ -129,7 +131,7 @@ class Instance:
         p = self.pstart
         ok = d - p <= self.tokens_per_rank
         if self.max_imbalance is not None:
-            work = (d * (d + 1) - p * (p + 1)) // 2
+            work = shard_workload(p, d - p)
             ok &= work <= self.max_imbalance * self.mean_work * (1 + _CAP_SLACK)
         return ok
 
@@ -475,7 +477,7 @@ def refine_grid(inst: Instance, doc: np.ndarray, start: np.ndarray) -> Instance:
     """``inst`` with its pieces further cut at the token offsets ``start`` of documents ``doc``
     ((k,) int each), e.g. the cut points of a plan, so that the plan is representable."""
     d = inst.doc_lens
-    cu = np.concatenate([[0], np.cumsum(d)])
+    cu = cu_seqlens(d)
     inside = (start > 0) & (start < d[doc])
     cuts = np.unique(
         np.concatenate([cu[inst.pdoc] + inst.pstart, cu[doc[inside]] + start[inside], cu[-1:]])

@@ -138,40 +138,59 @@ def _pack(
         rows.append((r, doc, length - t, t))
         tokens[r] += t
         work[r] += _work(length - t, t)
-        tail_rank, tail_start = r, length - t
         end = length - t
         if not end:
             continue
-        open_ranks = sum(1 for q in rng if tokens[q] < tpr)
-        cap = -(-end // max(1, min(spread, open_ranks)))
-        while end:  # the head, from its end, in pieces of at most cap tokens
+
+        def longest(q: int, stop: int, limit: int, c: float = c) -> int:
+            """Longest piece ``[stop - s, stop)``, s <= limit, rank q can take within B."""
+            lo, hi = 0, limit
+            room = tpr - tokens[q]
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if work[q] + _work(stop - mid, mid) + fill(room - mid, c) <= budget:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+
+        others = [q for q in rng if q != r and tokens[q] < tpr]
+        k = min(spread, len(others))
+        # the tail's rank takes the head's first chunk, its cheapest tokens (Eq. 3), as its share
+        share = -(-end // (k + 1))
+        a = longest(r, share, min(share, tpr - tokens[r])) if k else 0
+        if a and 4 * a >= share:  # a sliver would cost a shard for nothing
+            rows.append((r, doc, 0, a))
+            tokens[r] += a
+            work[r] += _work(0, a)
+            send[r] += a
+        else:
+            a = 0
+        tail_start = length - t
+        cap = -(-(end - a) // max(1, k))
+        while end > a:  # the rest of the head, from its end, in pieces of at most cap tokens
             q, s = -1, 0
-            for cand in sorted((q for q in rng if tokens[q] < tpr), key=send.__getitem__):
-                lo, hi = 0, min(end, tpr - tokens[cand], cap)
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if (
-                        work[cand] + _work(end - mid, mid) + fill(tpr - tokens[cand] - mid, c)
-                        <= budget
-                    ):
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                if lo:
-                    q, s = cand, lo
+            for cand in sorted(others, key=send.__getitem__):
+                full = min(end - a, tpr - tokens[cand], cap)
+                got = longest(cand, end, full) if full > 0 else 0
+                if got > s:
+                    q, s = cand, got
+                if got == full > 0:
                     break
             if q < 0:  # no room within B: the open rank that sends least
                 q = min((q for q in rng if tokens[q] < tpr), key=send.__getitem__)
-                s = min(end, tpr - tokens[q], cap)
+                s = min(end - a, tpr - tokens[q], cap)
             start = end - s
             rows.append((q, doc, start, s))
             tokens[q] += s
             work[q] += _work(start, s)
-            if q == tail_rank and end == tail_start:  # extends the last shard: not sent
+            if q == r and end == tail_start:  # extends the last shard: not sent
                 tail_start = start
             else:
                 send[q] += s
             end = start
+        if a and tail_start == a:  # the tail's rank ended up holding the whole document
+            send[r] -= a
     return rows, max(work), max(send)
 
 

@@ -55,9 +55,10 @@ from flashcp.plan import Plan, check_cp_args, check_doc_lens, doc_workload, make
 __all__ = ["plan_flashcp_refined"]
 
 #: variants of the packing pass, in the order ``num_candidates`` takes them: (budget f as a fraction
-#: of R * W_mean, head spread (None: N ranks), alpha of the fill estimate F)
-_VARIANTS: tuple[tuple[float, int | None, float], ...] = tuple(
-    (f, spread, alpha) for f, spread, alpha in itertools.product((1.0, 0.99), (None, 2), (1.0, 0.5))
+#: of R * W_mean, head spread (None: N ranks), alpha of the fill estimate F, zigzag head)
+_VARIANTS: tuple[tuple[float, int | None, float, bool], ...] = tuple(
+    (f, spread, alpha, zz)
+    for zz, f, spread, alpha in itertools.product((False, True), (1.0, 0.99), (None, 2), (1.0, 0.5))
 )
 
 
@@ -67,7 +68,14 @@ def _work(p: int, s: int) -> int:
 
 
 def _pack(
-    lens: list[int], order: list[int], n: int, tpr: int, budget: float, spread: int, alpha: float
+    lens: list[int],
+    order: list[int],
+    n: int,
+    tpr: int,
+    budget: float,
+    spread: int,
+    alpha: float,
+    zigzag: bool,
 ) -> tuple[list[tuple[int, int, int, int]], float, int]:
     """One packing pass (module docstring, steps 1-3).
 
@@ -167,6 +175,22 @@ def _pack(
         else:
             a = 0
         tail_start = length - t
+        if zigzag and k and 2 * k <= end - a:
+            # the rest of the head as 2k zigzag chunks, receiver i holding chunks i and 2k-1-i
+            # (equal tokens and nearly equal workload per receiver, Eq. 3)
+            recv = sorted(others, key=send.__getitem__)[:k]
+            base, extra = divmod(end - a, 2 * k)
+            sizes = [base + (j < extra) for j in range(2 * k)]
+            if all(tokens[q] + sizes[i] + sizes[2 * k - 1 - i] <= tpr for i, q in enumerate(recv)):
+                p = a
+                for j, sz in enumerate(sizes):
+                    q = recv[j] if j < k else recv[2 * k - 1 - j]
+                    rows.append((q, doc, p, sz))
+                    tokens[q] += sz
+                    work[q] += _work(p, sz)
+                    send[q] += sz
+                    p += sz
+                continue
         cap = -(-(end - a) // max(1, k))
         while end > a:  # the rest of the head, from its end, in pieces of at most cap tokens
             q, s = -1, 0
@@ -249,15 +273,15 @@ def plan_flashcp_refined(
     ratio = paper.imbalance_ratio
     best_key = (ratio > target, paper.comm_tokens, ratio)
     best, construction = None, "paper"
-    for f, spread, alpha in _VARIANTS[:num_candidates]:
+    for f, spread, alpha, zz in _VARIANTS[:num_candidates]:
         rows, max_work, max_send = _pack(
-            lens, order, n, tpr, f * target * mean_work, spread or n, alpha
+            lens, order, n, tpr, f * target * mean_work, spread or n, alpha, zz
         )
         ratio = max_work / mean_work if mean_work else 1.0
         key = (ratio > target, (n - 1) * max_send, ratio)
         if key < best_key:
             best_key, best = key, rows
-            construction = f"pack_f{f:g}_spread{spread or 'N'}_alpha{alpha:g}"
+            construction = f"pack_f{f:g}_spread{spread or 'N'}_alpha{alpha:g}" + "_zigzag" * zz
     info = {
         "construction": construction,
         "candidates": num_candidates + 1,

@@ -135,14 +135,38 @@ def _pack(
         # split: the tail on the open rank of least projected workload, as long as it fits in B
         r = min((q for q in rng if tokens[q] < tpr), key=lambda q: work[q] + c * (tpr - tokens[q]))
         room = tpr - tokens[r]
-        lo, hi = 0, min(length, room)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if work[r] + _work(length - mid, mid) + fill(room - mid, c) <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        t = lo or min(length, room)  # no room within B: tokens alone decide
+        others = [q for q in rng if q != r and tokens[q] < tpr]
+        k = min(spread, len(others))
+
+        def tail_cost(
+            t: int,
+            joint: bool,
+            c: float = c,
+            room: int = room,
+            k: int = k,
+            r: int = r,
+            n_: int = length,
+        ) -> float:
+            """Projected workload of rank r holding the tail of t tokens and, when ``joint``,
+            the head's first chunk of ceil((length - t) / (k + 1)) tokens (its equal share)."""
+            a = -(-(n_ - t) // (k + 1)) if joint else 0
+            if t + a > room:
+                return float("inf")
+            return work[r] + _work(n_ - t, t) + _work(0, a) + fill(room - t - a, c)
+
+        t = 0
+        for joint in (True, False) if k else (False,):
+            lo, hi = 0, min(length, room)
+            while lo < hi:  # the longest tail within B (the cost grows with t)
+                mid = (lo + hi + 1) // 2
+                if tail_cost(mid, joint) <= budget:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo:
+                t = lo
+                break
+        t = t or min(length, room)  # no room within B: tokens alone decide
         rows.append((r, doc, length - t, t))
         tokens[r] += t
         work[r] += _work(length - t, t)
@@ -162,8 +186,6 @@ def _pack(
                     hi = mid - 1
             return lo
 
-        others = [q for q in rng if q != r and tokens[q] < tpr]
-        k = min(spread, len(others))
         # the tail's rank takes the head's first chunk, its cheapest tokens (Eq. 3), as its share
         share = -(-end // (k + 1))
         a = longest(r, share, min(share, tpr - tokens[r])) if k else 0

@@ -151,9 +151,17 @@ def _pack(
         rem_t -= length
         left -= 1
         c = rem_w / rem_t if rem_t else 0.0
-        fits = [r for r in rng if tokens[r] + length <= tpr]
-        fits.sort(key=lambda r: work[r] + c * (tpr - tokens[r]))
-        r = next((r for r in fits if work[r] + w + fill(tpr - tokens[r] - length, c) <= budget), -1)
+        # the rank of least projected workload with token room (P_r up to the constant c * C/N)
+        r, low = -1, 0.0
+        for q in rng:
+            if tokens[q] + length <= tpr and (r < 0 or work[q] - c * tokens[q] < low):
+                r, low = q, work[q] - c * tokens[q]
+        if r >= 0 and work[r] + w + fill(tpr - tokens[r] - length, c) > budget:
+            fits = [q for q in rng if q != r and tokens[q] + length <= tpr]
+            fits.sort(key=lambda q: work[q] - c * tokens[q])
+            r = next(
+                (q for q in fits if work[q] + w + fill(tpr - tokens[q] - length, c) <= budget), -1
+            )
         if r >= 0:  # whole
             rows.append((r, doc, 0, length))
             tokens[r] += length

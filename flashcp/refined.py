@@ -264,6 +264,14 @@ def _pack(
     return rows, max(work), max(send)
 
 
+def _rank_key(ratio: float, comm_tokens: int, target: float) -> tuple[bool, float, float]:
+    """Candidates' order: those meeting ``target`` first, by fewest ``comm_tokens`` (Eq. 5) then
+    lower imbalance; then the others, best balanced first."""
+    if ratio <= target:
+        return (False, comm_tokens, ratio)
+    return (True, ratio, comm_tokens)
+
+
 @planner_entry("flashcp_refined")
 def plan_flashcp_refined(
     doc_lens,
@@ -317,14 +325,14 @@ def plan_flashcp_refined(
 
     paper = plan_flashcp(d, n, target_imbalance=target, validate=False)
     ratio = paper.imbalance_ratio
-    best_key = (ratio > target, paper.comm_tokens, ratio)
+    best_key = _rank_key(ratio, paper.comm_tokens, target)
     best, construction = None, "paper"
     for f, spread, alpha, zz, jt in _VARIANTS[:num_candidates]:
         rows, max_work, max_send = _pack(
             lens, order, n, tpr, f * target * mean_work, spread or n, alpha, zz, jt
         )
         ratio = max_work / mean_work if mean_work else 1.0
-        key = (ratio > target, (n - 1) * max_send, ratio)
+        key = _rank_key(ratio, (n - 1) * max_send, target)
         if key < best_key:
             best_key, best = key, rows
             construction = (

@@ -60,14 +60,14 @@ __all__ = ["plan_flashcp_refined"]
 #: mean saving to those before it): (budget f as a fraction of R * W_mean, head spread (None: N
 #: ranks), alpha of the fill estimate F, zigzag head, joint tail and first-chunk share)
 _VARIANTS: tuple[tuple[float, int | None, float, bool, bool], ...] = (
-    (1.0, None, 0.5, False, True),
-    (1.0, None, 0.5, True, False),
-    (0.99, None, 1.0, True, True),
-    (1.0, None, 0.5, False, False),
-    (1.0, 2, 1.0, True, False),
-    (1.0, None, 1.0, False, True),
+    (0.99, None, 0.5, False, True),
     (1.0, None, 0.5, True, True),
-    (0.99, 2, 0.5, False, True),
+    (1.0, None, 0.5, True, False),
+    (1.0, None, 0.5, False, True),
+    (1.0, 2, 1.0, True, False),
+    (0.99, None, 1.0, False, False),
+    (1.0, None, 0.5, False, False),
+    (1.0, None, 1.0, False, True),
 )
 
 

@@ -103,7 +103,8 @@ def _pack(
     alpha: float,
     zigzag: bool,
     joint_tail: bool,
-) -> tuple[list[tuple[int, int, int, int]], float, int]:
+    send_bound: int,
+) -> tuple[list[tuple[int, int, int, int]], float, int] | None:
     """One packing pass (module docstring, steps 1-3).
 
     Args:
@@ -114,10 +115,15 @@ def _pack(
         budget: B, workload per rank (query-key pairs per head, Eq. 3) not to exceed.
         spread: a head is cut into pieces of at most ceil(h / min(spread, open ranks)) tokens.
         alpha: weight of the smallest-documents lower bound in the fill estimate F.
+        zigzag: place the rest of a split document's head as 2k zigzag chunks when they fit.
+        joint_tail: choose the tail so that its rank can also take an equal share of the head.
+        send_bound: give up (return None) once a rank sends more non-last tokens than this:
+            sends only grow, so the pass cannot beat a candidate that sends this many.
     Returns:
         ``(rows, max_work, max_send)``: shard rows ``(rank, doc, start, length)``, the largest
         workload of a rank and the largest number of non-last tokens of a rank (exact: pieces of a
-        document a rank holds contiguously with its tail are counted as part of the last shard).
+        document a rank holds contiguously with its tail are counted as part of the last shard);
+        None when given up.
     """
     rng = range(n)
     work = [0] * n
@@ -236,6 +242,8 @@ def _pack(
                     work[q] += _work(p, sz)
                     send[q] += sz
                     p += sz
+                if max(send) > send_bound:
+                    return None
                 continue
         cap = -(-(end - a) // max(1, k))
         while end > a:  # the rest of the head, from its end, in pieces of at most cap tokens
@@ -261,6 +269,8 @@ def _pack(
             end = start
         if a and tail_start == a:  # the tail's rank ended up holding the whole document
             send[r] -= a
+        if max(send) > send_bound:
+            return None
     return rows, max(work), max(send)
 
 
@@ -328,9 +338,12 @@ def plan_flashcp_refined(
     best_key = _rank_key(ratio, paper.comm_tokens, target)
     best, construction = None, "paper"
     for f, spread, alpha, zz, jt in _VARIANTS[:num_candidates]:
-        rows, max_work, max_send = _pack(
-            lens, order, n, tpr, f * target * mean_work, spread or n, alpha, zz, jt
-        )
+        # a pass that sends more than the best candidate meeting R cannot win: cut it short
+        bound = best_key[1] // max(1, n - 1) if not best_key[0] else tpr
+        res = _pack(lens, order, n, tpr, f * target * mean_work, spread or n, alpha, zz, jt, bound)
+        if res is None:
+            continue
+        rows, max_work, max_send = res
         ratio = max_work / mean_work if mean_work else 1.0
         key = _rank_key(ratio, (n - 1) * max_send, target)
         if key < best_key:

@@ -67,11 +67,27 @@ def test_pass_tracks_workload_and_sends_exactly():
             for f, spread, alpha, zigzag, joint in _VARIANTS:
                 budget = f * 1.02 * mean_work
                 rows, max_work, max_send = _pack(
-                    lens, order, n, tpr, budget, spread or n, alpha, zigzag, joint
+                    lens, order, n, tpr, budget, spread or n, alpha, zigzag, joint, tpr
                 )
                 plan = make_plan("x", n, d, *np.array(rows, dtype=np.int64).T)
                 assert max_work == plan.workload_per_rank.max()
                 assert max_send == plan.send_tokens_per_rank.max()
+                if max_send:  # a bound below what the pass sends gives it up
+                    assert (
+                        _pack(
+                            lens,
+                            order,
+                            n,
+                            tpr,
+                            budget,
+                            spread or n,
+                            alpha,
+                            zigzag,
+                            joint,
+                            max_send - 1,
+                        )
+                        is None
+                    )
 
 
 def test_edge_cases():

@@ -1,45 +1,54 @@
 """A refined FlashCP planner: two-dimensional packing with projected workload (``flashcp_refined``).
 
-Where the paper's heuristic loses (:mod:`flashcp.heuristic`, Algorithm 1, kept faithful). Step 2a
-balances workload (Eq. 3) alone; step 2b then equalises tokens with heads, which moves workload onto
-the ranks that hold the long documents (they have the fewest tokens), and the loop turns the longest
-documents Per-Doc one by one until the target R holds. Every rank must hold exactly C/N tokens
-*and* at most ``R * W_mean`` workload: a two-dimensional packing. At 64K on WLB-LLM at CP 8, where
-every document is shorter than C/N, the loop ends with nearly every document Per-Doc (saving ~0.01)
-while a plan that cuts four documents saves ~0.8.
+Where the paper's heuristic loses (:mod:`flashcp.heuristic`, arXiv 2606.08476 §3.3, Algorithm 1,
+kept faithful). Step 2a balances workload (Eq. 3) alone; step 2b then equalises tokens with
+heads, which moves workload onto the ranks that hold the long documents (they have the fewest
+tokens), and the loop turns the longest documents Per-Doc one by one until the target R holds.
+Every rank must hold exactly C/N tokens *and* at most ``R * W_mean`` workload: a two-dimensional
+packing. On WLB-LLM at 64K and CP 8, where every document of a sequence can be shorter than C/N,
+the loop ends with most documents Per-Doc (saving 0.05 on the sequence of
+``tests/test_refined.py``) while a plan that cuts a few documents saves 0.76.
 
-The construction (one pass, documents longest first; docs/design.md §2 notation, C/N tokens per
-rank, ``W_mean`` the mean workload per rank, budget ``B = f * R * W_mean``):
+One *packing pass* (documents longest first; notation of docs/design.md §2: C/N tokens per rank,
+``W_mean`` the mean workload per rank, budget ``B = f * R * W_mean``):
 
 1. *Projected workload.* A rank holding ``W_r`` workload and ``t_r`` tokens will end with about
    ``P_r = W_r + c (C/N - t_r)``, where ``c`` is the workload per token of the documents not yet
    placed (Eq. 3 summed over them, over their tokens). A document goes whole to the rank with the
    least ``P_r`` among those with token room for it, so workload and tokens are balanced together.
 2. *Feasibility.* The placement is allowed only if the rank can still end within B:
-   ``W_r + w + F(room)`` <= B, where ``F(room)`` estimates the workload of filling the rank's
-   remaining ``room`` tokens: ``alpha`` times the workload of the smallest remaining documents that
-   fill it (a lower bound) plus ``1 - alpha`` times ``c * room``. Otherwise another rank that can
-   is taken, else the document is split.
-3. *Split.* The document keeps its tail - its most expensive tokens (Eq. 3), the last shard, which
-   costs no communication (Eq. 5) - on the rank with the least ``P_r``, as long as that rank can
-   hold within B (bisection). The head ``[0, h)`` is cut, from its end, into pieces of at most
-   ``ceil(h / min(spread, open ranks))`` tokens, each to the open rank that sends the fewest tokens
-   so far and can take it within B (Eq. 5 is ``(N - 1)`` times the *maximum* over ranks of non-last
-   tokens, so receivers are spread); a piece that extends the tail on the tail's rank is free.
-   When no rank has room within B, tokens alone decide (the rank with the fewest sent tokens).
+   ``W_r + w + F(room) <= B``, where ``F(room)`` estimates the workload of filling the rank's
+   remaining ``room`` tokens: ``alpha`` times the workload of the shortest remaining documents that
+   fill it (a lower bound, Eq. 3) plus ``1 - alpha`` times ``c * room``. Otherwise the next rank
+   by ``P_r`` that can is taken, else the document is split.
+3. *Split.* The document keeps its tail - its most expensive tokens (Eq. 3), its last shard, which
+   costs no communication (Eq. 5) - on the open rank of least ``P_r``: the longest tail that rank
+   can hold within B (with ``joint_tail``: while also holding an equal share of the head). The head
+   ``[0, h)`` is shared by the tail's rank and k = min(spread, N - 1) others (Eq. 5 is ``N - 1``
+   times the *maximum* over ranks of non-last tokens, so every rank should send about the same):
+   the tail's rank takes the head's first chunk, its cheapest tokens (Eq. 3), as long as it fits
+   within B; the rest goes either as 2k zigzag chunks, receiver i holding chunks i and 2k-1-i
+   (equal tokens and nearly equal workload, like Per-Doc over k ranks) or, from its end, in pieces
+   of at most ``ceil(rest / k)`` tokens, each to the rank that sends least so far and can take it
+   within B. Where no rank has room within B, tokens alone decide. (What the ILP's plans do with a
+   document heavier than a rank's share: keep the tail whole, cut the head.)
 
-Every rank ends with exactly C/N tokens: documents are placed whole only where they fit, and the
-last (shortest) documents are cut to fill the remaining room, so communication comes from a few cut
-documents. Because the documents come longest first, the cuts made to fill tokens at the end are of
-short documents.
+Every rank ends with exactly C/N tokens: a document is placed whole only where it fits, and the
+shortest documents, which come last, are cut to fill the remaining room, so the cuts that make
+tokens exact are of short documents. The pass tracks each rank's workload and non-last tokens
+exactly as it places shards (a piece that extends its document's tail on the tail's rank is part
+of the last shard), so candidates are compared without building plans.
 
-The pass runs for ``num_candidates`` variants (budget f in {1, 0.99}, head spread N or 2, ``alpha`` in
-{1, 0.5}), each measured exactly (workload per rank and non-last tokens per rank are tracked as the
-pass places shards), and the paper's plan (:func:`~flashcp.heuristic.plan_flashcp` at the same R) is
-one more candidate. The result is the candidate that meets R with the fewest ``comm_tokens`` (Eq. 5),
-ties broken by lower imbalance; when none meets R, the best balanced one (status
-``target_not_met``). So, by construction, the result never communicates more than ``flashcp`` at the
-same target when that plan meets it, and never misses R when ``flashcp`` meets it.
+The planner runs the pass for ``num_candidates`` variants (:data:`_VARIANTS`: f, spread, alpha,
+zigzag head, joint tail) and takes the paper's own plan (:func:`~flashcp.heuristic.plan_flashcp`
+at the same R) as one more candidate. The result is the candidate that meets R with the fewest
+``comm_tokens`` (Eq. 5), ties broken by lower imbalance; when none meets R, the best balanced one
+(status ``target_not_met``). So, by construction, the result never communicates more than
+``flashcp`` at the same target when that plan meets it, and is never less balanced when it does
+not. Sends only grow during a pass, so a pass is abandoned as soon as a rank sends more than the
+best candidate meeting R (same result, less time). Time: the paper's plan plus up to eight passes
+of O(n_docs * N) steps, each a few bisections where a document is split
+(``experiments/bench_refined.py`` prints it next to Algorithm 1's).
 """
 
 from __future__ import annotations

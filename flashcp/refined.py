@@ -113,7 +113,7 @@ def _pack(
     zigzag: bool,
     joint_tail: bool,
     send_bound: int,
-) -> tuple[list[tuple[int, int, int, int]], float, int] | None:
+) -> tuple[list[tuple[int, int, int, int]], int, int] | None:
     """One packing pass (module docstring, steps 1-3).
 
     Args:
@@ -122,7 +122,8 @@ def _pack(
         n: cp_size N.
         tpr: C / N tokens per rank.
         budget: B, workload per rank (query-key pairs per head, Eq. 3) not to exceed.
-        spread: a head is cut into pieces of at most ceil(h / min(spread, open ranks)) tokens.
+        spread: a split document's head goes to its tail's rank and k = min(spread, open other
+            ranks) others.
         alpha: weight of the smallest-documents lower bound in the fill estimate F.
         zigzag: place the rest of a split document's head as 2k zigzag chunks when they fit.
         joint_tail: choose the tail so that its rank can also take an equal share of the head.
@@ -254,11 +255,11 @@ def _pack(
                 if max(send) > send_bound:
                     return None
                 continue
-        cap = -(-(end - a) // max(1, k))
-        while end > a:  # the rest of the head, from its end, in pieces of at most cap tokens
+        piece = -(-(end - a) // max(1, k))
+        while end > a:  # the rest of the head, from its end, in pieces of at most `piece` tokens
             q, s = -1, 0
             for cand in sorted(others, key=send.__getitem__):
-                full = min(end - a, tpr - tokens[cand], cap)
+                full = min(end - a, tpr - tokens[cand], piece)
                 got = longest(cand, end, full) if full > 0 else 0
                 if got > s:
                     q, s = cand, got
@@ -266,7 +267,7 @@ def _pack(
                     break
             if q < 0:  # no room within B: the open rank that sends least
                 q = min((q for q in rng if tokens[q] < tpr), key=send.__getitem__)
-                s = min(end - a, tpr - tokens[q], cap)
+                s = min(end - a, tpr - tokens[q], piece)
             start = end - s
             rows.append((q, doc, start, s))
             tokens[q] += s

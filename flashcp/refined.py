@@ -42,8 +42,10 @@ of the last shard), so candidates are compared without building plans.
 The planner runs the pass for ``num_candidates`` variants (:data:`_VARIANTS`: f, spread, alpha,
 zigzag head, joint tail) and takes the paper's own plan (:func:`~flashcp.heuristic.plan_flashcp`
 at the same R) as one more candidate. The result is the candidate that meets R with the fewest
-``comm_tokens`` (Eq. 5), ties broken by lower imbalance; when none meets R, the best balanced one
-(status ``target_not_met``). So, by construction, the result never communicates more than
+``comm_tokens`` (Eq. 5), ties broken by lower imbalance. When none meets R, the passes run again
+with budgets ``f * W_mean`` (independent of R) and the best balanced of those and the paper's plan
+is returned (status ``target_not_met``), so that a target equal to a ratio the planner returned
+is met again. So, by construction, the result never communicates more than
 ``flashcp`` at the same target when that plan meets it, and is never less balanced when it does
 not. Sends only grow during a pass, so a pass is abandoned as soon as a rank sends more than the
 best candidate meeting R (same result, less time). Time: the paper's plan plus up to eight passes
@@ -314,7 +316,8 @@ def plan_flashcp_refined(
     Returns:
         A :class:`~flashcp.plan.Plan` with ``method="flashcp_refined"``, status ``"ok"`` when the
         imbalance ratio is <= R, else ``"target_not_met"``. ``info``: ``construction``
-        (``pack_f<f>_spread<s>_alpha<a>`` or ``paper`` when Algorithm 1's plan won), ``candidates``
+        (``pack_budget<B / W_mean>_spread<s>_alpha<a>[_zigzag][_joint]``, or ``paper`` when
+        Algorithm 1's plan won), ``candidates``
         (plans compared) and ``target_imbalance``.
     Raises:
         ValueError: bad lengths, ``cp_size`` < 1, C not divisible by N, R < 1 or not a number, or
@@ -345,25 +348,37 @@ def plan_flashcp_refined(
 
     paper = plan_flashcp(d, n, target_imbalance=target, validate=False)
     ratio = paper.imbalance_ratio
-    best_key = _rank_key(ratio, paper.comm_tokens, target)
-    best, construction = None, "paper"
-    for f, spread, alpha, zz, jt in _VARIANTS[:num_candidates]:
-        # a pass that sends more than the best candidate meeting R cannot win: cut it short
-        bound = best_key[1] // max(1, n - 1) if not best_key[0] else tpr
-        res = _pack(lens, order, n, tpr, f * target * mean_work, spread or n, alpha, zz, jt, bound)
-        if res is None:
-            continue
-        rows, max_work, max_send = res
-        ratio = max_work / mean_work if mean_work else 1.0
-        key = _rank_key(ratio, (n - 1) * max_send, target)
-        if key < best_key:
-            best_key, best = key, rows
-            construction = (
-                f"pack_f{f:g}_spread{spread or 'N'}_alpha{alpha:g}" + "_zigzag" * zz + "_joint" * jt
-            )
+    paper_key = _rank_key(ratio, paper.comm_tokens, target)
+    best_key, best, construction = paper_key, None, "paper"
+    candidates = 1
+    # the passes with budgets from R; when none of them (nor the paper's plan) meets R, the best
+    # balanced of the paper's plan and passes with budgets from 1.0 instead, a choice that does not
+    # depend on R: so a target equal to a ratio the planner returned is met again
+    for scale in (target, 1.0):
+        for f, spread, alpha, zz, jt in _VARIANTS[:num_candidates]:
+            # a pass that sends more than the best candidate meeting R cannot win: cut it short
+            bound = best_key[1] // max(1, n - 1) if not best_key[0] else tpr
+            budget = f * scale * mean_work
+            res = _pack(lens, order, n, tpr, budget, spread or n, alpha, zz, jt, bound)
+            candidates += 1
+            if res is None:
+                continue
+            rows, max_work, max_send = res
+            ratio = max_work / mean_work if mean_work else 1.0
+            key = _rank_key(ratio, (n - 1) * max_send, target)
+            if key < best_key:
+                best_key, best = key, rows
+                construction = (
+                    f"pack_budget{f * scale:g}_spread{spread or 'N'}_alpha{alpha:g}"
+                    + "_zigzag" * zz
+                    + "_joint" * jt
+                )
+        if not best_key[0] or scale == 1.0:
+            break
+        best_key, best, construction = paper_key, None, "paper"
     info = {
         "construction": construction,
-        "candidates": num_candidates + 1,
+        "candidates": candidates,
         "target_imbalance": target,
     }
     status = "target_not_met" if best_key[0] else "ok"

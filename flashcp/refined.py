@@ -128,6 +128,7 @@ def _pack(
     joint_tail: bool,
     send_bound: int,
     defer: bool = False,
+    work_bound: float = float("inf"),
 ) -> tuple[list[tuple[int, int, int, int]], int, int] | None:
     """One packing pass (module docstring, steps 1-3).
 
@@ -144,9 +145,10 @@ def _pack(
         joint_tail: choose the tail so that its rank can also take an equal share of the head.
         send_bound: give up (return None) once a rank sends more non-last tokens than this:
             sends only grow, so the pass cannot beat a candidate that sends this many.
-        defer: for a document heavier than B, reserve the rest of its head on the receivers
-            (equal tokens, its mean workload per token) and place it after all other documents,
-            in contiguous pieces, the cheapest to the receiver holding the most other workload.
+        defer: defer the head of the first document heavier than B (module docstring, step 4).
+        work_bound: give up (return None) once a rank's workload must end above this (workload
+            only grows; a receiver of a deferred head ends at or above its level): the caller
+            passes R * W_mean once a candidate meets R.
     Returns:
         ``(rows, max_work, max_send)``: shard rows ``(rank, doc, start, length)``, the largest
         workload of a rank and the largest number of non-last tokens of a rank (exact: pieces of a
@@ -180,6 +182,13 @@ def _pack(
         for q in other:
             est[q] = lvl - other[q]
             work[q] = lvl
+
+    def beaten() -> bool:
+        """The pass can no longer win: it sends more than ``send_bound`` or a rank's workload
+        must end above ``work_bound``."""
+        if est:
+            level()
+        return max(send) > send_bound or max(work) > work_bound
 
     def fill(room: int, c: float) -> float:
         """F(room): estimated workload of the documents that will fill ``room`` tokens."""
@@ -296,7 +305,7 @@ def _pack(
                 pool = _work(a, end - a)
                 held = [doc, a, end, recv, shares]
                 level()
-                if max(send) > send_bound:
+                if beaten():
                     return None
                 continue
         if zigzag and k and 2 * k <= end - a:
@@ -314,7 +323,7 @@ def _pack(
                     work[q] += _work(p, sz)
                     send[q] += sz
                     p += sz
-                if max(send) > send_bound:
+                if beaten():
                     return None
                 continue
         piece = -(-(end - a) // max(1, k))
@@ -341,7 +350,7 @@ def _pack(
             end = start
         if a and tail_start == a:  # the tail's rank ended up holding the whole document
             send[r] -= a
-        if max(send) > send_bound:
+        if beaten():
             return None
     if est:  # cut the deferred head: each receiver's share to bring it nearest its level
         level()
@@ -439,7 +448,9 @@ def plan_flashcp_refined(
             # a pass that sends more than the best candidate meeting R cannot win: cut it short
             bound = best_key[1] // max(1, n - 1) if not best_key[0] else tpr
             budget = f * scale * mean_work
-            res = _pack(lens, order, n, tpr, budget, spread or n, alpha, zz, jt, bound, df)
+            # nor can one whose workload ends above R once a candidate meets R
+            cap = target * mean_work * (1 + 1e-12) if not best_key[0] else float("inf")
+            res = _pack(lens, order, n, tpr, budget, spread or n, alpha, zz, jt, bound, df, cap)
             candidates += 1
             if res is None:
                 continue

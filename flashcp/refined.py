@@ -52,15 +52,16 @@ of the last shard), so candidates are compared without building plans.
 
 The planner runs the pass for ``num_candidates`` variants (:data:`_VARIANTS`: f, spread, alpha,
 zigzag head, joint tail, deferred head) and takes the paper's own plan
-(:func:`~flashcp.heuristic.plan_flashcp` at the same R) as one more candidate. The result is the candidate that meets R with the fewest
-``comm_tokens`` (Eq. 5), ties broken by lower imbalance. When none meets R, the passes run again
-with budgets ``f * W_mean`` (independent of R) and the best balanced of those and the paper's plan
-is returned (status ``target_not_met``), so that a target equal to a ratio the planner returned
-is met again. So, by construction, the result never communicates more than
-``flashcp`` at the same target when that plan meets it, and is never less balanced when it does
-not. Sends only grow during a pass, so a pass is abandoned as soon as a rank sends more than the
-best candidate meeting R (same result, less time). Time: the paper's plan plus up to eight passes
-of O(n_docs * N) steps, each a few bisections where a document is split
+(:func:`~flashcp.heuristic.plan_flashcp` at the same R) as one more candidate. The result is the
+candidate that meets R with the fewest ``comm_tokens`` (Eq. 5), ties broken by lower imbalance.
+When none meets R, the passes run again with budgets ``f * W_mean`` (independent of R) and the
+best balanced of those and the paper's plan is returned (status ``target_not_met``), so that a
+target equal to a ratio the planner returned is met again. So, by construction, the result never
+communicates more than ``flashcp`` at the same target when that plan meets it, and is never less
+balanced when it does not. Sends and workload only grow during a pass, so a pass is abandoned as
+soon as a rank sends more than the best candidate meeting R, or must end above R once a candidate
+meets it (same result, less time). Time: the paper's plan plus up to eight passes of
+O(n_docs * N) steps, each a few bisections where a document is split
 (``experiments/bench_refined.py`` prints it next to Algorithm 1's).
 """
 
@@ -130,7 +131,7 @@ def _pack(
     defer: bool = False,
     work_bound: float = float("inf"),
 ) -> tuple[list[tuple[int, int, int, int]], int, int] | None:
-    """One packing pass (module docstring, steps 1-3).
+    """One packing pass (module docstring, steps 1-4).
 
     Args:
         lens: document lengths (all > 0).
@@ -146,9 +147,9 @@ def _pack(
         send_bound: give up (return None) once a rank sends more non-last tokens than this:
             sends only grow, so the pass cannot beat a candidate that sends this many.
         defer: defer the head of the first document heavier than B (module docstring, step 4).
-        work_bound: give up (return None) once a rank's workload must end above this (workload
-            only grows; a receiver of a deferred head ends at or above its level): the caller
-            passes R * W_mean once a candidate meets R.
+        work_bound: give up (return None) once some rank's workload must end above this (a
+            rank's workload only grows, and the receivers of a deferred head end at their level
+            on average): the caller passes R * W_mean once a candidate meets R.
     Returns:
         ``(rows, max_work, max_send)``: shard rows ``(rank, doc, start, length)``, the largest
         workload of a rank and the largest number of non-last tokens of a rank (exact: pieces of a

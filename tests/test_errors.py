@@ -16,6 +16,7 @@ import pytest
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 
+from experiments import launch
 from experiments.launch import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,12 +37,13 @@ def _isolate_hydra():
     root.setLevel(level)
 
 
-def _flashcp_run(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
-    """Run ``flashcp-run argv`` in this process; (exit code, stdout, stderr)."""
+def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str, str]:
+    """Run ``flashcp-run argv`` (or the console entry ``entry``) in this process; (exit code,
+    stdout, stderr)."""
     monkeypatch.setattr(sys, "argv", ["flashcp-run"])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit) as info:
-        main(list(argv))
+        entry(list(argv))
     out = capsys.readouterr()
     return info.value.code, out.out, out.err
 
@@ -59,6 +61,11 @@ def _flashcp_run(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
         (["+model.foo=1"], "unknown key model.foo (in +model.foo=1); keys in model: name, num_heads"),
         (["cp_size=abc"], "cp_size=abc: cp_size takes int, got 'abc'"),
         (["dataset.overlong=x"], "dataset.overlong takes one of split, cut, error, got 'x'"),
+        (["dataset.name=wlb"], "dataset.name takes one of wlb_llm, pile, redpajama, stress, file, got 'wlb'"),
+        (["experiment=table2", "table2.num_sequences=2"], "experiment=table2 is its own command: flashcp-table2"),
+        (["-m", "experiment=calibration"], "experiment=calibration is its own command: flashcp-calibration"),
+        (["experiment=sensitivity"], "flashcp-sensitivity [field=value ...] (python -m experiments.sensitivity)"),
+        (["experiment=fig3"], "experiment=fig3 is its own command: flashcp-fig3"),
         (["modes=[x"], "cannot parse 'modes=[x'"),
         (["method=flashcp,llama3"], "'method=flashcp,llama3'; add -m to sweep over it"),
         (["-m", "experiment=fig6,fig7"], "flashcp-run -m experiment=fig6; flashcp-run -m experiment=fig7"),
@@ -94,6 +101,79 @@ def test_help_describes_every_group_and_the_main_fields(capsys, monkeypatch):
     for field in ("cp_size=", "context_len=", "num_sequences=", "results_dir=", "method.options"):
         assert field in out
     assert "base_" not in out
+
+
+@pytest.mark.parametrize(
+    ("entry", "argv", "expected"),
+    [
+        ("table2", ["table2.num_sequences=2"], "unknown key table2 (in table2.num_sequences=2); keys at the top level: name,"),
+        ("table2", ["num_sequence=2"], "did you mean num_sequences?"),
+        ("table2", ["dataset=wlb"], "dataset=wlb: no such option; choose one of file, pile,"),
+        ("table2", ["-m", "context_len=65536,131072"], "this sweep runs 2 jobs (over context_len) that would all write"),
+        ("sensitivity", ["datasets=[pile,wlb]"], "datasets[1] takes one of wlb_llm, pile, redpajama, stress, file, got 'wlb'"),
+        ("sensitivity", ["hardware=h100"], "hardware=h100: no such option; choose one of a100_sxm,"),
+        ("fig3", ["time_limit_s=5"], "unknown key time_limit_s"),
+        ("calibration", ["hydra/launcher=joblib"], "flashcp-calibration -m hydra/launcher=joblib"),
+    ],
+)  # fmt: skip
+def test_experiment_entry_mistake_is_one_line_exit_2(
+    capsys, monkeypatch, tmp_path, entry, argv, expected
+):
+    code, _, err = _flashcp_run(
+        capsys, monkeypatch, *argv, f"results_dir={tmp_path}", entry=getattr(launch, entry)
+    )
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"flashcp-{entry}: error: ") and expected in lines[0], lines[0]
+    assert not any(tmp_path.iterdir())  # refused before any job wrote anything
+
+
+@pytest.mark.parametrize(
+    ("entry", "argv", "expected"),
+    [
+        ("table2", ["num_sequences=0"], "num_sequences must be >= 1, got 0"),
+        ("table2", ["dataset.cap=4096"], "dataset.cap = 4096: this experiment samples dataset.name only"),
+        ("sensitivity", ["methods=[zigzag]"], "must include llama3"),
+        ("sensitivity", ["factor=1"], "factor must be > 1"),
+        ("fig3", ["context_len=1004"], "context_len = 1004 must be a positive multiple of cp_size = 8"),
+    ],
+)  # fmt: skip
+def test_experiment_entry_bad_value_is_one_line_exit_2(
+    capsys, monkeypatch, tmp_path, entry, argv, expected
+):
+    code, _, err = _flashcp_run(
+        capsys, monkeypatch, *argv, f"results_dir={tmp_path}", entry=getattr(launch, entry)
+    )
+    assert code == 2
+    assert err.strip().splitlines() == [f"flashcp-{entry}: error: {expected}"] or (
+        expected in err and err.strip().count("\n") == 0
+    ), err
+    assert not (tmp_path / entry / ".sweep.lock").exists()  # the folder is released
+
+
+def test_experiment_entry_runs_and_helps(capsys, monkeypatch, tmp_path):
+    """flashcp-fig3 end to end through its console entry (lock, tables, release), and --help of
+    every experiment entry lists its fields."""
+    monkeypatch.setattr(sys, "argv", ["flashcp-fig3"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    launch.fig3([f"results_dir={tmp_path}", "name=f3"])  # returns (exit code 0)
+    capsys.readouterr()
+    assert (tmp_path / "f3" / "fig3.csv").stat().st_size > 0 and (
+        tmp_path / "f3" / "fig3.png"
+    ).exists()
+    assert not (tmp_path / "f3" / ".sweep.lock").exists()
+    runs = list((tmp_path / "f3" / "runs").iterdir())
+    assert len(runs) == 1 and (runs[0] / ".hydra" / "config.yaml").exists()
+    for entry, fields in [
+        ("table2", ("num_sequences: 10", "time_limit_s: 60", "block_size: 1024", "dataset:")),
+        ("calibration", ("results_dir: outputs",)),
+        ("sensitivity", ("num_draws: 256", "datasets:", "hardware:")),
+        ("fig3", ("cp_size: 8", "context_len: 131072", "model:")),
+    ]:
+        code, out, _ = _flashcp_run(capsys, monkeypatch, "--help", entry=getattr(launch, entry))
+        assert code == 0 and out.startswith(f"flashcp-{entry}: "), out[:200]
+        assert all(f in out for f in fields) and "base_" not in out and "task" not in out
 
 
 @pytest.mark.parametrize("module", ["experiments.aggregate", "experiments.plot"])

@@ -1,5 +1,7 @@
-"""Hydra callback of ``flashcp-run``: one lock per experiment folder, merge and figures at the end,
-and an exit code that says whether every job and figure succeeded.
+"""Hydra callbacks of the harness's commands: one lock per experiment folder, an exit code that says
+whether every job succeeded, and for ``flashcp-run`` (:class:`AggregateResults`) the merge and the
+figures at the end; the experiments that write their own tables (``flashcp-table2``, ...) use
+:class:`ExperimentFolder`.
 
 A sweep (or a single run) owns its experiment folder while it runs: ``hydra.sweep.dir`` for
 ``-m``, ``${results_dir}/${name}`` otherwise. It takes ``<folder>/.sweep.lock`` (created
@@ -252,7 +254,10 @@ class ExperimentFolder(Callback):
         """Where this job's record goes (None off rank 0, or when no sweep holds the folder)."""
         if not is_rank0():
             return None
-        exp_dir = experiment_dir(config)
+        # the folder this invocation locked (set where the sweep started; a job run by another
+        # launcher process gets the callback's state with it); a job's own hydra.sweep.dir can
+        # differ when its name is interpolated ('name=table2_${context_len}')
+        exp_dir = self.exp_dir if self.exp_dir is not None else experiment_dir(config)
         lock = read_lock(exp_dir)
         if lock is None:
             log.warning("no sweep holds %s: this job's result is not recorded", exp_dir)

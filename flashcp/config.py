@@ -246,7 +246,7 @@ class RunConfig:
     workers: int = 1
     #: show a progress bar
     progress: bool = True
-    #: figures to draw after a sweep: fig5 | fig6 | fig7 | fig3
+    #: figures to draw after a sweep: fig5 | fig6 | fig7
     plots: list[str] = field(default_factory=list)
     #: executor=sim: runs of this job that share its sequences and plans (see GridConfig)
     grid: GridConfig = field(default_factory=GridConfig)

@@ -176,6 +176,20 @@ def test_experiment_entry_runs_and_helps(capsys, monkeypatch, tmp_path):
         assert all(f in out for f in fields) and "base_" not in out and "task" not in out
 
 
+def test_experiment_entry_sweep_gives_each_job_its_folder(capsys, monkeypatch, tmp_path):
+    """-m over an experiment entry with an interpolated name: one folder per job, the jobs'
+    results recorded with the sweep that locked its folder (a failing job fails the command)."""
+    argv = ["-m", "model=h16,h32", "name=f3_${model.name}", f"results_dir={tmp_path}"]
+    monkeypatch.setattr(sys, "argv", ["flashcp-fig3"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    launch.fig3(argv)
+    for model in ("h16", "h32"):
+        assert (tmp_path / f"f3_{model}" / "fig3.csv").stat().st_size > 0
+    assert not list(tmp_path.rglob(".sweep.lock")) and not list(tmp_path.rglob(".sweep_jobs"))
+    code, _, err = _flashcp_run(capsys, monkeypatch, *argv, "context_len=1004", entry=launch.fig3)
+    assert code == 1 and "2 of 2 jobs failed" in err and "context_len = 1004" in err
+
+
 @pytest.mark.parametrize("module", ["experiments.aggregate", "experiments.plot"])
 def test_module_help_exits_0(module):
     proc = subprocess.run(

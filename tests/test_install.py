@@ -64,6 +64,9 @@ def test_wheel_install_runs_default_experiment(tmp_path):
     assert (rows["total_ms"] > 0).all()
     # provenance of a wheel: no checkout, so no git commit; the package version instead
     assert rows["code_version"].str.startswith("flashcp==").all(), set(rows["code_version"])
+    # an experiment with its own entry config (conf/fig3.yaml in the wheel) and console script
+    _run([env_dir / "bin" / "flashcp-fig3"], cwd=work, env=env)
+    assert (work / "outputs" / "fig3" / "fig3.csv").stat().st_size > 0
     assert not (site / "results").exists() and not (site / "flashcp" / "results").exists()
 
 

@@ -34,11 +34,13 @@ from flashcp.data.datasets import DatasetName
 from flashcp.sim.hardware import HardwareProfile
 
 __all__ = [
+    "EXPERIMENT_ENTRIES",
     "CalibrationConfig",
     "DatasetConfig",
     "EmulateExecutorConfig",
     "Executor",
     "ExecutorConfig",
+    "ExperimentConfig",
     "Fig3Config",
     "GridConfig",
     "HardwareConfig",

@@ -177,17 +177,16 @@ def test_experiment_entry_runs_and_helps(capsys, monkeypatch, tmp_path):
 
 
 def test_experiment_entry_sweep_gives_each_job_its_folder(capsys, monkeypatch, tmp_path):
-    """-m over an experiment entry with an interpolated name: one folder per job, the jobs'
-    results recorded with the sweep that locked its folder (a failing job fails the command)."""
-    argv = ["-m", "model=h16,h32", "name=f3_${model.name}", f"results_dir={tmp_path}"]
-    monkeypatch.setattr(sys, "argv", ["flashcp-fig3"])
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    launch.fig3(argv)
-    for model in ("h16", "h32"):
-        assert (tmp_path / f"f3_{model}" / "fig3.csv").stat().st_size > 0
-    assert not list(tmp_path.rglob(".sweep.lock")) and not list(tmp_path.rglob(".sweep_jobs"))
-    code, _, err = _flashcp_run(capsys, monkeypatch, *argv, "context_len=1004", entry=launch.fig3)
+    """-m over an experiment entry with an interpolated name: one folder per job, and the jobs'
+    results reach the sweep that locked its folder, so a failing job fails the command."""
+    argv = ["-m", "model=h16,h32", "name=f3_${model.name}", "context_len=1004"]
+    code, _, err = _flashcp_run(
+        capsys, monkeypatch, *argv, f"results_dir={tmp_path}", entry=launch.fig3
+    )
     assert code == 1 and "2 of 2 jobs failed" in err and "context_len = 1004" in err
+    for model in ("h16", "h32"):  # each job logged in its own folder
+        assert len(list((tmp_path / f"f3_{model}" / "runs").glob("*/fig3.log"))) == 1
+    assert not list(tmp_path.rglob(".sweep.lock")) and not list(tmp_path.rglob(".sweep_jobs"))
 
 
 @pytest.mark.parametrize("module", ["experiments.aggregate", "experiments.plot"])

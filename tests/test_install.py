@@ -5,7 +5,7 @@ into a throwaway virtual environment that sees this interpreter's packages (a ``
 its site-packages; ``--no-deps``), so only the harness itself is installed. The checkout is kept off
 the import path (no ``PYTHONPATH``; ``.pth`` files of the parent environment, such as an editable
 install's, are not processed), so the run can only use what the wheel carries: configs, length
-tables, fitted constants.
+tables, fitted constants. Also: the README's layout table names what the repository holds.
 """
 
 import os
@@ -78,3 +78,31 @@ def test_a_checkout_reads_its_own_files():
         assert resource_path(name) == REPO / rel and resource_path(name).exists()
     with pytest.raises(ValueError, match="unknown resource 'configs'"):
         resource_path("configs")
+
+
+def test_readme_lists_the_layout():
+    """README's "What is here" names every tracked top-level folder, every module and subpackage
+    of flashcp/ (and flashcp/ops/, flashcp/sim/), every kernel backend and every experiments/ script."""
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("## What is here")
+    section = readme[start : readme.index("\n## ", start + 1)]
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, timeout=60
+    ).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    names = {p.split("/")[0] + "/" for p in tracked if "/" in p}
+    for folder in ("flashcp", "flashcp/ops", "flashcp/sim", "flashcp/ops/backends", "experiments"):
+        for p in tracked:
+            parent, _, leaf = p.rpartition("/")
+            rest = p[len(folder) + 1 :]
+            if parent == folder and leaf.endswith(".py") and leaf != "__init__.py":
+                names.add(leaf)
+            elif p.startswith(folder + "/") and rest.count("/") == 1 and folder == "flashcp":
+                names.add(f"flashcp/{rest.split('/')[0]}/")
+    missing = sorted(
+        n
+        for n in names
+        if f"`{n}" not in section and f"/{n}`" not in section and f" {n}" not in section
+    )
+    assert not missing, f'README "What is here" does not name {missing}'

@@ -144,7 +144,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     costs = {}
     for dataset in datasets:
         seqs = sample_sequences(
-            load_distribution(dataset), int(cfg.num_sequences), c, seed=int(cfg.seed)
+            load_distribution(dataset, context_len=c), int(cfg.num_sequences), c, seed=int(cfg.seed)
         )
         for method in methods:
             planner = get_planner(method)

@@ -560,8 +560,11 @@ def check_experiment_config(cfg: Any) -> None:
             raise ValueError(
                 f"methods = {list(cfg.methods)} must include llama3, the reference of every speedup"
             )
-    if "datasets" in cfg and not cfg.datasets:
-        raise ValueError("datasets is empty; list at least one")
+    if "datasets" in cfg and (not cfg.datasets or DatasetName.file in cfg.datasets):
+        raise ValueError(
+            f"datasets = {[str(d) for d in cfg.datasets]}: list at least one, and not file "
+            "(it needs a path, which this experiment does not take)"
+        )
     if "dataset" in cfg:  # Table 2 samples by name only
         default = DatasetConfig()
         for key in ("path", "weighting", "cap", "overlong"):

@@ -18,7 +18,7 @@ person sees one line instead of a traceback or a page of Hydra internals:
   code 2. ``HYDRA_FULL_ERROR=1`` keeps Hydra's own report. ``flashcp-run experiment=table2`` (an
   experiment that has its own command, :data:`MOVED_EXPERIMENTS`) names that command.
 * Launch mistakes that Hydra would silently accept are refused before any job starts
-  (:func:`launch_problem`, called by :class:`experiments.callbacks.AggregateResults`): a sweep over
+  (:func:`launch_problem`, called by :class:`experiments.callbacks.ExperimentFolder`): a sweep over
   experiment configs (``-m experiment=fig6,fig7``: Hydra composes the sweep before choosing the
   experiment, so the sweeps they define are skipped), a launcher without ``-m`` (a single run
   ignores ``hydra/launcher``), an experiment that defines a sweep run without ``-m``, a key

@@ -152,19 +152,9 @@ def test_experiment_entry_bad_value_is_one_line_exit_2(
     assert not (tmp_path / entry / ".sweep.lock").exists()  # the folder is released
 
 
-def test_experiment_entry_runs_and_helps(capsys, monkeypatch, tmp_path):
-    """flashcp-fig3 end to end through its console entry (lock, tables, release), and --help of
-    every experiment entry lists its fields."""
-    monkeypatch.setattr(sys, "argv", ["flashcp-fig3"])
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    launch.fig3([f"results_dir={tmp_path}", "name=f3"])  # returns (exit code 0)
-    capsys.readouterr()
-    assert (tmp_path / "f3" / "fig3.csv").stat().st_size > 0 and (
-        tmp_path / "f3" / "fig3.png"
-    ).exists()
-    assert not (tmp_path / "f3" / ".sweep.lock").exists()
-    runs = list((tmp_path / "f3" / "runs").iterdir())
-    assert len(runs) == 1 and (runs[0] / ".hydra" / "config.yaml").exists()
+def test_experiment_entry_help_lists_its_fields(capsys, monkeypatch):
+    """--help of every experiment entry lists its own fields (flashcp-fig3 runs end to end in
+    tests/test_install.py, from the wheel)."""
     for entry, fields in [
         ("table2", ("num_sequences: 10", "time_limit_s: 60", "block_size: 1024", "dataset:")),
         ("calibration", ("results_dir: outputs",)),

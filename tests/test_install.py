@@ -66,7 +66,10 @@ def test_wheel_install_runs_default_experiment(tmp_path):
     assert rows["code_version"].str.startswith("flashcp==").all(), set(rows["code_version"])
     # an experiment with its own entry config (conf/fig3.yaml in the wheel) and console script
     _run([env_dir / "bin" / "flashcp-fig3"], cwd=work, env=env)
-    assert (work / "outputs" / "fig3" / "fig3.csv").stat().st_size > 0
+    fig3 = work / "outputs" / "fig3"
+    assert (fig3 / "fig3.csv").stat().st_size > 0 and (fig3 / "fig3.png").stat().st_size > 0
+    assert len(list(fig3.glob("runs/fig3-*/.hydra/config.yaml"))) == 1  # its log and config
+    assert not (fig3 / ".sweep.lock").exists()  # the folder is released
     assert not (site / "results").exists() and not (site / "flashcp" / "results").exists()
 
 

@@ -1,7 +1,8 @@
 """Run a function on several CPU ranks (gloo) in forked processes, for tests.
 
 ``run_ranks(fn, world_size, *args)`` forks ``world_size`` processes; each joins a gloo process
-group on 127.0.0.1 (with a timeout on every collective), calls ``fn(rank, world_size, *args)`` and
+group (with a timeout on every collective) through a rendezvous file of its own, so that runs
+in parallel test workers never compete for a TCP port, calls ``fn(rank, world_size, *args)`` and
 sends back its return value. An exception on any rank fails the caller with that rank's traceback;
 a run that exceeds ``timeout_s`` is killed and fails. Nothing is left running.
 """
@@ -13,7 +14,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -21,27 +22,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankError", "free_port", "run_ranks"]
+__all__ = ["RankError", "run_ranks"]
 
 
 class RankError(RuntimeError):
     """A rank raised; the message holds every failing rank's traceback."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(fn, rank, world_size, port, timeout_s, args, results) -> None:
+def _child(fn, rank, world_size, store_path, timeout_s, args, results) -> None:
     try:
         torch.set_num_threads(1)
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
         )
         value = fn(rank, world_size, *args)
         buf = io.BytesIO()
@@ -69,10 +65,13 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60):
     """
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    port = free_port()
+    store_dir = tempfile.TemporaryDirectory(prefix="flashcp_ranks_")
+    store_path = os.path.join(store_dir.name, "rendezvous")  # created by the ranks' FileStore
     procs = [
         ctx.Process(
-            target=_child, args=(fn, r, world_size, port, timeout_s, args, results), daemon=True
+            target=_child,
+            args=(fn, r, world_size, store_path, timeout_s, args, results),
+            daemon=True,
         )
         for r in range(world_size)
     ]
@@ -102,6 +101,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60):
                 p.kill()
                 p.join(timeout=5)
         results.close()
+        store_dir.cleanup()
     errors = [f"--- rank {r} ---\n{payload}" for r, (ok, payload) in sorted(got.items()) if not ok]
     missing = [r for r in range(world_size) if r not in got]
     if errors or missing:

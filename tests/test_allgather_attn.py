@@ -27,15 +27,6 @@ from flashcp.registry import COMM_KIND, make_plan_for
 METHODS = ("llama3", "per_doc", "flashcp")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The parent computes references; 2 busy cores make torch's thread pool spin badly."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _random_mix(rng, c, max_len):
     lens = []
     while sum(lens) < c:

@@ -132,7 +132,7 @@ def test_run_writes_rows_then_resumes_and_aggregates(tmp_path):
 @pytest.mark.parametrize(
     "overrides",
     [("method=flashcp_refined",),
-     ("method=ilp", "method.options.time_limit_s=10", "method.options.block_size=1024")],
+     ("method=ilp", "method.options.time_limit_s=2", "method.options.block_size=1024")],
 )  # fmt: skip
 def test_issue4_planners_run_in_the_app(tmp_path, overrides):
     out = run(_small(tmp_path, *overrides, "num_sequences=1"))

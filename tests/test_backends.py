@@ -21,15 +21,6 @@ CPU_BACKENDS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Two busy cores make torch's intra-op thread pool spin; these tensors are tiny anyway."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _backend(name, options):
     b = get_backend(name)
     return type(b)(name, **options) if options else b

@@ -32,15 +32,6 @@ SHAPE = AttnShape(4, 2, 8, "float32")
 HW = load_hardware("h100_sxm")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Two busy cores: one intra-op thread per rank thread keeps the record pass quick."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_replayed_ranks_equal_the_float64_reference(method):
     n = 4

@@ -1,4 +1,5 @@
-"""Calibration of the simulator as an experiment: ``flashcp-run experiment=calibration``.
+"""Calibration of the simulator as an experiment: ``flashcp-calibration`` (or ``python -m
+experiments.calibration``; conf/calibration.yaml, :class:`flashcp.config.CalibrationConfig`).
 
 Fits the free constants of the hardware profiles to every public target of docs/design.md §8
 (:func:`flashcp.sim.calibration.public_targets`) with SciPy's bounded least squares, within each
@@ -9,7 +10,7 @@ constant's published range (:data:`FREE_H100`, :data:`FREE_A100`), in two stages
    ring-flash-attn's 8x H800 benchmark (the H800 is the H100 die);
 2. the A100 kernel constants, the shared ones fixed, against ring-flash-attn's 8x A100 numbers.
 
-Writes ``results/calibration/``: ``targets.csv`` (name, unit, measured, predicted, error, band,
+Writes ``<results_dir>/<name>/`` (``results/calibration/`` with ``results_dir=results``): ``targets.csv`` (name, unit, measured, predicted, error, band,
 within_band, source; before and after the fit), ``targets.md``, ``fitted_constants.yaml`` (by
 section, loaded by the profiles' ``calibration`` key) and ``versions.yaml``. Never fitted: any
 method's end-to-end speedup over another.
@@ -18,10 +19,17 @@ method's end-to-end speedup over another.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
+from typing import Any
 
+import hydra
 import pandas as pd
+from omegaconf import DictConfig
 
+from experiments.launch import run_experiment
+from flashcp.config import register_configs
+from flashcp.resources import resource_path
 from flashcp.results import markdown_table
 from flashcp.sim.calibration import (
     KERNEL_FIELDS,
@@ -32,7 +40,9 @@ from flashcp.sim.calibration import (
 )
 from flashcp.sim.hardware import load_hardware
 
-__all__ = ["FREE_A100", "FREE_H100", "run_calibration"]
+__all__ = ["FREE_A100", "FREE_H100", "main", "run_calibration"]
+
+log = logging.getLogger(__name__)
 
 #: free constants of stage 1 and their published ranges (conf/hardware/h100_sxm.yaml cites each)
 FREE_H100 = {
@@ -147,7 +157,7 @@ def run_calibration(
     if write_profile:
         with (out / "fitted_constants.yaml").open("w") as fh:
             fh.write(
-                "# Written by experiments/calibration.py (flashcp-run experiment=calibration); do not edit.\n"
+                "# Written by experiments/calibration.py (flashcp-calibration); do not edit.\n"
             )
             yaml.safe_dump(doc, fh, sort_keys=False)
     with (out / "versions.yaml").open("w") as fh:
@@ -155,13 +165,24 @@ def run_calibration(
     return table
 
 
-def main() -> None:
-    """``python experiments/calibration.py``: fit, write, print the table."""
-    table = run_calibration()
-    with pd.option_context("display.width", 200, "display.max_rows", 200):
-        print(table.drop(columns=["source"]).to_string(index=False))
-    print(f"\n{int(table['within_band'].sum())}/{len(table)} targets within band")
+def _calibrate(cfg: DictConfig) -> Path:
+    out_dir = Path(str(cfg.results_dir)) / str(cfg.name)
+    table = run_calibration(out_dir)
+    log.info("%d/%d targets within band", int(table["within_band"].sum()), len(table))
+    return out_dir / "targets.csv"
+
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path=str(resource_path("conf")), config_name="calibration")
+def main(cfg: DictConfig) -> dict[str, Any]:
+    """Hydra app of ``flashcp-calibration`` (conf/calibration.yaml, :class:`flashcp.config.CalibrationConfig`):
+    fit the simulator's constants into ``<results_dir>/<name>/``; returns the job's record (:func:`experiments.launch.run_experiment`)."""
+    return run_experiment(cfg, _calibrate)
 
 
 if __name__ == "__main__":
-    main()
+    from experiments.launch import calibration as cli
+
+    cli()  # readable errors, clean Ctrl-C

@@ -1,5 +1,7 @@
-"""Hydra callback of ``flashcp-run``: one lock per experiment folder, merge and figures at the end,
-and an exit code that says whether every job and figure succeeded.
+"""Hydra callbacks of the harness's commands: one lock per experiment folder, an exit code that says
+whether every job succeeded, and for ``flashcp-run`` (:class:`AggregateResults`) the merge and the
+figures at the end; the experiments that write their own tables (``flashcp-table2``, ...) use
+:class:`ExperimentFolder`.
 
 A sweep (or a single run) owns its experiment folder while it runs: ``hydra.sweep.dir`` for
 ``-m``, ``${results_dir}/${name}`` otherwise. It takes ``<folder>/.sweep.lock`` (created
@@ -193,19 +195,22 @@ def read_job_records(exp_dir: str | Path, sweep_id: str) -> list[dict[str, Any]]
     return jobs
 
 
-class AggregateResults(Callback):
+class ExperimentFolder(Callback):
     """Refuse a launch Hydra would silently get wrong
     (:func:`experiments.launch.launch_problem`); lock the experiment folder when a run or sweep
-    starts; when it ends, merge the rows its jobs wrote (where they wrote them, as each job
-    records its rows file on disk) into ``<folder>/rows.parquet`` and ``summary.csv``
-    (:func:`experiments.aggregate.aggregate`), draw the figures in ``plots``, release the lock,
-    and exit non-zero with one line when a job failed or a figure could not be drawn.
+    starts; when it ends, release the lock and exit non-zero with one line when a job failed.
+    The callback of the experiments that write their own tables (``flashcp-table2``, ...); the
+    sweeps of ``flashcp-run`` use :class:`AggregateResults`, which also merges their rows.
 
-    Runs of earlier invocations stay in ``runs/`` but are not merged;
-    ``python -m experiments.aggregate DIR`` merges every run of a folder.
+    Args:
+        prog: the command, for the one-line messages (``flashcp-run``, ``flashcp-table2``, ...).
     """
 
-    def __init__(self) -> None:
+    #: where a failed job's details are, in the line that counts failed jobs
+    failed_note = "traceback in each run's log"
+
+    def __init__(self, prog: str = "flashcp-run") -> None:
+        self.prog = prog
         self.exp_dir: Path | None = None
         self.lock: dict[str, Any] | None = None
         self.multirun = False
@@ -215,17 +220,17 @@ class AggregateResults(Callback):
         from experiments.launch import launch_problem
 
         self.exp_dir, self.multirun = experiment_dir(config), multirun
-        problem = launch_problem(config, multirun)  # the same on every rank under torchrun
+        problem = launch_problem(config, multirun, prog=self.prog)  # same on every torchrun rank
         if problem is not None:
             if is_rank0():
-                print(f"flashcp-run: error: {problem}", file=sys.stderr)
+                print(f"{self.prog}: error: {problem}", file=sys.stderr)
             raise SystemExit(2)
         if not is_rank0():
             return
         try:
             self.lock = acquire_lock(self.exp_dir)
         except RuntimeError as exc:
-            print(f"flashcp-run: error: {exc}", file=sys.stderr)
+            print(f"{self.prog}: error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
         # an interrupted sweep (Ctrl-C, SIGTERM) never reaches _finish: clean up at exit
         atexit.register(self._cleanup)
@@ -249,7 +254,10 @@ class AggregateResults(Callback):
         """Where this job's record goes (None off rank 0, or when no sweep holds the folder)."""
         if not is_rank0():
             return None
-        exp_dir = experiment_dir(config)
+        # the folder this invocation locked (set where the sweep started; a job run by another
+        # launcher process gets the callback's state with it); a job's own hydra.sweep.dir can
+        # differ when its name is interpolated ('name=table2_${context_len}')
+        exp_dir = self.exp_dir if self.exp_dir is not None else experiment_dir(config)
         lock = read_lock(exp_dir)
         if lock is None:
             log.warning("no sweep holds %s: this job's result is not recorded", exp_dir)
@@ -258,7 +266,7 @@ class AggregateResults(Callback):
         return exp_dir / JOBS_DIR / str(lock["sweep_id"]) / f"{num}.json"
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if config.executor.name == "dist":
+        if "executor" in config and config.executor.name == "dist":
             self.rank_env = export_submitit_rank_env()
         path = self._record_path(config)
         if path is not None:
@@ -279,14 +287,17 @@ class AggregateResults(Callback):
             rec = {"dir": run_dir, **(job_return.return_value or {})}
         _write_json_atomic(path, rec)
 
+    def _merge_and_draw(self, config: DictConfig, jobs: list[dict[str, Any]]) -> list[str]:
+        """What goes wrong after the jobs (one line each); nothing here: each job wrote its tables."""
+        return []
+
     def _finish(self, config: DictConfig) -> None:
         release_process_group()
         if not is_rank0() or self.exp_dir is None or self.lock is None:
             return  # under torchrun only rank 0 locks, merges and reports
         jobs = read_job_records(self.exp_dir, self.lock["sweep_id"])
-        merge = config.get("task", "main") == "main"  # other tasks write their own tables
         try:
-            problems = self._merge_and_draw(config, jobs) if merge else []
+            problems = self._merge_and_draw(config, jobs)
         finally:
             self._cleanup()
         failed = [j for j in jobs if j.get("error")]
@@ -295,14 +306,34 @@ class AggregateResults(Callback):
         elif failed:
             problems.insert(
                 0,
-                f"{len(failed)} of {len(jobs)} jobs failed (rows with status 'error: ...', "
-                f"traceback in each run's log); first: {failed[0]['dir']}: {failed[0]['error']}",
+                f"{len(failed)} of {len(jobs)} jobs failed ({self.failed_note}); "
+                f"first: {failed[0]['dir']}: {failed[0]['error']}",
             )
         for line in problems:
-            print(f"flashcp-run: {line}", file=sys.stderr)
+            print(f"{self.prog}: {line}", file=sys.stderr)
         if problems:  # a single run keeps its job's code (2: bad configuration); a sweep exits 1
             codes = [int(j.get("exit_code") or 1) for j in failed] if not self.multirun else []
             raise SystemExit(max([1, *codes]))
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._finish(config)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._finish(config)
+
+
+class AggregateResults(ExperimentFolder):
+    """:class:`ExperimentFolder` for the sweeps of ``flashcp-run``: when a run or sweep ends, also
+    merge the rows its jobs wrote (where they wrote them, as each job records its rows file on
+    disk) into ``<folder>/rows.parquet`` and ``summary.csv``
+    (:func:`experiments.aggregate.aggregate`) and draw the figures in ``plots``. A failed job's
+    rows have status ``error: ...``.
+
+    Runs of earlier invocations stay in ``runs/`` but are not merged;
+    ``python -m experiments.aggregate DIR`` merges every run of a folder.
+    """
+
+    failed_note = "rows with status 'error: ...', traceback in each run's log"
 
     def _merge_and_draw(self, config: DictConfig, jobs: list[dict[str, Any]]) -> list[str]:
         """Merge the jobs' rows and draw the figures; return what went wrong (one line each)."""
@@ -323,9 +354,3 @@ class AggregateResults(Callback):
             except ValueError as exc:
                 problems.append(f"error: figure {fig} not drawn: {exc}")
         return problems
-
-    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
-        self._finish(config)
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        self._finish(config)

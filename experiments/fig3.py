@@ -1,4 +1,5 @@
-"""Kernel efficiency by layout (the paper's Fig. 3), simulated: ``flashcp-run experiment=fig3``.
+"""Kernel efficiency by layout (the paper's Fig. 3), simulated: ``flashcp-fig3`` (or ``python -m
+experiments.fig3``; conf/fig3.yaml, :class:`flashcp.config.Fig3Config`).
 
 Two packed sequences of ``context_len`` tokens — one document filling it, and 16 equal documents —
 laid out ``whole`` (one device), ``per_doc`` (2N chunks per document, one varlen call per rank) and
@@ -16,19 +17,28 @@ quantity the paper's Fig. 3 plots).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import hydra
 import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.launch import run_experiment
 from flashcp.comm import AttnShape
+from flashcp.config import register_configs
 from flashcp.plan import doc_workload
+from flashcp.resources import resource_path
 from flashcp.results import provenance, write_csv_atomic
 
 
 def run_fig3(cfg: DictConfig) -> Path:
     """Write ``fig3.csv`` (case, layout, pass, tflops, kernel_ms, flops, latency_vs_whole) and
-    ``fig3.png``.
+    ``fig3.png`` into ``<results_dir>/<name>/``; return the path of ``fig3.csv``.
+
+    Args:
+        cfg: the fields of :class:`flashcp.config.Fig3Config` (``hardware``, ``model``,
+            ``cp_size``, ``context_len``, ``results_dir``, ``name``).
 
     Raises:
         ValueError: ``context_len`` not divisible by 16, or a bad hardware profile.
@@ -71,3 +81,19 @@ def run_fig3(cfg: DictConfig) -> Path:
     write_csv_atomic(df, out_dir / "fig3.csv")
     draw("fig3", out_dir)
     return out_dir / "fig3.csv"
+
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path=str(resource_path("conf")), config_name="fig3")
+def main(cfg: DictConfig) -> dict[str, Any]:
+    """Hydra app of ``flashcp-fig3`` (conf/fig3.yaml, :class:`flashcp.config.Fig3Config`):
+    the paper's Fig. 3 into ``<results_dir>/<name>/``; returns the job's record (:func:`experiments.launch.run_experiment`)."""
+    return run_experiment(cfg, run_fig3)
+
+
+if __name__ == "__main__":
+    from experiments.launch import fig3 as cli
+
+    cli()  # readable errors, clean Ctrl-C

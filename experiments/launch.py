@@ -1,23 +1,31 @@
-"""How ``flashcp-run`` starts and stops: readable errors, launch checks and signals.
+"""How the harness's commands start and stop: readable errors, launch checks and signals.
 
-    flashcp-run ...              # console entry point: experiments.launch:main
-    python -m experiments.run    # the same (torchrun uses this form)
+    flashcp-run ...                      # the sweeps (Fig. 5, 6, 7): experiments.launch:main
+    python -m experiments.run            # the same (torchrun uses this form)
+    flashcp-table2 ...                   # Table 2: experiments.launch:table2 (python -m experiments.table2)
+    flashcp-calibration ...              # calibration: experiments.launch:calibration
+    flashcp-sensitivity ...              # sensitivity: experiments.launch:sensitivity
+    flashcp-fig3 ...                     # Fig. 3: experiments.launch:fig3
 
-:func:`main` wraps the Hydra app (:func:`experiments.run.main`) so that a person sees one line
-instead of a traceback or a page of Hydra internals:
+Each is its own Hydra app with its own primary config and schema (:mod:`flashcp.config`:
+``conf/config.yaml`` and ``conf/<experiment>.yaml``). :func:`launch` wraps any of them so that a
+person sees one line instead of a traceback or a page of Hydra internals:
 
 * Composition errors become one line naming the bad value and the valid choices
   (:func:`explain_hydra_error`): an unknown group option (``method=nope``: the options, without the
   internal ``base_*`` schemas), an unknown key (``cp_sise=4``: the closest keys), a value of the
   wrong type (``cp_size=abc``: the type the field takes), an override Hydra cannot parse. Exit
-  code 2. ``HYDRA_FULL_ERROR=1`` keeps Hydra's own report.
+  code 2. ``HYDRA_FULL_ERROR=1`` keeps Hydra's own report. ``flashcp-run experiment=table2`` (an
+  experiment that has its own command, :data:`MOVED_EXPERIMENTS`) names that command.
 * Launch mistakes that Hydra would silently accept are refused before any job starts
-  (:func:`launch_problem`, called by :class:`experiments.callbacks.AggregateResults`): a sweep over
+  (:func:`launch_problem`, called by :class:`experiments.callbacks.ExperimentFolder`): a sweep over
   experiment configs (``-m experiment=fig6,fig7``: Hydra composes the sweep before choosing the
   experiment, so the sweeps they define are skipped), a launcher without ``-m`` (a single run
   ignores ``hydra/launcher``), an experiment that defines a sweep run without ``-m``, a key
-  added with ``+`` that no schema has (``+cp_sise=4`` would run with the default ``cp_size``), and
-  ``executor=dist`` under a submitit launcher whose tasks per job differ from ``cp_size``.
+  added with ``+`` that no schema has (``+cp_sise=4`` would run with the default ``cp_size``),
+  ``executor=dist`` under a submitit launcher whose tasks per job differ from ``cp_size``, and a
+  sweep of an experiment entry whose jobs would all write the same folder
+  ``<results_dir>/<name>`` (:func:`experiment_sweep_problem`).
 * Ctrl-C (SIGINT) and SIGTERM end the process with one line (exit 130 / 143). Workers of the
   simulator's process pool ignore SIGINT (their initializer, :mod:`flashcp.executors.sim`); the run
   drops the queued chunks and joins them, and :func:`end_children` terminates any child left, so
@@ -36,10 +44,18 @@ import os
 import signal
 import sys
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
+from flashcp.config import EXPERIMENT_ENTRIES
+
 PROG = "flashcp-run"
+#: ``flashcp-run experiment=<name>`` options that became their own commands: name -> command
+MOVED_EXPERIMENTS: MappingProxyType[str, str] = MappingProxyType(
+    {config_name: prog for prog, (config_name, _) in EXPERIMENT_ENTRIES.items()}
+)
 #: exit codes: a bad command line or configuration; Ctrl-C; SIGTERM (128 + signal number)
 EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 2, 128 + signal.SIGINT, 128 + signal.SIGTERM
 
@@ -62,6 +78,10 @@ def _field_type(schema: Any, key: str) -> str:
         hint = typing.get_type_hints(schema)[key]
     except (KeyError, NameError, TypeError):
         return "another type"
+    return _describe_type(hint)
+
+
+def _describe_type(hint: Any) -> str:
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return "one of " + ", ".join(str(m.value) for m in hint)
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
@@ -103,6 +123,8 @@ def explain_hydra_error(exc: BaseException) -> str | None:
         group, _, option = path.rpartition("/")
         if not group:
             return f"no config {path!r}"
+        if group == "experiment" and option in MOVED_EXPERIMENTS:
+            return moved_experiment_message(option)
         return f"{group}={option}: no such option; choose one of {_names(exc.options)}"
     if isinstance(exc, OverrideParseException):
         reason = str(exc.message).splitlines()[0]
@@ -114,8 +136,13 @@ def explain_hydra_error(exc: BaseException) -> str | None:
             return unknown_key_message(str(cause.full_key), override, cause.object_type)
         if isinstance(cause, ValidationError) and cause.full_key:
             key = str(cause.full_key)
-            schema = cause.object_type
             value = override.split("=", 1)[-1] if "=" in override else "?"
+            if key.endswith("]"):  # an element of a typed list, e.g. datasets[0]
+                meta = getattr(cause.parent_node, "_metadata", None)
+                element = getattr(meta, "element_type", None)
+                kind = _describe_type(element) if element not in (None, Any) else "another type"
+                return f"{override}: {key} takes {kind}, got {cause.value!r}"
+            schema = cause.object_type
             return f"{override}: {key} takes {_field_type(schema, key.rsplit('.', 1)[-1])}, got {value!r}"
         text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         if text.startswith("Ambiguous value for argument"):  # a sweep without -m
@@ -124,6 +151,16 @@ def explain_hydra_error(exc: BaseException) -> str | None:
     if isinstance(exc, ValueError) and _raised_in_hydra(exc):  # a command-line usage error
         return str(exc).strip().splitlines()[0]
     return None
+
+
+def moved_experiment_message(option: str) -> str:
+    """One line for ``flashcp-run experiment=<option>`` when that experiment is its own command."""
+    prog = MOVED_EXPERIMENTS[option]
+    return (
+        f"experiment={option} is its own command: {prog} [field=value ...] (python -m "
+        f"experiments.{option}); its options are top-level fields (num_sequences=2, not "
+        f"{option}.num_sequences=2), listed by {prog} --help"
+    )
 
 
 def _raised_in_hydra(exc: BaseException) -> bool:
@@ -150,8 +187,8 @@ def added_unknown_keys(config: Any) -> list[str]:
     """One line per ``+key=value`` override (sweeps included) whose key no config schema has.
 
     Hydra lets ``+`` add any key, even to a typed config, so ``+cp_sise=4`` would run with the
-    default ``cp_size``. Keys under untyped mappings (``method.options``, ``hardware``, ``table2``)
-    stay open: their owners check them.
+    default ``cp_size``. Keys under untyped mappings (``method.options``) stay open: their owners
+    check them.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import DictConfig, OmegaConf
@@ -183,12 +220,53 @@ def _is_sweep(config: Any, key: str) -> str | None:
     return None
 
 
-def launch_problem(config: Any, multirun: bool) -> str | None:
+def _sweep_sizes(config: Any) -> dict[str, int]:
+    """Swept key -> number of its values, over the command line's sweep overrides."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    sizes = {}
+    for ov in OverridesParser.create().parse_overrides(list(config.hydra.overrides.task)):
+        if ov.is_sweep_override():
+            sizes[ov.key_or_group] = sum(1 for _ in ov.sweep_string_iterator())
+    return sizes
+
+
+def experiment_sweep_problem(config: Any, prog: str) -> str | None:
+    """A sweep (``-m``) of an experiment entry whose jobs would write the same folder: each job
+    writes its tables to ``<results_dir>/<name>``, so a later job would overwrite an earlier one's.
+    None when every job can have its own folder (a swept or interpolated ``name``/``results_dir``
+    with as many values as jobs)."""
+    import math
+
+    from omegaconf import OmegaConf
+
+    sizes = _sweep_sizes(config)
+    jobs = math.prod(sizes.values()) if sizes else 1
+    folders = sizes.get("name", 1) * sizes.get("results_dir", 1)
+    raw = OmegaConf.to_container(config, resolve=False)
+    interpolated = any("${" in str(raw.get(k, "")) for k in ("name", "results_dir"))
+    if jobs <= folders or interpolated:
+        return None
+    swept = ", ".join(k for k in sizes if k not in ("name", "results_dir"))
+    return (
+        f"this sweep runs {jobs} jobs (over {swept}) that would all write their tables to "
+        f"{config.results_dir}/{config.name}, each overwriting the last; give each job its own "
+        f"folder with a name that names the setting, e.g. {prog} -m ... 'name=table2_${{context_len}}', "
+        "or run one command per setting"
+    )
+
+
+def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
     """What is wrong with how this invocation was launched (one line saying what to write
     instead), or None. ``config`` is the composed config with its ``hydra`` node, as a Hydra
-    callback receives it at ``on_run_start`` / ``on_multirun_start``."""
+    callback receives it at ``on_run_start`` / ``on_multirun_start``; ``prog`` the command that
+    composed it (``flashcp-run`` or an experiment entry of :data:`MOVED_EXPERIMENTS`)."""
     choices = config.hydra.runtime.choices
     experiment = choices.get("experiment")
+    if prog != PROG and multirun:
+        problem = experiment_sweep_problem(config, prog)
+        if problem is not None:
+            return problem
     swept = _is_sweep(config, "experiment") if multirun else None
     if swept:
         values = swept.split("=", 1)[1]
@@ -201,7 +279,7 @@ def launch_problem(config: Any, multirun: bool) -> str | None:
     if not multirun and launcher not in (None, "basic"):
         return (
             f"hydra/launcher={launcher} launches the jobs of a sweep and a single run ignores it; "
-            f"add -m ({PROG} -m hydra/launcher={launcher} ...)"
+            f"add -m ({prog} -m hydra/launcher={launcher} ...)"
         )
     params = config.hydra.sweeper.get("params") or {}
     if not multirun and experiment and params:
@@ -212,7 +290,8 @@ def launch_problem(config: Any, multirun: bool) -> str | None:
             "configuration of it"
         )
     ranks = _submitit_ranks(config)
-    if ranks is not None and config.executor.name == "dist" and not _is_sweep(config, "cp_size"):
+    dist = "executor" in config and config.executor.name == "dist"
+    if ranks is not None and dist and not _is_sweep(config, "cp_size"):
         if int(config.cp_size) != ranks:
             hl = config.hydra.launcher
             return (
@@ -263,14 +342,13 @@ def end_children() -> None:
             p.kill()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Console entry point ``flashcp-run``: the Hydra app with readable errors and clean signals.
+def launch(app: Callable[[], Any], prog: str, argv: list[str] | None = None) -> None:
+    """Run the Hydra app ``app`` (a ``@hydra.main`` function) as the command ``prog``, with
+    readable errors and clean signals.
 
     Exit codes: 0 done; 1 a job or figure failed (one line from the callback); 2 a bad command line
     or configuration; 130 Ctrl-C; 143 SIGTERM.
     """
-    from experiments.run import main as app
-
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     translate = not os.environ.get("HYDRA_FULL_ERROR")
@@ -283,22 +361,87 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         end_children()
         print(
-            f"{PROG}: interrupted (Ctrl-C); finished runs are kept, rerun the same command to resume",
+            f"{prog}: interrupted (Ctrl-C); finished runs are kept, rerun the same command to resume",
             file=sys.stderr,
         )
         raise SystemExit(EXIT_SIGINT) from None
     except Terminated:
         end_children()
-        print(f"{PROG}: terminated (SIGTERM); finished runs are kept", file=sys.stderr)
+        print(f"{prog}: terminated (SIGTERM); finished runs are kept", file=sys.stderr)
         raise SystemExit(EXIT_SIGTERM) from None
     except Exception as exc:
         line = explain_hydra_error(exc) if translate else None
         if line is None:
             raise
-        print(f"{PROG}: error: {line}", file=sys.stderr)
+        print(f"{prog}: error: {line}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
         if translate:
             os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point ``flashcp-run``: the sweeps' Hydra app (:func:`experiments.run.main`)
+    under :func:`launch`."""
+    from experiments.run import main as app
+
+    launch(app, PROG, argv)
+
+
+def table2(argv: list[str] | None = None) -> None:
+    """Console entry point ``flashcp-table2`` (:func:`experiments.table2.main`, conf/table2.yaml)."""
+    from experiments.table2 import main as app
+
+    launch(app, "flashcp-table2", argv)
+
+
+def calibration(argv: list[str] | None = None) -> None:
+    """Console entry point ``flashcp-calibration`` (:func:`experiments.calibration.main`,
+    conf/calibration.yaml)."""
+    from experiments.calibration import main as app
+
+    launch(app, "flashcp-calibration", argv)
+
+
+def sensitivity(argv: list[str] | None = None) -> None:
+    """Console entry point ``flashcp-sensitivity`` (:func:`experiments.sensitivity.main`,
+    conf/sensitivity.yaml)."""
+    from experiments.sensitivity import main as app
+
+    launch(app, "flashcp-sensitivity", argv)
+
+
+def fig3(argv: list[str] | None = None) -> None:
+    """Console entry point ``flashcp-fig3`` (:func:`experiments.fig3.main`, conf/fig3.yaml)."""
+    from experiments.fig3 import main as app
+
+    launch(app, "flashcp-fig3", argv)
+
+
+def run_experiment(cfg: Any, work: Callable[[Any], Path]) -> dict[str, Any]:
+    """The body of an experiment entry's Hydra app: check ``cfg``
+    (:func:`flashcp.config.check_experiment_config`), run ``work(cfg)`` (which writes the tables
+    and returns the main file) and return the job's record for
+    :class:`experiments.callbacks.ExperimentFolder`: ``{"out": path or None, "error": message or
+    None, "exit_code": 0 | 1 | 2}``. A failure is logged (traceback in the job's log; a bad value:
+    one line, exit code 2) and returned, so the callback ends the command with one line."""
+    import logging
+
+    from flashcp.config import check_experiment_config
+
+    log = logging.getLogger("experiments")
+    try:
+        check_experiment_config(cfg)
+        out = work(cfg)
+    except Exception as exc:
+        if isinstance(exc, ValueError):
+            log.error("%s: bad configuration: %s", cfg.name, exc)
+        else:
+            log.exception("%s failed", cfg.name)
+        code = 2 if isinstance(exc, ValueError) else 1
+        msg = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        return {"out": None, "error": msg, "exit_code": code}
+    log.info("%s -> %s", cfg.name, out)
+    return {"out": str(out), "error": None, "exit_code": 0}

@@ -7,6 +7,10 @@ write rows.
     flashcp-run grid.model=[h16,h32] grid.cp_size=[4,8]   # 4 runs in one job, plans shared
     torchrun --nproc-per-node 4 -m experiments.run executor=dist cp_size=4 ...   # real ranks
 
+The experiments that write their own tables have their own commands and configs
+(:mod:`experiments.launch`): ``flashcp-table2``, ``flashcp-calibration``, ``flashcp-sensitivity``,
+``flashcp-fig3``.
+
 One run is one configuration (dataset, method and its options, cp_size, model, hardware,
 context_len, ...) over ``num_sequences`` sampled sequences and every mode in ``modes``. One Hydra
 job executes one run, or under ``executor=sim`` the runs of its ``grid``
@@ -500,36 +504,6 @@ def _previous(out: Path) -> tuple[set[str], str | None, bool]:
     )
 
 
-def _other_task(cfg: DictConfig) -> Path | None:
-    """Tasks that write their own tables (Fig. 3, calibration, sensitivity, Table 2)."""
-    if cfg.task == "kernel_efficiency":
-        from experiments.fig3 import run_fig3
-
-        out = run_fig3(cfg)
-        log.info("kernel efficiency -> %s and fig3.png", out)
-        return out
-    out_dir = Path(cfg.results_dir) / cfg.name
-    if cfg.task in ("calibration", "sensitivity"):
-        from experiments.calibration import run_calibration
-        from experiments.sensitivity import run_sensitivity
-
-        if cfg.task == "calibration":
-            run_calibration(out_dir)
-        else:
-            run_sensitivity(cfg, out_dir)
-        log.info("%s -> %s", cfg.task, out_dir)
-        return out_dir
-    from experiments.table2 import run_table2
-
-    run_table2(
-        out_dir=str(out_dir), seed=int(cfg.seed), dataset=cfg.dataset.name,
-        cp_size=int(cfg.cp_size), context_len=int(cfg.context_len),
-        **OmegaConf.to_container(cfg.table2, resolve=True),
-    )  # fmt: skip
-    log.info("Table 2 -> %s/table2.{csv,md,tex}", out_dir)
-    return out_dir / "table2.csv"
-
-
 def _checked_runs(cfg: DictConfig) -> list[DictConfig]:
     """:func:`grid_runs` with every run's config checked (ConfigError naming the bad value)."""
     try:
@@ -553,8 +527,6 @@ def run(cfg: DictConfig) -> Path | None:
         Exception: whatever the run raised; :func:`main` turns it into error rows.
     """
     runs = _checked_runs(cfg)
-    if cfg.task != "main":
-        return _other_task(cfg)
 
     job = job_info(cfg)
     prov = job["provenance"] or provenance()  # a sweep's: one code version per sweep

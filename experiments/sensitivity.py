@@ -1,20 +1,21 @@
-"""How robust is each conclusion of the simulator? ``flashcp-run experiment=sensitivity``.
+"""How robust is each conclusion of the simulator? ``flashcp-sensitivity`` (or ``python -m
+experiments.sensitivity``; conf/sensitivity.yaml, :class:`flashcp.config.SensitivityConfig`).
 
 Every overhead constant of the hardware profile (:data:`VARIED`) is varied over a plausible range,
-a factor of ``1/2`` to ``2`` of its calibrated value (``sensitivity.factor``; for
+a factor of ``1/2`` to ``2`` of its calibrated value (``factor``; for
 ``nccl_slowdown`` the factor applies to its excess over 1, for ``overlap_fraction`` to the part
 not overlapped; values stay within what the profile accepts):
 
 * one at a time (low and high end; the tornado plot);
-* jointly: a Latin hypercube (``scipy.stats.qmc.LatinHypercube``) of ``sensitivity.num_draws``
+* jointly: a Latin hypercube (``scipy.stats.qmc.LatinHypercube``) of ``num_draws``
   draws of log-uniform factors.
 
-For each draw the same sampled sequences (``sensitivity.num_sequences`` per dataset, CP
+For each draw the same sampled sequences (``num_sequences`` per dataset, CP
 ``cp_size``, the run's model) are priced for every method; the statistic is the method's speedup
 over ``llama3`` (ratio of mean ``total_ms``, as in ``summary.csv``). Plans and tile counts are
 computed once; only the profile changes between draws.
 
-Writes ``results/<name>/``: ``sensitivity.csv`` (one row per draw, dataset, method, mode),
+Writes ``<results_dir>/<name>/``: ``sensitivity.csv`` (one row per draw, dataset, method, mode),
 ``speedup_range.csv`` / ``.md`` (per dataset and method: calibrated speedup, one-at-a-time and
 joint ranges), ``ordering.csv`` / ``.md`` (share of joint draws in which method A is faster than
 method B, per dataset) and ``tornado.png``.
@@ -26,16 +27,21 @@ import dataclasses
 import itertools
 import math
 from pathlib import Path
+from typing import Any
 
+import hydra
 import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.launch import run_experiment
 from flashcp.comm import AttnShape
+from flashcp.config import register_configs
+from flashcp.resources import resource_path
 from flashcp.results import markdown_table
 from flashcp.sim.hardware import HardwareProfile
 
-__all__ = ["VARIED", "perturb", "plot_tornado", "run_sensitivity"]
+__all__ = ["VARIED", "main", "perturb", "plot_tornado", "run_sensitivity"]
 
 #: the overhead constants varied (the kernel tile rates, fixed by the FA2 table, are not)
 VARIED = (
@@ -109,6 +115,11 @@ def _group(costs, hw, shape, modes) -> dict:
 def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     """Run the study described in the module docstring; return the per-draw table.
 
+    Args:
+        cfg: the fields of :class:`flashcp.config.SensitivityConfig` (``hardware``, ``model``,
+            ``cp_size``, ``context_len``, ``modes``, ``seed``, ``num_sequences``, ``num_draws``,
+            ``factor``, ``datasets``, ``methods``).
+        out_dir: folder of the outputs (created).
     Raises:
         ValueError: a bad option (factor <= 1, num_draws < 2, no llama3 among the methods).
     """
@@ -119,9 +130,8 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     from flashcp.sim import load_hardware
     from flashcp.sim.cost_model import PlanCost
 
-    opts = OmegaConf.to_container(cfg.sensitivity, resolve=True)
-    factor, draws = float(opts["factor"]), int(opts["num_draws"])
-    methods, datasets, modes = list(opts["methods"]), list(opts["datasets"]), list(cfg.modes)
+    factor, draws = float(cfg.factor), int(cfg.num_draws)
+    methods, datasets, modes = list(cfg.methods), [str(d) for d in cfg.datasets], list(cfg.modes)
     if factor <= 1 or draws < 2 or "llama3" not in methods:
         raise ValueError(
             f"sensitivity needs factor > 1 (got {factor}), num_draws >= 2 (got {draws}) and llama3 "
@@ -134,7 +144,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     costs = {}
     for dataset in datasets:
         seqs = sample_sequences(
-            load_distribution(dataset), int(opts["num_sequences"]), c, seed=int(cfg.seed)
+            load_distribution(dataset, context_len=c), int(cfg.num_sequences), c, seed=int(cfg.seed)
         )
         for method in methods:
             planner = get_planner(method)
@@ -225,3 +235,25 @@ def plot_tornado(df: pd.DataFrame, methods, datasets, mode: str, path: Path) -> 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _study(cfg: DictConfig) -> Path:
+    out_dir = Path(str(cfg.results_dir)) / str(cfg.name)
+    run_sensitivity(cfg, out_dir)
+    return out_dir / "speedup_range.csv"
+
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path=str(resource_path("conf")), config_name="sensitivity")
+def main(cfg: DictConfig) -> dict[str, Any]:
+    """Hydra app of ``flashcp-sensitivity`` (conf/sensitivity.yaml, :class:`flashcp.config.SensitivityConfig`):
+    the sensitivity study into ``<results_dir>/<name>/``; returns the job's record (:func:`experiments.launch.run_experiment`)."""
+    return run_experiment(cfg, _study)
+
+
+if __name__ == "__main__":
+    from experiments.launch import sensitivity as cli
+
+    cli()  # readable errors, clean Ctrl-C

@@ -15,8 +15,9 @@ solver accepted and how many started from the rounded LP relaxation (:func:`flas
 ``lp_rounding``). Times: mean and p90 per sequence (heuristics: median of 3 runs).
 
 Outputs in ``out_dir``: ``table2_rows.csv`` (one row per planner x sequence, with a ``status``
-column), ``table2.csv`` (the summary), ``table2.md`` and ``table2.tex``. Wired into the Hydra app
-as ``experiment=table2`` (:mod:`experiments.run`).
+column), ``table2.csv`` (the summary), ``table2.md`` and ``table2.tex``. Command:
+``flashcp-table2 [field=value ...]`` (or ``python -m experiments.table2``; conf/table2.yaml,
+fields :class:`flashcp.config.Table2Config`), writing ``<results_dir>/<name>/``.
 """
 
 from __future__ import annotations
@@ -24,13 +25,19 @@ from __future__ import annotations
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import hydra
 import numpy as np
 import pandas as pd
+from omegaconf import DictConfig, OmegaConf
 
+from experiments.launch import run_experiment
+from flashcp.config import register_configs
+from flashcp.resources import resource_path
 from flashcp.results import markdown_table
 
-__all__ = ["run_table2"]
+__all__ = ["main", "run_table2", "table2_from_config"]
 
 _BASELINES = ("llama3", "per_doc", "ring", "zigzag")
 
@@ -267,3 +274,30 @@ def run_table2(
     (out / "table2.md").write_text(markdown_table(shown))
     (out / "table2.tex").write_text(shown.to_latex(index=False, float_format="%.4g"))
     return summary
+
+
+def table2_from_config(cfg: DictConfig) -> Path:
+    """:func:`run_table2` with the fields of a :class:`flashcp.config.Table2Config`, writing
+    ``<results_dir>/<name>/``; returns the path of ``table2.csv``."""
+    opts = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    out_dir = Path(str(opts.pop("results_dir"))) / str(opts.pop("name"))
+    opts.pop("run_key")
+    dataset = opts.pop("dataset")["name"]  # the other fields: checked to be the defaults
+    run_table2(out_dir=str(out_dir), dataset=dataset, **opts)
+    return out_dir / "table2.csv"
+
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path=str(resource_path("conf")), config_name="table2")
+def main(cfg: DictConfig) -> dict[str, Any]:
+    """Hydra app of ``flashcp-table2`` (conf/table2.yaml, :class:`flashcp.config.Table2Config`):
+    the paper's Table 2 into ``<results_dir>/<name>/``; returns the job's record (:func:`experiments.launch.run_experiment`)."""
+    return run_experiment(cfg, table2_from_config)
+
+
+if __name__ == "__main__":
+    from experiments.launch import table2 as cli
+
+    cli()  # readable errors, clean Ctrl-C

@@ -2,11 +2,21 @@
 
 Every YAML file of a group extends its group's schema (``defaults: [base_<group>]``), so a
 misspelt key or a value of the wrong type fails when Hydra composes the config, before any work.
-Names with a fixed set of values are enums (:class:`Task`, :class:`Executor`, :class:`Overlong`:
-a bad one fails at compose time, listing the valid ones); the ``hardware`` group is typed by
-:data:`HardwareConfig`, one field per simulator constant. Units are in field names or comments;
-:func:`check_config` checks what a type alone cannot pin down (method names and options against
-the method registry, divisibility, ranges).
+Names with a fixed set of values are enums (:class:`Executor`, :class:`Overlong`,
+:class:`flashcp.data.DatasetName`: a bad one fails at compose time, listing the valid ones); the
+``hardware`` group is typed by :data:`HardwareConfig`, one field per simulator constant. Units are
+in field names or comments; :func:`check_config` checks what a type alone cannot pin down (method
+names and options against the method registry, divisibility, ranges).
+
+Two kinds of primary config:
+
+* ``conf/config.yaml`` (:class:`RunConfig`), the sweeps of ``flashcp-run``: one run = one
+  (dataset, method, cp_size, model) over sampled sequences, priced or executed;
+* one per experiment that writes its own tables, each with its own schema holding only the fields
+  it uses, at the top level: ``conf/table2.yaml`` (:class:`Table2Config`, ``flashcp-table2``),
+  ``conf/calibration.yaml`` (:class:`CalibrationConfig`, ``flashcp-calibration``),
+  ``conf/sensitivity.yaml`` (:class:`SensitivityConfig`, ``flashcp-sensitivity``) and
+  ``conf/fig3.yaml`` (:class:`Fig3Config`, ``flashcp-fig3``).
 """
 
 from __future__ import annotations
@@ -20,38 +30,30 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from flashcp.data.datasets import DatasetName
 from flashcp.sim.hardware import HardwareProfile
 
 __all__ = [
+    "EXPERIMENT_ENTRIES",
+    "CalibrationConfig",
     "DatasetConfig",
     "EmulateExecutorConfig",
     "Executor",
     "ExecutorConfig",
+    "ExperimentConfig",
+    "Fig3Config",
     "GridConfig",
     "HardwareConfig",
     "MethodConfig",
     "ModelConfig",
     "Overlong",
     "RunConfig",
-    "Task",
+    "SensitivityConfig",
+    "Table2Config",
     "check_config",
+    "check_experiment_config",
     "register_configs",
 ]
-
-
-class Task(StrEnum):
-    """What one ``flashcp-run`` job does (set by the ``experiment`` configs)."""
-
-    #: sample, plan and run sequences: one row per sequence and mode (Fig. 5, 6, 7)
-    main = "main"
-    #: the paper's Fig. 3 kernel-efficiency study (experiments/fig3.py)
-    kernel_efficiency = "kernel_efficiency"
-    #: the paper's Table 2, heuristics against the ILP (experiments/table2.py)
-    table2 = "table2"
-    #: fit the simulator's free constants (experiments/calibration.py)
-    calibration = "calibration"
-    #: vary the simulator's overhead constants (experiments/sensitivity.py)
-    sensitivity = "sensitivity"
 
 
 class Executor(StrEnum):
@@ -75,7 +77,6 @@ class Overlong(StrEnum):
 
 # Members are lower case, equal to their values: OmegaConf writes and reads enums by member name,
 # and rows, run folders and saved configs keep the strings they always had.
-TASKS = tuple(Task)
 #: executor -> its options that change a run's results (part of the run identity); a new
 #: executor is one more member of :class:`Executor`, one line here and its conf/executor/<name>.yaml
 EXECUTOR_OPTIONS: MappingProxyType[Executor, tuple[str, ...]] = MappingProxyType({
@@ -94,8 +95,8 @@ OVERLONG = tuple(Overlong)
 class DatasetConfig:
     """Where document lengths come from (docs/design.md §5)."""
 
-    #: wlb_llm | pile | redpajama | stress | file
-    name: str = MISSING
+    #: wlb_llm | pile | redpajama | stress | file (:class:`flashcp.data.DatasetName`)
+    name: DatasetName = MISSING
     #: for name=file: a text/CSV/.npy file of document lengths (tokens), one per document
     path: str | None = None
     #: documents (a draw is a document) | tokens (length-biased: d drawn with prob. ∝ d·p(d))
@@ -226,8 +227,6 @@ class RunConfig:
     #: typed here, values checked by flashcp.sim.load_hardware)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
-    #: main | kernel_efficiency (fig3) | table2 | calibration | sensitivity
-    task: Task = Task.main
     #: experiment name: results go to ${results_dir}/${name}
     name: str = "default"
     #: folder name of one run inside ${results_dir}/${name}/runs (interpolated in config.yaml)
@@ -249,21 +248,145 @@ class RunConfig:
     workers: int = 1
     #: show a progress bar
     progress: bool = True
-    #: figures to draw after a sweep: fig5 | fig6 | fig7 | fig3
+    #: figures to draw after a sweep: fig5 | fig6 | fig7
     plots: list[str] = field(default_factory=list)
     #: executor=sim: runs of this job that share its sequences and plans (see GridConfig)
     grid: GridConfig = field(default_factory=GridConfig)
-    #: options of task=table2 (see experiments/table2.py)
-    table2: dict[str, Any] = field(default_factory=dict)
-    #: options of task=sensitivity (see experiments/sensitivity.py)
-    sensitivity: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ExperimentConfig:
+    """Fields every experiment entry (``flashcp-table2``, ``-calibration``, ``-sensitivity``,
+    ``-fig3``) has: where it writes. Its tables go to ``${results_dir}/${name}/``, its Hydra log
+    and saved config to ``${results_dir}/${name}/runs/${run_key}/``."""
+
+    #: experiment name: results go to ${results_dir}/${name}
+    name: str = MISSING
+    #: root folder of results; outputs/ is ignored by git (the committed reference results are
+    #: in results/: write there with results_dir=results)
+    results_dir: str = "outputs"
+    #: folder of this invocation's log and saved config inside ${results_dir}/${name}/runs
+    #: (interpolated in the entry's config: its name and the hash of its settings)
+    run_key: str = "run"
+
+
+@dataclass
+class Table2Config(ExperimentConfig):
+    """``flashcp-table2`` (conf/table2.yaml, :func:`experiments.table2.run_table2`): the paper's
+    Table 2, every heuristic and baseline against the ILP on the same sampled sequences.
+    CI-sized by default (about 10 minutes on 2 cores); paper-sized: ``num_sequences=100``."""
+
+    name: str = "table2"
+    #: the dataset sequences are sampled from (conf/dataset/; the paper's table: dataset=pile).
+    #: Only its name is used: documents weighting, default cap; the other fields must keep their
+    #: defaults (checked by check_experiment_config)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    #: N, number of CP ranks
+    cp_size: int = 4
+    #: C, tokens per packed sequence
+    context_len: int = 131072
+    #: sequences sampled (the same for every planner)
+    num_sequences: int = 10
+    #: seed of the sampler
+    seed: int = 0
+    #: ILP wall-clock limit per sequence, seconds
+    time_limit_s: float = 60.0
+    #: ILP granularity, tokens
+    block_size: int = 1024
+    #: R for flashcp / flashcp_refined, and the ILP's imbalance cap
+    target_imbalance: float = 1.02
+    #: ILP solver: highs (highspy, a dependency) | cbc (bundled with PuLP)
+    solver: str = "highs"
+    #: ILP formulation: patterns | pieces (the original formulation)
+    formulation: str = "patterns"
+    #: relative gap at which an ILP solve counts as proven optimal
+    gap: float = 0.01
+    #: weight of communication in the ILP objective (flashcp.ilp.plan_ilp)
+    comm_weight: float = 1.0
+    #: the ILP's MIP start: best | flashcp | flashcp_refined | null (none)
+    warm_start: str | None = "best"
+    #: also try a MIP start cut from the LP relaxation (needs a warm_start)
+    lp_rounding: bool = True
+    #: processes solving ILPs in parallel
+    workers: int = 1
+
+
+@dataclass
+class CalibrationConfig(ExperimentConfig):
+    """``flashcp-calibration`` (conf/calibration.yaml, :func:`experiments.calibration.run_calibration`):
+    fit the simulator's free constants to the public targets of docs/design.md §8; writes
+    targets.csv/.md, fitted_constants.yaml and versions.yaml."""
+
+    name: str = "calibration"
+
+
+@dataclass
+class SensitivityConfig(ExperimentConfig):
+    """``flashcp-sensitivity`` (conf/sensitivity.yaml, :func:`experiments.sensitivity.run_sensitivity`):
+    vary every overhead constant of the ``hardware`` profile and report the range of each method's
+    speedup over llama3 and the share of draws in which each pairwise ordering holds."""
+
+    name: str = "sensitivity"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    #: the profile whose constants are varied (conf/hardware/*.yaml)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    #: N, number of CP ranks
+    cp_size: int = 8
+    #: C, tokens per packed sequence
+    context_len: int = 131072
+    #: train (forward + backward) and/or infer (forward only); the tornado plot shows the first
+    modes: list[str] = field(default_factory=lambda: ["train"])
+    #: seed of the sampler and of the Latin hypercube
+    seed: int = 0
+    #: sampled sequences per dataset (the same for every draw)
+    num_sequences: int = 24
+    #: Latin-hypercube draws of the joint study (>= 2)
+    num_draws: int = 256
+    #: each constant from value / factor to value * factor (> 1)
+    factor: float = 2.0
+    #: datasets studied
+    datasets: list[DatasetName] = field(
+        default_factory=lambda: [DatasetName.wlb_llm, DatasetName.pile, DatasetName.redpajama]
+    )
+    #: methods compared (llama3, the reference of every speedup, among them)
+    methods: list[str] = field(
+        default_factory=lambda: ["llama3", "per_doc", "ring", "zigzag", "flashcp"]
+    )
+
+
+@dataclass
+class Fig3Config(ExperimentConfig):
+    """``flashcp-fig3`` (conf/fig3.yaml, :func:`experiments.fig3.run_fig3`): the paper's Fig. 3,
+    kernel efficiency of one document filling the context vs 16 equal documents, per layout,
+    simulated on the ``hardware`` profile."""
+
+    name: str = "fig3"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    #: the simulator's profile (conf/hardware/*.yaml)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    #: N, number of CP ranks
+    cp_size: int = 8
+    #: C, tokens per packed sequence (a multiple of 16)
+    context_len: int = 131072
+
+
+#: entry point -> (primary config in conf/, schema); one line per experiment with its own entry
+EXPERIMENT_ENTRIES: MappingProxyType[str, tuple[str, type]] = MappingProxyType({
+    "flashcp-table2": ("table2", Table2Config),
+    "flashcp-calibration": ("calibration", CalibrationConfig),
+    "flashcp-sensitivity": ("sensitivity", SensitivityConfig),
+    "flashcp-fig3": ("fig3", Fig3Config),
+})  # fmt: skip
 
 
 #: config fields that change a run's results; their hash names the run's folder
 RESULT_KEYS = (
-    "task", "dataset", "method", "model", "hardware", "executor", "cp_size", "context_len",
+    "dataset", "method", "model", "hardware", "executor", "cp_size", "context_len",
     "num_sequences", "seed", "modes", "grid",
 )  # fmt: skip
+
+
+_LEGACY_TASK = "main"
 
 
 def run_hash(*, _root_: Any) -> str:
@@ -283,6 +406,10 @@ def run_hash(*, _root_: Any) -> str:
     }
     if not any((picked.get("grid") or {}).values()):  # no grid: the folder name it always had
         picked.pop("grid", None)
+    # the hash of a run folder keeps the ``task`` key configs had when one primary config also
+    # ran Table 2, calibration, sensitivity and Fig. 3: existing folders keep their names and a
+    # rerun finds them (resume)
+    picked["task"] = _LEGACY_TASK
     return config_hash(picked)[:6]
 
 
@@ -309,6 +436,26 @@ def run_name(*, _root_: Any) -> str:
     return f"{name}-C{_root_.context_len}-{run_hash(_root_=_root_)}"
 
 
+#: fields of an experiment entry's config that do not change its results
+_COSMETIC = frozenset({"name", "results_dir", "run_key", "workers", "progress", "hydra"})
+
+
+def experiment_key(*, _root_: Any) -> str:
+    """OmegaConf resolver ``${experiment_key:}``, the ``run_key`` of an experiment entry:
+    ``<name>-<6 hex digits>``, the hash of every field that changes its results, so a rerun with
+    the same settings finds its folder again and other settings get another."""
+    from omegaconf import OmegaConf
+
+    from flashcp.results import config_hash
+
+    picked = {
+        k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+        for k, v in _root_.items_ex(resolve=False)
+        if k not in _COSMETIC
+    }
+    return f"{_root_.name}-{config_hash(picked)[:6]}"
+
+
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore and the ``run_hash`` resolver (idempotent)."""
     from hydra.core.config_store import ConfigStore
@@ -316,6 +463,7 @@ def register_configs() -> None:
 
     OmegaConf.register_new_resolver("run_hash", run_hash, replace=True)
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+    OmegaConf.register_new_resolver("experiment_key", experiment_key, replace=True)
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
@@ -325,6 +473,8 @@ def register_configs() -> None:
     cs.store(group="hardware", name="base_hardware", node=HardwareConfig)
     cs.store(group="executor", name="base_executor", node=ExecutorConfig)
     cs.store(group="executor", name="base_emulate_executor", node=EmulateExecutorConfig)
+    for config_name, schema in EXPERIMENT_ENTRIES.values():
+        cs.store(name=f"base_{config_name}", node=schema)
 
 
 def check_config(cfg: Any) -> None:
@@ -334,13 +484,10 @@ def check_config(cfg: Any) -> None:
     against :class:`RunConfig` (the enums are checked by then).
     """
     from flashcp.comm import AttnShape, check_mode
-    from flashcp.data import DATASETS
     from flashcp.registry import get_method
 
-    if cfg.dataset.name not in DATASETS:
-        raise ValueError(
-            f"unknown dataset {cfg.dataset.name!r}; choose one of {', '.join(DATASETS)}"
-        )
+    if cfg.dataset.name == "file" and cfg.dataset.path is None:
+        raise ValueError("dataset=file needs dataset.path=<a .txt, .csv or .npy file of lengths>")
     get_method(cfg.method.name)  # ValueError naming the known methods
     if cfg.cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cfg.cp_size}")
@@ -371,6 +518,65 @@ def check_config(cfg: Any) -> None:
         cfg.method.name, cfg.method.options, int(cfg.context_len), int(cfg.cp_size)
     )
     check_impl_config(cfg.method.name, cfg.method.get("impl", "ours"), cfg.executor.name)
+
+
+def check_experiment_config(cfg: Any) -> None:
+    """Check the values of an experiment entry's config (:class:`Table2Config`,
+    :class:`SensitivityConfig`, :class:`Fig3Config`, :class:`CalibrationConfig`) that a type cannot
+    pin down, before any work; the fields a schema does not have are skipped.
+
+    Raises:
+        ValueError: naming the bad value.
+    """
+    from flashcp.comm import AttnShape, check_mode
+    from flashcp.registry import get_method
+
+    def at_least(key: str, low: float, strict: bool = False) -> None:
+        if key in cfg and cfg[key] is not None:
+            v = cfg[key]
+            if v < low or (strict and v == low):
+                raise ValueError(f"{key} must be {'>' if strict else '>='} {low}, got {v}")
+
+    for key in ("cp_size", "num_sequences", "workers", "block_size"):
+        at_least(key, 1)
+    at_least("num_draws", 2)
+    at_least("target_imbalance", 1.0)
+    at_least("factor", 1.0, strict=True)
+    at_least("time_limit_s", 0.0, strict=True)
+    at_least("gap", 0.0)
+    if "context_len" in cfg and (cfg.context_len < 1 or cfg.context_len % cfg.cp_size):
+        raise ValueError(
+            f"context_len = {cfg.context_len} must be a positive multiple of cp_size = {cfg.cp_size}"
+        )
+    if "modes" in cfg:
+        if not cfg.modes:
+            raise ValueError("modes is empty; use [train], [infer] or [train, infer]")
+        for mode in cfg.modes:
+            check_mode(mode)
+    if "methods" in cfg:
+        for method in cfg.methods:
+            get_method(method)  # ValueError naming the known methods
+        if "llama3" not in cfg.methods:
+            raise ValueError(
+                f"methods = {list(cfg.methods)} must include llama3, the reference of every speedup"
+            )
+    if "datasets" in cfg and (not cfg.datasets or DatasetName.file in cfg.datasets):
+        raise ValueError(
+            f"datasets = {[str(d) for d in cfg.datasets]}: list at least one, and not file "
+            "(it needs a path, which this experiment does not take)"
+        )
+    if "dataset" in cfg:  # Table 2 samples by name only
+        default = DatasetConfig()
+        for key in ("path", "weighting", "cap", "overlong"):
+            if cfg.dataset[key] != getattr(default, key):
+                raise ValueError(
+                    f"dataset.{key} = {cfg.dataset[key]!r}: this experiment samples dataset.name "
+                    f"only and does not support dataset.{key} (leave it at "
+                    f"{getattr(default, key)!r})"
+                )
+    if "model" in cfg:
+        m = cfg.model
+        AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
 
 
 def check_impl_config(method: str, impl: str, executor: str) -> None:

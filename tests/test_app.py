@@ -14,17 +14,17 @@ from omegaconf import OmegaConf
 from experiments.aggregate import aggregate
 from experiments.plot import draw
 from experiments.run import CONF_DIR, run
-from flashcp.config import register_configs
+from flashcp.config import EXPERIMENT_ENTRIES, register_configs
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS, read_rows
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 
 
-def _compose(*overrides: str, hydra_cfg: bool = False):
+def _compose(*overrides: str, hydra_cfg: bool = False, config_name: str = "config"):
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=hydra_cfg)
+        return compose(config_name, overrides=list(overrides), return_hydra_config=hydra_cfg)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -36,6 +36,44 @@ def test_every_experiment_composes(experiment):
     lines = (REPO / "conf" / "experiment" / f"{experiment}.yaml").read_text().splitlines()
     assert lines[0] == "# @package _global_"
     assert lines[1].startswith("# flashcp-run") and f"experiment={experiment}" in lines[1]
+
+
+@pytest.mark.parametrize(("prog", "config_name", "schema"), [
+    (prog, name, schema) for prog, (name, schema) in EXPERIMENT_ENTRIES.items()
+])  # fmt: skip
+def test_every_experiment_entry_composes(prog, config_name, schema):
+    """Each experiment that writes its own tables has its own primary config, typed by its own
+    schema (only its fields, at the top level), and its first comment names its command."""
+    cfg = _compose(hydra_cfg=True, config_name=config_name)
+    assert OmegaConf.get_type(cfg) is schema and cfg.name == config_name
+    OmegaConf.resolve(cfg)
+    assert cfg.run_key.startswith(f"{config_name}-")
+    assert cfg.hydra.callbacks.folder.prog == prog
+    assert not {"task", "grid", "method", "executor", config_name} & set(cfg)  # no task switch
+    first = (REPO / "conf" / f"{config_name}.yaml").read_text().splitlines()[0]
+    assert first.startswith(f"# {prog} ") and f"python -m experiments.{config_name}" in first
+
+
+def test_experiment_entry_fields_are_top_level_and_hash_their_folder():
+    cfg = _compose("num_sequences=2", "time_limit_s=5", "dataset=wlb_llm", config_name="table2")
+    assert cfg.num_sequences == 2 and cfg.time_limit_s == 5 and cfg.dataset.name == "wlb_llm"
+    assert _compose(config_name="table2").dataset.name == "pile"  # the paper's table
+    keys = {_compose(*o, config_name="table2").run_key for o in [(), ("seed=1",), ("workers=2",)]}
+    assert len(keys) == 2  # workers does not change the results, seed does
+    sens = _compose("hardware=a100_sxm", "datasets=[pile]", config_name="sensitivity")
+    assert sens.hardware.name == "a100_sxm" and list(sens.datasets) == ["pile"]
+    with pytest.raises(Exception, match="wlb"):
+        _compose("datasets=[wlb]", config_name="sensitivity")  # an enum: fails at compose time
+
+
+def test_run_folders_keep_their_names():
+    """The hash in a run folder's name did not change when Table 2, calibration, sensitivity and
+    Fig. 3 left this config: the committed runs of Fig. 6 are found again (resume)."""
+    runs = sorted(p.name for p in (REPO / "results" / "fig6" / "runs").iterdir())
+    assert runs
+    for name in runs:
+        cfg = _compose("experiment=fig6", f"dataset={name.split('-')[0]}", "model=h32")
+        assert cfg.run_key in runs
 
 
 def test_fig5_sweeps_the_paper_grid():
@@ -121,6 +159,7 @@ def test_changed_config_is_rerun(tmp_path):
     [("cp_size=3", "context_len = 16384"), ("num_sequences=0", "num_sequences"),
      ("model.num_kv_heads=5", "num_kv_heads = 5"), ("modes=[training]", "training"),
      ("dataset.weighting=bytes", "bytes"), ("method.options.target_imbalance=0.5", "0.5"),
+     ("dataset=file", "path"),
      ("method.options.target_imbalance=abc", "abc"), ("+method.options.bogus=1", "bogus"),
      ("method=llama3 context_len=16380", "16380")],
 )  # fmt: skip

@@ -16,6 +16,7 @@ import pytest
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 
+from experiments import launch
 from experiments.launch import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,12 +37,13 @@ def _isolate_hydra():
     root.setLevel(level)
 
 
-def _flashcp_run(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
-    """Run ``flashcp-run argv`` in this process; (exit code, stdout, stderr)."""
+def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str, str]:
+    """Run ``flashcp-run argv`` (or the console entry ``entry``) in this process; (exit code,
+    stdout, stderr)."""
     monkeypatch.setattr(sys, "argv", ["flashcp-run"])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit) as info:
-        main(list(argv))
+        entry(list(argv))
     out = capsys.readouterr()
     return info.value.code, out.out, out.err
 
@@ -59,6 +61,9 @@ def _flashcp_run(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
         (["+model.foo=1"], "unknown key model.foo (in +model.foo=1); keys in model: name, num_heads"),
         (["cp_size=abc"], "cp_size=abc: cp_size takes int, got 'abc'"),
         (["dataset.overlong=x"], "dataset.overlong takes one of split, cut, error, got 'x'"),
+        (["dataset.name=wlb"], "dataset.name takes one of wlb_llm, pile, redpajama, stress, file, got 'wlb'"),
+        (["experiment=table2", "table2.num_sequences=2"], "experiment=table2 is its own command: flashcp-table2"),
+        (["-m", "experiment=calibration"], "experiment=calibration is its own command: flashcp-calibration"),
         (["modes=[x"], "cannot parse 'modes=[x'"),
         (["method=flashcp,llama3"], "'method=flashcp,llama3'; add -m to sweep over it"),
         (["-m", "experiment=fig6,fig7"], "flashcp-run -m experiment=fig6; flashcp-run -m experiment=fig7"),
@@ -94,6 +99,96 @@ def test_help_describes_every_group_and_the_main_fields(capsys, monkeypatch):
     for field in ("cp_size=", "context_len=", "num_sequences=", "results_dir=", "method.options"):
         assert field in out
     assert "base_" not in out
+
+
+@pytest.mark.parametrize(
+    ("entry", "argv", "expected"),
+    [
+        ("table2", ["table2.num_sequences=2"], "unknown key table2 (in table2.num_sequences=2); keys at the top level: name,"),
+        ("table2", ["dataset=wlb"], "dataset=wlb: no such option; choose one of file, pile,"),
+        ("table2", ["-m", "context_len=65536,131072"], "this sweep runs 2 jobs (over context_len) that would all write"),
+        ("sensitivity", ["datasets=[pile,wlb]"], "datasets[1] takes one of wlb_llm, pile, redpajama, stress, file, got 'wlb'"),
+        ("calibration", ["hydra/launcher=joblib"], "flashcp-calibration -m hydra/launcher=joblib"),
+    ],
+)  # fmt: skip
+def test_experiment_entry_mistake_is_one_line_exit_2(
+    capsys, monkeypatch, tmp_path, entry, argv, expected
+):
+    code, _, err = _flashcp_run(
+        capsys, monkeypatch, *argv, f"results_dir={tmp_path}", entry=getattr(launch, entry)
+    )
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"flashcp-{entry}: error: ") and expected in lines[0], lines[0]
+    assert not any(tmp_path.iterdir())  # refused before any job wrote anything
+
+
+@pytest.mark.parametrize(
+    ("entry", "argv", "expected"),
+    [
+        ("table2", ["num_sequences=0"], "num_sequences must be >= 1, got 0"),
+        ("table2", ["dataset.cap=4096"], "dataset.cap = 4096: this experiment samples dataset.name only"),
+        ("sensitivity", ["methods=[zigzag]"], "must include llama3"),
+    ],
+)  # fmt: skip
+def test_experiment_entry_bad_value_is_one_line_exit_2(
+    capsys, monkeypatch, tmp_path, entry, argv, expected
+):
+    code, _, err = _flashcp_run(
+        capsys, monkeypatch, *argv, f"results_dir={tmp_path}", entry=getattr(launch, entry)
+    )
+    assert code == 2
+    assert err.strip().splitlines() == [f"flashcp-{entry}: error: {expected}"] or (
+        expected in err and err.strip().count("\n") == 0
+    ), err
+    assert not (tmp_path / entry / ".sweep.lock").exists()  # the folder is released
+
+
+def test_every_experiment_entry_is_a_console_script():
+    """Each experiment with its own config is a console script calling its launch function, has
+    conf/<name>.yaml and no conf/experiment/<name>.yaml, and flashcp-run's refusal names it."""
+    import tomllib
+
+    from flashcp.config import EXPERIMENT_ENTRIES
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    for prog, (config_name, _) in EXPERIMENT_ENTRIES.items():
+        assert scripts[prog] == f"experiments.launch:{config_name}"
+        assert callable(getattr(launch, config_name))
+        assert (REPO / "conf" / f"{config_name}.yaml").is_file()
+        assert not (REPO / "conf" / "experiment" / f"{config_name}.yaml").exists()
+        assert launch.MOVED_EXPERIMENTS[config_name] == prog
+        assert launch.moved_experiment_message(config_name).startswith(
+            f"experiment={config_name} is its own command: {prog} "
+        )
+
+
+def test_experiment_entry_help_lists_its_fields(capsys, monkeypatch):
+    """--help of every experiment entry lists its own fields (flashcp-fig3 runs end to end in
+    tests/test_install.py, from the wheel)."""
+    for entry, fields in [
+        ("table2", ("num_sequences: 10", "time_limit_s: 60", "block_size: 1024", "dataset:")),
+        ("calibration", ("results_dir: outputs",)),
+        ("sensitivity", ("num_draws: 256", "datasets:", "hardware:")),
+        ("fig3", ("cp_size: 8", "context_len: 131072", "model:")),
+    ]:
+        code, out, _ = _flashcp_run(capsys, monkeypatch, "--help", entry=getattr(launch, entry))
+        assert code == 0 and out.startswith(f"flashcp-{entry}: "), out[:200]
+        assert all(f in out for f in fields) and "base_" not in out and "task" not in out
+
+
+def test_experiment_entry_sweep_gives_each_job_its_folder(capsys, monkeypatch, tmp_path):
+    """-m over an experiment entry with an interpolated name: one folder per job, and the jobs'
+    results reach the sweep that locked its folder, so a failing job fails the command."""
+    argv = ["-m", "model=h16,h32", "name=f3_${model.name}", "context_len=1004"]
+    code, _, err = _flashcp_run(
+        capsys, monkeypatch, *argv, f"results_dir={tmp_path}", entry=launch.fig3
+    )
+    assert code == 1 and "2 of 2 jobs failed" in err and "context_len = 1004" in err
+    for model in ("h16", "h32"):  # each job logged in its own folder
+        assert len(list((tmp_path / f"f3_{model}" / "runs").glob("*/fig3.log"))) == 1
+    assert not list(tmp_path.rglob(".sweep.lock")) and not list(tmp_path.rglob(".sweep_jobs"))
 
 
 @pytest.mark.parametrize("module", ["experiments.aggregate", "experiments.plot"])

@@ -5,7 +5,7 @@ into a throwaway virtual environment that sees this interpreter's packages (a ``
 its site-packages; ``--no-deps``), so only the harness itself is installed. The checkout is kept off
 the import path (no ``PYTHONPATH``; ``.pth`` files of the parent environment, such as an editable
 install's, are not processed), so the run can only use what the wheel carries: configs, length
-tables, fitted constants.
+tables, fitted constants. Also: the README's layout table names what the repository holds.
 """
 
 import os
@@ -64,6 +64,12 @@ def test_wheel_install_runs_default_experiment(tmp_path):
     assert (rows["total_ms"] > 0).all()
     # provenance of a wheel: no checkout, so no git commit; the package version instead
     assert rows["code_version"].str.startswith("flashcp==").all(), set(rows["code_version"])
+    # an experiment with its own entry config (conf/fig3.yaml in the wheel) and console script
+    _run([env_dir / "bin" / "flashcp-fig3"], cwd=work, env=env)
+    fig3 = work / "outputs" / "fig3"
+    assert (fig3 / "fig3.csv").stat().st_size > 0 and (fig3 / "fig3.png").stat().st_size > 0
+    assert len(list(fig3.glob("runs/fig3-*/.hydra/config.yaml"))) == 1  # its log and config
+    assert not (fig3 / ".sweep.lock").exists()  # the folder is released
     assert not (site / "results").exists() and not (site / "flashcp" / "results").exists()
 
 
@@ -75,3 +81,31 @@ def test_a_checkout_reads_its_own_files():
         assert resource_path(name) == REPO / rel and resource_path(name).exists()
     with pytest.raises(ValueError, match="unknown resource 'configs'"):
         resource_path("configs")
+
+
+def test_readme_lists_the_layout():
+    """README's "What is here" names every tracked top-level folder, every module and subpackage
+    of flashcp/ (and flashcp/ops/, flashcp/sim/), every kernel backend and every experiments/ script."""
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("## What is here")
+    section = readme[start : readme.index("\n## ", start + 1)]
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, timeout=60
+    ).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    names = {p.split("/")[0] + "/" for p in tracked if "/" in p}
+    for folder in ("flashcp", "flashcp/ops", "flashcp/sim", "flashcp/ops/backends", "experiments"):
+        for p in tracked:
+            parent, _, leaf = p.rpartition("/")
+            rest = p[len(folder) + 1 :]
+            if parent == folder and leaf.endswith(".py") and leaf != "__init__.py":
+                names.add(leaf)
+            elif p.startswith(folder + "/") and rest.count("/") == 1 and folder == "flashcp":
+                names.add(f"flashcp/{rest.split('/')[0]}/")
+    missing = sorted(
+        n
+        for n in names
+        if f"`{n}" not in section and f"/{n}`" not in section and f" {n}" not in section
+    )
+    assert not missing, f'README "What is here" does not name {missing}'

@@ -285,6 +285,7 @@ def test_hardware_profiles_extend_h100_sxm_through_hydra_defaults(name):
     "override",
     [
         "hardware.launch_uss=1", "hardware.launch_us=abc", "hardware.num_sms=1.5", "task=fig5",
+        "dataset.name=wlb",
         "executor.name=simm", "dataset.overlong=truncate",
     ],
 )  # fmt: skip
@@ -298,16 +299,22 @@ def test_typos_in_typed_fields_fail_at_compose_time(override):
 def test_enum_fields_keep_their_strings():
     from omegaconf import OmegaConf
 
-    from flashcp.config import Executor, Overlong, Task
+    from flashcp.config import Executor, Overlong
+    from flashcp.data import DatasetName
     from flashcp.results import config_hash
 
-    cfg = _compose("executor=emulate", "experiment=table2")
-    assert cfg.executor.name is Executor.emulate and cfg.task is Task.table2
+    cfg = _compose("executor=emulate", "dataset=pile")
+    assert cfg.executor.name is Executor.emulate and cfg.dataset.name is DatasetName.pile
     assert cfg.dataset.overlong is Overlong.split
     # saved configs, hashes and rows see the same strings as before the enums
     assert "name: emulate" in OmegaConf.to_yaml(cfg.executor)
-    plain = {"executor": "emulate", "task": "table2", "overlong": "split"}
-    typed = {"executor": cfg.executor.name, "task": cfg.task, "overlong": cfg.dataset.overlong}
+    assert "name: pile" in OmegaConf.to_yaml(cfg.dataset)
+    plain = {"executor": "emulate", "dataset": "pile", "overlong": "split"}
+    typed = {
+        "executor": cfg.executor.name,
+        "dataset": cfg.dataset.name,
+        "overlong": cfg.dataset.overlong,
+    }
     assert config_hash(typed) == config_hash(plain)
 
 

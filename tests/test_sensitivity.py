@@ -26,8 +26,8 @@ def test_tiny_sensitivity_run(tmp_path):
     cfg = OmegaConf.create({
         "hardware": hw, "model": {"num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "dtype": "bfloat16"},
         "cp_size": 4, "context_len": 16384, "seed": 0, "modes": ["train"],
-        "sensitivity": {"num_sequences": 2, "num_draws": 4, "factor": 2.0, "datasets": ["pile"],
-                        "methods": ["llama3", "per_doc", "zigzag"]},
+        "num_sequences": 2, "num_draws": 4, "factor": 2.0, "datasets": ["pile"],
+        "methods": ["llama3", "per_doc", "zigzag"],
     })  # fmt: skip
     df = run_sensitivity(cfg, tmp_path)
     assert (df.kind == "one_at_a_time").sum() == 2 * len(VARIED) * 3
@@ -43,4 +43,4 @@ def test_tiny_sensitivity_run(tmp_path):
     assert len(order) == 3 and order.share_of_draws.between(0, 1).all()
     assert (tmp_path / "tornado.png").stat().st_size > 0
     with pytest.raises(ValueError, match="llama3"):
-        run_sensitivity(OmegaConf.merge(cfg, {"sensitivity": {"methods": ["zigzag"]}}), tmp_path)
+        run_sensitivity(OmegaConf.merge(cfg, {"methods": ["zigzag"]}), tmp_path)

@@ -18,7 +18,7 @@ tokens; arrays of lengths are int64.
 
 from __future__ import annotations
 
-from flashcp.data.datasets import DATASETS, load_distribution
+from flashcp.data.datasets import DATASETS, DatasetName, load_distribution
 from flashcp.data.distributions import (
     WEIGHTINGS,
     BinnedDistribution,
@@ -40,6 +40,7 @@ __all__ = [
     "LENGTH_FILE_FORMATS",
     "WEIGHTINGS",
     "BinnedDistribution",
+    "DatasetName",
     "EmpiricalDistribution",
     "LengthDistribution",
     "LogNormalMixture",

@@ -14,6 +14,7 @@ Sources of every number are in ``datasets/README.md``.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
 
@@ -26,10 +27,29 @@ from flashcp.data.distributions import (
 )
 from flashcp.data.files import default_data_dir, read_lengths_file, read_table
 
-__all__ = ["DATASETS", "load_distribution"]
+__all__ = ["DATASETS", "DatasetName", "load_distribution"]
 
-DATASETS = ("wlb_llm", "pile", "redpajama", "stress", "file")
-"""Names accepted by :func:`load_distribution`."""
+
+class DatasetName(StrEnum):
+    """The dataset names, the one list of them: :func:`load_distribution` accepts these, and the
+    config schemas type ``dataset.name`` (and Table 2's and the sensitivity study's datasets) with
+    it, so a bad name fails when Hydra composes the config, listing these."""
+
+    #: WLB-LLM production profile (binned table)
+    wlb_llm = "wlb_llm"
+    #: the Pile (log-normal mixture)
+    pile = "pile"
+    #: RedPajama (log-normal mixture)
+    redpajama = "redpajama"
+    #: Normal(0.5 C, 0.5 C), needs context_len
+    stress = "stress"
+    #: a user's file of lengths (needs a path)
+    file = "file"
+
+
+DATASETS: tuple[DatasetName, ...] = tuple(DatasetName)
+"""Names accepted by :func:`load_distribution` (members of :class:`DatasetName`, equal to their
+string values)."""
 
 _TABLE_FILES = MappingProxyType(
     {"wlb_llm": "wlb_llm.csv", "pile": "pile.csv", "redpajama": "redpajama.csv"}

@@ -339,7 +339,7 @@ def read_fitted(sections) -> dict[str, float]:
     path = fitted_path()
     if not path.is_file():
         raise ValueError(
-            f"{path} is missing: run `flashcp-run experiment=calibration`, or load the profile with "
+            f"{path} is missing: run `flashcp-calibration`, or load the profile with "
             "calibrated=False"
         )
     with path.open() as fh:

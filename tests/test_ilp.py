@@ -275,6 +275,35 @@ def test_ilp_rejects_bad_options():
         plan_ilp([4, 4], 2, formulation="columns")
     with pytest.raises(ValueError, match="warm_start"):
         plan_ilp([4, 4], 2, warm_start="llama3")
+    with pytest.raises(ValueError, match="highs_options need solver='highs'"):
+        plan_ilp([4, 4], 2, solver="cbc", highs_options={"mip_heuristic_effort": 0.5})
+    if "highs" in _solvers():
+        with pytest.raises(ValueError, match="no_such_option"):
+            plan_ilp([4, 4], 2, solver="highs", highs_options={"no_such_option": 1})
+        with pytest.raises(ValueError, match="mip_heuristic_effort"):
+            plan_ilp([4, 4], 2, solver="highs", highs_options={"mip_heuristic_effort": -3.0})
+
+
+@pytest.mark.skipif("highs" not in _solvers(), reason="needs highspy")
+def test_highs_options_reach_the_solver_and_keep_the_optimum():
+    d, n, block, weight, cap = [6, 5, 3, 2], 2, 2, 5.0, 1.1
+    expected = _brute_force(tuple(d), n, block, weight, cap)
+    plan = plan_ilp(
+        d, n, block_size=block, comm_weight=weight, max_imbalance=cap, solver="highs",
+        gap=0.0, time_limit_s=30, warm_start=None,
+        highs_options={"mip_heuristic_effort": 1.0, "mip_detect_symmetry": False},
+    )  # fmt: skip
+    assert plan.status == "ok"
+    assert plan.info["objective"] == pytest.approx(expected, abs=1e-6)
+    assert plan.info["highs_options"] == {"mip_heuristic_effort": 1.0, "mip_detect_symmetry": False}
+    # the options reach the solver process: a cutoff below the optimum leaves no solution
+    with pytest.warns(RuntimeWarning, match="no solution"):
+        cut = plan_ilp(
+            d, n, block_size=block, comm_weight=weight, max_imbalance=cap, solver="highs",
+            gap=0.0, time_limit_s=30, warm_start=None,
+            highs_options={"objective_bound": expected - 0.5},
+        )  # fmt: skip
+    assert cut.status == "fallback"
 
 
 def _random_sequences(count, context_len, seed):

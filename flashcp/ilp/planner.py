@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from flashcp.ilp.model import FORMULATIONS, Instance, block_pieces, piece_ranks
-from flashcp.ilp.worker import run_job
+from flashcp.ilp.worker import check_highs_options, run_job
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
 
 __all__ = ["plan_ilp", "plan_objective", "saving_bound"]
@@ -81,6 +81,7 @@ def plan_ilp(
     warm_start: str | None = "best",
     heuristic_target_imbalance: float = 1.05,
     threads: int | None = None,
+    highs_options: dict[str, Any] | None = None,
     on_failure: str = "fallback",
     watchdog_grace_s: float = 10.0,
     solver_path: str | None = None,
@@ -116,6 +117,10 @@ def plan_ilp(
             it (None: the solver's log did not say).
         heuristic_target_imbalance: target of the seed without a cap, and of the fallback.
         threads: solver threads (None: solver default).
+        highs_options: further HiGHS options by name, e.g. ``{"mip_heuristic_effort": 0.5}``
+            (the share of the branch-and-bound effort spent on primal heuristics; HiGHS's default
+            0.05). Only with ``solver="highs"``; an unknown name or a bad value raises
+            ``ValueError`` before the solve.
         on_failure: ``"fallback"`` (warn, return the ``flashcp`` heuristic's plan with status
             ``"fallback"``) or ``"raise"`` (raise ``ValueError``) when the solver returns no
             solution, fails, or is killed by the watchdog.
@@ -174,6 +179,11 @@ def plan_ilp(
             raise ValueError(
                 "solver='highs' needs the highspy package: pip install 'flashcp[highs]'"
             ) from None
+    highs_options = dict(highs_options or {})
+    if highs_options:
+        if solver != "highs":
+            raise ValueError(f"highs_options need solver='highs', got solver={solver!r}")
+        check_highs_options(highs_options)
     target = float(max_imbalance) if max_imbalance is not None else heuristic_target_imbalance
 
     t0 = time.perf_counter()
@@ -195,6 +205,7 @@ def plan_ilp(
         "time_limit_s": time_limit_s,
         "gap": gap,
         "threads": threads,
+        "highs_options": highs_options,
         "lp_rounding": bool(lp_rounding) and seed is not None,
         "seed_objective": None if seed is None else plan_objective(seed, comm_weight),
     }
@@ -219,6 +230,7 @@ def plan_ilp(
         "comm_weight": float(comm_weight),
         "max_imbalance": max_imbalance,
         "warm_start": warm_start,
+        "highs_options": highs_options,
         "seed_method": None if seed is None else seed.method,
         "seed_objective": None if seed is None else plan_objective(seed, comm_weight),
         "warm_start_given": bool(res.get("warm_start_given")),

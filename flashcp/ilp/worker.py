@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["run_job", "solve_job"]
+__all__ = ["check_highs_options", "run_job", "solve_job"]
 
 
 def _cbc_log(log_path: str) -> tuple[float | None, bool | None]:
@@ -70,6 +70,38 @@ def _highs_start_accepted(log_path: str) -> bool | None:
     if re.search(r"(start|user).{0,60}(feasible|accepted|objective)", low):
         return True
     return None
+
+
+def _set_highs_options(h, options: dict[str, Any]) -> None:
+    """Set HiGHS options by name on the ``highspy.Highs`` object ``h``.
+
+    Raises:
+        ValueError: an unknown option name, or a value of the wrong type or out of range.
+    """
+    import highspy
+
+    for name, value in options.items():
+        if not isinstance(name, str):
+            raise ValueError(f"HiGHS option names must be strings, got {name!r}")
+        try:
+            status = h.setOptionValue(name, value)
+        except Exception as exc:  # highspy raises on some type mismatches
+            raise ValueError(f"bad HiGHS option {name}={value!r}: {exc}") from None
+        if status != highspy.HighsStatus.kOk:
+            raise ValueError(f"bad HiGHS option {name}={value!r} (unknown name or bad value)")
+
+
+def check_highs_options(options: dict[str, Any]) -> None:
+    """Check HiGHS options (a name -> value dict) on a scratch solver, before any solve.
+
+    Raises:
+        ValueError: as :func:`_set_highs_options`.
+    """
+    import highspy
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    _set_highs_options(h, options)
 
 
 def _cpu_s() -> float:
@@ -196,8 +228,8 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     ``job``: ``formulation``, ``instance`` (:class:`flashcp.ilp.model.Instance`), ``seed_rank``
     ((n_pieces,) int64 or None), ``solver`` (``cbc`` / ``highs``), ``solver_path`` (a CBC
     executable, or None for PuLP's bundled one), ``time_limit_s`` (wall clock for build + solve,
-    or None), ``gap``, ``threads``, ``tmpdir``; optional ``lp_rounding`` (first solve the LP
-    relaxation and use its rounded plan as the MIP start when it beats the seed,
+    or None), ``gap``, ``threads``, ``tmpdir``; optional ``highs_options`` (HiGHS options by
+    name), ``lp_rounding`` (first solve the LP relaxation and use its rounded plan as the MIP start when it beats the seed,
     :func:`_lp_rounded_start`) and ``seed_objective`` (the seed plan's objective).
 
     Returns a dict: ``sol`` (``optimal`` / ``feasible`` / ``infeasible`` / ``none``), ``assign``
@@ -295,6 +327,7 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
             h.setOptionValue("output_flag", True)
             h.setOptionValue("log_to_console", False)
             h.setOptionValue("log_file", log_path)
+            _set_highs_options(h, job.get("highs_options") or {})
             slv.buildSolverModel(prob)
             if start:
                 hs = highspy.HighsSolution()

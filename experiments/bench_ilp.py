@@ -80,6 +80,10 @@ def _ilp_row(sweep: str, doc_lens: np.ndarray, cp_size: int, **opts) -> dict:
         "lp_bound": info.get("lp_bound"),
         "lp_rounded_objective": info.get("lp_rounded_objective"),
         "saving_upper_bound": info.get("saving_upper_bound"),
+        "lns": info.get("lns"),
+        "lns_start_objective": info.get("lns_start_objective"),
+        "lns_objective": info.get("lns_objective"),
+        "lns_time_s": info.get("lns_time_s"),
     }
 
 

@@ -22,6 +22,14 @@ _FAILURES = ("fallback", "raise")
 _WARM_STARTS = ("best", "flashcp", "flashcp_refined", None)
 
 
+def _have_highs() -> bool:
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plan_objective(plan: Plan, comm_weight: float = 1.0) -> float:
     """The ILP's objective evaluated on any plan: ``imbalance_ratio + comm_weight * (1 - comm_saving)``.
 
@@ -87,6 +95,7 @@ def plan_ilp(
     solver_path: str | None = None,
     validate: bool = True,
     lp_rounding: bool = True,
+    lns: bool | None = None,
 ) -> Plan:
     """Plan FlashCP's layout by solving the ILP of :mod:`flashcp.ilp`.
 
@@ -134,6 +143,12 @@ def plan_ilp(
             the warm start, its cut points are added to the grid and it becomes the MIP start
             (``info["warm_start_source"] = "lp_rounding"``). Like the warm start's cut points,
             only with a ``warm_start``: without one the grid is exactly ``block_size``'s.
+        lns: improve the MIP start, before the MIP, by large-neighbourhood search over pairs of
+            ranks (:func:`flashcp.ilp.worker.pair_lns`: free two ranks, fix the others, solve
+            the sub-MIP with HiGHS) until half of ``time_limit_s``; needs a ``warm_start`` and
+            ``highspy`` (whatever ``solver`` finishes the solve). None: on when ``highspy`` is
+            installed. ``info``: ``lns``, ``lns_start_objective``, ``lns_objective``,
+            ``lns_solves``, ``lns_time_s``.
     Returns:
         A :class:`~flashcp.plan.Plan` with ``method="ilp"`` and status ``"ok"`` (proven optimal
         within ``gap``), ``"time_limit"`` (incumbent without proof) or ``"fallback"``. ``info``:
@@ -179,6 +194,10 @@ def plan_ilp(
             raise ValueError(
                 "solver='highs' needs the highspy package: pip install 'flashcp[highs]'"
             ) from None
+    if lns is None:
+        lns = _have_highs()
+    elif lns and not _have_highs():
+        raise ValueError("lns=True needs the highspy package: pip install 'flashcp[highs]'")
     highs_options = dict(highs_options or {})
     if highs_options:
         if solver != "highs":
@@ -207,6 +226,7 @@ def plan_ilp(
         "threads": threads,
         "highs_options": highs_options,
         "lp_rounding": bool(lp_rounding) and seed is not None,
+        "lns": bool(lns) and seed is not None,
         "seed_objective": None if seed is None else plan_objective(seed, comm_weight),
     }
     res = run_job(job, time_limit_s, watchdog_grace_s)
@@ -237,6 +257,11 @@ def plan_ilp(
         "warm_start_accepted": res.get("warm_start_accepted"),
         "warm_start_source": res.get("warm_start_source"),
         "lp_rounding": job["lp_rounding"],
+        "lns": job["lns"],
+        "lns_start_objective": res.get("lns_start_objective"),
+        "lns_objective": res.get("lns_objective"),
+        "lns_solves": res.get("lns_solves"),
+        "lns_time_s": res.get("lns_time_s"),
         "lp_bound": res.get("lp_bound"),
         "lp_rounded_objective": res.get("lp_rounded_objective"),
     }

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_highs_options", "run_job", "solve_job"]
+__all__ = ["check_highs_options", "pair_lns", "run_job", "solve_job"]
 
 
 def _cbc_log(log_path: str) -> tuple[float | None, bool | None]:
@@ -222,6 +222,88 @@ def _lp_rounded_start(
     return out
 
 
+#: wall-clock limit of one neighbourhood solve of :func:`pair_lns`, seconds; and the share of
+#: the solve's time limit (counted from the start of the build) by which the search stops
+_LNS_SUB_S = 3.0
+_LNS_SHARE = 0.5
+
+
+def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str, Any]:
+    """Improve ``model``'s MIP start by large-neighbourhood search over pairs of ranks.
+
+    The objective is a max over ranks (imbalance, Eq. 3; communication, Eq. 5), and the MIP's own
+    heuristics rarely move a 128K start whose ranks each hold exactly C / N tokens. Each
+    neighbourhood keeps every rank's variables (:attr:`~flashcp.ilp.model.Model.rank_vars`) fixed
+    at the incumbent except those of two ranks a, b, and solves that sub-MIP (HiGHS, one thread,
+    at most ``sub_time_s`` seconds, started from the incumbent): the two ranks may exchange any
+    tails and head pieces, and cut their documents differently, as long as they keep their
+    C / N tokens each. Pairs are visited in turn (01, 02, ..., 23); the search stops after a
+    full round without improvement or at ``deadline`` (``time.perf_counter()`` seconds). Every
+    incumbent is a solution of the full model, so the result stays a valid MIP start; it is
+    written back into ``model.start_vals``.
+
+    Returns ``{"start_objective", "objective", "solves", "time_s"}`` (objectives of the model's
+    objective; equal when nothing improved or the model has no start or no ``rank_vars``).
+    """
+    import itertools
+
+    import highspy
+    import pulp
+
+    t0 = time.perf_counter()
+    out = {"start_objective": None, "objective": None, "solves": 0, "time_s": 0.0}
+    if not model.start_vars or model.rank_vars is None:
+        return out
+    slv = pulp.HiGHS(msg=False, threads=1)
+    slv.createAndConfigureSolver(model.prob)
+    h = model.prob.solverModel
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", 1e-6)  # steps of 1e-4 still add up
+    slv.buildSolverModel(model.prob)
+    ncol = h.getNumCol()
+    lp = h.getLp()
+    lower, upper = np.array(lp.col_lower_), np.array(lp.col_upper_)
+    cost = np.array(lp.col_cost_)
+    rank = np.full(ncol, -1)
+    for r, vs in enumerate(model.rank_vars):
+        rank[[v.index for v in vs]] = r
+    integral = np.zeros(ncol, dtype=bool)
+    integral[[v.index for v in model.prob.variables() if v.cat == pulp.LpInteger]] = True
+    cur = np.zeros(ncol)
+    for v, val in zip(model.start_vars, model.start_vals, strict=True):
+        cur[v.index] = val
+    obj = out["start_objective"] = out["objective"] = float(cost @ cur)
+    cols = np.arange(ncol, dtype=np.int32)
+    n = len(model.rank_vars)
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for a, b in itertools.combinations(range(n), 2):
+            left = deadline - time.perf_counter()
+            if left <= 0.1:
+                break
+            fix = (rank >= 0) & (rank != a) & (rank != b)
+            h.changeColsBounds(ncol, cols, np.where(fix, cur, lower), np.where(fix, cur, upper))
+            h.setOptionValue("time_limit", min(sub_time_s, left))
+            start = highspy.HighsSolution()
+            start.col_value = cur.tolist()
+            start.value_valid = True
+            h.setSolution(start)
+            h.run()
+            out["solves"] += 1
+            if h.getInfo().primal_solution_status == 2:  # a feasible solution
+                sol = np.array(h.getSolution().col_value)
+                sol[integral] = np.round(sol[integral])
+                if float(cost @ sol) < obj - 1e-9:
+                    obj, cur, improved = float(cost @ sol), sol, True
+            h.clearSolver()
+    out["objective"] = obj
+    out["time_s"] = time.perf_counter() - t0
+    if obj < out["start_objective"]:
+        model.start_vals = [float(cur[v.index]) for v in model.start_vars]
+    return out
+
+
 def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     """Build and solve one model (runs in the worker process).
 
@@ -229,7 +311,8 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     ((n_pieces,) int64 or None), ``solver`` (``cbc`` / ``highs``), ``solver_path`` (a CBC
     executable, or None for PuLP's bundled one), ``time_limit_s`` (wall clock for build + solve,
     or None), ``gap``, ``threads``, ``tmpdir``; optional ``highs_options`` (HiGHS options by
-    name), ``lp_rounding`` (first solve the LP relaxation and use its rounded plan as the MIP start when it beats the seed,
+    name), ``lns`` (improve the MIP start by :func:`pair_lns` until half the time limit),
+    ``lp_rounding`` (first solve the LP relaxation and use its rounded plan as the MIP start when it beats the seed,
     :func:`_lp_rounded_start`) and ``seed_objective`` (the seed plan's objective).
 
     Returns a dict: ``sol`` (``optimal`` / ``feasible`` / ``infeasible`` / ``none``), ``assign``
@@ -263,6 +346,10 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
         "lp_rounded_objective": None,
         "warm_start_source": None if job["seed_rank"] is None else "heuristic",
         "instance": None,
+        "lns_start_objective": None,
+        "lns_objective": None,
+        "lns_solves": None,
+        "lns_time_s": None,
     }
     inst, seed_rank = job["instance"], job["seed_rank"]
     try:
@@ -279,6 +366,16 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     except Infeasible as exc:
         out.update(sol="infeasible", error=str(exc), build_time_s=time.perf_counter() - t0)
         return out
+    if job.get("lns") and model.start_vars:
+        limit = job["time_limit_s"]
+        deadline = t0 + _LNS_SHARE * limit if limit is not None else float("inf")
+        lns = pair_lns(model, deadline)
+        out.update(
+            lns_start_objective=lns["start_objective"],
+            lns_objective=lns["objective"],
+            lns_solves=lns["solves"],
+            lns_time_s=lns["time_s"],
+        )
     prob = model.prob
     start = bool(model.start_vars)
     out.update(

@@ -61,6 +61,7 @@ def _ilp_row(sweep: str, doc_lens: np.ndarray, cp_size: int, **opts) -> dict:
         "build_s": info["build_time_s"],
         "solve_s": info["solve_time_s"],
         "solve_cpu_s": info.get("solve_cpu_s"),
+        "total_cpu_s": info.get("total_cpu_s"),
         "wall_s": wall,
         "status": plan.status,
         "solver_status": info["solver_status"],
@@ -191,7 +192,7 @@ def bench_time_to_gap(
                     print(
                         f"seq {i} {formulation:<8} {solver:<5} rounding={rounding!s:<5} "
                         f"effort={effort!s:<5} {row['status']:<10} wall {row['wall_s']:6.1f} s  "
-                        f"cpu {row['solve_cpu_s'] or 0:6.1f} s  gap {row['gap']}  "
+                        f"cpu {row['total_cpu_s'] or 0:6.1f} s  gap {row['gap']}  "
                         f"saving {row['comm_saving']:.4f} <= {bound}",
                         flush=True,
                     )
@@ -282,12 +283,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     keys = ["formulation", "solver", "lp_rounding", "heuristic_effort"]
     for (form, solver, rounding, effort), g in ttg.groupby(keys, sort=False, dropna=False):
         ok = g[g["proven"]]
-        in_cpu = int((ok["solve_cpu_s"] <= args.cpu_goal).sum())
+        in_cpu = int((ok["total_cpu_s"] <= args.cpu_goal).sum())
         print(
             f"{form:<8} {solver:<5} lp_rounding={rounding!s:<5} effort={effort!s:<5}: "
             f"proven {len(ok)}/{len(g)} within {args.time_limit:g} s wall, "
             f"{in_cpu} within {args.cpu_goal:g} CPU-s; median wall / CPU of proven "
-            f"{ok['wall_s'].median():.1f} / {ok['solve_cpu_s'].median():.1f} s; "
+            f"{ok['wall_s'].median():.1f} / {ok['total_cpu_s'].median():.1f} s; "
             f"mean final gap {pd.to_numeric(g['gap'], errors='coerce').mean():.4f}; "
             f"mean saving {g['comm_saving'].mean():.4f} <= proven bound "
             f"{pd.to_numeric(g['saving_upper_bound'], errors='coerce').mean():.4f} "

@@ -160,7 +160,8 @@ def plan_ilp(
         ``lp_rounding``, ``lp_bound`` (the root LP relaxation), ``lp_rounded_objective``,
         ``block_size``,
         ``num_grid_pieces`` (pieces of the grid, not of the plan: :attr:`Plan.num_pieces`), ``num_binaries``, ``num_integers``, ``build_time_s``, ``solve_time_s``,
-        ``solve_cpu_s``, ``wall_time_s``, ``time_limit_s``, ``comm_weight``, ``max_imbalance``, ``warm_start``.
+        ``solve_cpu_s`` (the MIP alone), ``total_cpu_s`` (the worker: build, LP rounding, LNS
+        and MIP), ``wall_time_s``, ``time_limit_s``, ``comm_weight``, ``max_imbalance``, ``warm_start``.
     Raises:
         ValueError: bad lengths, ``cp_size`` < 1, C not divisible by N, bad options, HiGHS asked
             for but not installed, or no solution with ``on_failure="raise"``.
@@ -245,6 +246,7 @@ def plan_ilp(
         "build_time_s": res.get("build_time_s"),
         "solve_time_s": res.get("solve_time_s"),
         "solve_cpu_s": res.get("solve_cpu_s"),
+        "total_cpu_s": res.get("total_cpu_s"),
         "wall_time_s": wall,
         "time_limit_s": time_limit_s,
         "comm_weight": float(comm_weight),

@@ -224,8 +224,17 @@ def _lp_rounded_start(
 
 #: wall-clock limit of one neighbourhood solve of :func:`pair_lns`, seconds; and the share of
 #: the solve's time limit (counted from the start of the build) by which the search stops
-_LNS_SUB_S = 3.0
+_LNS_SUB_S = 0.5
 _LNS_SHARE = 0.5
+#: weight of the two freed ranks' own communication (head tokens over C / N) in a
+#: neighbourhood's objective: a tie-breaker that adds at most 2e-4
+_LNS_TIE = 1e-4
+
+
+def _constraint(prob, name: str):
+    """The constraint ``name`` of a PuLP problem (PuLP >= 3.3 deprecates the dict lookup)."""
+    get = getattr(prob, "get_constraint_by_name", None)
+    return get(name) if get is not None else prob.constraints[name]
 
 
 def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str, Any]:
@@ -237,8 +246,12 @@ def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str
     at the incumbent except those of two ranks a, b, and solves that sub-MIP (HiGHS, one thread,
     at most ``sub_time_s`` seconds, started from the incumbent): the two ranks may exchange any
     tails and head pieces, and cut their documents differently, as long as they keep their
-    C / N tokens each. Pairs are visited in turn (01, 02, ..., 23); the search stops after a
-    full round without improvement or at ``deadline`` (``time.perf_counter()`` seconds). Every
+    C / N tokens each. The maxima are often on a rank outside the pair, so the neighbourhood's
+    objective also counts, with weight :data:`_LNS_TIE`, the two ranks' own communication: a
+    move that keeps the objective and sends fewer head tokens from the pair is taken too
+    (never one that makes the objective worse). Pairs are visited in turn (01, 02, ..., 23);
+    the search stops after a full round without improving the objective or at ``deadline``
+    (``time.perf_counter()`` seconds). Every
     incumbent is a solution of the full model, so the result stays a valid MIP start; it is
     written back into ``model.start_vals``.
 
@@ -275,6 +288,14 @@ def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str
     obj = out["start_objective"] = out["objective"] = float(cost @ cur)
     cols = np.arange(ncol, dtype=np.int32)
     n = len(model.rank_vars)
+    # per rank, the communication row's coefficients (head tokens over C / N, Eq. 5 / Eq. 4)
+    # without the maximum: a tie-breaker in each neighbourhood, so that freeing two ranks can
+    # also move head tokens off them while the maximum stays on a rank outside the pair
+    comm = np.zeros((n, ncol))
+    for r in range(n):
+        for v, c in _constraint(model.prob, f"comm_{r}").items():
+            if v.index is not None and rank[v.index] >= 0:
+                comm[r, v.index] = c
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
@@ -284,6 +305,8 @@ def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str
                 break
             fix = (rank >= 0) & (rank != a) & (rank != b)
             h.changeColsBounds(ncol, cols, np.where(fix, cur, lower), np.where(fix, cur, upper))
+            tie = _LNS_TIE * (comm[a] + comm[b])
+            h.changeColsCost(ncol, cols, cost + tie)
             h.setOptionValue("time_limit", min(sub_time_s, left))
             start = highspy.HighsSolution()
             start.col_value = cur.tolist()
@@ -294,9 +317,14 @@ def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str
             if h.getInfo().primal_solution_status == 2:  # a feasible solution
                 sol = np.array(h.getSolution().col_value)
                 sol[integral] = np.round(sol[integral])
-                if float(cost @ sol) < obj - 1e-9:
-                    obj, cur, improved = float(cost @ sol), sol, True
+                new = float(cost @ sol)
+                if new < obj - 1e-9 or (
+                    new <= obj + 1e-12 and float(tie @ sol) < float(tie @ cur) - 1e-12
+                ):
+                    improved |= new < obj - 1e-9
+                    obj, cur = min(obj, new), sol
             h.clearSolver()
+    h.changeColsCost(ncol, cols, cost)
     out["objective"] = obj
     out["time_s"] = time.perf_counter() - t0
     if obj < out["start_objective"]:

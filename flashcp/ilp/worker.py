@@ -225,6 +225,7 @@ def _lp_rounded_start(
 #: wall-clock limit of one neighbourhood solve of :func:`pair_lns`, seconds; and the share of
 #: the solve's time limit (counted from the start of the build) by which the search stops
 _LNS_SUB_S = 0.5
+_LNS_SUB_MAX = 8  # most times _LNS_SUB_S after rounds without improvement
 _LNS_SHARE = 0.5
 #: weight of the two freed ranks' own communication (head tokens over C / N) in a
 #: neighbourhood's objective: a tie-breaker that adds at most 2e-4
@@ -250,8 +251,10 @@ def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str
     objective also counts, with weight :data:`_LNS_TIE`, the two ranks' own communication: a
     move that keeps the objective and sends fewer head tokens from the pair is taken too
     (never one that makes the objective worse). Pairs are visited in turn (01, 02, ..., 23);
-    the search stops after a full round without improving the objective or at ``deadline``
-    (``time.perf_counter()`` seconds). Every
+    after a round without improving the objective, each pair gets twice as long (up to
+    :data:`_LNS_SUB_MAX` times ``sub_time_s``), and the search stops when such a round solved
+    every pair to optimality (a local optimum) or had the longest time, or at ``deadline`` (``time.perf_counter()``
+    seconds). Every
     incumbent is a solution of the full model, so the result stays a valid MIP start; it is
     written back into ``model.start_vals``.
 
@@ -296,9 +299,9 @@ def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str
         for v, c in _constraint(model.prob, f"comm_{r}").items():
             if v.index is not None and rank[v.index] >= 0:
                 comm[r, v.index] = c
-    improved = True
-    while improved and time.perf_counter() < deadline:
-        improved = False
+    limit = sub_time_s
+    while time.perf_counter() < deadline:
+        improved, exhausted = False, True
         for a, b in itertools.combinations(range(n), 2):
             left = deadline - time.perf_counter()
             if left <= 0.1:
@@ -307,13 +310,14 @@ def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str
             h.changeColsBounds(ncol, cols, np.where(fix, cur, lower), np.where(fix, cur, upper))
             tie = _LNS_TIE * (comm[a] + comm[b])
             h.changeColsCost(ncol, cols, cost + tie)
-            h.setOptionValue("time_limit", min(sub_time_s, left))
+            h.setOptionValue("time_limit", min(limit, left))
             start = highspy.HighsSolution()
             start.col_value = cur.tolist()
             start.value_valid = True
             h.setSolution(start)
             h.run()
             out["solves"] += 1
+            exhausted &= h.getModelStatus() == highspy.HighsModelStatus.kOptimal
             if h.getInfo().primal_solution_status == 2:  # a feasible solution
                 sol = np.array(h.getSolution().col_value)
                 sol[integral] = np.round(sol[integral])
@@ -324,6 +328,12 @@ def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str
                     improved |= new < obj - 1e-9
                     obj, cur = min(obj, new), sol
             h.clearSolver()
+        if improved:
+            limit = sub_time_s
+        elif exhausted or limit >= _LNS_SUB_MAX * sub_time_s:  # a local optimum, or no time
+            break
+        else:  # some pair ran out of time: give each pair longer
+            limit = min(2 * limit, _LNS_SUB_MAX * sub_time_s)
     h.changeColsCost(ncol, cols, cost)
     out["objective"] = obj
     out["time_s"] = time.perf_counter() - t0

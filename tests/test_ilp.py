@@ -275,6 +275,35 @@ def test_ilp_rejects_bad_options():
         plan_ilp([4, 4], 2, formulation="columns")
     with pytest.raises(ValueError, match="warm_start"):
         plan_ilp([4, 4], 2, warm_start="llama3")
+    with pytest.raises(ValueError, match="highs_options need solver='highs'"):
+        plan_ilp([4, 4], 2, solver="cbc", highs_options={"mip_heuristic_effort": 0.5})
+    if "highs" in _solvers():
+        with pytest.raises(ValueError, match="no_such_option"):
+            plan_ilp([4, 4], 2, solver="highs", highs_options={"no_such_option": 1})
+        with pytest.raises(ValueError, match="mip_heuristic_effort"):
+            plan_ilp([4, 4], 2, solver="highs", highs_options={"mip_heuristic_effort": -3.0})
+
+
+@pytest.mark.skipif("highs" not in _solvers(), reason="needs highspy")
+def test_highs_options_reach_the_solver_and_keep_the_optimum():
+    d, n, block, weight, cap = [6, 5, 3, 2], 2, 2, 5.0, 1.1
+    expected = _brute_force(tuple(d), n, block, weight, cap)
+    plan = plan_ilp(
+        d, n, block_size=block, comm_weight=weight, max_imbalance=cap, solver="highs",
+        gap=0.0, time_limit_s=30, warm_start=None,
+        highs_options={"mip_heuristic_effort": 1.0, "mip_detect_symmetry": False},
+    )  # fmt: skip
+    assert plan.status == "ok"
+    assert plan.info["objective"] == pytest.approx(expected, abs=1e-6)
+    assert plan.info["highs_options"] == {"mip_heuristic_effort": 1.0, "mip_detect_symmetry": False}
+    # the options reach the solver process: a cutoff below the optimum leaves no solution
+    with pytest.warns(RuntimeWarning, match="no solution"):
+        cut = plan_ilp(
+            d, n, block_size=block, comm_weight=weight, max_imbalance=cap, solver="highs",
+            gap=0.0, time_limit_s=30, warm_start=None,
+            highs_options={"objective_bound": expected - 0.5},
+        )  # fmt: skip
+    assert cut.status == "fallback"
 
 
 def _random_sequences(count, context_len, seed):
@@ -440,3 +469,54 @@ def test_lp_rounded_start_is_valid_and_never_worse_than_the_grid_optimum(solver)
     assert plan.imbalance_ratio <= cap + 1e-12
     without = plan_ilp(doc_lens, n, block_size=block, max_imbalance=cap, warm_start=None)
     assert without.info["lp_rounding"] is False and without.info["lp_bound"] is None
+
+
+@pytest.mark.skipif("highs" not in _solvers(), reason="needs highspy")
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_pair_lns_only_improves_and_keeps_a_solution_of_the_model(formulation):
+    from flashcp.ilp.model import build_model, piece_ranks, refine_grid
+    from flashcp.ilp.worker import pair_lns
+
+    inst = _lp_instance(1, block=4)
+    n = inst.cp_size
+    seed = plan_flashcp(inst.doc_lens, n)
+    inst = refine_grid(inst, seed.doc, seed.start)
+    ranks = piece_ranks(
+        seed.rank, seed.doc, seed.start, inst.pdoc, inst.pstart, int(inst.doc_lens.sum())
+    )
+    model = build_model(formulation, inst, ranks)
+    assert model.start_vars and model.rank_vars is not None
+    res = pair_lns(model, time.perf_counter() + 20.0, sub_time_s=1.0)
+    assert res["solves"] >= n * (n - 1) // 2  # at least one full round of pairs
+    assert res["objective"] <= res["start_objective"] + 1e-12
+    # the new start is a solution of the model: read it back as a plan and check it
+    for v, val in zip(model.start_vars, model.start_vals, strict=True):
+        v.varValue = val
+    assign = model.read()
+    assert assign is not None
+    order = np.lexsort((inst.pstart, inst.pdoc, assign))
+    plan = make_plan(
+        "ilp", n, inst.doc_lens, assign[order], inst.pdoc[order], inst.pstart[order],
+        inst.plen[order], validate=True,
+    )  # fmt: skip
+    # the model never reports less than its plan's cost (merged heads count as communication)
+    assert plan_objective(plan, inst.comm_weight) <= res["objective"] + 1e-6
+
+
+@pytest.mark.skipif("highs" not in _solvers(), reason="needs highspy")
+def test_ilp_with_lns_keeps_the_optimum_and_records_it():
+    doc_lens, n, block, cap = [6, 5, 3, 2], 2, 2, 1.1
+    expected = _brute_force(tuple(doc_lens), n, block, 1.0, cap)
+    plan = plan_ilp(
+        doc_lens, n, block_size=block, max_imbalance=cap, solver="cbc", gap=0.0,
+        time_limit_s=30, warm_start="flashcp", lp_rounding=False, lns=True,
+    )  # fmt: skip
+    plan.validate()
+    assert plan.status == "ok" and plan.info["objective"] <= expected + 1e-9
+    assert plan.info["lns"] is True
+    assert plan.info["lns_objective"] <= plan.info["lns_start_objective"] + 1e-12
+    assert plan.info["seed_objective"] >= plan.info["objective"] - 1e-9
+    off = plan_ilp(
+        doc_lens, n, block_size=block, max_imbalance=cap, warm_start="flashcp", lns=False
+    )
+    assert off.info["lns"] is False and off.info["lns_objective"] is None

@@ -153,6 +153,9 @@ class Model:
             equal length, aggregated into counts, have none.
         count_vars: ``[[integer, ...], ...]``, per group of aggregated documents its count on
             every rank (summing to the group's size), or None.
+        rank_vars: ``[[var, ...], ...]``, per rank r the variables that place something on r
+            (every variable but the two maxima belongs to exactly one rank); the neighbourhoods
+            of :func:`flashcp.ilp.worker.pair_lns` free two ranks' variables and fix the rest.
     """
 
     prob: Any
@@ -164,6 +167,7 @@ class Model:
     fractions: Any = None
     tail_vars: dict | None = None
     count_vars: list | None = None
+    rank_vars: list | None = None
 
 
 def _expr(pairs: list[tuple[Any, float]]):
@@ -273,7 +277,8 @@ def _build_pieces(inst: Instance, seed_rank: np.ndarray | None) -> Model:
     def fractions() -> np.ndarray:
         return np.array([[v.value() or 0.0 for v in row] for row in x])  # (n_pieces, N)
 
-    model = Model(prob, svars, svals, read, npieces * n, 0, fractions)
+    rank_vars = [[x[i][r] for i in range(npieces)] + [yi[r] for yi in y.values()] for r in ranks]
+    model = Model(prob, svars, svals, read, npieces * n, 0, fractions, rank_vars=rank_vars)
     return _with_maxima(model, inst, seed_rank, z_w, z_c)
 
 
@@ -434,7 +439,16 @@ def _build_patterns(inst: Instance, seed_rank: np.ndarray | None) -> Model:
         return np.clip(out, 0.0, None)
 
     tail_vars = {doc: list(uv.values()) for doc, uv in u.items()}
-    model = Model(prob, svars, svals, read, nbin, nint, fractions, tail_vars, list(cnt.values()))
+    rank_vars: list[list[Any]] = [[] for _ in range(n)]
+    for uv in u.values():
+        for (_, r), v in uv.items():
+            rank_vars[r].append(v)
+    for vs in [*h.values(), *cnt.values()]:
+        for r, v in enumerate(vs):
+            rank_vars[r].append(v)
+    model = Model(
+        prob, svars, svals, read, nbin, nint, fractions, tail_vars, list(cnt.values()), rank_vars
+    )
     return _with_maxima(model, inst, seed_rank, z_w, z_c)
 
 

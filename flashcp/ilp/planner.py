@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from flashcp.ilp.model import FORMULATIONS, Instance, block_pieces, piece_ranks
-from flashcp.ilp.worker import run_job
+from flashcp.ilp.worker import check_highs_options, run_job
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
 
 __all__ = ["plan_ilp", "plan_objective", "saving_bound"]
@@ -20,6 +20,14 @@ __all__ = ["plan_ilp", "plan_objective", "saving_bound"]
 _SOLVERS = ("cbc", "highs")
 _FAILURES = ("fallback", "raise")
 _WARM_STARTS = ("best", "flashcp", "flashcp_refined", None)
+
+
+def _have_highs() -> bool:
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def plan_objective(plan: Plan, comm_weight: float = 1.0) -> float:
@@ -81,11 +89,13 @@ def plan_ilp(
     warm_start: str | None = "best",
     heuristic_target_imbalance: float = 1.05,
     threads: int | None = None,
+    highs_options: dict[str, Any] | None = None,
     on_failure: str = "fallback",
     watchdog_grace_s: float = 10.0,
     solver_path: str | None = None,
     validate: bool = True,
     lp_rounding: bool = True,
+    lns: bool | None = None,
 ) -> Plan:
     """Plan FlashCP's layout by solving the ILP of :mod:`flashcp.ilp`.
 
@@ -116,6 +126,10 @@ def plan_ilp(
             it (None: the solver's log did not say).
         heuristic_target_imbalance: target of the seed without a cap, and of the fallback.
         threads: solver threads (None: solver default).
+        highs_options: further HiGHS options by name, e.g. ``{"mip_heuristic_effort": 0.5}``
+            (the share of the branch-and-bound effort spent on primal heuristics; HiGHS's default
+            0.05). Only with ``solver="highs"``; an unknown name or a bad value raises
+            ``ValueError`` before the solve.
         on_failure: ``"fallback"`` (warn, return the ``flashcp`` heuristic's plan with status
             ``"fallback"``) or ``"raise"`` (raise ``ValueError``) when the solver returns no
             solution, fails, or is killed by the watchdog.
@@ -129,6 +143,12 @@ def plan_ilp(
             the warm start, its cut points are added to the grid and it becomes the MIP start
             (``info["warm_start_source"] = "lp_rounding"``). Like the warm start's cut points,
             only with a ``warm_start``: without one the grid is exactly ``block_size``'s.
+        lns: improve the MIP start, before the MIP, by large-neighbourhood search over pairs of
+            ranks (:func:`flashcp.ilp.worker.pair_lns`: free two ranks, fix the others, solve
+            the sub-MIP with HiGHS) until half of ``time_limit_s``; needs a ``warm_start`` and
+            ``highspy`` (whatever ``solver`` finishes the solve). None: on when ``highspy`` is
+            installed. ``info``: ``lns``, ``lns_start_objective``, ``lns_objective``,
+            ``lns_solves``, ``lns_time_s``.
     Returns:
         A :class:`~flashcp.plan.Plan` with ``method="ilp"`` and status ``"ok"`` (proven optimal
         within ``gap``), ``"time_limit"`` (incumbent without proof) or ``"fallback"``. ``info``:
@@ -140,7 +160,8 @@ def plan_ilp(
         ``lp_rounding``, ``lp_bound`` (the root LP relaxation), ``lp_rounded_objective``,
         ``block_size``,
         ``num_grid_pieces`` (pieces of the grid, not of the plan: :attr:`Plan.num_pieces`), ``num_binaries``, ``num_integers``, ``build_time_s``, ``solve_time_s``,
-        ``solve_cpu_s``, ``wall_time_s``, ``time_limit_s``, ``comm_weight``, ``max_imbalance``, ``warm_start``.
+        ``solve_cpu_s`` (the MIP alone), ``total_cpu_s`` (the worker: build, LP rounding, LNS
+        and MIP), ``wall_time_s``, ``time_limit_s``, ``comm_weight``, ``max_imbalance``, ``warm_start``.
     Raises:
         ValueError: bad lengths, ``cp_size`` < 1, C not divisible by N, bad options, HiGHS asked
             for but not installed, or no solution with ``on_failure="raise"``.
@@ -174,6 +195,15 @@ def plan_ilp(
             raise ValueError(
                 "solver='highs' needs the highspy package: pip install 'flashcp[highs]'"
             ) from None
+    if lns is None:
+        lns = _have_highs()
+    elif lns and not _have_highs():
+        raise ValueError("lns=True needs the highspy package: pip install 'flashcp[highs]'")
+    highs_options = dict(highs_options or {})
+    if highs_options:
+        if solver != "highs":
+            raise ValueError(f"highs_options need solver='highs', got solver={solver!r}")
+        check_highs_options(highs_options)
     target = float(max_imbalance) if max_imbalance is not None else heuristic_target_imbalance
 
     t0 = time.perf_counter()
@@ -195,7 +225,9 @@ def plan_ilp(
         "time_limit_s": time_limit_s,
         "gap": gap,
         "threads": threads,
+        "highs_options": highs_options,
         "lp_rounding": bool(lp_rounding) and seed is not None,
+        "lns": bool(lns) and seed is not None,
         "seed_objective": None if seed is None else plan_objective(seed, comm_weight),
     }
     res = run_job(job, time_limit_s, watchdog_grace_s)
@@ -214,17 +246,24 @@ def plan_ilp(
         "build_time_s": res.get("build_time_s"),
         "solve_time_s": res.get("solve_time_s"),
         "solve_cpu_s": res.get("solve_cpu_s"),
+        "total_cpu_s": res.get("total_cpu_s"),
         "wall_time_s": wall,
         "time_limit_s": time_limit_s,
         "comm_weight": float(comm_weight),
         "max_imbalance": max_imbalance,
         "warm_start": warm_start,
+        "highs_options": highs_options,
         "seed_method": None if seed is None else seed.method,
         "seed_objective": None if seed is None else plan_objective(seed, comm_weight),
         "warm_start_given": bool(res.get("warm_start_given")),
         "warm_start_accepted": res.get("warm_start_accepted"),
         "warm_start_source": res.get("warm_start_source"),
         "lp_rounding": job["lp_rounding"],
+        "lns": job["lns"],
+        "lns_start_objective": res.get("lns_start_objective"),
+        "lns_objective": res.get("lns_objective"),
+        "lns_solves": res.get("lns_solves"),
+        "lns_time_s": res.get("lns_time_s"),
         "lp_bound": res.get("lp_bound"),
         "lp_rounded_objective": res.get("lp_rounded_objective"),
     }

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["run_job", "solve_job"]
+__all__ = ["check_highs_options", "pair_lns", "run_job", "solve_job"]
 
 
 def _cbc_log(log_path: str) -> tuple[float | None, bool | None]:
@@ -70,6 +70,38 @@ def _highs_start_accepted(log_path: str) -> bool | None:
     if re.search(r"(start|user).{0,60}(feasible|accepted|objective)", low):
         return True
     return None
+
+
+def _set_highs_options(h, options: dict[str, Any]) -> None:
+    """Set HiGHS options by name on the ``highspy.Highs`` object ``h``.
+
+    Raises:
+        ValueError: an unknown option name, or a value of the wrong type or out of range.
+    """
+    import highspy
+
+    for name, value in options.items():
+        if not isinstance(name, str):
+            raise ValueError(f"HiGHS option names must be strings, got {name!r}")
+        try:
+            status = h.setOptionValue(name, value)
+        except Exception as exc:  # highspy raises on some type mismatches
+            raise ValueError(f"bad HiGHS option {name}={value!r}: {exc}") from None
+        if status != highspy.HighsStatus.kOk:
+            raise ValueError(f"bad HiGHS option {name}={value!r} (unknown name or bad value)")
+
+
+def check_highs_options(options: dict[str, Any]) -> None:
+    """Check HiGHS options (a name -> value dict) on a scratch solver, before any solve.
+
+    Raises:
+        ValueError: as :func:`_set_highs_options`.
+    """
+    import highspy
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    _set_highs_options(h, options)
 
 
 def _cpu_s() -> float:
@@ -190,14 +222,135 @@ def _lp_rounded_start(
     return out
 
 
+#: wall-clock limit of one neighbourhood solve of :func:`pair_lns`, seconds; and the share of
+#: the solve's time limit (counted from the start of the build) by which the search stops
+_LNS_SUB_S = 0.5
+_LNS_SUB_MAX = 8  # most times _LNS_SUB_S after rounds without improvement
+_LNS_SHARE = 0.5
+#: weight of the two freed ranks' own communication (head tokens over C / N) in a
+#: neighbourhood's objective: a tie-breaker that adds at most 2e-4
+_LNS_TIE = 1e-4
+
+
+def _constraint(prob, name: str):
+    """The constraint ``name`` of a PuLP problem (PuLP >= 3.3 deprecates the dict lookup)."""
+    get = getattr(prob, "get_constraint_by_name", None)
+    return get(name) if get is not None else prob.constraints[name]
+
+
+def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str, Any]:
+    """Improve ``model``'s MIP start by large-neighbourhood search over pairs of ranks.
+
+    The objective is a max over ranks (imbalance, Eq. 3; communication, Eq. 5), and the MIP's own
+    heuristics rarely move a 128K start whose ranks each hold exactly C / N tokens. Each
+    neighbourhood keeps every rank's variables (:attr:`~flashcp.ilp.model.Model.rank_vars`) fixed
+    at the incumbent except those of two ranks a, b, and solves that sub-MIP (HiGHS, one thread,
+    at most ``sub_time_s`` seconds, started from the incumbent): the two ranks may exchange any
+    tails and head pieces, and cut their documents differently, as long as they keep their
+    C / N tokens each. The maxima are often on a rank outside the pair, so the neighbourhood's
+    objective also counts, with weight :data:`_LNS_TIE`, the two ranks' own communication: a
+    move that keeps the objective and sends fewer head tokens from the pair is taken too
+    (never one that makes the objective worse). Pairs are visited in turn (01, 02, ..., 23);
+    after a round without improving the objective, each pair gets twice as long (up to
+    :data:`_LNS_SUB_MAX` times ``sub_time_s``), and the search stops when such a round solved
+    every pair to optimality (a local optimum) or had the longest time, or at ``deadline`` (``time.perf_counter()``
+    seconds). Every
+    incumbent is a solution of the full model, so the result stays a valid MIP start; it is
+    written back into ``model.start_vals``.
+
+    Returns ``{"start_objective", "objective", "solves", "time_s"}`` (objectives of the model's
+    objective; equal when nothing improved or the model has no start or no ``rank_vars``).
+    """
+    import itertools
+
+    import highspy
+    import pulp
+
+    t0 = time.perf_counter()
+    out = {"start_objective": None, "objective": None, "solves": 0, "time_s": 0.0}
+    if not model.start_vars or model.rank_vars is None:
+        return out
+    slv = pulp.HiGHS(msg=False, threads=1)
+    slv.createAndConfigureSolver(model.prob)
+    h = model.prob.solverModel
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", 1e-6)  # steps of 1e-4 still add up
+    slv.buildSolverModel(model.prob)
+    ncol = h.getNumCol()
+    lp = h.getLp()
+    lower, upper = np.array(lp.col_lower_), np.array(lp.col_upper_)
+    cost = np.array(lp.col_cost_)
+    rank = np.full(ncol, -1)
+    for r, vs in enumerate(model.rank_vars):
+        rank[[v.index for v in vs]] = r
+    integral = np.zeros(ncol, dtype=bool)
+    integral[[v.index for v in model.prob.variables() if v.cat == pulp.LpInteger]] = True
+    cur = np.zeros(ncol)
+    for v, val in zip(model.start_vars, model.start_vals, strict=True):
+        cur[v.index] = val
+    obj = out["start_objective"] = out["objective"] = float(cost @ cur)
+    cols = np.arange(ncol, dtype=np.int32)
+    n = len(model.rank_vars)
+    # per rank, the communication row's coefficients (head tokens over C / N, Eq. 5 / Eq. 4)
+    # without the maximum: a tie-breaker in each neighbourhood, so that freeing two ranks can
+    # also move head tokens off them while the maximum stays on a rank outside the pair
+    comm = np.zeros((n, ncol))
+    for r in range(n):
+        for v, c in _constraint(model.prob, f"comm_{r}").items():
+            if v.index is not None and rank[v.index] >= 0:
+                comm[r, v.index] = c
+    limit = sub_time_s
+    while time.perf_counter() < deadline:
+        improved, exhausted = False, True
+        for a, b in itertools.combinations(range(n), 2):
+            left = deadline - time.perf_counter()
+            if left <= 0.1:
+                break
+            fix = (rank >= 0) & (rank != a) & (rank != b)
+            h.changeColsBounds(ncol, cols, np.where(fix, cur, lower), np.where(fix, cur, upper))
+            tie = _LNS_TIE * (comm[a] + comm[b])
+            h.changeColsCost(ncol, cols, cost + tie)
+            h.setOptionValue("time_limit", min(limit, left))
+            start = highspy.HighsSolution()
+            start.col_value = cur.tolist()
+            start.value_valid = True
+            h.setSolution(start)
+            h.run()
+            out["solves"] += 1
+            exhausted &= h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+            if h.getInfo().primal_solution_status == 2:  # a feasible solution
+                sol = np.array(h.getSolution().col_value)
+                sol[integral] = np.round(sol[integral])
+                new = float(cost @ sol)
+                if new < obj - 1e-9 or (
+                    new <= obj + 1e-12 and float(tie @ sol) < float(tie @ cur) - 1e-12
+                ):
+                    improved |= new < obj - 1e-9
+                    obj, cur = min(obj, new), sol
+            h.clearSolver()
+        if improved:
+            limit = sub_time_s
+        elif exhausted or limit >= _LNS_SUB_MAX * sub_time_s:  # a local optimum, or no time
+            break
+        else:  # some pair ran out of time: give each pair longer
+            limit = min(2 * limit, _LNS_SUB_MAX * sub_time_s)
+    h.changeColsCost(ncol, cols, cost)
+    out["objective"] = obj
+    out["time_s"] = time.perf_counter() - t0
+    if obj < out["start_objective"]:
+        model.start_vals = [float(cur[v.index]) for v in model.start_vars]
+    return out
+
+
 def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     """Build and solve one model (runs in the worker process).
 
     ``job``: ``formulation``, ``instance`` (:class:`flashcp.ilp.model.Instance`), ``seed_rank``
     ((n_pieces,) int64 or None), ``solver`` (``cbc`` / ``highs``), ``solver_path`` (a CBC
     executable, or None for PuLP's bundled one), ``time_limit_s`` (wall clock for build + solve,
-    or None), ``gap``, ``threads``, ``tmpdir``; optional ``lp_rounding`` (first solve the LP
-    relaxation and use its rounded plan as the MIP start when it beats the seed,
+    or None), ``gap``, ``threads``, ``tmpdir``; optional ``highs_options`` (HiGHS options by
+    name), ``lns`` (improve the MIP start by :func:`pair_lns` until half the time limit),
+    ``lp_rounding`` (first solve the LP relaxation and use its rounded plan as the MIP start when it beats the seed,
     :func:`_lp_rounded_start`) and ``seed_objective`` (the seed plan's objective).
 
     Returns a dict: ``sol`` (``optimal`` / ``feasible`` / ``infeasible`` / ``none``), ``assign``
@@ -205,6 +358,7 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     ``warm_start_given``, ``warm_start_accepted`` (True / False / None = unknown),
     ``num_binaries``, ``num_integers``, ``build_time_s``, ``solve_time_s`` (wall clock) and
     ``solve_cpu_s`` (CPU seconds of the solve: on a loaded machine, what the solver really got),
+    ``total_cpu_s`` (CPU seconds of the whole job: build, LP rounding, LNS and solve),
     ``lp_bound`` (the root LP relaxation's objective), ``lp_rounded_objective``,
     ``warm_start_source`` (``heuristic`` / ``lp_rounding`` / None) and ``instance`` (the refined
     instance whose pieces ``assign`` refers to, when the rounded start refined the grid; else None).
@@ -214,6 +368,7 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     from flashcp.ilp.model import Infeasible, build_model
 
     t0 = time.perf_counter()
+    c0 = _cpu_s()
     out: dict[str, Any] = {
         "sol": "none",
         "assign": None,
@@ -227,10 +382,15 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
         "build_time_s": None,
         "solve_time_s": None,
         "solve_cpu_s": None,
+        "total_cpu_s": None,
         "lp_bound": None,
         "lp_rounded_objective": None,
         "warm_start_source": None if job["seed_rank"] is None else "heuristic",
         "instance": None,
+        "lns_start_objective": None,
+        "lns_objective": None,
+        "lns_solves": None,
+        "lns_time_s": None,
     }
     inst, seed_rank = job["instance"], job["seed_rank"]
     try:
@@ -247,6 +407,16 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     except Infeasible as exc:
         out.update(sol="infeasible", error=str(exc), build_time_s=time.perf_counter() - t0)
         return out
+    if job.get("lns") and model.start_vars:
+        limit = job["time_limit_s"]
+        deadline = t0 + _LNS_SHARE * limit if limit is not None else float("inf")
+        lns = pair_lns(model, deadline)
+        out.update(
+            lns_start_objective=lns["start_objective"],
+            lns_objective=lns["objective"],
+            lns_solves=lns["solves"],
+            lns_time_s=lns["time_s"],
+        )
     prob = model.prob
     start = bool(model.start_vars)
     out.update(
@@ -295,6 +465,7 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
             h.setOptionValue("output_flag", True)
             h.setOptionValue("log_to_console", False)
             h.setOptionValue("log_file", log_path)
+            _set_highs_options(h, job.get("highs_options") or {})
             slv.buildSolverModel(prob)
             if start:
                 hs = highspy.HighsSolution()
@@ -314,6 +485,7 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
         return out
     out["solve_time_s"] = time.perf_counter() - t1
     out["solve_cpu_s"] = _cpu_s() - c1
+    out["total_cpu_s"] = _cpu_s() - c0
     out["warm_start_accepted"] = accepted if start else None
     out["bound"] = bound if bound is not None and np.isfinite(bound) else None
     if sol == pulp.LpSolutionInfeasible:

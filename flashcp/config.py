@@ -307,6 +307,12 @@ class Table2Config(ExperimentConfig):
     warm_start: str | None = "best"
     #: also try a MIP start cut from the LP relaxation (needs a warm_start)
     lp_rounding: bool = True
+    #: improve the MIP start by a neighbourhood search over pairs of ranks (null: on when highspy
+    #: is installed; flashcp.ilp.plan_ilp)
+    lns: bool | None = None
+    #: HiGHS options by name, passed to the solver (checked before any solve); the default
+    #: mip_heuristic_effort 1.0 (HiGHS's own: 0.05) is the setting experiments/bench_ilp.py measures
+    highs_options: dict[str, Any] = field(default_factory=lambda: {"mip_heuristic_effort": 1.0})
     #: processes solving ILPs in parallel
     workers: int = 1
 

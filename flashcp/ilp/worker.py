@@ -99,7 +99,17 @@ def check_highs_options(options: dict[str, Any]) -> None:
     """
     import highspy
 
-    h = highspy.Highs()
+    # HiGHS prints its banner from C++ when the object is built (before output_flag can be set):
+    # keep it off the user's console by pointing file descriptor 1 at /dev/null meanwhile
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
     h.setOptionValue("output_flag", False)
     _set_highs_options(h, options)
 

@@ -467,18 +467,22 @@ def test_head_groups_bound_the_memory_as_stated():
     """Peak bytes allocated by the op's calls (CPU allocator, via torch.profiler) are those of
     ``allgather_peak_bytes`` (gloo frees its staging buffers from its own threads, so a call may
     hold one longer: the least of three calls, on the best rank, is within one staging buffer),
-    and one KV head per group cuts both peaks by more than half."""
+    and one KV head per group cuts both peaks by more than half (stated peaks; measured ones, less
+    the one staging buffer a late free may add, likewise)."""
     n, lens, (h, hkv, d) = 2, [256, 128, 128], (8, 4, 32)
     results = run_ranks(_run_memory, n, lens, (h, hkv, d), (4, 1), timeout_s=120)
+    staging = {}
     for hpg in (4, 1):
         m = results[0][hpg][4]
-        staging = 2 * hpg * d * n * m * 4  # one gathered-size float32 buffer of the group
+        staging[hpg] = 2 * hpg * d * n * m * 4  # one gathered-size float32 buffer of the group
         for i in (0, 2):  # forward, backward
             over = [res[hpg][i] - res[hpg][i + 1] for res in results]
-            assert min(over) >= 0 and min(over) <= staging, (hpg, i, over)
+            assert min(over) >= 0 and min(over) <= staging[hpg], (hpg, i, over)
     for i in (0, 2):
+        stated_one, stated_every = (results[0][hpg][i + 1] for hpg in (1, 4))
+        assert stated_one < 0.5 * stated_every, (i, stated_one, stated_every)
         one, every = (min(res[hpg][i] for res in results) for hpg in (1, 4))
-        assert one < 0.5 * every, (i, one, every)
+        assert one - staging[1] < 0.5 * every, (i, one, every)
 
 
 def test_comm_volume_counts_grad_comm_dtype():

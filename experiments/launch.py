@@ -25,7 +25,8 @@ person sees one line instead of a traceback or a page of Hydra internals:
   added with ``+`` that no schema has (``+cp_sise=4`` would run with the default ``cp_size``),
   ``executor=dist`` under a submitit launcher whose tasks per job differ from ``cp_size``, and a
   sweep of an experiment entry whose jobs would all write the same folder
-  ``<results_dir>/<name>`` (:func:`experiment_sweep_problem`).
+  ``<results_dir>/<name>`` (:func:`experiment_sweep_problem`), and a ``flashcp-run`` sweep over
+  ``name`` or ``results_dir`` (its runs would be merged into one folder).
 * Ctrl-C (SIGINT) and SIGTERM end the process with one line (exit 130 / 143). Workers of the
   simulator's process pool ignore SIGINT (their initializer, :mod:`flashcp.executors.sim`); the run
   drops the queued chunks and joins them, and :func:`end_children` terminates any child left, so
@@ -267,6 +268,13 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
         problem = experiment_sweep_problem(config, prog)
         if problem is not None:
             return problem
+    folder = (_is_sweep(config, "name") or _is_sweep(config, "results_dir")) if multirun else None
+    if prog == PROG and folder:
+        return (
+            f"{folder}: a sweep merges its runs into one folder <results_dir>/<name>, so the jobs "
+            "of a swept name or results_dir would be merged into one of them; run one sweep per "
+            f"folder ({PROG} -m name=... per value)"
+        )
     swept = _is_sweep(config, "experiment") if multirun else None
     if swept:
         values = swept.split("=", 1)[1]

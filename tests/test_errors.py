@@ -67,6 +67,7 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
         (["modes=[x"], "cannot parse 'modes=[x'"),
         (["method=flashcp,llama3"], "'method=flashcp,llama3'; add -m to sweep over it"),
         (["-m", "experiment=fig6,fig7"], "flashcp-run -m experiment=fig6; flashcp-run -m experiment=fig7"),
+        (["-m", "name=a,b"], "name=a,b: a sweep merges its runs into one folder"),
         (["experiment=fig5"], "add -m (flashcp-run -m experiment=fig5), or hydra.sweeper.params=null"),
         (["hydra/launcher=joblib"], "a single run ignores it; add -m"),
         (

@@ -212,24 +212,25 @@ def added_unknown_keys(config: Any) -> list[str]:
     return problems
 
 
-def _is_sweep(config: Any, key: str) -> str | None:
+def _sweep_overrides(config: Any) -> list[Any]:
+    """The command line's sweep overrides (``key=a,b``, ranges, ...), parsed by Hydra."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    for ov in OverridesParser.create().parse_overrides(list(config.hydra.overrides.task)):
-        if ov.key_or_group == key and ov.is_sweep_override():
-            return ov.input_line
-    return None
+    parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    return [ov for ov in parsed if ov.is_sweep_override()]
+
+
+def _is_sweep(config: Any, key: str) -> str | None:
+    """The override that sweeps ``key`` (as typed), or None."""
+    return next((ov.input_line for ov in _sweep_overrides(config) if ov.key_or_group == key), None)
 
 
 def _sweep_sizes(config: Any) -> dict[str, int]:
     """Swept key -> number of its values, over the command line's sweep overrides."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    sizes = {}
-    for ov in OverridesParser.create().parse_overrides(list(config.hydra.overrides.task)):
-        if ov.is_sweep_override():
-            sizes[ov.key_or_group] = sum(1 for _ in ov.sweep_string_iterator())
-    return sizes
+    return {
+        ov.key_or_group: sum(1 for _ in ov.sweep_string_iterator())
+        for ov in _sweep_overrides(config)
+    }
 
 
 def experiment_sweep_problem(config: Any, prog: str) -> str | None:
@@ -398,34 +399,27 @@ def main(argv: list[str] | None = None) -> None:
     launch(app, PROG, argv)
 
 
-def table2(argv: list[str] | None = None) -> None:
-    """Console entry point ``flashcp-table2`` (:func:`experiments.table2.main`, conf/table2.yaml)."""
-    from experiments.table2 import main as app
+def _experiment_command(prog: str) -> Callable[[list[str] | None], None]:
+    """The console entry point ``prog`` of :data:`flashcp.config.EXPERIMENT_ENTRIES`: the Hydra
+    app ``main`` of ``experiments.<config name>`` (conf/<config name>.yaml) under :func:`launch`."""
+    config_name = EXPERIMENT_ENTRIES[prog][0]
 
-    launch(app, "flashcp-table2", argv)
+    def command(argv: list[str] | None = None) -> None:
+        import importlib
 
+        launch(importlib.import_module(f"experiments.{config_name}").main, prog, argv)
 
-def calibration(argv: list[str] | None = None) -> None:
-    """Console entry point ``flashcp-calibration`` (:func:`experiments.calibration.main`,
-    conf/calibration.yaml)."""
-    from experiments.calibration import main as app
-
-    launch(app, "flashcp-calibration", argv)
-
-
-def sensitivity(argv: list[str] | None = None) -> None:
-    """Console entry point ``flashcp-sensitivity`` (:func:`experiments.sensitivity.main`,
-    conf/sensitivity.yaml)."""
-    from experiments.sensitivity import main as app
-
-    launch(app, "flashcp-sensitivity", argv)
+    command.__doc__ = (
+        f"Console entry point ``{prog}`` (:func:`experiments.{config_name}.main`, "
+        f"conf/{config_name}.yaml)."
+    )
+    return command
 
 
-def fig3(argv: list[str] | None = None) -> None:
-    """Console entry point ``flashcp-fig3`` (:func:`experiments.fig3.main`, conf/fig3.yaml)."""
-    from experiments.fig3 import main as app
-
-    launch(app, "flashcp-fig3", argv)
+table2 = _experiment_command("flashcp-table2")
+calibration = _experiment_command("flashcp-calibration")
+sensitivity = _experiment_command("flashcp-sensitivity")
+fig3 = _experiment_command("flashcp-fig3")
 
 
 def run_experiment(cfg: Any, work: Callable[[Any], Path]) -> dict[str, Any]:

@@ -74,7 +74,15 @@ from collections.abc import Callable
 import numpy as np
 
 from flashcp.heuristic import plan_flashcp
-from flashcp.plan import Plan, check_cp_args, check_doc_lens, doc_workload, make_plan, planner_entry
+from flashcp.plan import (
+    Plan,
+    check_cp_args,
+    check_doc_lens,
+    doc_workload,
+    make_plan,
+    planner_entry,
+    shard_workload,
+)
 
 __all__ = ["plan_flashcp_refined"]
 
@@ -110,11 +118,6 @@ def _largest(ok: Callable[[int], bool], hi: int) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def _work(p: int, s: int) -> int:
-    """Eq. 3: query-key pairs per head of a shard with prefix p and length s."""
-    return (2 * p + s + 1) * s // 2
 
 
 def _pack(
@@ -165,7 +168,7 @@ def _pack(
     # documents shortest first give the lower bound of F in O(log m)
     asc = [lens[i] for i in reversed(order)]
     cum_t = [0, *itertools.accumulate(asc)]
-    cum_w = [0, *itertools.accumulate(x * (x + 1) // 2 for x in asc)]
+    cum_w = [0, *itertools.accumulate(doc_workload(x) for x in asc)]
     left = len(order)
     rem_w = cum_w[-1]
     rem_t = cum_t[-1]
@@ -204,7 +207,7 @@ def _pack(
 
     for doc in order:
         length = lens[doc]
-        w = length * (length + 1) // 2
+        w = doc_workload(length)
         rem_w -= w
         rem_t -= length
         left -= 1
@@ -223,7 +226,7 @@ def _pack(
             _, a, _, _, shares = held
             return (
                 work[q] + w // len(est) + f <= budget
-                and work[q] - est[q] + w + _work(a, shares[q]) + f <= budget
+                and work[q] - est[q] + w + shard_workload(a, shares[q]) + f <= budget
             )
 
         # the rank of least projected workload with token room (P_r up to the constant c * C/N)
@@ -260,7 +263,9 @@ def _pack(
             a = -(-(n_ - t) // (k + 1)) if joint else 0
             if t + a > room:
                 return float("inf")
-            return work[r] + _work(n_ - t, t) + _work(0, a) + fill(room - t - a, c)
+            return (
+                work[r] + shard_workload(n_ - t, t) + shard_workload(0, a) + fill(room - t - a, c)
+            )
 
         t = 0
         for joint in (True, False) if k and joint_tail else (False,):
@@ -271,7 +276,7 @@ def _pack(
         t = t or min(length, room)  # no room within B: tokens alone decide
         rows.append((r, doc, length - t, t))
         tokens[r] += t
-        work[r] += _work(length - t, t)
+        work[r] += shard_workload(length - t, t)
         end = length - t
         if not end:
             continue
@@ -280,7 +285,7 @@ def _pack(
             """Longest piece ``[stop - s, stop)``, s <= limit, rank q can take within B."""
             room, base = tpr - tokens[q], work[q]
             return _largest(
-                lambda x: base + _work(stop - x, x) + fill(room - x, c) <= budget, limit
+                lambda x: base + shard_workload(stop - x, x) + fill(room - x, c) <= budget, limit
             )
 
         # the tail's rank takes the head's first chunk, its cheapest tokens (Eq. 3), as its share
@@ -289,7 +294,7 @@ def _pack(
         if a and 4 * a >= share:  # a sliver would cost a shard for nothing
             rows.append((r, doc, 0, a))
             tokens[r] += a
-            work[r] += _work(0, a)
+            work[r] += shard_workload(0, a)
             send[r] += a
         else:
             a = 0
@@ -303,7 +308,7 @@ def _pack(
                     tokens[q] += shares[q]
                     send[q] += shares[q]
                     est[q] = 0
-                pool = _work(a, end - a)
+                pool = shard_workload(a, end - a)
                 held = [doc, a, end, recv, shares]
                 level()
                 if beaten():
@@ -321,7 +326,7 @@ def _pack(
                     q = recv[j] if j < k else recv[2 * k - 1 - j]
                     rows.append((q, doc, p, sz))
                     tokens[q] += sz
-                    work[q] += _work(p, sz)
+                    work[q] += shard_workload(p, sz)
                     send[q] += sz
                     p += sz
                 if beaten():
@@ -343,7 +348,7 @@ def _pack(
             start = end - s
             rows.append((q, doc, start, s))
             tokens[q] += s
-            work[q] += _work(start, s)
+            work[q] += shard_workload(start, s)
             if q == r and end == tail_start:  # extends the last shard: not sent
                 tail_start = start
             else:
@@ -364,14 +369,16 @@ def _pack(
                 y = s  # the last takes what is left, contiguous
             else:
                 y = _largest(
-                    lambda y, lo=lo, hi=hi, s=s, e=est[q]: _work(lo, s - y) + _work(hi - y, y) <= e,
+                    lambda y, lo=lo, hi=hi, s=s, e=est[q]: (
+                        shard_workload(lo, s - y) + shard_workload(hi - y, y) <= e
+                    ),
                     s,
                 )
             if s - y:
                 rows.append((q, doc, lo, s - y))
             if y:
                 rows.append((q, doc, hi - y, y))
-            work[q] = base + _work(lo, s - y) + _work(hi - y, y)
+            work[q] = base + shard_workload(lo, s - y) + shard_workload(hi - y, y)
             lo, hi = lo + s - y, hi - y
     return rows, max(work), max(send)
 

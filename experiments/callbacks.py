@@ -29,6 +29,7 @@ import datetime as _dt
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -173,6 +174,53 @@ def export_submitit_rank_env() -> bool:
     return True
 
 
+#: the files Hydra writes with the absolute paths of the machine that ran it (``hydra.runtime.cwd``,
+#: ``output_dir``, the config search path)
+HYDRA_RECORDS = (".hydra/hydra.yaml", "multirun.yaml")
+
+
+def scrub_machine_paths(path: str | Path, cwd: str | Path | None = None) -> bool:
+    """Rewrite one of Hydra's records (:data:`HYDRA_RECORDS`) so it holds no absolute path of this
+    machine: the working directory becomes ``.`` (paths under it become relative to it), the
+    harness's own configuration folder ``<flashcp>/conf``, the home directory ``~``.
+
+    Everything else in the file is kept byte for byte, so the record still says what Hydra ran
+    (overrides, choices, launcher, sweep) and can be committed with the results.
+
+    Args:
+        path: the YAML file (missing: nothing to do).
+        cwd: the directory the job ran from (default: the current one; Hydra does not change it).
+    Returns:
+        True if the file was rewritten.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError:
+        return False
+    from flashcp.resources import resource_path
+
+    cwd = Path.cwd() if cwd is None else Path(cwd)
+    conf = resource_path("conf").resolve()
+    # (absolute root, what a path under it becomes, what the root alone becomes)
+    roots = [(str(conf), "<flashcp>/conf/", "<flashcp>/conf")]
+    roots += [(str(c), "", ".") for c in dict.fromkeys((str(cwd.resolve()), str(cwd)))]
+    roots.append((str(Path.home()), "~/", "~"))
+    new = text
+    end = r"(?=$|[\s'\",\]}])"  # where a path ends in Hydra's YAML
+    for root, under, alone in sorted(roots, key=lambda r: len(r[0]), reverse=True):
+        if len(root.strip("/")) == 0:  # never "/" itself
+            continue
+        new = new.replace(root + "/", under)
+        new = re.sub(re.escape(root) + end, alone, new, flags=re.MULTILINE)
+    if new == text:
+        return False
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(new)
+    os.replace(tmp, path)
+    return True
+
+
 def read_job_records(exp_dir: str | Path, sweep_id: str) -> list[dict[str, Any]]:
     """The records the jobs of sweep ``sweep_id`` wrote, by job number; a job that started but
     never reported is ``{"dir", "error": "... did not finish ...", "exit_code": 1}``."""
@@ -280,6 +328,7 @@ class ExperimentFolder(Callback):
         if path is None:
             return
         run_dir = str(job_return.hydra_cfg.hydra.runtime.output_dir)
+        scrub_machine_paths(Path(run_dir) / HYDRA_RECORDS[0])
         if job_return.status == JobStatus.FAILED:  # main() turns failures into rows; not expected
             err = job_return._return_value
             rec = {"dir": run_dir, "error": f"{type(err).__name__}: {err}", "exit_code": 1}
@@ -296,6 +345,7 @@ class ExperimentFolder(Callback):
         if not is_rank0() or self.exp_dir is None or self.lock is None:
             return  # under torchrun only rank 0 locks, merges and reports
         jobs = read_job_records(self.exp_dir, self.lock["sweep_id"])
+        scrub_machine_paths(self.exp_dir / HYDRA_RECORDS[1])
         try:
             problems = self._merge_and_draw(config, jobs)
         finally:

@@ -22,7 +22,8 @@ contributions of all blocks add up (ring-attention backward relies on this).
 GQA: ``q`` has H heads, ``k``/``v`` have ``Hkv`` heads, ``H % Hkv == 0``; query head ``h`` uses KV
 head ``h // (H // Hkv)``; ``dk``/``dv`` sum over the query heads of each KV group.
 
-Backends, one class each behind :func:`get_backend`:
+Backends, one class each behind :func:`get_backend` (which, for ``auto`` on CUDA, takes the first
+CUDA backend whose kernels take the inputs' dtype and head_dim on this GPU):
 
 * ``flash_attn`` (:class:`FlashAttnBackend`, :mod:`.cuda`): the ``flash-attn`` package (CUDA).
 * ``torch_cuda`` (:class:`TorchCudaBackend`, :mod:`.cuda`): PyTorch's bundled FlashAttention-2

@@ -387,6 +387,9 @@ def test_auto_on_cuda_considers_dtype_head_dim_and_the_gpu(fake_cuda):
         assert get_backend("auto", "cuda", dtype=BF16).name == "reference"
     with pytest.raises(ValueError, match="head_dim must be an integer >= 1"):
         get_backend("auto", "cuda", head_dim=0)
+    fake_cuda.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="is_available"):
+        get_backend("auto", "cuda", dtype=BF16)
 
 
 def test_auto_skips_a_flash_attn_that_does_not_import(fake_cuda, tmp_path):

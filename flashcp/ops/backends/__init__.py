@@ -167,6 +167,8 @@ def get_backend(
     if name == "auto":
         if dev.type != "cuda":
             return BACKEND_CLASSES["cpu"]()
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {dev} needs CUDA, but torch.cuda.is_available() is False")
         problems = []
         for candidate in ("flash_attn", "torch_cuda"):
             problem = _cuda_problem(candidate, dev, dtype, head_dim)

@@ -13,6 +13,7 @@ of a plain single-device bfloat16 computation (flash-attention's own test criter
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import itertools
 import sys
@@ -401,6 +402,10 @@ def test_auto_skips_a_flash_attn_that_does_not_import(fake_cuda, tmp_path):
         'raise ImportError("flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi")\n'
     )
     fake_cuda.syspath_prepend(str(tmp_path))
+    try:
+        importlib.util.find_spec("flash_attn")
+    except ImportError as e:  # an interpreter that blocks the name (the GPU machine's image)
+        pytest.skip(str(e))
     with pytest.warns(RuntimeWarning, match="skips flash_attn.*undefined symbol"):
         assert get_backend("auto", "cuda").name == "torch_cuda"
     with pytest.raises(ValueError, match="undefined symbol"):

@@ -26,6 +26,11 @@ def _backend(name, options):
     return type(b)(name, **options) if options else b
 
 
+def _longest(cu):
+    """max_seqlen of the segments with boundaries ``cu``."""
+    return max(b - a for a, b in itertools.pairwise(cu))
+
+
 def _naive(q, k, v, cu_q, cu_k, causal, scale):
     """Per-segment float64 attention with autograd; rows with no key give 0."""
     g = q.shape[1] // k.shape[1]
@@ -71,14 +76,15 @@ def test_forward_backward(name, options, causal, heads, case):
     be = _backend(name, options)
     cq, ck = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
     with torch.no_grad():
-        out, lse = be.forward(q, k, v, cq, ck, 0, 0, causal=causal, softmax_scale=scale)
+        mq, mk = _longest(cu_q), _longest(cu_k)
+        out, lse = be.forward(q, k, v, cq, ck, mq, mk, causal=causal, softmax_scale=scale)
         assert out.dtype == q.dtype and lse.dtype == torch.float32
         assert lse.shape == (h, cu_q[-1]) and not torch.isnan(out).any()
         torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-5)
         empty = (ref.detach().abs().sum(-1) == 0).t()  # (H, Tq) rows with no visible key
         assert torch.isneginf(lse[empty]).all() and torch.isfinite(lse[~empty]).all()
         dq, dk, dv = be.backward(
-            dout.float(), q, k, v, out, lse, cq, ck, 0, 0, causal=causal, softmax_scale=scale
+            dout.float(), q, k, v, out, lse, cq, ck, mq, mk, causal=causal, softmax_scale=scale
         )
     for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         assert got.shape == want.shape and not torch.isnan(got).any()
@@ -103,10 +109,10 @@ def test_blockwise_backward_with_global_lse(name, options):
     i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     with torch.no_grad():
         o1, l1 = be.forward(
-            q, k[:p], v[:p], i32(0, s), i32(0, p), 0, 0, causal=False, softmax_scale=scale
+            q, k[:p], v[:p], i32(0, s), i32(0, p), s, p, causal=False, softmax_scale=scale
         )
         o2, l2 = be.forward(
-            q, k[p:], v[p:], i32(0, s), i32(0, s), 0, 0, causal=True, softmax_scale=scale
+            q, k[p:], v[p:], i32(0, s), i32(0, s), s, s, causal=True, softmax_scale=scale
         )
         lse = torch.logaddexp(l1, l2)  # (H, s)
         w1, w2 = torch.exp(l1 - lse).t()[..., None], torch.exp(l2 - lse).t()[..., None]
@@ -121,8 +127,8 @@ def test_blockwise_backward_with_global_lse(name, options):
             lse,
             i32(0, s),
             i32(0, p),
-            0,
-            0,
+            s,
+            p,
             causal=False,
             softmax_scale=scale,
         )
@@ -135,8 +141,8 @@ def test_blockwise_backward_with_global_lse(name, options):
             lse,
             i32(0, s),
             i32(0, s),
-            0,
-            0,
+            s,
+            s,
             causal=True,
             softmax_scale=scale,
         )
@@ -243,12 +249,13 @@ def test_float64_lse_and_gradients_stay_float64(name, options):
     cq, ck = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
     kw = {"causal": True, "softmax_scale": 0.3}
     with torch.no_grad():
-        out, lse = be.forward(q, k, v, cq, ck, 0, 0, **kw)
+        mq, mk = _longest(cu_q), _longest(cu_k)
+        out, lse = be.forward(q, k, v, cq, ck, mq, mk, **kw)
         assert out.dtype == lse.dtype == torch.float64
         torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-12)
-        grads = be.backward(dout, q, k, v, out, lse, cq, ck, 0, 0, **kw, grad_dtype=torch.float64)
+        grads = be.backward(dout, q, k, v, out, lse, cq, ck, mq, mk, **kw, grad_dtype=torch.float64)
         with pytest.raises(ValueError, match=r"lse must be .* torch\.float64"):
-            be.backward(dout, q, k, v, out, lse.float(), cq, ck, 0, 0, **kw)
+            be.backward(dout, q, k, v, out, lse.float(), cq, ck, mq, mk, **kw)
     for got, leaf in zip(grads, (q, k, v), strict=True):
         assert got.dtype == torch.float64
         torch.testing.assert_close(got, leaf.grad, rtol=1e-12, atol=1e-12)

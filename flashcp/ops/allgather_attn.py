@@ -223,9 +223,12 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
     )
 
 
-def resolve_backend(backend, device) -> VarlenBackend:
-    """A :class:`VarlenBackend` from a name (see :func:`get_backend`) or an instance."""
-    return backend if isinstance(backend, VarlenBackend) else get_backend(backend, device)
+def resolve_backend(backend, device, *, dtype=None, head_dim=None) -> VarlenBackend:
+    """A :class:`VarlenBackend` from a name (see :func:`get_backend`, which ``dtype`` and
+    ``head_dim`` of the inputs inform) or an instance."""
+    if isinstance(backend, VarlenBackend):
+        return backend
+    return get_backend(backend, device, dtype=dtype, head_dim=head_dim)
 
 
 def check_inputs(q, k, v, meta, meta_type, method: str, group) -> None:
@@ -624,7 +627,7 @@ def allgather_attention(
     resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)  # raises on a bad value
     check_heads_per_group(heads_per_group)
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-    kernel = resolve_backend(backend, q.device)
+    kernel = resolve_backend(backend, q.device, dtype=q.dtype, head_dim=q.shape[-1])
     meta.verify(group)
     if meta.doc_tokens == meta.tokens:
         return AllGatherAttn.apply(

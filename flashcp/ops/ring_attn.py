@@ -306,7 +306,11 @@ def ring_attention(
             different plans (after one small all-gather of digests).
     """
     _check_inputs(q, k, v, meta, method, group, grad_comm_dtype)
-    be = get_backend(backend, q.device) if isinstance(backend, str) else backend
+    be = (
+        get_backend(backend, q.device, dtype=q.dtype, head_dim=q.shape[2])
+        if isinstance(backend, str)
+        else backend
+    )
     scale = resolve_softmax_scale(softmax_scale, q.shape[2])
     meta = meta.to(q.device)
     comm = None

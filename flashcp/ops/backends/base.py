@@ -22,6 +22,7 @@ __all__ = [
     "check_varlen_args",
     "compute_dtype",
     "default_scale",
+    "has_work",
     "resolve_softmax_scale",
 ]
 
@@ -47,7 +48,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def check_varlen_args(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *, out=None, lse=None, dout=None
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    out=None,
+    lse=None,
+    dout=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
 ) -> None:
     """Validate a varlen call (every backend runs this before its kernel).
 
@@ -56,6 +67,9 @@ def check_varlen_args(
         cu_seqlens_q, cu_seqlens_k: (n_seg + 1,) int32; on CPU also checked to rise from 0 to
             Tq / Tk (on CUDA that would cost a device sync per call).
         out, dout: (Tq, H, D) and lse: (H, Tq) in ``compute_dtype(q.dtype)``, for backward.
+        max_seqlen_q, max_seqlen_k: integers >= 0 (None: not checked); with CPU ``cu_seqlens``
+            also checked to be at least the longest segment: the CUDA kernels size their grid
+            by them and silently skip the rows of a longer segment.
     Raises:
         ValueError: naming the inconsistency.
     """
@@ -94,17 +108,43 @@ def check_varlen_args(
             f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has "
             f"{cu_seqlens_k.numel()}: both describe the same segments"
         )
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int | np.integer) or m < 0):
+            raise ValueError(f"{name} must be an integer >= 0, got {m!r}")
     if cu_seqlens_q.device.type != "cpu":
         return
-    for name, cu, total in (
-        ("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
-        ("cu_seqlens_k", cu_seqlens_k, k.shape[0]),
+    for name, cu, total, longest in (
+        ("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k),
     ):
         c = cu.tolist()
         if c[0] != 0 or c[-1] != total or any(b < a for a, b in itertools.pairwise(c)):
             raise ValueError(
                 f"{name} must rise from 0 to {total}, got {c[:8]}{'...' if len(c) > 8 else ''}"
             )
+        seg = max((b - a for a, b in itertools.pairwise(c)), default=0)
+        if longest is not None and longest < seg:
+            raise ValueError(
+                f"max_seqlen_{name[-1]} = {longest} is shorter than the longest segment of "
+                f"{name} ({seg} rows)"
+            )
+
+
+def has_work(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> bool:
+    """Whether a (checked) varlen call has a (query, key) pair to compute.
+
+    False when there are no segments (``cu_seqlens = [0]``: a rank without documents or with
+    pad only), no query or no key rows, or ``max_seqlen_* = 0``: the CUDA kernels refuse batch
+    size 0 ("batch size must be positive"), so such calls never reach a kernel; their result is
+    out = 0, lse = -inf and zero gradients. Reads shapes and host integers only (no device sync).
+    """
+    return (
+        cu_seqlens_q.numel() > 1
+        and q.shape[0] > 0
+        and k.shape[0] > 0
+        and int(max_seqlen_q) > 0
+        and int(max_seqlen_k) > 0
+    )
 
 
 def resolve_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
@@ -184,17 +224,27 @@ class VarlenBackend:
         Args:
             q: (Tq, H, D); k, v: (Tk, Hkv, D); same dtype and device.
             cu_seqlens_q, cu_seqlens_k: (n_seg + 1,) int32 segment boundaries.
-            max_seqlen_q, max_seqlen_k: longest segment (used by the CUDA kernels).
+            max_seqlen_q, max_seqlen_k: at least the longest segment (the CUDA kernels size
+                their grid by them; checked when ``cu_seqlens`` are on CPU).
             causal: bottom-right aligned causal mask inside each segment.
             softmax_scale: multiplies the scores before the softmax
                 (usually :func:`resolve_softmax_scale`'s default, ``1 / sqrt(D)``).
         Returns:
             out: (Tq, H, D) in q.dtype (0 where a row sees no key);
             lse: (H, Tq) in ``compute_dtype(q.dtype)`` (-inf where a row sees no key).
+            A call without work (:func:`has_work`: no segment, no rows) returns these without
+            calling the kernel.
         Raises:
             ValueError: inconsistent arguments (:func:`check_varlen_args`).
         """
-        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        check_varlen_args(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+        )  # fmt: skip
+        if not has_work(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+            tq, h, _ = q.shape
+            lse = torch.full((h, tq), float("-inf"), dtype=compute_dtype(q.dtype), device=q.device)
+            return torch.zeros_like(q), lse
         return self._forward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
         )
@@ -228,16 +278,23 @@ class VarlenBackend:
                 the input dtype first.
             Others as in :meth:`forward`.
         Returns:
-            dq: (Tq, H, D); dk, dv: (Tk, Hkv, D), summed over the query heads of each KV group.
+            dq: (Tq, H, D); dk, dv: (Tk, Hkv, D), summed over the query heads of each KV group;
+            zero, without a kernel call, for a call without work (:func:`has_work`).
         Raises:
             ValueError: inconsistent arguments (:func:`check_varlen_args`).
         """
-        check_varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, out=out, lse=lse, dout=dout)
+        check_varlen_args(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, out=out, lse=lse, dout=dout,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        )  # fmt: skip
+        dtypes = (q.dtype, k.dtype, v.dtype) if grad_dtype is None else (grad_dtype,) * 3
+        if not has_work(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+            return tuple(torch.zeros(x.shape, dtype=dt, device=x.device)
+                         for x, dt in zip((q, k, v), dtypes, strict=True))  # fmt: skip
         grads = self._backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             causal, softmax_scale,
         )  # fmt: skip
-        dtypes = (q.dtype, k.dtype, v.dtype) if grad_dtype is None else (grad_dtype,) * 3
         return tuple(g.to(dt) for g, dt in zip(grads, dtypes, strict=True))
 
     def _forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):

@@ -54,6 +54,7 @@ import torch  # noqa: E402
 from flashcp.comm import AttnShape  # noqa: E402
 from flashcp.data import load_distribution, sample_sequences  # noqa: E402
 from flashcp.ops.backends import get_backend, resolve_softmax_scale  # noqa: E402
+from flashcp.ops.timing import record_event  # noqa: E402
 from flashcp.plan import cu_seqlens, shard_workload  # noqa: E402
 from flashcp.registry import make_plan_for, method_names  # noqa: E402
 from flashcp.resources import source_root  # noqa: E402
@@ -156,12 +157,11 @@ def _time_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
     times = []
     for _ in range(iters):
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
+            torch.cuda.synchronize(device)
+            start = record_event(device)
             fn()
-            end.record()
-            torch.cuda.synchronize()
+            end = record_event(device)
+            torch.cuda.synchronize(device)
             times.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
@@ -492,7 +492,7 @@ def kernel_rows(
 
 def _environment(device: torch.device) -> dict:
     env = {**provenance(), "device": str(device), "cuda": torch.version.cuda,
-           "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none (cpu)"}  # fmt: skip
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (cpu)"}  # fmt: skip
     try:
         import flash_attn
 

@@ -390,3 +390,96 @@ def test_padded_plans_with_zero_length_documents(method):
         assert rep.comm == comm_volume(plan, COMM_KIND[method], SHAPE, "train")
         for got, recorded in zip(rep.outputs, rec.outputs[rep.rank], strict=True):
             torch.testing.assert_close(got, recorded)
+
+
+# ---- CUDA streams and events name the tensors' device (checked on CPU through torch.cuda) -------
+
+
+class _FakeCuda:
+    """Stand-ins for the ``torch.cuda`` calls of the timers and the replay, logging the device
+    each call names (None: the *current* device, which need not be the tensors')."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, object]] = []
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None, _current=False):
+                self.device = device
+                if not _current:
+                    fake.log.append(("Stream", device))
+
+            def wait_stream(self, other):
+                fake.log.append(("wait_stream", other.device))
+
+            def wait_event(self, event):
+                fake.log.append(("wait_event", self.device))
+
+            def record_event(self):
+                ev = Event()
+                ev.record(self)
+                return ev
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.stream = None
+
+            def record(self, stream=None):
+                fake.log.append(("record", None if stream is None else stream.device))
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return 1.0
+
+        self.Stream, self.Event = Stream, Event
+
+    def install(self, monkeypatch) -> None:
+        import contextlib
+
+        log = self.log
+        monkeypatch.setattr(torch.cuda, "Stream", self.Stream)
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        monkeypatch.setattr(
+            torch.cuda,
+            "current_stream",
+            lambda device=None: (
+                log.append(("current_stream", device)) or self.Stream(device, _current=True)
+            ),
+        )
+        monkeypatch.setattr(
+            torch.cuda, "synchronize", lambda device=None: log.append(("synchronize", device))
+        )
+        monkeypatch.setattr(
+            torch.cuda,
+            "device",
+            lambda device: log.append(("device", device)) or contextlib.nullcontext(),
+        )
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+
+
+def test_timers_and_side_stream_use_the_tensors_device(monkeypatch):
+    """A timer, a replay clock and the copy stream of cuda:1 (current device: 0) record their
+    events on cuda:1's stream, synchronise cuda:1 and create the side stream on cuda:1."""
+    from flashcp.executors.emulate import Recording, _Clock
+    from flashcp.ops.timing import PhaseTimer
+
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    dev = torch.device("cuda", 1)
+    timer = PhaseTimer(dev)
+    with timer.phase("attn_fwd"):
+        pass
+    assert timer.as_ms() == {"attn_fwd": 1.0}
+    clock = _Clock(dev)
+    rec = Recording("digest", {0: [("p2p", [torch.ones(3)])]})
+    group = ReplayGroup(0, 2, rec, clock, nccl_traffic=True)
+    clock.mark()
+    got = group.ring_wait(group.ring_post([torch.zeros(3)], tag=0))
+    assert torch.equal(got[0], torch.ones(3))
+    assert [c.kind for c in group.timeline()] == ["post", "wait"]
+    kinds = {k for k, _ in fake.log}
+    assert {"record", "synchronize", "Stream", "wait_stream", "wait_event"} <= kinds
+    assert all(d == dev for _, d in fake.log), [e for e in fake.log if e[1] != dev]

@@ -235,29 +235,32 @@ def measure_step(
     q, k, v = local(shape.num_heads), local(shape.num_kv_heads), local(shape.num_kv_heads)
     dout = local(shape.num_heads) if train else None
 
-    phases: dict[str, list[float]] = {name: [] for name in PHASE_COLUMNS}
-    counted: dict[str, int] = {}
-    for step in range(warmup + iters):
-        timer, counter = PhaseTimer(device), CommCounter()
-        ql, kl, vl = (x.detach().requires_grad_(train) for x in (q, k, v))
-        if n > 1:
-            dist.barrier(group=group)
-        _sync(device)
-        t0 = time.perf_counter()
-        with torch.set_grad_enabled(train):
-            out = attn(ql, kl, vl, meta, group, backend=backend, counter=counter, timer=timer)
-            if train:
-                out.backward(dout)
-        _sync(device)
-        total = (time.perf_counter() - t0) * 1e3
-        if step < warmup:
-            continue
-        ms = timer.as_ms()
-        for name in PHASE_COLUMNS:
-            phases[name].append(ms.pop(name.removesuffix("_ms"), 0.0))
-        phases["others_ms"][-1] += sum(ms.values())  # phases outside the schema count as others
-        phases["total_ms"][-1] = total
-        counted = counter.as_dict()
+    # small control tensors (the plan-digest all-gather) and NCCL's streams follow the current
+    # CUDA device: make it the tensors' device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        phases: dict[str, list[float]] = {name: [] for name in PHASE_COLUMNS}
+        counted: dict[str, int] = {}
+        for step in range(warmup + iters):
+            timer, counter = PhaseTimer(device), CommCounter()
+            ql, kl, vl = (x.detach().requires_grad_(train) for x in (q, k, v))
+            if n > 1:
+                dist.barrier(group=group)
+            _sync(device)
+            t0 = time.perf_counter()
+            with torch.set_grad_enabled(train):
+                out = attn(ql, kl, vl, meta, group, backend=backend, counter=counter, timer=timer)
+                if train:
+                    out.backward(dout)
+            _sync(device)
+            total = (time.perf_counter() - t0) * 1e3
+            if step < warmup:
+                continue
+            ms = timer.as_ms()
+            for name in PHASE_COLUMNS:
+                phases[name].append(ms.pop(name.removesuffix("_ms"), 0.0))
+            phases["others_ms"][-1] += sum(ms.values())  # phases outside the schema count as others
+            phases["total_ms"][-1] = total
+            counted = counter.as_dict()
 
     med = [statistics.median(phases[name]) for name in PHASE_COLUMNS]
     byte_vals = [float(counted[k]) for k in COMM_COLUMNS]

@@ -345,3 +345,99 @@ def execute(runs, seqs, *, group=None):
         if col not in out:
             out[col] = float("nan")
     return out
+
+
+# ---- the plain entry point (no Hydra) ---------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    """``torchrun --nproc-per-node N -m flashcp.executors.dist --cp-size N ...``: ``executor=dist``
+    without the Hydra harness (for an image with only PyTorch, NumPy and pandas).
+
+    Samples ``--num-sequences`` sequences of ``--dataset`` (the seed of ``--seed``), runs each
+    method of ``--methods`` through :func:`execute` on torchrun's ranks (one process group for all
+    of them) and writes every row, with ``method``, ``dataset``, ``cp_size``, ``context_len`` and
+    the shape, to ``--out`` (CSV, rank 0). The Hydra app (``-m experiments.run executor=dist``)
+    runs the same :func:`execute` and adds the harness's identity and provenance columns.
+
+    Returns:
+        the exit code: 0 when every row is ``ok``, 1 otherwise.
+    Raises:
+        ValueError: bad arguments (a method, dataset, dtype or mode that does not exist, or
+            ``--cp-size`` different from torchrun's world size).
+    """
+    import argparse
+
+    import pandas as pd
+
+    from flashcp.data import DATASETS, load_distribution, sample_sequences
+    from flashcp.executors import RunSpec
+    from flashcp.registry import method_names
+    from flashcp.results import write_csv_atomic
+
+    ap = argparse.ArgumentParser(prog="python -m flashcp.executors.dist", description=main.__doc__)
+    ap.add_argument("--methods", default=",".join(method_names(paper=True)), help="comma-separated")
+    ap.add_argument("--cp-size", type=int, required=True, help="ranks: torchrun's world size")
+    ap.add_argument("--dataset", default="wlb_llm", choices=[str(d) for d in DATASETS])
+    ap.add_argument("--context-len", type=int, default=131072)
+    ap.add_argument("--num-sequences", type=int, default=1)
+    ap.add_argument("--num-heads", type=int, default=16)
+    ap.add_argument("--num-kv-heads", type=int, default=None, help="default: --num-heads (MHA)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--modes", default="train,infer", help="comma-separated: train, infer")
+    ap.add_argument("--backend", default="auto", help="kernel backend (auto, flash_attn, ...)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="bound on every collective")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="CSV file for the rows (written by rank 0)")
+    args = ap.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    for m in modes:
+        check_mode(m)
+    unknown = sorted(set(methods) - set(method_names()))
+    if not methods or unknown:
+        raise ValueError(f"--methods: unknown {unknown or methods}; choose from {method_names()}")
+    shape = AttnShape(
+        args.num_heads, args.num_kv_heads or args.num_heads, args.head_dim, args.dtype
+    )
+    group = init_from_env(args.timeout_s)
+    rank = group_rank(group)
+    logging.basicConfig(
+        level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
+    )
+    seqs = sample_sequences(
+        load_distribution(args.dataset, context_len=args.context_len),
+        args.num_sequences, args.context_len, seed=args.seed,
+    )  # fmt: skip
+    ex = {"backend": args.backend, "warmup": args.warmup, "iters": args.iters,
+          "timeout_s": args.timeout_s}  # fmt: skip
+    frames = []
+    for method in methods:
+        spec = RunSpec(method=method, cp_size=args.cp_size, shape=shape, modes=modes,
+                       seed=args.seed, executor=ex)  # fmt: skip
+        rows = execute([spec], seqs, group=group)
+        if rows is not None:
+            ident = {"method": method, "dataset": args.dataset, "cp_size": args.cp_size,
+                     "context_len": args.context_len, "num_heads": shape.num_heads,
+                     "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+                     "dtype": shape.dtype, "backend": args.backend}  # fmt: skip
+            frames.append(rows.assign(**ident))
+    if group_size(group) > 1:
+        dist.barrier(group=group)  # nobody tears the group down while another rank still works
+    dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    out = pd.concat(frames, ignore_index=True)
+    write_csv_atomic(out, args.out)
+    bad = out[out["status"] != "ok"]
+    print(f"executor=dist: {len(out) - len(bad)} of {len(out)} rows ok; wrote {args.out}")
+    return 1 if len(bad) else 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

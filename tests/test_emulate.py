@@ -410,8 +410,9 @@ class _FakeCuda:
 
 
 def test_timers_and_side_stream_use_the_tensors_device(monkeypatch):
-    """A timer, a replay clock and the copy stream of cuda:1 (current device: 0) record their
-    events on cuda:1's stream, synchronise cuda:1 and create the side stream on cuda:1."""
+    """A timer, a replay clock, the copy stream and the GPU check's kernel timer of cuda:1 (current
+    device: 0) record their events on cuda:1's stream, synchronise cuda:1 and create the side
+    stream on cuda:1."""
     from flashcp.executors.emulate import Recording, _Clock
     from flashcp.ops.timing import PhaseTimer
 
@@ -429,6 +430,9 @@ def test_timers_and_side_stream_use_the_tensors_device(monkeypatch):
     got = group.ring_wait(group.ring_post([torch.zeros(3)], tag=0))
     assert torch.equal(got[0], torch.ones(3))
     assert [c.kind for c in group.timeline()] == ["post", "wait"]
+    from experiments.gpu_check import _time_ms  # the check's kernel timer
+
+    assert _time_ms(lambda: None, dev, warmup=0, iters=2) == 1.0
     kinds = {k for k, _ in fake.log}
     assert {"record", "synchronize", "Stream", "wait_stream", "wait_event"} <= kinds
     assert all(d == dev for _, d in fake.log), [e for e in fake.log if e[1] != dev]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -24,7 +25,7 @@ def test_quick_check_runs_every_step_as_on_the_gpu_machine(tmp_path):
     """The README's command, ``--quick``: exit code 0, every step ok, the GPU tests collected (and
     skipped without CUDA), rows in every table, the checkout's own code imported."""
     out = tmp_path / "gq"
-    cmd = [str(TOOL), "python", "experiments/gpu_check.py", "--quick", "--out", str(out)]
+    cmd = [str(TOOL), sys.executable, "experiments/gpu_check.py", "--quick", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
@@ -90,7 +91,11 @@ print(flashcp.__file__)
 def test_the_library_core_imports_without_hydra_omegaconf_pulp():
     """Planners but the ILP, ops, executors, simulator and calibration on the GPU machine's image."""
     proc = subprocess.run(
-        [str(TOOL), "python", "-c", _CORE], cwd=REPO, capture_output=True, text=True, timeout=60
+        [str(TOOL), sys.executable, "-c", _CORE],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert Path(proc.stdout.strip()).resolve().parent.parent == REPO

@@ -116,13 +116,18 @@ def abort_group(group=None) -> None:
     once (their connections close); on NCCL this rank's communicators are aborted, which ends the
     kernels *this* rank is blocked in, not a peer's (see :func:`watch_peers`)."""
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    with _abort_lock, contextlib.suppress(Exception):
-        if not dist.is_initialized():
-            return
-        if abort is not None:
-            abort(group) if group is not None and group is not dist.group.WORLD else abort()
-        else:
-            dist.destroy_process_group(group)
+    if not _abort_lock.acquire(timeout=5.0):
+        return  # another thread of this rank is aborting it
+    try:
+        with contextlib.suppress(Exception):
+            if not dist.is_initialized():
+                return
+            if abort is not None:
+                abort(group) if group is not None and group is not dist.group.WORLD else abort()
+            else:
+                dist.destroy_process_group(group)
+    finally:
+        _abort_lock.release()
 
 
 @contextlib.contextmanager
@@ -149,6 +154,16 @@ def watch_peers(group=None, *, poll_s: float = 0.2, grace_s: float = 10.0) -> It
     _flag["key"], _flag["peer"] = f"{FLAG_PREFIX}/{next(_flag_numbers)}", None
     done = threading.Event()
 
+    def exit_unless_done(msg: str) -> None:  # the deadline runs even if the abort hangs
+        if done.wait(grace_s):
+            return
+        sys.stderr.write(
+            f"rank {rank}: still blocked {grace_s:g} s after aborting its process group; "
+            f"exiting. Another rank failed: {msg}\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)
+
     def watch() -> None:
         while not done.wait(poll_s):
             msg = failure_flag(store)
@@ -158,15 +173,9 @@ def watch_peers(group=None, *, poll_s: float = 0.2, grace_s: float = 10.0) -> It
                 return  # this rank's own failure: its main thread reports it
             _flag["peer"] = msg
             log.error("rank %d: another rank failed, aborting the process group: %s", rank, msg)
+            threading.Thread(target=exit_unless_done, args=(msg,), daemon=True).start()
             abort_group(group)
-            if done.wait(grace_s):
-                return
-            sys.stderr.write(
-                f"rank {rank}: still blocked {grace_s:g} s after aborting its process group; "
-                f"exiting. Another rank failed: {msg}\n"
-            )
-            sys.stderr.flush()
-            os._exit(1)
+            return
 
     thread = threading.Thread(target=watch, name="flashcp-watch-peers", daemon=True)
     thread.start()

@@ -1,10 +1,17 @@
 """The prepared GPU check: one command, at most 8 minutes on one GPU with only PyTorch installed.
 
-    python experiments/gpu_check.py                  # one H200/H100: CP 8, 128K, torch_cuda kernels
-    python experiments/gpu_check.py --quick          # the same code paths on a CPU, in seconds
+    python -m experiments.gpu_check                  # one H200/H100: CP 8, 128K, torch_cuda kernels
+    python -m experiments.gpu_check --quick          # every step on a CPU, in well under a minute
+    python experiments/gpu_check.py                  # the same (the checkout is put on sys.path)
+
+From the repository root, uninstalled, with only PyTorch, NumPy, pandas, SciPy and pytest: the
+check imports no Hydra, OmegaConf, PuLP or HiGHS (the GPU machine's image has none of them).
 
 Steps, in order of value, each timed and printed; a step that no longer fits ``--budget-s``
-(default 450 s, leaving half a minute of the 8 for start-up) is skipped and the report says so:
+(default 450 s, leaving half a minute of the 8 for start-up) is skipped and the report says so.
+A step that fails, is skipped for lack of budget, or did nothing (no unit replayed, no test
+collected, no row written) fails the check: the exit code is 1 and ``summary.md`` says which. So
+does a replayed unit or a ``dist`` row that failed (the others are still written and fitted).
 
 1. ``env.txt``: torch / CUDA / GPU / flash-attn versions.
 2. ``emulate.csv``: ``executor=emulate`` (:mod:`flashcp.executors.emulate`): every rank of CP 8
@@ -21,8 +28,10 @@ Steps, in order of value, each timed and printed; a step that no longer fits ``-
    ``emulate_vs_sim.csv``: medians per method and phase.
    Every rank must be replayed (``--ranks all``): the simulator's phases are the slowest rank's.
 4. ``pytest_gpu.txt``: the GPU-marked tests (``pytest -m gpu``, among them ``executor=emulate``
-   on CUDA against the float64 reference; not in ``--quick``).
-5. ``dist.csv``: ``executor=dist`` through ``torchrun --nproc-per-node 1`` for every method.
+   on CUDA against the float64 reference). With ``--quick`` on a CPU they are collected and skip;
+   on a GPU at least one must pass.
+5. ``dist.csv``: ``executor=dist`` through ``torchrun --nproc-per-node 1 -m flashcp.executors.dist``
+   (its plain entry, no Hydra) for every method.
 6. ``kernels.csv``: one varlen kernel call per rank for every method's all-gather layout, forward
    and backward, measured vs :func:`flashcp.sim.attention_kernel_ms`.
 7. ``summary.md``: what ran, how long each step took, measured vs simulated per method and phase,
@@ -39,13 +48,18 @@ import time
 
 _START = time.monotonic()  # the budget counts from process start (imports included)
 
-import argparse  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+if __package__ in (None, ""):  # `python experiments/gpu_check.py`: import the checkout it lies in
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
 import threading  # noqa: E402
 from dataclasses import fields  # noqa: E402
 from functools import partial  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
@@ -54,6 +68,7 @@ import torch  # noqa: E402
 from flashcp.comm import AttnShape  # noqa: E402
 from flashcp.data import load_distribution, sample_sequences  # noqa: E402
 from flashcp.ops.backends import get_backend, resolve_softmax_scale  # noqa: E402
+from flashcp.ops.timing import record_event  # noqa: E402
 from flashcp.plan import cu_seqlens, shard_workload  # noqa: E402
 from flashcp.registry import make_plan_for, method_names  # noqa: E402
 from flashcp.resources import source_root  # noqa: E402
@@ -62,10 +77,10 @@ from flashcp.results import (  # noqa: E402
     PHASE_COLUMNS,
     markdown_table,
     provenance,
-    read_rows,
     write_csv_atomic,
 )
 from flashcp.sim import HardwareProfile, attention_kernel_ms, load_hardware, simulate  # noqa: E402
+from flashcp.sim.calibration import CalibTarget, fit_constants  # noqa: E402
 
 METHODS = method_names(paper=True)
 DATASETS = ("wlb_llm", "pile", "redpajama")
@@ -113,6 +128,10 @@ class Budget:
     def left(self) -> float:
         return self.total_s - self.elapsed()
 
+    def failures(self) -> list[str]:
+        """``"step: status"`` of every step that did not end ``ok``."""
+        return [f"{s['step']}: {s['status']}" for s in self.steps if s["status"] != "ok"]
+
     def run(self, name: str, fn, need_s: float):
         """Run ``fn()`` as step ``name`` if at least ``need_s`` seconds are left; record and print
         its time and status. A failing step is recorded (with its error) and the check goes on.
@@ -156,12 +175,11 @@ def _time_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
     times = []
     for _ in range(iters):
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
+            torch.cuda.synchronize(device)
+            start = record_event(device)
             fn()
-            end.record()
-            torch.cuda.synchronize()
+            end = record_event(device)
+            torch.cuda.synchronize(device)
             times.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
@@ -175,10 +193,10 @@ def _text(x) -> str:
     return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
 
 
-def run_bounded(cmd: list[str], timeout_s: float, log: Path) -> str:
+def run_bounded(cmd: list[str], timeout_s: float, log: Path) -> tuple[int, str]:
     """Run ``cmd`` (in the checkout, if any) in its own session, at most ``timeout_s`` seconds;
-    write its output to ``log`` and return it. On timeout the whole session (e.g. torchrun's
-    workers) is killed, so nothing is left holding the GPU.
+    write its output to ``log`` and return ``(exit code, output)``. On timeout the whole session
+    (e.g. torchrun's workers) is killed, so nothing is left holding the GPU.
 
     Raises:
         subprocess.TimeoutExpired: it ran out of time (the log says how far it got).
@@ -196,7 +214,43 @@ def run_bounded(cmd: list[str], timeout_s: float, log: Path) -> str:
         log.write_text(_text(text))
         raise
     log.write_text(_text(text))
-    return _text(text)
+    return proc.returncode, _text(text)
+
+
+def pytest_outcomes(text: str) -> dict[str, str]:
+    """Test id -> outcome (``PASSED``, ``SKIPPED``, ``FAILED``, ``ERROR``, ``XFAIL``, ``XPASS``)
+    of every test item in the output of ``pytest -v`` (a module skipped as a whole is no item)."""
+    pat = r"^(\S+::\S+) (PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS)\b"
+    return {m[1]: m[2] for m in re.finditer(pat, text, flags=re.MULTILINE)}
+
+
+def check_pytest(code: int, text: str, on_gpu: bool) -> dict[str, int]:
+    """The GPU-test step's verdict on ``pytest -v -m gpu``'s exit code and output.
+
+    Returns:
+        outcome -> number of GPU test items.
+    Raises:
+        RuntimeError: no GPU test item collected (exit code 5, or none in the output), a failure
+            or error, or on a GPU no test that passed (every GPU test skipped there: none ran).
+    """
+    outcomes = pytest_outcomes(text)
+    counts = {o: list(outcomes.values()).count(o) for o in sorted(set(outcomes.values()))}
+    last = text.strip().splitlines()[-1] if text.strip() else "(no output)"
+    if code == 5 or not outcomes:
+        raise RuntimeError(f"pytest -m gpu collected no GPU test (exit code {code}): {last}")
+    if code != 0:
+        raise RuntimeError(f"pytest -m gpu failed (exit code {code}): {last}")
+    if on_gpu and not counts.get("PASSED"):
+        raise RuntimeError(f"no GPU test passed on the GPU: {last}")
+    return counts
+
+
+def _importable(name: str) -> bool:
+    try:
+        __import__(name)
+    except ImportError:
+        return False
+    return True
 
 
 def sampled_sequences(args) -> dict[str, list[np.ndarray]]:
@@ -366,32 +420,19 @@ def fit(args, rows, plans, shape, hw, out: Path, env: dict):
     ``fit_*`` columns to ``rows``. Returns the fitted profile.
 
     Raises:
-        RuntimeError: no target, a subset of ranks replayed, or the calibration module missing.
+        RuntimeError: no target, or a subset of ranks replayed.
     """
     if args.ranks is not None:
         raise RuntimeError(
             "the fit needs every rank replayed (--ranks all): the simulator's phases are the slowest rank's"
         )
-    try:
-        from flashcp.sim.calibration import CalibTarget, fit_constants
-    except ImportError as exc:
-        raise RuntimeError(
-            f"flashcp.sim.calibration is not available here ({exc}); the fit needs its fit_constants"
-        ) from None
     free = parse_free(args.free, hw)
     source = f"measured: experiments/gpu_check.py executor=emulate on {env['gpu']}, backend {rows[0]['backend']}"
     targets = [CalibTarget(**t) for t in fit_targets(rows, plans, shape, source)]
     if not targets:
         raise RuntimeError("no replayed unit to fit")
-    import inspect
-
-    # bound the optimiser where the fit lets us (each evaluation simulates every replayed plan)
-    extra = (
-        {"max_nfev": 40 * len(free)}
-        if "max_nfev" in inspect.signature(fit_constants).parameters
-        else {}
-    )
-    res = fit_constants(targets, hw, free, **extra)
+    # bound the optimiser (each evaluation simulates every replayed plan)
+    res = fit_constants(targets, hw, free, max_nfev=40 * len(free))
     write_csv_atomic(res.table, out / "calibration_fit.csv")
     fitted = load_hardware({**hw.to_dict(), **res.constants})
     consts = pd.DataFrame([
@@ -492,13 +533,16 @@ def kernel_rows(
 
 def _environment(device: torch.device) -> dict:
     env = {**provenance(), "device": str(device), "cuda": torch.version.cuda,
-           "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none (cpu)"}  # fmt: skip
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (cpu)"}  # fmt: skip
     try:
         import flash_attn
 
         env["flash_attn"] = flash_attn.__version__
     except ImportError:
         env["flash_attn"] = "not installed"
+    import flashcp
+
+    env["flashcp_from"] = str(Path(flashcp.__file__).resolve().parent.parent)  # the checkout run
     return env
 
 
@@ -507,7 +551,7 @@ def _markdown(args, env, budget: Budget, rows, comp, consts, fit_res) -> str:
     lines = [
         "# GPU check",
         "",
-        f"Command: `python experiments/gpu_check.py {' '.join(sys.argv[1:])}`; device {env['gpu']} "
+        f"Command: `python -m experiments.gpu_check {' '.join(sys.argv[1:])}`; device {env['gpu']} "
         f"(torch {env['torch_version']}, CUDA {env['cuda']}, flash-attn {env['flash_attn']}); "
         f"commit {env['git_commit']}{' (dirty)' if env['git_dirty'] else ''}.",
         "",
@@ -521,6 +565,8 @@ def _markdown(args, env, budget: Budget, rows, comp, consts, fit_res) -> str:
                       "about a GPU, and the fitted constants are meaningless.**"]  # fmt: skip
     lines += ["", "## Steps", "", "| step | status | seconds |", "|---|---|---|"]
     lines += [f"| {s['step']} | {s['status']} | {s['seconds']:.1f} |" for s in budget.steps]
+    failed = budget.failures()
+    lines += ["", f"**The check failed**: {'; '.join(failed)}." if failed else "Every step ok."]
     if comp is not None and len(comp):
         lines += ["", "## Measured vs simulated (median over sequences)", "", markdown_table(comp)]
     if consts is not None:
@@ -528,7 +574,7 @@ def _markdown(args, env, budget: Budget, rows, comp, consts, fit_res) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--out",
@@ -646,20 +692,27 @@ def main(argv=None) -> None:
         (out / "env.txt").write_text("".join(f"{k}: {v}\n" for k, v in env.items()))
         print(env, flush=True)
 
-        # kept back from the emulate step for the later ones (fit ~30 s, GPU tests, dist, kernels)
-        reserve = 10.0 if args.quick else 150.0
+        # kept back from the emulate step for the later ones (fit, GPU tests, dist, kernels)
+        reserve = 45.0 if args.quick else 150.0
         rows, plans = [], {}
         if "emulate" not in skip:
-            got = budget.run(
-                "emulate", lambda: emulate_rows(args, device, shape, hw, budget, reserve), 30.0
-            )
-            rows, plans = got if got is not None else ([], {})
+
+            def emulate():
+                got = emulate_rows(args, device, shape, hw, budget, reserve)
+                rows.extend(got[0])
+                plans.update(got[1])
+                bad = [r["status"] for r in rows if r["status"] != "ok"]
+                if not plans or bad:  # the rows that are ok still go to the fit and the tables
+                    first = bad[0] if bad else "no unit started"
+                    raise RuntimeError(f"{len(bad)} of {len(rows)} units failed; first: {first}")
+
+            budget.run("emulate", emulate, 10.0 if args.quick else 30.0)
         fit_res = consts = None
-        if rows and "fit" not in skip:
+        if plans and "fit" not in skip:
             got = budget.run("fit", lambda: fit(args, rows, plans, shape, hw, out, env), 10.0)
             if got is not None:
                 fit_res, consts = got
-        comp = comparison(rows) if any(r["status"] == "ok" for r in rows) else None
+        comp = comparison(rows) if plans else None
         if rows:
             df = pd.DataFrame(rows)
             for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
@@ -676,58 +729,72 @@ def main(argv=None) -> None:
                 flush=True,
             )
 
-        if not args.quick and "pytest" not in skip:
+        if "pytest" not in skip:
 
             def gpu_tests():
-                cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs"]
-                text = run_bounded(cmd, min(budget.left() - 60, 150), out / "pytest_gpu.txt")
-                print(text.strip().splitlines()[-1] if text.strip() else "(no output)", flush=True)
+                cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-rs"]
+                if not _importable("hydra"):  # its pytest plugin is registered but cannot load
+                    cmd += ["-p", "no:hydra_pytest"]
+                code, text = run_bounded(cmd, min(budget.left() - 20, 150), out / "pytest_gpu.txt")
+                counts = check_pytest(code, text, on_gpu=device.type == "cuda")
+                print(f"pytest -m gpu: {counts}", flush=True)
 
-            budget.run("pytest", gpu_tests, 60.0)
+            budget.run("pytest", gpu_tests, 30.0 if args.quick else 60.0)
 
         if "dist" not in skip:
-            # --quick: one method is enough to exercise the path (each run starts a process group)
-            dist_methods = args.methods[:1] if args.quick else args.methods
 
             def dist_run():
                 cmd = [
-                    sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m",
-                    "experiments.run", "-m", f"method={','.join(dist_methods)}", "executor=dist",
-                    f"executor.backend={args.backend}", "cp_size=1", f"context_len={args.context_len}",
-                    "num_sequences=1", "dataset=wlb_llm", f"results_dir={out}", "name=dist", "progress=false",
-                    f"model.num_heads={args.num_heads}", f"model.num_kv_heads={args.num_heads}",
-                    f"model.head_dim={args.head_dim}", f"model.dtype={args.dtype}",
+                    sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                    "-m", "flashcp.executors.dist", "--methods", ",".join(args.methods),
+                    "--cp-size", "1", "--context-len", str(args.context_len),
+                    "--num-sequences", "1", "--dataset", "wlb_llm", "--backend", args.backend,
+                    "--num-heads", str(args.num_heads), "--num-kv-heads", str(args.num_heads),
+                    "--head-dim", str(args.head_dim), "--dtype", args.dtype,
+                    "--warmup", str(args.warmup), "--iters", str(args.iters),
+                    "--out", str(out / "dist.csv"),
                 ]  # fmt: skip
-                run_bounded(
+                (out / "dist.csv").unlink(missing_ok=True)
+                code, _ = run_bounded(
                     cmd, budget.left() - (25 if not args.quick else 5), out / "dist_log.txt"
                 )
-                if not (out / "dist" / "rows.parquet").exists():
-                    raise RuntimeError("executor=dist wrote no rows; see dist_log.txt")
-                rows_d = read_rows(out / "dist" / "rows.parquet")
-                write_csv_atomic(rows_d, out / "dist.csv")
+                if code != 0 or not (out / "dist.csv").exists():
+                    raise RuntimeError(f"executor=dist exited with {code}; see dist_log.txt")
+                rows_d = pd.read_csv(out / "dist.csv")
+                bad = rows_d[rows_d["status"] != "ok"]
+                if rows_d.empty or len(bad):
+                    first = bad["status"].iloc[0] if len(bad) else "no row"
+                    raise RuntimeError(
+                        f"executor=dist: {len(bad)} of {len(rows_d)} rows failed: {first}"
+                    )
                 cols = ["method", "mode", "attn_fwd_ms", "attn_bwd_ms", "total_ms"]
                 print(rows_d[cols].to_string(), flush=True)
 
-            budget.run("dist", dist_run, 45.0 if not args.quick else 20.0)
+            budget.run("dist", dist_run, 45.0 if not args.quick else 10.0)
 
         if "kernels" not in skip:
 
             def kernels():
                 df = pd.DataFrame(kernel_rows(args, device, shape, hw, budget))
+                if df.empty:
+                    raise RuntimeError("no kernel measured")
                 for k, v in env.items():
                     df[k] = v
                 write_csv_atomic(df, out / "kernels.csv")
-                if len(df):
-                    summary = df.groupby(["method", "pass"])["ratio"].median().unstack()
-                    print(
-                        "median measured / simulated kernel time:\n" + summary.round(2).to_string(),
-                        flush=True,
-                    )
+                summary = df.groupby(["method", "pass"])["ratio"].median().unstack()
+                print(
+                    "median measured / simulated kernel time:\n" + summary.round(2).to_string(),
+                    flush=True,
+                )
 
-            budget.run("kernels", kernels, 20.0 if not args.quick else 5.0)
+            budget.run("kernels", kernels, 20.0 if not args.quick else 3.0)
 
         (out / "summary.md").write_text(_markdown(args, env, budget, rows, comp, consts, fit_res))
         print(f"total {budget.elapsed():.0f} s of {budget.total_s:.0f}; wrote {out}", flush=True)
+        failed = budget.failures()
+        if failed:
+            print("gpu_check FAILED:\n  " + "\n  ".join(failed), file=sys.stderr, flush=True)
+        return 1 if failed else 0
     finally:
         if watchdog:
             signal.alarm(0)
@@ -735,4 +802,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("hydra", reason="the Hydra harness needs hydra-core and omegaconf")
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 

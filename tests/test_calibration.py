@@ -8,6 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+pytest.importorskip("hydra", reason="the Hydra harness needs hydra-core and omegaconf")
+
 from experiments.calibration import FREE_H100
 from flashcp.comm import AttnShape
 from flashcp.registry import make_plan_for

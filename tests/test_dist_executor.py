@@ -155,3 +155,114 @@ def test_a_failing_sequence_is_a_status_row():
     assert res[1] is None and [r["seq_idx"] for r in rows] == [0, 1, 2]
     assert rows[0]["status"] == "ok" and rows[2]["status"] == "ok" and rows[2]["total_ms"] > 0
     assert rows[1]["status"] == "error: ValueError: planner rejects this sequence (rank 1)"
+
+
+# ---- NCCL's case on gloo: a peer's abort does not end this rank's wait ------------------------------
+
+
+def _nccl_like_failure(rank, n):
+    """``execute`` where rank 2's step raises while the others wait in a stand-in for an NCCL
+    collective: it ends only when *this* rank's communicator is aborted (a peer's abort does not
+    reach a spinning NCCL kernel), then the rank's next collective fails."""
+    import threading
+
+    import torch.distributed as dist
+
+    import flashcp.executors.dist as d
+    from flashcp.comm import AttnShape
+    from flashcp.executors import RunSpec
+
+    aborted, real_abort = threading.Event(), d.abort_group
+
+    def abort_group(group=None):  # this rank's communicator is aborted: its kernels end
+        aborted.set()
+        real_abort(group)
+
+    def measure_step(plan, shape, mode, **kwargs):
+        if rank == 2:
+            raise RuntimeError("injected failure on rank 2")
+        if not aborted.wait(30):  # the kernel spins until this rank aborts its communicator
+            raise TimeoutError("still waiting after 30 s")
+        dist.all_reduce(torch.ones(1))  # the next collective, on the aborted group
+
+    d.abort_group, d.measure_step = abort_group, measure_step
+    spec = RunSpec(method="per_doc", cp_size=n, shape=AttnShape(4, 2, 8, "float32"),
+                   modes=("infer",), executor={"backend": "cpu"})  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        d.execute([spec], [np.array(LENS)])
+    finally:
+        print(f"rank {rank} ended after {time.monotonic() - t0:.1f} s")
+
+
+def test_nccl_like_wait_ends_within_seconds_with_the_failing_ranks_error():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(_nccl_like_failure, 4, timeout_s=60)
+    assert time.monotonic() - t0 < 20
+    ranks = str(info.value).split("--- rank ")[1:]
+    assert len(ranks) == 4, str(info.value)  # every rank reported by itself, none was killed
+    for text in ranks:
+        assert "injected failure on rank 2" in text  # the peers carry rank 2's error
+        assert ("PeerFailure" in text) == (not text.startswith("2 ")), text
+
+
+def _fork_ranks(fn, n: int, timeout_s: float = 30.0):
+    """Fork ``n`` gloo ranks running ``fn(rank, n)``; a rank exits 0, or 1 after printing its
+    traceback. Returns (exit codes, seconds from start until each process had ended)."""
+    import multiprocessing as mp
+    import os
+    import sys
+    import tempfile
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="flashcp_fork_") as tmp:
+
+        def child(rank):
+            dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank,
+                                    world_size=n, timeout=timedelta(seconds=timeout_s))  # fmt: skip
+            try:
+                fn(rank, n)
+            except BaseException:
+                traceback.print_exc()
+                sys.stderr.flush()
+                os._exit(1)
+            os._exit(0)
+
+        procs = [ctx.Process(target=child, args=(r,), daemon=True) for r in range(n)]
+        t0 = time.monotonic()
+        for p in procs:
+            p.start()
+        ended: dict[int, float] = {}
+        while len(ended) < n and time.monotonic() - t0 < timeout_s:
+            for r, p in enumerate(procs):
+                if r not in ended and not p.is_alive():
+                    ended[r] = time.monotonic() - t0
+            time.sleep(0.05)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        return [p.exitcode for p in procs], ended
+
+
+def _blocked_for_good(rank, n):
+    from flashcp.executors.dist import abort_group_on_error, watch_peers
+
+    with watch_peers(None, poll_s=0.1, grace_s=1.0), abort_group_on_error(None, "step"):
+        if rank == 1:
+            raise RuntimeError("injected failure on rank 1")
+        time.sleep(60)  # a wait that nothing wakes (a host thread stuck in a driver call)
+
+
+def test_a_rank_stuck_after_the_abort_exits_with_the_peers_error(capfd):
+    codes, ended = _fork_ranks(_blocked_for_good, 3)
+    assert codes == [1, 1, 1] and max(ended.values()) < 10, (codes, ended)
+    err = capfd.readouterr().err
+    assert "injected failure on rank 1" in err
+    for r in (0, 2):
+        assert f"rank {r}: still blocked 1 s after aborting its process group; exiting" in err

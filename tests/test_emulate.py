@@ -242,67 +242,16 @@ def test_flashcp_run_executor_emulate(tmp_path):
 # ---- experiments/gpu_check.py: the same code path as the GPU run, tiny and on the CPU ------------
 
 
-def _calibration_module():
-    """The real :mod:`flashcp.sim.calibration` where it exists; otherwise a stand-in with its
-    interface that evaluates every target under the unchanged profile (no fitting), so the
-    plumbing around it (targets, predictions, files, columns) is still checked."""
-    import types
-    from dataclasses import dataclass
-
-    import pandas as pd
-
-    try:
-        import flashcp.sim.calibration as real
-
-        return real
-    except ImportError:
-        pass
-
-    @dataclass(frozen=True)
-    class CalibTarget:
-        name: str
-        predict: object
-        measured: float
-        unit: str
-        band: tuple
-        source: str
-
-    @dataclass(frozen=True)
-    class FitResult:
-        constants: dict
-        table: object
-        success: bool
-        message: str
-
-    def fit_constants(targets, profile, free):
-        rows = []
-        for t in targets:
-            pred = t.predict(profile)
-            err = pred / t.measured - 1
-            rows.append({"name": t.name, "unit": t.unit, "measured": t.measured,
-                         "predicted": pred, "error": err, "band_kind": t.band[0],
-                         "band": t.band[1], "within_band": abs(err) <= t.band[1],
-                         "source": t.source})  # fmt: skip
-        consts = {k: float(getattr(profile, k)) for k in free}
-        return FitResult(consts, pd.DataFrame(rows), True, "stand-in: evaluated, not fitted")
-
-    mod = types.ModuleType("flashcp.sim.calibration")
-    mod.CalibTarget, mod.FitResult, mod.fit_constants = CalibTarget, FitResult, fit_constants
-    return mod
-
-
-def test_gpu_check_quick_replays_fits_and_reports(tmp_path, monkeypatch):
-    import sys
-
+def test_gpu_check_quick_replays_fits_and_reports(tmp_path):
     import pandas as pd
 
     from experiments import gpu_check
 
-    monkeypatch.setitem(sys.modules, "flashcp.sim.calibration", _calibration_module())
-    gpu_check.main([
+    code = gpu_check.main([
         "--quick", "--out", str(tmp_path), "--datasets", "pile", "--methods", "flashcp,zigzag",
-        "--skip", "kernels,dist", "--warmup", "0", "--iters", "1",
+        "--skip", "kernels,dist,pytest", "--warmup", "0", "--iters", "1",
     ])  # fmt: skip
+    assert code == 0
     emu = pd.read_csv(tmp_path / "emulate.csv")
     assert list(emu["method"]) == ["flashcp", "zigzag"] and (emu["status"] == "ok").all()
     # the simulated columns are the simulator on the very plan that was replayed
@@ -390,3 +339,100 @@ def test_padded_plans_with_zero_length_documents(method):
         assert rep.comm == comm_volume(plan, COMM_KIND[method], SHAPE, "train")
         for got, recorded in zip(rep.outputs, rec.outputs[rep.rank], strict=True):
             torch.testing.assert_close(got, recorded)
+
+
+# ---- CUDA streams and events name the tensors' device (checked on CPU through torch.cuda) -------
+
+
+class _FakeCuda:
+    """Stand-ins for the ``torch.cuda`` calls of the timers and the replay, logging the device
+    each call names (None: the *current* device, which need not be the tensors')."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, object]] = []
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None, _current=False):
+                self.device = device
+                if not _current:
+                    fake.log.append(("Stream", device))
+
+            def wait_stream(self, other):
+                fake.log.append(("wait_stream", other.device))
+
+            def wait_event(self, event):
+                fake.log.append(("wait_event", self.device))
+
+            def record_event(self):
+                ev = Event()
+                ev.record(self)
+                return ev
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.stream = None
+
+            def record(self, stream=None):
+                fake.log.append(("record", None if stream is None else stream.device))
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return 1.0
+
+        self.Stream, self.Event = Stream, Event
+
+    def install(self, monkeypatch) -> None:
+        import contextlib
+
+        log = self.log
+        monkeypatch.setattr(torch.cuda, "Stream", self.Stream)
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        monkeypatch.setattr(
+            torch.cuda,
+            "current_stream",
+            lambda device=None: (
+                log.append(("current_stream", device)) or self.Stream(device, _current=True)
+            ),
+        )
+        monkeypatch.setattr(
+            torch.cuda, "synchronize", lambda device=None: log.append(("synchronize", device))
+        )
+        monkeypatch.setattr(
+            torch.cuda,
+            "device",
+            lambda device: log.append(("device", device)) or contextlib.nullcontext(),
+        )
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+
+
+def test_timers_and_side_stream_use_the_tensors_device(monkeypatch):
+    """A timer, a replay clock, the copy stream and the GPU check's kernel timer of cuda:1 (current
+    device: 0) record their events on cuda:1's stream, synchronise cuda:1 and create the side
+    stream on cuda:1."""
+    from flashcp.executors.emulate import Recording, _Clock
+    from flashcp.ops.timing import PhaseTimer
+
+    fake = _FakeCuda()
+    fake.install(monkeypatch)
+    dev = torch.device("cuda", 1)
+    timer = PhaseTimer(dev)
+    with timer.phase("attn_fwd"):
+        pass
+    assert timer.as_ms() == {"attn_fwd": 1.0}
+    clock = _Clock(dev)
+    rec = Recording("digest", {0: [("p2p", [torch.ones(3)])]})
+    group = ReplayGroup(0, 2, rec, clock, nccl_traffic=True)
+    clock.mark()
+    got = group.ring_wait(group.ring_post([torch.zeros(3)], tag=0))
+    assert torch.equal(got[0], torch.ones(3))
+    assert [c.kind for c in group.timeline()] == ["post", "wait"]
+    from experiments.gpu_check import _time_ms  # the check's kernel timer
+
+    assert _time_ms(lambda: None, dev, warmup=0, iters=2) == 1.0
+    kinds = {k for k, _ in fake.log}
+    assert {"record", "synchronize", "Stream", "wait_stream", "wait_event"} <= kinds
+    assert all(d == dev for _, d in fake.log), [e for e in fake.log if e[1] != dev]

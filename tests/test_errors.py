@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("hydra", reason="the Hydra harness needs hydra-core and omegaconf")
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+
+pytest.importorskip("hydra", reason="the Hydra harness needs hydra-core and omegaconf")
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 

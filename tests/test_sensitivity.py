@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+
+pytest.importorskip("hydra", reason="the Hydra harness needs hydra-core and omegaconf")
 from omegaconf import OmegaConf
 
 from experiments.sensitivity import VARIED, perturb, run_sensitivity

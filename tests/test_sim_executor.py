@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+
+pytest.importorskip("hydra", reason="the Hydra harness needs hydra-core and omegaconf")
 from hydra import compose, initialize_config_dir
 
 from experiments.run import CONF_DIR, ConfigError, _resolved_hash, grid_runs, run, run_identity

@@ -14,6 +14,8 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+
+pytest.importorskip("hydra", reason="the Hydra harness needs hydra-core and omegaconf")
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 

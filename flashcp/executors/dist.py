@@ -9,18 +9,29 @@ simulator does. Bytes come from the ops' counters and are checked against
 :func:`flashcp.comm.comm_volume`.
 
 Failures. A rank that raises inside a step cannot leave its peers waiting in a collective until
-the timeout: :func:`abort_group_on_error` prints its traceback (prefixed with its rank) and aborts
-the process group, so every other rank's pending or next collective fails within seconds with
-:class:`PeerFailure`. Failures every rank can see before a step (a planner that rejects a
-sequence) are agreed on with :func:`agree_errors` and become result rows instead.
+the timeout: :func:`abort_group_on_error` prints its traceback (prefixed with its rank), raises the
+*failure flag* (a key of the rendezvous store holding its error) and aborts the process group.
+On gloo that alone ends the peers' collectives: their connections close. On NCCL it does not: a
+peer's kernel waiting for data from the aborted rank spins until the peer aborts its *own*
+communicator (or its watchdog times out). So while :func:`execute` runs, a thread of every rank
+(:func:`watch_peers`) looks at the flag several times a second; when a peer raised it, it logs
+that peer's error, aborts this rank's process group (NCCL: ``ncclCommAbort`` ends the kernels this
+rank is blocked in, so its next collective fails with :class:`PeerFailure`), and if the rank is
+still stuck a few seconds later (a wait nothing wakes) ends the process with exit code 1. Every
+rank therefore exits within seconds with the failing rank's error. Failures every rank can see
+before a step (a planner that rejects a sequence) are agreed on with :func:`agree_errors` and
+become result rows instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import statistics
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -45,8 +56,12 @@ __all__ = [
     "agree_errors",
     "check_comm",
     "execute",
+    "failure_flag",
     "init_from_env",
+    "main",
     "measure_step",
+    "raise_failure_flag",
+    "watch_peers",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,17 +75,115 @@ class PeerFailure(RuntimeError):
     """This rank stopped because another rank failed and aborted the process group."""
 
 
-def abort_group(group=None) -> None:
-    """Abort ``group`` (default: the world) on this rank without waiting for the others: pending
-    and later collectives of every other rank fail at once (gloo: the peers see their connections
-    close; NCCL: the communicators are aborted, and torchrun stops the other processes when this
-    one exits)."""
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+#: rendezvous-store key prefix of the failure flag (one key per :func:`watch_peers` block; every
+#: rank opens the same blocks in the same order, so they agree on the key)
+FLAG_PREFIX = "flashcp/failed"
+_flag_numbers = itertools.count()
+_flag = {"key": f"{FLAG_PREFIX}/none", "peer": None}  # the open block's key; a peer's error seen
+_abort_lock = threading.Lock()
+
+
+def _default_store():
+    """The default process group's rendezvous store (TCPStore under torchrun), or None."""
     with contextlib.suppress(Exception):
-        if abort is not None:
-            abort(group) if group is not None and group is not dist.group.WORLD else abort()
-        else:
-            dist.destroy_process_group(group)
+        return dist.distributed_c10d._get_default_store()
+    return None
+
+
+def raise_failure_flag(message: str, store=None) -> None:
+    """Tell every rank that this one failed: set the open :func:`watch_peers` block's flag to
+    ``message`` (the first rank to fail keeps it). Never raises (a store that is gone is ignored).
+    """
+    store = store if store is not None else _default_store()
+    if store is None:
+        return
+    with contextlib.suppress(Exception):
+        store.compare_set(_flag["key"], "", message)
+
+
+def failure_flag(store=None) -> str | None:
+    """The error another rank put in the open block's failure flag, or None (also without a store)."""
+    store = store if store is not None else _default_store()
+    with contextlib.suppress(Exception):
+        if store is not None and store.check([_flag["key"]]):
+            return store.get(_flag["key"]).decode(errors="replace")
+    return None
+
+
+def abort_group(group=None) -> None:
+    """Abort ``group`` (default: the world) on this rank without waiting for the others (later
+    calls, once it is gone, do nothing): on gloo the peers' pending and later collectives fail at
+    once (their connections close); on NCCL this rank's communicators are aborted, which ends the
+    kernels *this* rank is blocked in, not a peer's (see :func:`watch_peers`)."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if not _abort_lock.acquire(timeout=5.0):
+        return  # another thread of this rank is aborting it
+    try:
+        with contextlib.suppress(Exception):
+            if not dist.is_initialized():
+                return
+            if abort is not None:
+                abort(group) if group is not None and group is not dist.group.WORLD else abort()
+            else:
+                dist.destroy_process_group(group)
+    finally:
+        _abort_lock.release()
+
+
+@contextlib.contextmanager
+def watch_peers(group=None, *, poll_s: float = 0.2, grace_s: float = 10.0) -> Iterator[None]:
+    """While the block runs, watch the failure flag that a failing rank raises
+    (:func:`abort_group_on_error`), from a daemon thread, every ``poll_s`` seconds (one store
+    look-up). When another rank raised it: log its error, abort this rank's ``group``
+    (:func:`abort_group`; on NCCL this ends the collective kernels this rank waits in, so its
+    next collective fails and :func:`abort_group_on_error` turns that into :class:`PeerFailure`
+    with the peer's error) and, if the block is still running ``grace_s`` seconds later (a wait
+    nothing wakes), print the error and end the process with exit code 1 (``os._exit``).
+    Nothing is watched with one rank or without a store.
+
+    Raises:
+        ValueError: ``poll_s`` or ``grace_s`` not positive.
+    """
+    if not (poll_s > 0 and grace_s > 0):
+        raise ValueError(f"poll_s and grace_s must be > 0, got {poll_s} and {grace_s}")
+    store = _default_store()
+    if store is None or group_size(group) == 1:
+        yield
+        return
+    rank = group_rank(group)
+    _flag["key"], _flag["peer"] = f"{FLAG_PREFIX}/{next(_flag_numbers)}", None
+    done = threading.Event()
+
+    def exit_unless_done(msg: str) -> None:  # the deadline runs even if the abort hangs
+        if done.wait(grace_s):
+            return
+        sys.stderr.write(
+            f"rank {rank}: still blocked {grace_s:g} s after aborting its process group; "
+            f"exiting. Another rank failed: {msg}\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)
+
+    def watch() -> None:
+        while not done.wait(poll_s):
+            msg = failure_flag(store)
+            if msg is None:
+                continue
+            if msg.startswith(f"rank {rank}:"):
+                return  # this rank's own failure: its main thread reports it
+            _flag["peer"] = msg
+            log.error("rank %d: another rank failed, aborting the process group: %s", rank, msg)
+            threading.Thread(target=exit_unless_done, args=(msg,), daemon=True).start()
+            abort_group(group)
+            return
+
+    thread = threading.Thread(target=watch, name="flashcp-watch-peers", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=poll_s + 1.0)
 
 
 @contextlib.contextmanager
@@ -87,18 +200,26 @@ def abort_group_on_error(group=None, what: str = "step") -> Iterator[None]:
         Exception: the block's own exception, after the abort.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
+    store = _default_store()  # gone once the group is aborted
     try:
         yield
     except PeerFailure:
         raise
     except Exception as exc:
-        peer = isinstance(exc, getattr(dist, "DistBackendError", ())) or any(
-            sign in str(exc) for sign in _PEER_GONE
+        other = _flag["peer"] or failure_flag(store)  # the error a failing peer left
+        if other is not None and other.startswith(f"rank {rank}:"):
+            other = None  # this rank's own, from an earlier block
+        peer = (
+            other is not None
+            or isinstance(exc, getattr(dist, "DistBackendError", ()))
+            or any(sign in str(exc) for sign in _PEER_GONE)
         )
+        if not peer:  # this rank failed first: say why to the others before leaving them
+            raise_failure_flag(f"rank {rank}: {what}: {type(exc).__name__}: {exc}", store)
         abort_group(group)
         if peer:
             raise PeerFailure(
-                f"rank {rank}: {what}: stopped, another rank failed ({exc})"
+                f"rank {rank}: {what}: stopped, another rank failed ({other or exc})"
             ) from None
         text = f"rank {rank}: {what} failed; aborting the process group\n{traceback.format_exc()}"
         log.error("%s", text)  # Hydra's console and job log; stderr without logging config
@@ -235,29 +356,32 @@ def measure_step(
     q, k, v = local(shape.num_heads), local(shape.num_kv_heads), local(shape.num_kv_heads)
     dout = local(shape.num_heads) if train else None
 
-    phases: dict[str, list[float]] = {name: [] for name in PHASE_COLUMNS}
-    counted: dict[str, int] = {}
-    for step in range(warmup + iters):
-        timer, counter = PhaseTimer(device), CommCounter()
-        ql, kl, vl = (x.detach().requires_grad_(train) for x in (q, k, v))
-        if n > 1:
-            dist.barrier(group=group)
-        _sync(device)
-        t0 = time.perf_counter()
-        with torch.set_grad_enabled(train):
-            out = attn(ql, kl, vl, meta, group, backend=backend, counter=counter, timer=timer)
-            if train:
-                out.backward(dout)
-        _sync(device)
-        total = (time.perf_counter() - t0) * 1e3
-        if step < warmup:
-            continue
-        ms = timer.as_ms()
-        for name in PHASE_COLUMNS:
-            phases[name].append(ms.pop(name.removesuffix("_ms"), 0.0))
-        phases["others_ms"][-1] += sum(ms.values())  # phases outside the schema count as others
-        phases["total_ms"][-1] = total
-        counted = counter.as_dict()
+    # small control tensors (the plan-digest all-gather) and NCCL's streams follow the current
+    # CUDA device: make it the tensors' device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        phases: dict[str, list[float]] = {name: [] for name in PHASE_COLUMNS}
+        counted: dict[str, int] = {}
+        for step in range(warmup + iters):
+            timer, counter = PhaseTimer(device), CommCounter()
+            ql, kl, vl = (x.detach().requires_grad_(train) for x in (q, k, v))
+            if n > 1:
+                dist.barrier(group=group)
+            _sync(device)
+            t0 = time.perf_counter()
+            with torch.set_grad_enabled(train):
+                out = attn(ql, kl, vl, meta, group, backend=backend, counter=counter, timer=timer)
+                if train:
+                    out.backward(dout)
+            _sync(device)
+            total = (time.perf_counter() - t0) * 1e3
+            if step < warmup:
+                continue
+            ms = timer.as_ms()
+            for name in PHASE_COLUMNS:
+                phases[name].append(ms.pop(name.removesuffix("_ms"), 0.0))
+            phases["others_ms"][-1] += sum(ms.values())  # phases outside the schema count as others
+            phases["total_ms"][-1] = total
+            counted = counter.as_dict()
 
     med = [statistics.median(phases[name]) for name in PHASE_COLUMNS]
     byte_vals = [float(counted[k]) for k in COMM_COLUMNS]
@@ -294,7 +418,6 @@ def execute(runs, seqs, *, group=None):
     """
     import pandas as pd
 
-    from flashcp.executors.sim import error_status, plan_metrics
     from flashcp.registry import get_planner
 
     if len(runs) != 1:
@@ -315,13 +438,29 @@ def execute(runs, seqs, *, group=None):
     )
     planner = get_planner(run.method)
     rows: list[dict] = []
+    with watch_peers(group):
+        _execute_sequences(run, ex, seqs, group, device, planner, rows)
+    if group_rank(group) != 0:
+        return None
+    out = pd.DataFrame(rows).assign(run_idx=0)
+    for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
+        if col not in out:
+            out[col] = float("nan")
+    return out
+
+
+def _execute_sequences(run, ex, seqs, group, device, planner, rows: list[dict]) -> None:
+    """:func:`execute`'s loop: plan, agree, measure every sequence; rows appended to ``rows``."""
+    from flashcp.executors.sim import error_status, plan_metrics
+
     for i, d in enumerate(seqs):
         base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
         try:
             plan, err = planner(d, run.cp_size, **dict(run.options)), None
         except Exception as exc:
             plan, err = None, error_status(exc)
-        status = agree_errors(err, group)
+        with abort_group_on_error(group, f"sequence {i}, agreeing on its plan"):
+            status = agree_errors(err, group)
         if status is not None:
             log.warning("sequence %d failed: %s", i, status)
             rows.extend({**base, "mode": mode, "status": status} for mode in run.modes)
@@ -335,10 +474,99 @@ def execute(runs, seqs, *, group=None):
                     iters=int(ex.get("iters", 3)), seed=run.seed + i,
                 )  # fmt: skip
             rows.append({**base, **metrics, "mode": mode, "status": "ok", **res})
-    if group_rank(group) != 0:
-        return None
-    out = pd.DataFrame(rows).assign(run_idx=0)
-    for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
-        if col not in out:
-            out[col] = float("nan")
-    return out
+
+
+# ---- the plain entry point (no Hydra) ---------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    """``torchrun --nproc-per-node N -m flashcp.executors.dist --cp-size N ...``: ``executor=dist``
+    without the Hydra harness (for an image with only PyTorch, NumPy and pandas).
+
+    Samples ``--num-sequences`` sequences of ``--dataset`` (the seed of ``--seed``), runs each
+    method of ``--methods`` through :func:`execute` on torchrun's ranks (one process group for all
+    of them) and writes every row, with ``method``, ``dataset``, ``cp_size``, ``context_len`` and
+    the shape, to ``--out`` (CSV, rank 0). The Hydra app (``-m experiments.run executor=dist``)
+    runs the same :func:`execute` and adds the harness's identity and provenance columns.
+
+    Returns:
+        the exit code: 0 when every row is ``ok``, 1 otherwise.
+    Raises:
+        ValueError: bad arguments (a method, dataset, dtype or mode that does not exist, or
+            ``--cp-size`` different from torchrun's world size).
+    """
+    import argparse
+
+    import pandas as pd
+
+    from flashcp.data import DATASETS, load_distribution, sample_sequences
+    from flashcp.executors import RunSpec
+    from flashcp.registry import method_names
+    from flashcp.results import write_csv_atomic
+
+    ap = argparse.ArgumentParser(prog="python -m flashcp.executors.dist", description=main.__doc__)
+    ap.add_argument("--methods", default=",".join(method_names(paper=True)), help="comma-separated")
+    ap.add_argument("--cp-size", type=int, required=True, help="ranks: torchrun's world size")
+    ap.add_argument("--dataset", default="wlb_llm", choices=[str(d) for d in DATASETS])
+    ap.add_argument("--context-len", type=int, default=131072)
+    ap.add_argument("--num-sequences", type=int, default=1)
+    ap.add_argument("--num-heads", type=int, default=16)
+    ap.add_argument("--num-kv-heads", type=int, default=None, help="default: --num-heads (MHA)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--modes", default="train,infer", help="comma-separated: train, infer")
+    ap.add_argument("--backend", default="auto", help="kernel backend (auto, flash_attn, ...)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="bound on every collective")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="CSV file for the rows (written by rank 0)")
+    args = ap.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    for m in modes:
+        check_mode(m)
+    unknown = sorted(set(methods) - set(method_names()))
+    if not methods or unknown:
+        raise ValueError(f"--methods: unknown {unknown or methods}; choose from {method_names()}")
+    shape = AttnShape(
+        args.num_heads, args.num_kv_heads or args.num_heads, args.head_dim, args.dtype
+    )
+    group = init_from_env(args.timeout_s)
+    rank = group_rank(group)
+    logging.basicConfig(
+        level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
+    )
+    seqs = sample_sequences(
+        load_distribution(args.dataset, context_len=args.context_len),
+        args.num_sequences, args.context_len, seed=args.seed,
+    )  # fmt: skip
+    ex = {"backend": args.backend, "warmup": args.warmup, "iters": args.iters,
+          "timeout_s": args.timeout_s}  # fmt: skip
+    frames = []
+    for method in methods:
+        spec = RunSpec(method=method, cp_size=args.cp_size, shape=shape, modes=modes,
+                       seed=args.seed, executor=ex)  # fmt: skip
+        rows = execute([spec], seqs, group=group)
+        if rows is not None:
+            ident = {"method": method, "dataset": args.dataset, "cp_size": args.cp_size,
+                     "context_len": args.context_len, "num_heads": shape.num_heads,
+                     "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+                     "dtype": shape.dtype, "backend": args.backend}  # fmt: skip
+            frames.append(rows.assign(**ident))
+    if group_size(group) > 1:
+        dist.barrier(group=group)  # nobody tears the group down while another rank still works
+    dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    out = pd.concat(frames, ignore_index=True)
+    write_csv_atomic(out, args.out)
+    bad = out[out["status"] != "ok"]
+    print(f"executor=dist: {len(out) - len(bad)} of {len(out)} rows ok; wrote {args.out}")
+    return 1 if len(bad) else 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -43,6 +43,7 @@ real NCCL kernel would take.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import statistics
 import threading
@@ -57,7 +58,7 @@ from flashcp.executors.dist import check_comm
 from flashcp.ops import get_attn_op
 from flashcp.ops.collectives import CommCounter, LocalGroup
 from flashcp.ops.sharding import shard_tensor
-from flashcp.ops.timing import PhaseTimer
+from flashcp.ops.timing import PhaseTimer, record_event
 from flashcp.plan import Plan
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim.hardware import HardwareProfile, load_hardware
@@ -322,15 +323,21 @@ def record(
     errors: list[BaseException | None] = [None] * n
     outputs: dict[int, tuple[torch.Tensor, ...]] = {}
 
+    def record_rank(rank: int) -> None:
+        meta = prepare(plan, rank)
+        q, k, v = (x.detach().requires_grad_(train) for x in inputs[rank][:3])
+        with torch.set_grad_enabled(train):
+            out = attn(q, k, v, meta, RecordingGroup(world, rank), backend=backend)
+        grads = _run_backward(out, inputs[rank][3], (q, k, v)) if train else ()
+        if keep_outputs and rank in keep:
+            outputs[rank] = (out.detach(), *(g.detach() for g in grads))
+
     def body(rank: int) -> None:
         try:
-            meta = prepare(plan, rank)
-            q, k, v = (x.detach().requires_grad_(train) for x in inputs[rank][:3])
-            with torch.set_grad_enabled(train):
-                out = attn(q, k, v, meta, RecordingGroup(world, rank), backend=backend)
-            grads = _run_backward(out, inputs[rank][3], (q, k, v)) if train else ()
-            if keep_outputs and rank in keep:
-                outputs[rank] = (out.detach(), *(g.detach() for g in grads))
+            # the CUDA current device is per thread (a new thread starts on device 0): work on
+            # the inputs' device, so whatever the op creates lands beside them
+            with _on_device(inputs[rank][0].device):
+                record_rank(rank)
         except BaseException as exc:  # surfaced by the caller
             errors[rank] = exc
             world.failed.set()
@@ -366,17 +373,17 @@ def record(
 
 
 class _Clock:
-    """Marks on the device timeline: CUDA events on the current stream, else perf_counter."""
+    """Marks on the device timeline: CUDA events on ``device``'s current stream, else
+    perf_counter."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
         self.marks: list = []
 
     def mark(self) -> int:
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.marks.append(ev)
+            self.marks.append(record_event(self.device))
         else:
             self.marks.append(time.perf_counter())
         return len(self.marks) - 1
@@ -472,8 +479,9 @@ class ReplayGroup(LocalGroup):
     Args:
         rank, cp_size: the replayed rank and N.
         recording: from :func:`record` (``rank`` must be kept there).
-        clock: the step's timeline.
-        nccl_traffic: copy ring messages on a second CUDA stream, overlapping compute.
+        clock: the step's timeline (its device is the replayed tensors' device).
+        nccl_traffic: copy ring messages on a second CUDA stream of that device, overlapping
+            compute.
     """
 
     def __init__(
@@ -485,7 +493,8 @@ class ReplayGroup(LocalGroup):
         self.recording = recording
         self.script = recording.received[rank]
         self.clock = clock
-        self.side = torch.cuda.Stream() if nccl_traffic else None
+        self.device = clock.device
+        self.side = torch.cuda.Stream(device=self.device) if nccl_traffic else None
         self.cursor = 0
         self.calls: list[tuple[str, int, int, int, int]] = []  # kind, bytes, begin, end, handle
 
@@ -534,8 +543,8 @@ class ReplayGroup(LocalGroup):
         recv = [torch.empty_like(b) for b in bufs]
         event = None
         if self.side is not None:
-            self.side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.side):
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.device(self.device), torch.cuda.stream(self.side):
                 for dst, src in zip(recv, bufs, strict=True):
                     dst.copy_(src)
                     dst.record_stream(self.side)
@@ -553,7 +562,7 @@ class ReplayGroup(LocalGroup):
         post, recv, event = handle
         begin = self.clock.mark()
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream(self.device).wait_event(event)
         end = self.clock.mark()
         self.calls.append(("wait", 0, begin, end, post))
         return recv
@@ -589,6 +598,12 @@ class RankReplay:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _on_device(device: torch.device):
+    """``torch.cuda.device(device)`` for a CUDA device (what the ops create goes there, and
+    streams and events default to it), else nothing."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _check_args(plan, mode, warmup, iters, ranks, nccl_traffic, device) -> list[int]:
@@ -634,61 +649,63 @@ def emulate_ranks(
     ranks = _check_args(plan, mode, warmup, iters, ranks, nccl_traffic, device)
     hw = load_hardware(hw)
     train = mode == "train"
-    inputs = seeded_inputs(plan, shape, mode, seed, device)
-    rec = record(plan, mode, inputs, backend=backend, keep=ranks, timeout_s=timeout_s)
-    prepare, attn = get_attn_op(plan.method)
-    replays = []
-    for rank in ranks:
-        meta = prepare(plan, rank)
-        per_step: dict[str, list[float]] = {name: [] for name in PHASE_COLUMNS}
-        removed: list[float] = []
-        counted: dict[str, int] = {}
-        outputs: tuple[torch.Tensor, ...] = ()
-        for step in range(warmup + iters):
-            clock = _Clock(device)
-            group = ReplayGroup(rank, plan.cp_size, rec, clock, nccl_traffic)
-            timer, counter = PhaseTimer(device), CommCounter()
-            q, k, v = (x.detach().requires_grad_(train) for x in inputs[rank][:3])
-            _sync(device)
-            clock.mark()
-            with torch.set_grad_enabled(train):
-                out = attn(q, k, v, meta, group, backend=backend, counter=counter, timer=timer)
-                if train:
-                    out.backward(inputs[rank][3])
-            stop = clock.mark()
-            _sync(device)
-            if group.cursor != len(group.script):
-                raise RuntimeError(
-                    f"replay of rank {rank} made {group.cursor} of {len(group.script)} recorded calls"
+    # the device's current stream and events: those of the replayed tensors' device
+    with _on_device(device):
+        inputs = seeded_inputs(plan, shape, mode, seed, device)
+        rec = record(plan, mode, inputs, backend=backend, keep=ranks, timeout_s=timeout_s)
+        prepare, attn = get_attn_op(plan.method)
+        replays = []
+        for rank in ranks:
+            meta = prepare(plan, rank)
+            per_step: dict[str, list[float]] = {name: [] for name in PHASE_COLUMNS}
+            removed: list[float] = []
+            counted: dict[str, int] = {}
+            outputs: tuple[torch.Tensor, ...] = ()
+            for step in range(warmup + iters):
+                clock = _Clock(device)
+                group = ReplayGroup(rank, plan.cp_size, rec, clock, nccl_traffic)
+                timer, counter = PhaseTimer(device), CommCounter()
+                q, k, v = (x.detach().requires_grad_(train) for x in inputs[rank][:3])
+                _sync(device)
+                clock.mark()
+                with torch.set_grad_enabled(train):
+                    out = attn(q, k, v, meta, group, backend=backend, counter=counter, timer=timer)
+                    if train:
+                        out.backward(inputs[rank][3])
+                stop = clock.mark()
+                _sync(device)
+                if group.cursor != len(group.script):
+                    raise RuntimeError(
+                        f"replay of rank {rank} made {group.cursor} of {len(group.script)} recorded calls"
+                    )
+                if step < warmup:
+                    continue
+                total = clock.ms()[stop]
+                comm = compose_comm(total, group.timeline(), hw, plan.cp_size)
+                ms = timer.as_ms()
+                for name in COMM_PHASES:
+                    ms.pop(name, None)
+                for name in PHASE_COLUMNS:
+                    key = name.removesuffix("_ms")
+                    per_step[name].append(
+                        comm[name] if key in (*COMM_PHASES, "total") else ms.pop(key, 0.0)
+                    )
+                per_step["others_ms"][-1] += sum(
+                    ms.values()
+                )  # phases outside the schema count as others
+                removed.append(comm["comm_measured_ms"])
+                counted = counter.as_dict()
+                outputs = (out.detach(), *(x.grad for x in (q, k, v) if train))
+            replays.append(
+                RankReplay(
+                    rank,
+                    {name: statistics.median(v) for name, v in per_step.items()},
+                    counted,
+                    statistics.median(removed),
+                    outputs,
                 )
-            if step < warmup:
-                continue
-            total = clock.ms()[stop]
-            comm = compose_comm(total, group.timeline(), hw, plan.cp_size)
-            ms = timer.as_ms()
-            for name in COMM_PHASES:
-                ms.pop(name, None)
-            for name in PHASE_COLUMNS:
-                key = name.removesuffix("_ms")
-                per_step[name].append(
-                    comm[name] if key in (*COMM_PHASES, "total") else ms.pop(key, 0.0)
-                )
-            per_step["others_ms"][-1] += sum(
-                ms.values()
-            )  # phases outside the schema count as others
-            removed.append(comm["comm_measured_ms"])
-            counted = counter.as_dict()
-            outputs = (out.detach(), *(x.grad for x in (q, k, v) if train))
-        replays.append(
-            RankReplay(
-                rank,
-                {name: statistics.median(v) for name, v in per_step.items()},
-                counted,
-                statistics.median(removed),
-                outputs,
             )
-        )
-    return replays
+        return replays
 
 
 def emulate_step(

@@ -3,6 +3,10 @@
 On CUDA each phase is bracketed by CUDA events (read after a synchronise in :meth:`PhaseTimer.as_ms`);
 on CPU (or with ``use_events=False``) by ``time.perf_counter`` after synchronising the device.
 Phases are added up over repeated entries; ops take ``timer=None`` and then time nothing.
+
+Every CUDA call names the timed device: events are recorded on *that* device's current stream
+(:func:`record_event`), not on the current device's, so a timer of ``cuda:1`` in a process whose
+current device is ``cuda:0`` times the work of ``cuda:1``.
 """
 
 from __future__ import annotations
@@ -12,7 +16,19 @@ import time
 
 import torch
 
-__all__ = ["NullTimer", "PhaseTimer", "as_timer"]
+__all__ = ["NullTimer", "PhaseTimer", "as_timer", "record_event"]
+
+
+def record_event(device: torch.device) -> torch.cuda.Event:
+    """A timing CUDA event recorded now on the current stream of ``device`` (a CUDA device).
+
+    ``torch.cuda.Event.record()`` without a stream records on the current *device*'s stream,
+    which need not be the device of the timed tensors.
+    """
+    with torch.cuda.device(device):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(device))
+    return ev
 
 
 class PhaseTimer:
@@ -40,13 +56,11 @@ class PhaseTimer:
     def phase(self, name: str):
         """Time the body as phase ``name`` (adds to earlier entries of the same phase)."""
         if self.use_events:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start = record_event(self.device)
             try:
                 yield
             finally:
-                end.record()
-                self._events.append((name, start, end))
+                self._events.append((name, start, record_event(self.device)))
             return
         self._sync()
         t0 = time.perf_counter()

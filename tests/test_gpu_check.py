@@ -1,0 +1,101 @@
+"""``experiments/gpu_check.py`` as the GPU machine runs it: from the checkout, uninstalled, without
+Hydra, OmegaConf, PuLP or HiGHS (``shared/tools/as-device-image`` beside the checkout hides them;
+``FLASHCP_DEVICE_IMAGE`` names the tool elsewhere), every step doing work; and a step that did
+nothing fails the check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from experiments import gpu_check
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = Path(os.environ.get("FLASHCP_DEVICE_IMAGE") or REPO.parent / "shared/tools/as-device-image")
+STEPS = ("emulate", "fit", "pytest", "dist", "kernels")
+
+
+@pytest.mark.skipif(not TOOL.is_file(), reason=f"no {TOOL} (the GPU machine's image stand-in)")
+def test_quick_check_runs_every_step_as_on_the_gpu_machine(tmp_path):
+    """The README's command, ``--quick``: exit code 0, every step ok, the GPU tests collected (and
+    skipped without CUDA), rows in every table, the checkout's own code imported."""
+    out = tmp_path / "gq"
+    cmd = [str(TOOL), sys.executable, "experiments/gpu_check.py", "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    summary = (out / "summary.md").read_text()
+    for step in STEPS:
+        assert f"| {step} | ok |" in summary, summary
+    env = dict(ln.split(": ", 1) for ln in (out / "env.txt").read_text().splitlines())
+    assert Path(env["flashcp_from"]) == REPO
+    items = gpu_check.pytest_outcomes((out / "pytest_gpu.txt").read_text())
+    assert len(items) >= 10 and set(items.values()) == {"SKIPPED"}
+    assert any("test_emulate_on_cuda" in t for t in items)
+    for name in ("emulate.csv", "emulate_vs_sim.csv", "fitted_constants.csv", "kernels.csv"):
+        assert len(pd.read_csv(out / name)) > 0, name
+    dist = pd.read_csv(out / "dist.csv")
+    assert set(dist["method"]) == set(gpu_check.METHODS) and (dist["status"] == "ok").all()
+
+
+def test_a_step_that_did_nothing_fails_the_check(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "kernel_rows", lambda *a, **k: [])
+    code = gpu_check.main(
+        ["--quick", "--skip", "emulate,fit,pytest,dist", "--out", str(tmp_path / "gq")]
+    )
+    assert code == 1
+    summary = (tmp_path / "gq" / "summary.md").read_text()
+    assert "| kernels | failed: RuntimeError: no kernel measured |" in summary
+    assert "The check failed" in summary
+
+
+def test_pytest_step_verdicts():
+    ok = (
+        "tests/test_a.py::test_x[1] SKIPPED (needs a CUDA GPU)\n= 1 skipped, 9 deselected in 1.0s ="
+    )
+    assert gpu_check.check_pytest(0, ok, on_gpu=False) == {"SKIPPED": 1}
+    with pytest.raises(RuntimeError, match="no GPU test passed on the GPU"):
+        gpu_check.check_pytest(0, ok, on_gpu=True)
+    with pytest.raises(RuntimeError, match="collected no GPU test"):
+        gpu_check.check_pytest(5, "= 40 deselected in 1.0s =", on_gpu=False)
+    # modules skipped as a whole (no Hydra) are no GPU test either
+    only_modules = "SKIPPED [1] tests/test_app.py:12: no hydra\n= 1 skipped in 1.0s ="
+    with pytest.raises(RuntimeError, match="collected no GPU test"):
+        gpu_check.check_pytest(0, only_modules, on_gpu=False)
+    failed = "tests/test_a.py::test_x FAILED\n= 1 failed in 1.0s ="
+    with pytest.raises(RuntimeError, match="exit code 1"):
+        gpu_check.check_pytest(1, failed, on_gpu=True)
+
+
+_CORE = """
+import sys
+import flashcp, flashcp.ops, flashcp.sim, flashcp.sim.calibration, flashcp.data
+import flashcp.executors.dist, flashcp.executors.emulate, flashcp.executors.sim
+from flashcp.registry import get_attn_op, make_plan_for, methods
+for m in methods():
+    if m.name != "ilp":  # the ILP planner needs PuLP
+        make_plan_for(m.name, [300, 100, 600, 24], 4)
+        get_attn_op(m.name)
+hidden = [m for m in ("hydra", "omegaconf", "pulp", "highspy") if m in sys.modules]
+assert not hidden, hidden
+print(flashcp.__file__)
+"""
+
+
+@pytest.mark.skipif(not TOOL.is_file(), reason=f"no {TOOL} (the GPU machine's image stand-in)")
+def test_the_library_core_imports_without_hydra_omegaconf_pulp():
+    """Planners but the ILP, ops, executors, simulator and calibration on the GPU machine's image."""
+    proc = subprocess.run(
+        [str(TOOL), sys.executable, "-c", _CORE],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert Path(proc.stdout.strip()).resolve().parent.parent == REPO

@@ -280,7 +280,9 @@ def emulate_rows(
     from flashcp.executors.emulate import emulate_step
 
     seqs = sampled_sequences(args)
-    backend = get_backend(args.backend, device).name
+    backend = get_backend(
+        args.backend, device, dtype=getattr(torch, shape.dtype), head_dim=shape.head_dim
+    ).name
     units = [
         (i, ds, m) for i in range(args.sequences) for ds in args.datasets for m in args.methods
     ]
@@ -478,8 +480,8 @@ def kernel_rows(
     args, device: torch.device, shape: AttnShape, hw: HardwareProfile, budget: Budget
 ) -> list[dict]:
     """Measured vs simulated kernel time per (case, method, rank, pass), while the budget lasts."""
-    backend = get_backend(args.backend, device)
     dtype = getattr(torch, shape.dtype)
+    backend = get_backend(args.backend, device, dtype=dtype, head_dim=shape.head_dim)
     c, n = args.context_len, args.cp_size
     cases = {"1x128K": np.array([c]), "16x8K": np.full(16, c // 16)}
     for ds, seqs in sampled_sequences(args).items():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("hydra")
 from experiments.callbacks import scrub_machine_paths
 
 REPO = Path(__file__).resolve().parents[1]

@@ -127,3 +127,12 @@ def test_conform_rows_refuses_what_the_schema_does_not_name():
     out = conform_rows(pd.DataFrame({"cp_size": [4.0], "pad_tokens": [None]}))
     assert list(out.columns) == list(ROW_SCHEMA) and out["cp_size"].dtype == "Int64"
     assert out["pad_tokens"].dtype == "Int64" and out["ilp_warm_start_given"].dtype == "boolean"
+
+
+def test_table2_rows_carry_the_solve():
+    from experiments.table2 import _ilp_row
+
+    row = _ilp_row((0, [3000, 500, 4100, 700, 7000, 1084], 4, {"time_limit_s": 2, "threads": 1}))
+    assert row["ilp_threads"] == 1 and row["ilp_fallback_method"] is None
+    assert row["ilp_objective"] is not None and row["ilp_best_bound"] is not None
+    assert row["ilp_objective"] >= row["ilp_best_bound"] - 1e-9

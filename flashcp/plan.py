@@ -229,7 +229,7 @@ def json_value(value: Any, where: str = "value") -> Any:
     if isinstance(value, float):
         return float(value)
     if isinstance(value, str):
-        return str(value)
+        return str.__str__(value)  # the text itself, also of a str enum
     if isinstance(value, dict):
         for key in value:
             if not isinstance(key, str):
@@ -574,11 +574,14 @@ class Plan:
                 f"ranks must list ranks 0..{cp_size - 1} in order, got "
                 f"{[r.get('rank') for r in ranks]}"
             )
-        rows = [
-            (r, int(sh["doc"]), int(sh["start"]), int(sh["length"]))
-            for r, entry in enumerate(ranks)
-            for sh in entry["shards"]
-        ]
+        try:
+            rows = [
+                (r, int(sh["doc"]), int(sh["start"]), int(sh["length"]))
+                for r, entry in enumerate(ranks)
+                for sh in entry["shards"]
+            ]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"every rank's shards need doc, start and length: {exc!r}") from None
         cols = np.array(rows, dtype=np.int64).reshape(-1, 4).T
         plan = cls(
             str(method),

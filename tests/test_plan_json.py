@@ -80,6 +80,11 @@ def test_numpy_values_in_info_become_plain_json_at_construction():
         make_plan("flashcp", 1, [4], [0], [0], [0], [4], info={"bad": object()})
     with pytest.raises(ValueError, match="key 1 that is not a string"):
         json_value({1: "a"})
+    from flashcp.registry import CommKind
+
+    assert (
+        type(json_value(CommKind.P2P_RING)) is str and json_value(CommKind.P2P_RING) == "p2p_ring"
+    )
 
 
 def test_from_dict_rejects_what_to_dict_never_writes():
@@ -88,6 +93,8 @@ def test_from_dict_rejects_what_to_dict_never_writes():
         Plan.from_dict({k: v for k, v in d.items() if k != "ranks"})
     with pytest.raises(ValueError, match=r"ranks 0\.\.1 in order"):
         Plan.from_dict({**d, "ranks": d["ranks"][::-1]})
+    with pytest.raises(ValueError, match="doc, start and length"):
+        Plan.from_dict({**d, "ranks": [{"rank": 0, "shards": [{"doc": 0}]}, d["ranks"][1]]})
     lost = json.loads(json.dumps(d))
     lost["ranks"][0]["shards"].pop()
     with pytest.raises(ValueError):

@@ -26,7 +26,8 @@ from flashcp.results import (
     write_rows_atomic,
 )
 
-_ILP = ("method=ilp", "method.options.block_size=2048", "method.options.threads=1")
+_ILP = ("method=ilp", "method.options.block_size=2048", "method.options.threads=1",
+        "method.options.lns=false")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def runs_folder(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("rows")
     bad = _small(tmp, "method=ring", "num_sequences=1", "run_key=a_failed")
     write_error_rows(bad, RuntimeError("the job failed before any row"))
-    run(_small(tmp, *_ILP, "method.options.time_limit_s=2", "num_sequences=1", "run_key=b_ilp"))
+    run(_small(tmp, *_ILP, "method.options.time_limit_s=10", "num_sequences=1", "run_key=b_ilp"))
     run(_small(tmp, "method=flashcp", "num_sequences=2", "run_key=c_flashcp"))
     killed = ("method.options.time_limit_s=0.01", "method.options.watchdog_grace_s=0")
     with warnings.catch_warnings():
@@ -132,7 +133,8 @@ def test_conform_rows_refuses_what_the_schema_does_not_name():
 def test_table2_rows_carry_the_solve():
     from experiments.table2 import _ilp_row
 
-    row = _ilp_row((0, [3000, 500, 4100, 700, 7000, 1084], 4, {"time_limit_s": 2, "threads": 1}))
+    opts = {"time_limit_s": 10, "threads": 1, "lns": False, "block_size": 4096, "gap": 0.05}
+    row = _ilp_row((0, [3000, 500, 4100, 700, 7000, 1084], 4, opts))
     assert row["ilp_threads"] == 1 and row["ilp_fallback_method"] is None
     assert row["ilp_objective"] is not None and row["ilp_best_bound"] is not None
     assert row["ilp_objective"] >= row["ilp_best_bound"] - 1e-9

@@ -86,6 +86,8 @@ def _row(method: str, seq: int, plan, seconds: float) -> dict:
         "ilp_warm_start_source": info.get("warm_start_source"),
         "ilp_lns_start_objective": info.get("lns_start_objective"),
         "ilp_lns_objective": info.get("lns_objective"),
+        "ilp_threads": info.get("threads"),
+        "ilp_fallback_method": info.get("fallback_method"),
         "num_split_docs": int(plan.split_docs.size),
     }
 

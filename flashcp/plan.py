@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import json
 import operator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -52,6 +53,7 @@ __all__ = [
     "check_doc_lens",
     "cu_seqlens",
     "doc_workload",
+    "json_value",
     "kv_bytes",
     "make_plan",
     "planner_entry",
@@ -200,6 +202,44 @@ def kv_bytes(tokens: Any, num_kv_heads: int, head_dim: int, dtype_bytes: int) ->
     return tokens * 2 * num_kv_heads * head_dim * dtype_bytes
 
 
+def json_value(value: Any, where: str = "value") -> Any:
+    """``value`` as plain JSON types, so that ``json.loads(json.dumps(v)) == v``.
+
+    NumPy scalars become Python ``int`` / ``float`` / ``bool`` / ``str``, arrays and tuples
+    become lists, ``str`` subclasses (enums) become ``str``; dicts and lists are converted
+    recursively. :class:`Plan` passes its ``info`` through here, so every plan is JSON-clean
+    whatever types its planner computed with (``numpy.int64`` from NumPy ``doc_lens``, ...).
+
+    Args:
+        value: None, bool, int, float, str, a NumPy scalar or array, or a list / tuple / dict
+            (string keys) of those.
+        where: the value's name in error messages.
+    Returns:
+        the converted value (a new container; ``value`` is not modified).
+    Raises:
+        ValueError: a dict key that is not a string, or a value of another type (names
+            ``where`` and the type).
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, np.generic | np.ndarray):
+        return json_value(value.tolist(), where)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return str.__str__(value)  # the text itself, also of a str enum
+    if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, str):
+                raise ValueError(f"{where} has a key {key!r} that is not a string")
+        return {str(k): json_value(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise ValueError(f"{where} = {value!r} ({type(value).__name__}) is not a JSON value")
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
     """A CP plan: shards per rank, stored column-wise.
@@ -213,14 +253,18 @@ class Plan:
             covers tokens ``[start[i], start[i] + length[i])`` of document ``doc[i]``. Rows are
             sorted by rank, then by the order in which the rank holds them (its local layout).
         status: ``"ok"`` or a planner-specific status (e.g. ``"target_not_met"``, ``"fallback"``).
-        info: planner-specific details (JSON-serialisable), e.g. FlashCP's Per-Doc set. A key
-            ending in ``_docs`` holds a list of document indices (:func:`planner_entry` maps it
-            back to the caller's documents).
+        info: planner-specific details, e.g. FlashCP's Per-Doc set; stored as plain JSON
+            types (:func:`json_value` converts NumPy scalars and tuples at construction), so
+            ``json.dumps(plan.to_dict())`` works for every plan. A key ending in ``_docs`` holds
+            a list of document indices (:func:`planner_entry` maps it back to the caller's
+            documents).
         pad: (cp_size,) int64, pad tokens each rank holds after its shards (default none). The
             packed sequence's ``num_pad`` pad tokens come after its last document; rank r's are
             pad positions ``sum(pad[:r]) ..`` of them (:func:`flashcp.ops.sharding.global_rows`).
 
-    Build with :func:`make_plan`, which validates and merges adjacent pieces.
+    Build with :func:`make_plan`, which validates and merges adjacent pieces; read a
+    :meth:`to_dict` back with :meth:`from_dict`. Two plans are equal (``==``) when every field
+    is (``info`` compared as JSON).
     """
 
     method: str
@@ -237,6 +281,25 @@ class Plan:
     def __post_init__(self) -> None:
         pad = np.zeros(self.cp_size, np.int64) if self.pad is None else self.pad
         object.__setattr__(self, "pad", np.asarray(pad, dtype=np.int64))
+        object.__setattr__(self, "cp_size", operator.index(self.cp_size))
+        object.__setattr__(self, "info", json_value(dict(self.info), "plan.info"))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return (
+            (self.method, self.cp_size, self.status) == (other.method, other.cp_size, other.status)
+            and all(
+                np.array_equal(a, b) for a, b in zip(self._columns(), other._columns(), strict=True)
+            )
+            and json.dumps(self.info, sort_keys=True) == json.dumps(other.info, sort_keys=True)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.method, self.status, self.digest()))
+
+    def _columns(self) -> tuple[np.ndarray, ...]:
+        return (self.doc_lens, self.rank, self.doc, self.start, self.length, self.pad)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -461,7 +524,11 @@ class Plan:
         }
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON view: the summary plus ``ranks = [{rank, tokens, workload, shards: [...]}, ...]``."""
+        """JSON view: the summary plus ``info``, ``doc_lens`` and
+        ``ranks = [{rank, tokens, pad, workload, shards: [{doc, start, length}, ...]}, ...]``.
+
+        Plain Python types only: ``json.dumps(plan.to_dict())`` works for every plan, and
+        :meth:`from_dict` reads it (or its ``json.loads``) back to an equal plan."""
         tok, wl = self.tokens_per_rank, self.workload_per_rank
         out = self.summary()
         out["info"] = self.info
@@ -477,6 +544,57 @@ class Plan:
             for r, shards in enumerate(self.ranks())
         ]
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, validate: bool = True) -> Plan:
+        """The plan a :meth:`to_dict` describes (e.g. after ``json.loads(json.dumps(...))``).
+
+        Reads ``method``, ``cp_size``, ``doc_lens``, ``status``, ``info`` and ``ranks`` (each
+        rank's ``shards`` in its local order and its ``pad``); the summary metrics are derived,
+        not read.
+
+        Args:
+            data: a mapping as :meth:`to_dict` returns it.
+            validate: check the plan's invariants (:meth:`validate`).
+        Returns:
+            a :class:`Plan` equal to the one ``data`` was made from.
+        Raises:
+            ValueError: a missing key, ranks out of order or not ``cp_size`` of them, or (with
+                ``validate``) a plan that violates an invariant; the message names the value.
+        """
+        try:
+            method, cp_size, ranks = data["method"], data["cp_size"], data["ranks"]
+            doc_lens = data["doc_lens"]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"a plan dict needs {exc} (keys of Plan.to_dict)") from None
+        if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+            raise ValueError(f"cp_size must be an integer >= 1, got {cp_size!r}")
+        if [r.get("rank") for r in ranks] != list(range(cp_size)):
+            raise ValueError(
+                f"ranks must list ranks 0..{cp_size - 1} in order, got "
+                f"{[r.get('rank') for r in ranks]}"
+            )
+        try:
+            rows = [
+                (r, int(sh["doc"]), int(sh["start"]), int(sh["length"]))
+                for r, entry in enumerate(ranks)
+                for sh in entry["shards"]
+            ]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"every rank's shards need doc, start and length: {exc!r}") from None
+        cols = np.array(rows, dtype=np.int64).reshape(-1, 4).T
+        plan = cls(
+            str(method),
+            cp_size,
+            check_doc_lens(doc_lens),
+            *cols,
+            status=str(data.get("status", "ok")),
+            info=dict(data.get("info") or {}),
+            pad=np.array([int(r.get("pad", 0)) for r in ranks], dtype=np.int64),
+        )
+        if validate:
+            plan.validate()
+        return plan
 
 
 def make_plan(

@@ -4,23 +4,34 @@ One row per (run, sequence, mode); units are in the column names. Executors fill
 :data:`PHASE_COLUMNS` and :data:`COMM_COLUMNS`; the harness adds plan metrics, the run's identity
 (:data:`IDENTITY_COLUMNS`, hashed into ``run_id``) and provenance.
 
-Integer columns (:data:`INT_COLUMNS`) are pandas nullable ``Int64``: a failed row's missing value
-is ``<NA>``, never a float that turns ``cp_size`` into ``4.0``. Write rows with
-:func:`write_rows_atomic` and read them with :func:`read_rows` to keep those types. Per-sequence
-tables (a run's rows, a sweep's merged rows: millions of rows at the paper's scale) are Parquet
-files; summaries and small tables are CSV.
+Every row file (a job's ``rows.parquet``, successful or failed, of any method; a sweep's merged
+rows) has exactly the columns of :data:`ROW_SCHEMA`, in its order and with its types:
+:func:`write_rows_atomic` adds an absent column as typed nulls (a failed job has no plan metrics,
+a non-ILP run no ``ilp_*`` values) and refuses a column the schema does not name. So
+``pyarrow.dataset.dataset(runs_folder)`` or ``pandas.read_parquet(list_of_files)`` sees one schema
+whichever file comes first. Integer columns (:data:`INT_COLUMNS`) are pandas nullable ``Int64``: a
+failed row's missing value is ``<NA>``, never a float that turns ``cp_size`` into ``4.0``. Write
+rows with :func:`write_rows_atomic` and read them with :func:`read_rows` to keep those types.
+Per-sequence tables (a run's rows, a sweep's merged rows: millions of rows at the paper's scale)
+are Parquet files; summaries and small tables are CSV.
 """
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 __all__ = [
     "COMM_COLUMNS",
     "IDENTITY_COLUMNS",
+    "ILP_INFO_COLUMNS",
     "INT_COLUMNS",
     "PHASE_COLUMNS",
+    "ROW_SCHEMA",
     "TEXT_COLUMNS",
+    "arrow_row_schema",
     "code_version",
     "config_hash",
+    "conform_rows",
     "identity_hash",
     "markdown_table",
     "provenance",
@@ -63,14 +74,55 @@ IDENTITY_COLUMNS: tuple[str, ...] = (
     "code_version",
 )  # fmt: skip
 
-#: integer-valued columns (stored as pandas ``Int64``; missing = ``<NA>``)
-INT_COLUMNS: tuple[str, ...] = (
-    "job_num", "cp_size", "context_len", "num_sequences", "seed", "dataset_cap", "num_heads",
-    "num_kv_heads", "head_dim", "seq_idx", "num_docs", "max_doc_len", "overlong_docs",
-    "overlong_tokens_cut", "comm_tokens", "comm_tokens_full", "comm_tokens_sharded",
-    "num_split_docs", "num_pieces", "max_shards_per_rank", *COMM_COLUMNS, "num_rows", "num_ok",
-    "num_error",
+#: ``plan.info`` keys of an ILP plan (:func:`flashcp.ilp.plan_ilp`) that every row carries as
+#: ``ilp_<key>``: the solve's status, relative gap, objective (of the returned plan), best bound,
+#: solver threads asked for (null: the solver's default), whether a warm start was given and
+#: accepted, and the heuristic whose plan a fallback returned (null: no fallback)
+ILP_INFO_COLUMNS: tuple[str, ...] = (
+    "solver_status", "gap", "objective", "best_bound", "threads", "warm_start_given",
+    "warm_start_accepted", "fallback_method",
 )  # fmt: skip
+
+_ILP_KINDS = {
+    "solver_status": "text", "gap": "float", "objective": "float", "best_bound": "float",
+    "threads": "int", "warm_start_given": "bool", "warm_start_accepted": "bool",
+    "fallback_method": "text",
+}  # fmt: skip
+
+#: every column of a row file, in file order, and its type: ``int`` (pandas ``Int64``, Parquet
+#: int64), ``float`` (float64), ``bool`` (pandas ``boolean``) or ``text`` (pandas ``string``);
+#: each may be null. Groups: the job, the run identity (:data:`IDENTITY_COLUMNS`), the sequence
+#: and its plan, the mode and status, the step's phases and bytes, the dataset's overlong
+#: documents, provenance, the ILP's solve. A new row column is one more entry here.
+ROW_SCHEMA = MappingProxyType({
+    "name": "text", "sweep_id": "text", "job_num": "int", "overrides": "text", "launcher": "text",
+    "run_id": "text",
+    "dataset": "text", "dataset_path": "text", "dataset_sha256": "text", "weighting": "text",
+    "dataset_cap": "int", "overlong": "text", "method": "text", "method_options": "text",
+    "impl": "text", "cp_size": "int", "context_len": "int", "num_sequences": "int", "seed": "int",
+    "modes": "text", "model": "text", "num_heads": "int", "num_kv_heads": "int", "head_dim": "int",
+    "dtype": "text", "executor": "text", "executor_options": "text", "hardware": "text",
+    "hardware_changes": "text", "hardware_sha256": "text", "code_version": "text",
+    "seq_idx": "int", "num_docs": "int", "max_doc_len": "int", "plan_status": "text",
+    "plan_ms": "float", "pad_tokens": "int", "imbalance_ratio": "float", "comm_tokens": "int",
+    "comm_tokens_full": "int", "comm_saving": "float", "comm_tokens_sharded": "int",
+    "num_split_docs": "int", "num_pieces": "int", "max_shards_per_rank": "int",
+    "mode": "text", "status": "text",
+    **dict.fromkeys(PHASE_COLUMNS, "float"), **dict.fromkeys(COMM_COLUMNS, "int"),
+    "overlong_docs": "int", "overlong_tokens_cut": "int",
+    "git_commit": "text", "git_dirty": "bool", "flashcp_version": "text", "torch_version": "text",
+    "config_hash": "text",
+    **{f"ilp_{k}": _ILP_KINDS[k] for k in ILP_INFO_COLUMNS},
+})  # fmt: skip
+
+#: integer-valued columns (stored as pandas ``Int64``; missing = ``<NA>``): those of
+#: :data:`ROW_SCHEMA` and the summaries' counts
+INT_COLUMNS: tuple[str, ...] = (
+    *(c for c, kind in ROW_SCHEMA.items() if kind == "int"),
+    "num_rows",
+    "num_ok",
+    "num_error",
+)
 
 #: columns that are text even when every value looks like a number (hashes, ids, JSON)
 TEXT_COLUMNS: tuple[str, ...] = (
@@ -242,24 +294,75 @@ def markdown_table(df, float_format: str = ".4g") -> str:
     return "\n".join(lines) + "\n"
 
 
+_PANDAS_DTYPES = {"int": "Int64", "float": "float64", "bool": "boolean", "text": "string"}
+
+
+def conform_rows(df):
+    """``df`` as a row table of :data:`ROW_SCHEMA`: its columns in the schema's order, each of
+    the schema's type, an absent one all nulls (a new DataFrame; ``df`` is not modified).
+
+    Args:
+        df: rows (a pandas DataFrame) whose columns are all named in :data:`ROW_SCHEMA`.
+    Raises:
+        ValueError: a column the schema does not name, or a value that does not fit its column's
+            type (e.g. a fraction in an integer column); the message names the column.
+    """
+    import pandas as pd
+
+    unknown = [c for c in df.columns if c not in ROW_SCHEMA]
+    if unknown:
+        raise ValueError(
+            f"row columns {unknown} are not in flashcp.results.ROW_SCHEMA (add them there, with "
+            "their type, so every row file keeps one schema)"
+        )
+    cols = {}
+    for col, kind in ROW_SCHEMA.items():
+        if col not in df:
+            cols[col] = pd.Series(None, index=df.index, dtype=_PANDAS_DTYPES[kind])
+            continue
+        s = df[col]
+        try:
+            if kind in ("int", "float"):
+                s = pd.to_numeric(s)
+            cols[col] = s.astype(_PANDAS_DTYPES[kind])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"row column {col!r} must hold {kind} values: {exc}") from None
+    return pd.DataFrame(cols, index=df.index)
+
+
+def arrow_row_schema():
+    """:data:`ROW_SCHEMA` as a ``pyarrow.Schema`` (int64, float64, bool, string; all nullable)."""
+    import pyarrow as pa
+
+    types = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "text": pa.string()}
+    return pa.schema([pa.field(c, types[kind]) for c, kind in ROW_SCHEMA.items()])
+
+
 def write_rows_atomic(df, path) -> None:
     """Write rows to ``path`` (``.parquet``, or ``.csv`` through :func:`write_csv_atomic`) through
-    a temporary file and an atomic rename. Parquet keeps the column types (``Int64`` with
-    missing values, text) exactly.
+    a temporary file and an atomic rename, in the one row schema (:func:`conform_rows`: every
+    column of :data:`ROW_SCHEMA`, absent ones as typed nulls). Parquet keeps the column types
+    (``Int64`` with missing values, text) exactly.
 
     Raises:
-        ValueError: ``path`` is neither ``.parquet`` nor ``.csv``.
+        ValueError: ``path`` is neither ``.parquet`` nor ``.csv``, or the rows do not fit
+            :data:`ROW_SCHEMA` (:func:`conform_rows`).
     """
     import os
     from pathlib import Path
 
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     path = Path(path)
-    if path.suffix == ".csv":
-        write_csv_atomic(df, path)
-        return
-    if path.suffix != ".parquet":
+    if path.suffix not in (".csv", ".parquet"):
         raise ValueError(f"{path}: rows are written as .parquet or .csv files")
+    rows = conform_rows(df)
+    if path.suffix == ".csv":
+        write_csv_atomic(rows, path)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    typed(df.copy(), strict=False).to_parquet(tmp, index=False)
+    table = pa.Table.from_pandas(rows, schema=arrow_row_schema(), preserve_index=False)
+    pq.write_table(table, tmp)
     os.replace(tmp, path)

@@ -18,7 +18,7 @@ from mp_utils import run_ranks
 from flashcp.comm import AttnShape, comm_volume
 from flashcp.ops import get_attn_op
 from flashcp.ops.allgather_attn import allgather_peak_bytes
-from flashcp.ops.backends import VarlenBackend, compute_dtype, get_backend
+from flashcp.ops.backends import CpuBackend, VarlenBackend, compute_dtype, get_backend
 from flashcp.ops.collectives import CommCounter
 from flashcp.ops.reference import document_mask, reference_attention
 from flashcp.ops.sharding import shard_tensor, unshard
@@ -76,8 +76,8 @@ def _inputs(lens, h, hkv, d, dtype, seed):
 def _run_cases(rank, n, cases, methods):
     # rotate the cpu backend's paths: aten kernel only, dense blocks only, the default split
     kernels = (
-        VarlenBackend("cpu", kernel_min=1),
-        VarlenBackend("cpu", kernel_min=1 << 30),
+        CpuBackend(kernel_min=1),
+        CpuBackend(kernel_min=1 << 30),
         get_backend("cpu"),
     )
     res = {}

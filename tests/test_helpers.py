@@ -15,6 +15,7 @@ from flashcp.ops.backends import (
     CpuBackend,
     ReferenceBackend,
     VarlenBackend,
+    backend_class,
     get_backend,
     resolve_softmax_scale,
 )
@@ -75,14 +76,33 @@ def test_one_class_per_backend():
     assert set(BACKEND_CLASSES) == {"flash_attn", "torch_cuda", "cpu", "reference"}
     assert type(get_backend("cpu")) is CpuBackend
     assert type(get_backend("reference")) is ReferenceBackend
-    # VarlenBackend(name, **options) builds that backend's class
-    be = VarlenBackend("cpu", kernel_min=1)
+    # backend_class(name)(**options) builds that backend's class
+    be = backend_class("cpu")(kernel_min=1)
     assert type(be) is CpuBackend and be.kernel_min == 1
     assert pickle.loads(pickle.dumps(be)) == be
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
-        VarlenBackend("nope")
+        backend_class("nope")
     with pytest.raises(ValueError, match="'cpu' backend, not 'reference'"):
         CpuBackend("reference")
+
+
+@pytest.mark.parametrize("name", ["cpu", "reference", "nope"])
+def test_the_base_backend_class_cannot_be_built(name):
+    """The interface has no kernel: building it is an error that says what to call instead
+    (before, ``VarlenBackend("cpu")`` built an object whose first call failed)."""
+    for call in (lambda: VarlenBackend(name), lambda: VarlenBackend(name=name)):
+        with pytest.raises(TypeError, match=r"get_backend\(.*backend_class\("):
+            call()
+    with pytest.raises(TypeError, match="get_backend"):
+        VarlenBackend()
+    # a subclass of one's own still builds (as the tests' stand-in kernels do)
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Mine(VarlenBackend):
+        name: str = "mine"
+
+    assert Mine().name == "mine"
 
 
 def test_ring_metadata_and_runtime_share_one_set_of_names():

@@ -25,7 +25,7 @@ import pandas as pd
 
 from flashcp.executors import RunSpec
 from flashcp.plan import Plan
-from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
+from flashcp.results import COMM_COLUMNS, ILP_INFO_COLUMNS, PHASE_COLUMNS
 
 __all__ = ["PLAN_COLUMNS", "execute", "plan_metrics", "price_sequences"]
 
@@ -48,13 +48,14 @@ def plan_metrics(plan: Plan) -> dict[str, Any]:
     V, per KV head — Eq. 4 of the paper for full all-gather and for the ring, Eq. 5 for
     sharding-aware all-gather — and ``comm_saving`` = 1 - comm_tokens / comm_tokens_full.
     ``comm_tokens_sharded`` is Eq. 5 on the method's layout: what sharding-aware communication
-    would move for it. ILP plans add ``ilp_solver_status``, ``ilp_gap``,
-    ``ilp_warm_start_given`` and ``ilp_warm_start_accepted``.
+    would move for it. ILP plans add the solve's outcome, ``ilp_<key>`` for every key of
+    :data:`flashcp.results.ILP_INFO_COLUMNS` (status, gap, objective, best bound, threads,
+    warm-start flags, fallback heuristic).
     """
     s = plan.summary()
     out = {k: s[k] for k in PLAN_COLUMNS[3:]}
     if plan.method == "ilp":  # the solver's outcome (flashcp.ilp.plan_ilp's info)
-        for k in ("solver_status", "gap", "warm_start_given", "warm_start_accepted"):
+        for k in ILP_INFO_COLUMNS:
             out[f"ilp_{k}"] = plan.info.get(k)
     return out
 

@@ -96,13 +96,24 @@ The solve runs in a separate process under a watchdog (:mod:`flashcp.ilp.worker`
 PuLP's ``LpStatus`` reads "Optimal" for a MIP cut short with an incumbent, so the planner reads
 the *solution* status: proven optimal (within ``gap``) gives status ``"ok"``; an incumbent without
 proof gives ``"time_limit"`` (``info`` holds its bound and gap); no solution (infeasible, killed,
-no incumbent, solver error) returns the ``flashcp`` heuristic's plan with status ``"fallback"``
-and a warning (or raises ``ValueError`` with ``on_failure="raise"``). The best bound B also bounds
+no incumbent, solver error) returns the warm start's plan (the better heuristic of ``flashcp`` and
+``flashcp_refined`` by default; ``info["fallback_method"]`` names it) with status ``"fallback"``
+and a warning (or raises ``ValueError`` with ``on_failure="raise"``). Every comparison with the
+cap ``max_imbalance`` allows the relative tolerance :data:`~flashcp.ilp.model.CAP_TOLERANCE`
+(1e-9): a warm start at exactly the cap is accepted. The best bound B also bounds
 what any plan on the same pieces can save: ``comm_saving <= 1 - max(0, B - max_imbalance) /
 comm_weight`` (``info["saving_upper_bound"]``).
 """
 
-from flashcp.ilp.model import FORMULATIONS, block_pieces
+from flashcp.ilp.model import CAP_TOLERANCE, FORMULATIONS, block_pieces, meets_cap
 from flashcp.ilp.planner import plan_ilp, plan_objective, saving_bound
 
-__all__ = ["FORMULATIONS", "block_pieces", "plan_ilp", "plan_objective", "saving_bound"]
+__all__ = [
+    "CAP_TOLERANCE",
+    "FORMULATIONS",
+    "block_pieces",
+    "meets_cap",
+    "plan_ilp",
+    "plan_objective",
+    "saving_bound",
+]

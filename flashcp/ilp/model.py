@@ -18,12 +18,15 @@ import numpy as np
 from flashcp.plan import cu_seqlens, doc_workload, shard_workload
 
 __all__ = [
+    "CAP_TOLERANCE",
     "FORMULATIONS",
     "Infeasible",
     "Instance",
     "Model",
     "block_pieces",
     "build_model",
+    "cap_bound",
+    "meets_cap",
     "piece_ranks",
     "refine_grid",
     "round_fractions",
@@ -31,9 +34,26 @@ __all__ = [
 
 #: the ILP formulations (see :mod:`flashcp.ilp`)
 FORMULATIONS = ("patterns", "pieces")
-# relative slack on the workload cap when pruning tails, so float rounding never removes a tail
-# that a plan at exactly the cap uses
-_CAP_SLACK = 1e-9
+#: relative tolerance of every comparison with the imbalance cap ``max_imbalance``: a value v
+#: meets cap c when ``v <= c * (1 + CAP_TOLERANCE)`` (:func:`meets_cap`). It applies to the
+#: model's bound on the imbalance variable, to pruning tails that exceed the cap, to a MIP start's
+#: values against their bounds, and to the planner's checks of seed and rounded plans; so a plan
+#: at exactly the cap, whose ratio float rounding puts a hair above it (1.0 + 1e-9 for a perfect
+#: balance), is never rejected.
+CAP_TOLERANCE = 1e-9
+# margin added to a MIP start's maxima so that the solver's own sums of the same terms (in another
+# order) never exceed them; the start stays within the bound cap * (1 + CAP_TOLERANCE)
+_START_MARGIN = 1e-9
+
+
+def cap_bound(cap: float | None) -> float | None:
+    """The largest value that meets ``cap`` (:data:`CAP_TOLERANCE`); None without a cap."""
+    return None if cap is None else float(cap) * (1.0 + CAP_TOLERANCE)
+
+
+def meets_cap(value: float, cap: float | None) -> bool:
+    """``value <= cap`` up to :data:`CAP_TOLERANCE` (always True without a cap)."""
+    return cap is None or float(value) <= cap_bound(cap)
 
 
 def block_pieces(
@@ -132,7 +152,7 @@ class Instance:
         ok = d - p <= self.tokens_per_rank
         if self.max_imbalance is not None:
             work = shard_workload(p, d - p)
-            ok &= work <= self.max_imbalance * self.mean_work * (1 + _CAP_SLACK)
+            ok &= work <= cap_bound(self.max_imbalance) * self.mean_work
         return ok
 
 
@@ -200,21 +220,23 @@ def _seed_maxima(inst: Instance, seed_rank: np.ndarray) -> tuple[float, float]:
     tails = _tails(inst, seed_rank)
     head = np.arange(inst.pdoc.size) < tails[inst.pdoc]
     send = np.bincount(seed_rank, weights=np.where(head, inst.plen, 0), minlength=n)
-    return float(work.max() / inst.mean_work) + 1e-9, float(
-        send.max() / inst.tokens_per_rank
-    ) + 1e-9
+    return float(work.max() / inst.mean_work), float(send.max() / inst.tokens_per_rank)
 
 
 def _with_maxima(model: Model, inst: Instance, seed_rank: np.ndarray | None, z_w, z_c) -> Model:
-    """Complete a MIP start with the two maxima (or drop it when it breaks the cap)."""
+    """Complete a MIP start with the two maxima, each a margin above the seed's value and within
+    its variable's bound (or drop the start when the seed breaks the cap, :func:`meets_cap`)."""
     if seed_rank is None or not model.start_vars:
         return model
     zw, zc = _seed_maxima(inst, seed_rank)
-    if inst.max_imbalance is not None and zw - 1e-9 > inst.max_imbalance:
+    if not meets_cap(zw, inst.max_imbalance):
         model.start_vars, model.start_vals = [], []
-    else:
-        model.start_vars += [z_w, z_c]
-        model.start_vals += [zw, zc]
+        return model
+    zw += _START_MARGIN
+    if inst.max_imbalance is not None:
+        zw = min(zw, cap_bound(inst.max_imbalance))
+    model.start_vars += [z_w, z_c]
+    model.start_vals += [zw, zc + _START_MARGIN]
     return model
 
 
@@ -231,7 +253,7 @@ def _build_pieces(inst: Instance, seed_rank: np.ndarray | None) -> Model:
     ranks = range(n)
     x = [[var(f"x_{i}_{r}", 0, 1, cat=pulp.LpBinary) for r in ranks] for i in range(npieces)]
     y = {i: [var(f"y_{i}_{r}", 0, 1) for r in ranks] for i in np.flatnonzero(~is_last).tolist()}
-    z_w = var("z_w", 0, inst.max_imbalance)
+    z_w = var("z_w", 0, cap_bound(inst.max_imbalance))
     z_c = var("z_c", 0)
     prob += z_w + float(inst.comm_weight) * z_c
     for i in range(npieces):  # Eq. 1
@@ -311,7 +333,7 @@ def _build_patterns(inst: Instance, seed_rank: np.ndarray | None) -> Model:
 
     prob = pulp.LpProblem("flashcp_ilp_patterns", pulp.LpMinimize)
     var = prob.add_variable
-    z_w = var("z_w", 0, inst.max_imbalance)
+    z_w = var("z_w", 0, cap_bound(inst.max_imbalance))
     z_c = var("z_c", 0)
     prob += z_w + float(inst.comm_weight) * z_c
     tok: list[list[tuple[Any, float]]] = [[] for _ in range(n)]  # (var, coefficient) per rank

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from flashcp.ilp.model import FORMULATIONS, Instance, block_pieces, piece_ranks
+from flashcp.ilp.model import FORMULATIONS, Instance, block_pieces, meets_cap, piece_ranks
 from flashcp.ilp.worker import check_highs_options, run_job
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
 
@@ -56,7 +57,8 @@ def _heuristic(
     doc_lens: np.ndarray, cp_size: int, method: str, target: float, comm_weight: float
 ) -> Plan:
     """The seed / fallback plan of ``method``; ``best`` = the lower objective of the two
-    heuristics among those meeting ``target`` (ties: ``flashcp_refined``)."""
+    heuristics among those meeting ``target`` (:func:`~flashcp.ilp.model.meets_cap`; ties:
+    ``flashcp_refined``)."""
     from flashcp.heuristic import plan_flashcp
     from flashcp.refined import plan_flashcp_refined
 
@@ -70,7 +72,7 @@ def _heuristic(
     ]
     return min(
         plans,
-        key=lambda p: (p.imbalance_ratio > target + 1e-12, plan_objective(p, comm_weight)),
+        key=lambda p: (not meets_cap(p.imbalance_ratio, target), plan_objective(p, comm_weight)),
     )
 
 
@@ -117,22 +119,27 @@ def plan_ilp(
         comm_weight: weight of ``comm_tokens / comm_tokens_full`` against the imbalance ratio in
             the objective (dimensionless, >= 0).
         max_imbalance: hard cap on the imbalance ratio (>= 1); default 1.05, the ``flashcp``
-            heuristic's default target. None: no cap.
+            heuristic's default target. None: no cap. Met up to the relative tolerance
+            :data:`flashcp.ilp.model.CAP_TOLERANCE` (a plan at exactly the cap is never
+            rejected for a rounding error, nor is the warm start).
         warm_start: ``"best"`` (the better of ``flashcp`` and ``flashcp_refined`` by the
             objective, among those meeting the cap), ``"flashcp"``, ``"flashcp_refined"`` or
             None. The seed's heuristic targets ``max_imbalance`` (``heuristic_target_imbalance``
             without a cap); its cut points are added to the piece grid, and it is given to the
             solver as a MIP start. ``info["warm_start_accepted"]`` says whether the solver used
             it (None: the solver's log did not say).
-        heuristic_target_imbalance: target of the seed without a cap, and of the fallback.
-        threads: solver threads (None: solver default).
+        heuristic_target_imbalance: target of the seed (and of a fallback without a seed)
+            when there is no cap.
+        threads: solver threads (None: solver default); recorded as ``info["threads"]``.
         highs_options: further HiGHS options by name, e.g. ``{"mip_heuristic_effort": 0.5}``
             (the share of the branch-and-bound effort spent on primal heuristics; HiGHS's default
             0.05). Only with ``solver="highs"``; an unknown name or a bad value raises
             ``ValueError`` before the solve.
-        on_failure: ``"fallback"`` (warn, return the ``flashcp`` heuristic's plan with status
-            ``"fallback"``) or ``"raise"`` (raise ``ValueError``) when the solver returns no
-            solution, fails, or is killed by the watchdog.
+        on_failure: ``"fallback"`` (warn, return the warm start's plan, the better heuristic
+            with ``warm_start="best"``, with status ``"fallback"``; ``info["fallback_method"]``
+            names its heuristic; without a warm start the better heuristic's) or ``"raise"``
+            (raise ``ValueError``) when the solver returns no solution, fails, or is killed by
+            the watchdog.
         watchdog_grace_s: seconds past ``time_limit_s`` after which the solver's process group is
             killed and its temporary files deleted.
         solver_path: a CBC executable to use instead of PuLP's bundled one.
@@ -158,7 +165,7 @@ def plan_ilp(
         unknown), ``saving_upper_bound`` (:func:`saving_bound`), ``seed_objective``,
         ``seed_method``, ``warm_start_given``, ``warm_start_accepted``, ``warm_start_source``,
         ``lp_rounding``, ``lp_bound`` (the root LP relaxation), ``lp_rounded_objective``,
-        ``block_size``,
+        ``threads``, ``fallback_method`` (after a fallback), ``block_size``,
         ``num_grid_pieces`` (pieces of the grid, not of the plan: :attr:`Plan.num_pieces`), ``num_binaries``, ``num_integers``, ``build_time_s``, ``solve_time_s``,
         ``solve_cpu_s`` (the MIP alone), ``total_cpu_s`` (the worker: build, LP rounding, LNS
         and MIP), ``wall_time_s``, ``time_limit_s``, ``comm_weight``, ``max_imbalance``, ``warm_start``.
@@ -167,9 +174,9 @@ def plan_ilp(
             for but not installed, or no solution with ``on_failure="raise"``.
     """
     d = check_doc_lens(doc_lens)
-    n = cp_size
     context_len = int(d.sum())
-    check_cp_args(context_len, n)
+    check_cp_args(context_len, cp_size)
+    n = int(cp_size)
     if solver not in _SOLVERS:
         raise ValueError(f"solver must be one of {_SOLVERS}, got {solver!r}")
     if formulation not in FORMULATIONS:
@@ -253,6 +260,7 @@ def plan_ilp(
         "max_imbalance": max_imbalance,
         "warm_start": warm_start,
         "highs_options": highs_options,
+        "threads": threads,
         "seed_method": None if seed is None else seed.method,
         "seed_objective": None if seed is None else plan_objective(seed, comm_weight),
         "warm_start_given": bool(res.get("warm_start_given")),
@@ -292,15 +300,15 @@ def plan_ilp(
             bound = res["bound"]
             if solver_status == "optimal" and bound is None:
                 bound = obj
-            plan.info.update(
-                solver_status=solver_status,
-                objective=obj,
-                model_objective=res["model_objective"],
-                best_bound=bound,
-                gap=None if bound is None else max(0.0, (obj - bound) / abs(obj)),
-                saving_upper_bound=saving_bound(bound, max_imbalance, comm_weight),
-            )
-            return plan
+            solved = {
+                "solver_status": solver_status,
+                "objective": obj,
+                "model_objective": res["model_objective"],
+                "best_bound": bound,
+                "gap": None if bound is None else max(0.0, (obj - bound) / abs(obj)),
+                "saving_upper_bound": saving_bound(bound, max_imbalance, comm_weight),
+            }
+            return replace(plan, info={**plan.info, **solved})  # Plan makes info JSON-clean
         solver_status = "not_solved"
     elif res["sol"] == "infeasible":
         solver_status = "infeasible"
@@ -315,15 +323,16 @@ def plan_ilp(
     )
     if on_failure == "raise":
         raise ValueError(reason)
+    # the warm start is the better heuristic's plan (warm_start="best"); without one, pick it now
+    h = seed if seed is not None else _heuristic(d, n, "best", target, comm_weight)
     warnings.warn(
-        reason + "; returning the flashcp heuristic's plan (status 'fallback')",
+        reason + f"; returning the {h.method} heuristic's plan (status 'fallback')",
         RuntimeWarning,
         stacklevel=2,
     )
-    h = _heuristic(d, n, "flashcp", target, comm_weight)
     info.update(
         solver_status=solver_status,
-        fallback_method="flashcp",
+        fallback_method=h.method,
         fallback_reason=reason,
         heuristic_status=h.status,
         objective=plan_objective(h, comm_weight),

@@ -150,7 +150,7 @@ def _lp_rounded_start(
     """
     import pulp
 
-    from flashcp.ilp.model import piece_ranks, refine_grid, round_fractions
+    from flashcp.ilp.model import meets_cap, piece_ranks, refine_grid, round_fractions
     from flashcp.plan import make_plan
 
     out = {"lp_bound": None, "objective": None, "instance": None, "seed_rank": None}
@@ -215,7 +215,7 @@ def _lp_rounded_start(
             plan = make_plan("ilp", n, d, *round_fractions(inst, f))
         except ValueError:
             continue
-        over = inst.max_imbalance is not None and plan.imbalance_ratio > inst.max_imbalance + 1e-12
+        over = not meets_cap(plan.imbalance_ratio, inst.max_imbalance)
         obj = plan.imbalance_ratio + inst.comm_weight * (1.0 - plan.comm_saving)
         if best is None or (over, obj) < best[:2]:
             best = (over, obj, plan)
@@ -352,6 +352,22 @@ def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str
     return out
 
 
+def _within_bounds(var, value: float) -> float:
+    """A MIP start value moved onto its variable's bound when it lies outside by at most
+    :data:`flashcp.ilp.model.CAP_TOLERANCE` (relative): PuLP refuses any initial value outside
+    the bounds, and a start from the heuristic or the neighbourhood search can sit a rounding
+    error beyond one. A value further out is returned as is (PuLP then names it)."""
+    from flashcp.ilp.model import CAP_TOLERANCE
+
+    value = float(value)
+    lo, hi = var.lowBound, var.upBound
+    if hi is not None and hi < value <= hi + CAP_TOLERANCE * max(1.0, abs(hi)):
+        return float(hi)
+    if lo is not None and lo - CAP_TOLERANCE * max(1.0, abs(lo)) <= value < lo:
+        return float(lo)
+    return value
+
+
 def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     """Build and solve one model (runs in the worker process).
 
@@ -430,8 +446,8 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     prob = model.prob
     start = bool(model.start_vars)
     out.update(
-        num_binaries=model.num_binaries,
-        num_integers=model.num_integers,
+        num_binaries=int(model.num_binaries),
+        num_integers=int(model.num_integers),
         warm_start_given=start,
         build_time_s=time.perf_counter() - t0,
     )
@@ -444,7 +460,7 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     try:
         if job["solver"] == "cbc":
             for v, val in zip(model.start_vars, model.start_vals, strict=True):
-                v.setInitialValue(val)
+                v.setInitialValue(_within_bounds(v, val))
             with warnings.catch_warnings():  # PuLP 3.x deprecates the bundled CBC's class name
                 warnings.simplefilter("ignore", DeprecationWarning)
                 opts = dict(

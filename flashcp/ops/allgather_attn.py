@@ -396,8 +396,12 @@ def _head_groups(num_kv_heads: int, heads_per_group: int) -> list[tuple[int, int
 
 
 def _heads(x: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
-    """Heads ``h0:h1`` of a (T, heads, D) tensor, contiguous (no copy when that is all of them)."""
-    return x if (h0, h1) == (0, x.shape[1]) else x[:, h0:h1].contiguous()
+    """Heads ``h0:h1`` of a (T, heads, D) tensor as a kernel input: contiguous, or ``x`` itself
+    when that is all of its heads and its last dimension has unit stride (every varlen kernel
+    needs that; a view such as ``x[..., ::2]`` is copied)."""
+    if (h0, h1) == (0, x.shape[1]) and x.stride(-1) == 1:
+        return x
+    return x[:, h0:h1].contiguous()
 
 
 def _gather_kv(k, v, meta, send_rows, group, counter, timer):

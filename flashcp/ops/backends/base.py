@@ -181,10 +181,11 @@ class VarlenBackend:
     """A varlen attention kernel: :meth:`forward` -> (out, lse) and :meth:`backward` -> grads.
 
     One subclass per kernel (``flash_attn``, ``torch_cuda``, ``cpu``, ``reference``); each
-    implements ``_forward`` and ``_backward`` on arguments this class has already checked.
-    ``VarlenBackend(name, **options)`` builds the subclass registered for ``name``
-    (:data:`flashcp.ops.backends.BACKEND_CLASSES`) without checking that it can run here;
-    :func:`flashcp.ops.backends.get_backend` also checks the device.
+    implements ``_forward`` and ``_backward`` on arguments this class has already checked. This
+    class itself has no kernel and cannot be built: :func:`flashcp.ops.backends.get_backend`
+    (``name``, device) gives a backend that can run here, and
+    ``flashcp.ops.backends.backend_class(name)(**options)`` one with options, without the device
+    check (:data:`flashcp.ops.backends.BACKEND_CLASSES`).
 
     Attributes:
         name: the backend's name; a registered subclass accepts only its own (:attr:`KIND`).
@@ -194,10 +195,14 @@ class VarlenBackend:
     name: str
 
     def __new__(cls, *args, **kwargs):
+        """Raises:
+        TypeError: ``cls`` is :class:`VarlenBackend` itself (it has no kernel)."""
         if cls is VarlenBackend:
-            from flashcp.ops.backends import backend_class  # the registry imports this module
-
-            cls = backend_class(args[0] if args else kwargs.get("name"))
+            name = args[0] if args else kwargs.get("name")
+            raise TypeError(
+                f"VarlenBackend is the interface, not a backend: use get_backend({name!r}) or "
+                f"backend_class({name!r})(**options) from flashcp.ops.backends"
+            )
         return super().__new__(cls)
 
     def __post_init__(self) -> None:

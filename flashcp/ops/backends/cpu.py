@@ -40,8 +40,12 @@ def _seg_blocks(sq: int, sk: int, causal: bool):
 
 
 def _upcast(x):
-    """Inputs in ``compute_dtype`` (a CPU kernel gains nothing from bf16; float64 stays float64)."""
-    return x.to(compute_dtype(x.dtype))
+    """A kernel input in ``compute_dtype`` (a CPU kernel gains nothing from bf16; float64 stays
+    float64) with a unit last-dimension stride: the aten CPU kernel reads the last dimension as
+    dense whatever its stride (a view ``x[..., ::2]`` would give a wrong result, silently), while
+    it honours the strides of the other dimensions. No copy when ``x`` already fits."""
+    x = x.to(compute_dtype(x.dtype))
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _bhsd(x):

@@ -1,0 +1,140 @@
+"""One schema for every row file of a runs folder (failed jobs, ILP and non-ILP runs), read with
+the tools users reach for (``pyarrow.dataset``, ``pandas.read_parquet`` of a list of files), and
+the ILP's solve in every ``method=ilp`` row."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from test_app import _small
+
+from experiments.aggregate import merge_rows
+from experiments.run import run, write_error_rows
+from flashcp.results import (
+    INT_COLUMNS,
+    ROW_SCHEMA,
+    arrow_row_schema,
+    conform_rows,
+    read_rows,
+    write_csv_atomic,
+    write_rows_atomic,
+)
+
+_ILP = ("method=ilp", "method.options.block_size=2048", "method.options.threads=1",
+        "method.options.lns=false")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs_folder(tmp_path_factory) -> Path:
+    """A runs folder of tiny ``executor=sim`` jobs written by the harness's own writers: a failed
+    job (sorted first), a successful ILP job, a successful non-ILP job, an ILP job whose solves
+    are killed (fallback rows) and one whose planner raises for every sequence (error rows in a
+    finished job)."""
+    tmp = tmp_path_factory.mktemp("rows")
+    bad = _small(tmp, "method=ring", "num_sequences=1", "run_key=a_failed")
+    write_error_rows(bad, RuntimeError("the job failed before any row"))
+    run(_small(tmp, *_ILP, "method.options.time_limit_s=10", "num_sequences=1", "run_key=b_ilp"))
+    run(_small(tmp, "method=flashcp", "num_sequences=2", "run_key=c_flashcp"))
+    killed = ("method.options.time_limit_s=0.01", "method.options.watchdog_grace_s=0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the fallback is in the rows
+        run(_small(tmp, *_ILP, *killed, "num_sequences=1", "run_key=d_killed"))
+        run(_small(tmp, *_ILP, *killed, "method.options.on_failure=raise", "num_sequences=1",
+                   "run_key=e_raises"))  # fmt: skip
+    return tmp / "t" / "runs"
+
+
+def _files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*/rows.parquet"))
+    assert [f.parent.name for f in files] == ["a_failed", "b_ilp", "c_flashcp", "d_killed",
+                                              "e_raises"]  # fmt: skip
+    return files
+
+
+def test_every_row_file_has_the_one_schema(runs_folder):
+    want = arrow_row_schema()
+    for f in _files(runs_folder):
+        assert pq.read_schema(f).remove_metadata().equals(want), f.parent.name
+
+
+def test_pyarrow_dataset_over_a_mixed_runs_folder_loses_no_column(runs_folder):
+    table = ds.dataset(runs_folder, format="parquet").to_table()
+    assert table.column_names == list(ROW_SCHEMA)
+    assert table.num_rows == sum(pq.read_metadata(f).num_rows for f in _files(runs_folder))
+    for col in INT_COLUMNS:
+        if col in ROW_SCHEMA:
+            assert table.schema.field(col).type == pa.int64(), col
+    df = table.to_pandas()
+    ilp = df[df["run_id"].isin(pd.read_parquet(runs_folder / "b_ilp" / "rows.parquet")["run_id"])]
+    assert ilp["ilp_objective"].notna().all() and ilp["ilp_best_bound"].notna().all()
+
+
+def test_pandas_list_of_files_keeps_columns_and_integers(runs_folder):
+    df = pd.read_parquet(_files(runs_folder))  # the failed job's file first
+    assert list(df.columns) == list(ROW_SCHEMA)
+    for col in INT_COLUMNS:
+        if col in df:
+            assert df[col].dtype == "Int64", col
+    failed = df[df["status"].str.startswith("error: RuntimeError")]
+    assert len(failed) == 2 and failed["pad_tokens"].isna().all()
+    assert (df.loc[df["plan_status"].notna(), "pad_tokens"] == 0).all()
+
+
+def test_ilp_rows_carry_the_solve(runs_folder):
+    solved = read_rows(runs_folder / "b_ilp" / "rows.parquet")
+    assert (solved["status"] == "ok").all()
+    assert solved["ilp_solver_status"].isin(["optimal", "time_limit"]).all()
+    for col in ("ilp_objective", "ilp_best_bound", "ilp_gap"):
+        assert solved[col].notna().all(), col
+    assert (solved["ilp_objective"] >= solved["ilp_best_bound"] - 1e-9).all()
+    assert (solved["ilp_threads"] == 1).all() and solved["ilp_warm_start_given"].all()
+    assert solved["ilp_fallback_method"].isna().all()
+    # a killed solve: the warm start's plan, and the row says so
+    killed = read_rows(runs_folder / "d_killed" / "rows.parquet")
+    assert (killed["plan_status"] == "fallback").all()
+    assert (killed["ilp_solver_status"] == "killed").all()
+    assert (killed["ilp_fallback_method"] == "flashcp_refined").all()
+    raised = read_rows(runs_folder / "e_raises" / "rows.parquet")
+    assert raised["status"].str.contains("returned no solution").all()
+    other = read_rows(runs_folder / "c_flashcp" / "rows.parquet")
+    assert other["ilp_objective"].isna().all() and other["ilp_threads"].isna().all()
+
+
+def test_merge_with_failed_jobs_keeps_integers_and_the_csv_writes_them(runs_folder, tmp_path):
+    rows = merge_rows(runs_folder.parent, _files(runs_folder))
+    for col in INT_COLUMNS:
+        if col in rows:
+            assert rows[col].dtype == "Int64", col
+    write_csv_atomic(rows, tmp_path / "rows.csv")
+    raw = pd.read_csv(tmp_path / "rows.csv", dtype=str, keep_default_na=False)
+    assert set(raw["pad_tokens"]) == {"0", ""}  # not "0.0"
+    assert "." not in "".join(raw["cp_size"]) + "".join(raw["comm_bytes"])
+    write_rows_atomic(rows, tmp_path / "rows.parquet")
+    assert pq.read_schema(tmp_path / "rows.parquet").remove_metadata().equals(arrow_row_schema())
+
+
+def test_conform_rows_refuses_what_the_schema_does_not_name():
+    df = pd.DataFrame({"cp_size": [4], "pad_tokens": [0.0], "not_a_column": [1]})
+    with pytest.raises(ValueError, match=r"\['not_a_column'\].*ROW_SCHEMA"):
+        conform_rows(df)
+    with pytest.raises(ValueError, match="'cp_size' must hold int"):
+        conform_rows(pd.DataFrame({"cp_size": [4.5]}))
+    out = conform_rows(pd.DataFrame({"cp_size": [4.0], "pad_tokens": [None]}))
+    assert list(out.columns) == list(ROW_SCHEMA) and out["cp_size"].dtype == "Int64"
+    assert out["pad_tokens"].dtype == "Int64" and out["ilp_warm_start_given"].dtype == "boolean"
+
+
+def test_table2_rows_carry_the_solve():
+    from experiments.table2 import _ilp_row
+
+    opts = {"time_limit_s": 10, "threads": 1, "lns": False, "block_size": 4096, "gap": 0.05}
+    row = _ilp_row((0, [3000, 500, 4100, 700, 7000, 1084], 4, opts))
+    assert row["ilp_threads"] == 1 and row["ilp_fallback_method"] is None
+    assert row["ilp_objective"] is not None and row["ilp_best_bound"] is not None
+    assert row["ilp_objective"] >= row["ilp_best_bound"] - 1e-9

@@ -252,6 +252,28 @@ def test_adapter_matches_the_float64_reference(kernel, call, monkeypatch):
     assert _err(ref_out, want[0]) <= 2 * _err(plain[0], want[0]) + 1e-6
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_adapter_takes_strided_inputs_and_an_fp32_dout(kernel, monkeypatch):
+    """Views of a wider projection (last-dim stride 2) for q, k, v and dout, and a float32 dout
+    over bf16 attention: the kernels refuse both; the adapter hands them what they take and
+    matches the same call on dense bf16 tensors."""
+    be = _use(kernel, monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    cu = [0, 5, 12]
+    wide = [torch.randn(12, 4, 32, generator=g).to(BF16) for _ in range(4)]
+    q, k, v, dout = (x[..., ::2] for x in wide)  # (12, 4, 16), stride(-1) == 2
+    args = (_i32(*cu), _i32(*cu), 7, 7)
+    kw = {"causal": True, "softmax_scale": 0.25}
+    out, lse = be.forward(q, k, v, *args, **kw)
+    grads = be.backward(dout.float(), q, k, v, out, lse, *args, **kw)
+    dense = [x.contiguous() for x in (q, k, v, dout)]
+    out_d, lse_d = be.forward(*dense[:3], *args, **kw)
+    grads_d = be.backward(dense[3], *dense[:3], out_d, lse_d, *args, **kw)
+    assert torch.equal(out, out_d) and torch.equal(lse, lse_d)
+    for got, want in zip(grads, grads_d, strict=True):
+        assert got.dtype == BF16 and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("kernel", ["flash_attn-2.8.3", "torch_cuda-current"])
 def test_adapter_refuses_inputs_the_kernels_refuse_with_a_value_error(kernel, monkeypatch):
     be = _use(kernel, monkeypatch)

@@ -63,9 +63,16 @@ def _pad8(x):
     return x if d % 8 == 0 else torch.nn.functional.pad(x, (0, 8 - d % 8))
 
 
+def _contiguous_last(*xs):
+    """The Python wrappers' ``maybe_contiguous`` (every version 2.5-2.8): a copy only when the
+    last dimension is strided."""
+    return [x.contiguous() if x.stride(-1) != 1 else x for x in xs]
+
+
 def _fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, *, pad_head, padded_lse):
-    """The extension's ``varlen_fwd``: (out cropped to the input head_dim, q, k, v padded,
-    out_padded, lse)."""
+    """The wrapper's ``maybe_contiguous``, then the extension's ``varlen_fwd``: (out cropped to
+    the input head_dim, q, k, v padded, out_padded, lse)."""
+    q, k, v = _contiguous_last(q, k, v)
     kern.check(
         q, k, v, cu_q, cu_k, what="forward", pad_head=pad_head,
         head_msg="query, key, value, and out_ must have a head_size that is a multiple of 8",
@@ -77,7 +84,9 @@ def _fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, *, pad_head, padded_l
 
 
 def _bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, causal, padded):
-    """The extension's ``varlen_bwd``: writes dq, dk, dv; returns softmax_d."""
+    """The wrapper's ``maybe_contiguous``, then the extension's ``varlen_bwd``: writes dq, dk,
+    dv; returns softmax_d."""
+    dout, q, k, v, out = _contiguous_last(dout, q, k, v, out)
     kern.check(
         q, k, v, cu_q, cu_k, what="backward", pad_head=False,
         head_msg="head_size should be a multiple of 8",

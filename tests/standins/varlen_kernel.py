@@ -109,6 +109,11 @@ def backward(
             raise RuntimeError(f"{name} must have the shape and dtype of its input")
     if dout.shape != q.shape or out.shape != q.shape:
         raise RuntimeError("dout and out must have q's shape (head_size padded to a multiple of 8)")
+    for name, x in (("out", out), ("dout", dout)):
+        if x.dtype != q.dtype:
+            raise RuntimeError(f"query and {name} must have the same dtype")
+        if x.stride(-1) != 1:
+            raise RuntimeError(f"{name} tensor must have contiguous last dimension")
     cq, ck = cu_q.tolist(), cu_k.tolist()
     tq, h, d = q.shape
     hkv = k.shape[1]

@@ -275,8 +275,9 @@ class VarlenBackend:
         merged values of a blockwise computation).
 
         Args:
-            dout, out: (Tq, H, D); q: (Tq, H, D); k, v: (Tk, Hkv, D);
-            lse: (H, Tq) in ``compute_dtype(q.dtype)``.
+            dout, out: (Tq, H, D), any float dtype (read in q.dtype, as the kernels take them:
+                an fp32 ``dout`` from an fp32 loss over bf16 attention is rounded once here);
+                q: (Tq, H, D); k, v: (Tk, Hkv, D); lse: (H, Tq) in ``compute_dtype(q.dtype)``.
             grad_dtype: dtype of the returned gradients (default: q.dtype for dq, k.dtype for
                 dk and dv); callers that add up partial gradients ask for
                 ``compute_dtype(q.dtype)`` to round once at the end. The CUDA kernels round to
@@ -296,6 +297,7 @@ class VarlenBackend:
         if not has_work(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
             return tuple(torch.zeros(x.shape, dtype=dt, device=x.device)
                          for x, dt in zip((q, k, v), dtypes, strict=True))  # fmt: skip
+        dout, out = dout.to(q.dtype), out.to(q.dtype)  # no copy when they already are
         grads = self._backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             causal, softmax_scale,

@@ -53,7 +53,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from flashcp.comm import AttnShape
 from flashcp.config import (
     EXECUTOR_OPTIONS,
-    OVERLONG,
     USES_HARDWARE_PROFILE,
     check_config,
     register_configs,
@@ -77,7 +76,14 @@ log = logging.getLogger(__name__)
 CONF_DIR = str(resource_path("conf"))
 
 #: columns that say which invocation wrote a row (not part of the identity)
-JOB_COLUMNS = ("name", "sweep_id", "job_num", "overrides", "run_id")
+JOB_COLUMNS = ("name", "sweep_id", "job_num", "launcher", "overrides", "run_id")
+#: Hydra launcher classes -> the ``launcher`` a row records (any other: its class name)
+LAUNCHERS = {
+    "BasicLauncher": "basic",
+    "JoblibLauncher": "joblib",
+    "LocalLauncher": "submitit_local",
+    "SlurmLauncher": "submitit_slurm",
+}
 #: a job's rows, in its Hydra output folder (Parquet: a paper-scale job holds millions of rows)
 ROWS_FILE = "rows.parquet"
 
@@ -111,12 +117,11 @@ def file_sha256(path: str | Path) -> str:
 
 def hardware_changes(hw: dict[str, Any]) -> dict[str, Any]:
     """Constants of a composed hardware profile that differ from its file ``conf/hardware/<name>``
-    (command-line overrides such as ``hardware.launch_us=10``); every constant if no such file."""
-    from flashcp.sim.hardware import list_hardware, read_profile
+    (command-line overrides such as ``hardware.launch_us=10``); every constant if no such file.
+    These win over the profile's fitted constants (:func:`flashcp.sim.hardware.load_hardware`)."""
+    from flashcp.sim.hardware import profile_changes
 
-    name = hw.get("name")
-    base = read_profile(name) if name in list_hardware() else {}
-    return {k: v for k, v in hw.items() if k != "defaults" and base.get(k) != v}
+    return profile_changes(hw)
 
 
 def _hardware_sha256(hw: dict[str, Any]) -> str:
@@ -184,74 +189,9 @@ def run_identity(
     return ident
 
 
-class OverlongDocs:
-    """A length distribution whose draws longer than ``context_len`` are handled by ``policy``.
-
-    * ``split``: a document of d > C tokens becomes ceil(d / C) consecutive documents (C tokens
-      each, the rest last), as a training data loader that streams documents into sequences does.
-    * ``cut``: it is cut to C tokens and the rest is discarded.
-    * ``error``: :meth:`check` raises before any work when the dataset has such documents.
-
-    :meth:`sample` has the signature of :meth:`flashcp.data.LengthDistribution.sample` and records
-    the original length behind every length it returns, so :meth:`per_sequence` can count the
-    documents and tokens each sequence lost or split.
-    """
-
-    def __init__(self, dist: Any, context_len: int, policy: str):
-        if policy not in OVERLONG:
-            raise ValueError(f"dataset.overlong = {policy!r}; choose one of {', '.join(OVERLONG)}")
-        self.dist, self.context_len, self.policy = dist, int(context_len), policy
-        self.name = dist.name
-        self._sources: list[np.ndarray] = []  # original draw behind each returned length
-
-    def check(self, cap: int) -> None:
-        """Raise ValueError (policy ``error``) if a document can be longer than ``context_len``."""
-        c = self.context_len
-        share = 1.0 - float(self.dist.cdf(c))
-        if self.policy == "error" and cap > c and share > 0:
-            raise ValueError(
-                f"dataset {self.name!r} has documents longer than context_len = {c} "
-                f"({100 * share:.3g}% of its documents) and dataset.overlong = error; "
-                "use dataset.overlong=split or cut, or dataset.cap"
-            )
-
-    def sample(
-        self, rng: np.random.Generator, size: int, *, weighting: str, cap: int | None
-    ) -> np.ndarray:
-        """(m,) int64 lengths <= context_len (m >= size under ``split``)."""
-        d = self.dist.sample(rng, size, weighting=weighting, cap=cap)
-        c = self.context_len
-        if self.policy == "split":
-            pieces = -(-d // c)
-            src = np.repeat(d, pieces)
-            first = np.cumsum(pieces) - pieces  # index of each draw's first piece
-            k = np.arange(src.size) - np.repeat(first, pieces)  # piece number inside its draw
-            out = np.minimum(c, src - k * c)
-        else:
-            src, out = d, np.minimum(d, c)
-        self._sources.append(src)
-        return out
-
-    def per_sequence(self, offsets: np.ndarray) -> list[dict[str, int]]:
-        """Per sequence: ``overlong_docs`` (documents, or pieces of documents under ``split``, that
-        came from a draw longer than context_len) and ``overlong_tokens_cut`` (their tokens
-        discarded by ``cut``)."""
-        c = self.context_len
-        src = (
-            np.concatenate(self._sources)[: offsets[-1]] if self._sources else np.zeros(0, np.int64)
-        )
-        long = src > c
-        cut = np.where(long, src - c, 0) if self.policy == "cut" else np.zeros_like(src)
-        n_long = np.add.reduceat(long.astype(np.int64), offsets[:-1]) if src.size else []
-        n_cut = np.add.reduceat(cut, offsets[:-1]) if src.size else []
-        return [
-            {"overlong_docs": int(a), "overlong_tokens_cut": int(b)}
-            for a, b in zip(n_long, n_cut, strict=True)
-        ]
-
-
 def sample(cfg: DictConfig) -> tuple[list[np.ndarray], list[dict[str, int]]]:
-    """The run's sequences and their overlong-document counts (see :class:`OverlongDocs`).
+    """The run's sequences and their overlong-document counts
+    (:func:`flashcp.data.sample_dataset`, which Table 2 and the sensitivity study also use).
 
     Returns:
         seqs: ``num_sequences`` arrays of (n_docs,) int64 document lengths, each summing to C.
@@ -259,24 +199,16 @@ def sample(cfg: DictConfig) -> tuple[list[np.ndarray], list[dict[str, int]]]:
     Raises:
         ValueError: a bad dataset, or ``dataset.overlong = error`` with documents longer than C.
     """
-    from flashcp.data import load_distribution, sample_packed
+    from flashcp.data import sample_dataset
 
     c = int(cfg.context_len)
-    dist = load_distribution(cfg.dataset.name, context_len=c, path=cfg.dataset.path)
-    cap = int(cfg.dataset.cap) if cfg.dataset.cap is not None else 4 * c
-    over = OverlongDocs(dist, c, str(cfg.dataset.overlong))
-    over.check(cap)
-    doc_lens, offsets = sample_packed(
-        over,
-        int(cfg.num_sequences),
-        c,
-        seed=int(cfg.seed),
-        weighting=str(cfg.dataset.weighting),
-        cap=cap,
-    )
-    counts = over.per_sequence(offsets)
+    ds = cfg.dataset
+    seqs, counts = sample_dataset(
+        str(ds.name), int(cfg.num_sequences), c, seed=int(cfg.seed), weighting=str(ds.weighting),
+        cap=None if ds.cap is None else int(ds.cap), overlong=str(ds.overlong), path=ds.path,
+    )  # fmt: skip
     n_long = sum(x["overlong_docs"] for x in counts)
-    if n_long and over.policy == "cut":
+    if n_long and ds.overlong == "cut":
         lost = sum(x["overlong_tokens_cut"] for x in counts)
         log.warning(
             "%s: %d documents longer than context_len = %d were cut to it (%d tokens discarded; "
@@ -285,9 +217,11 @@ def sample(cfg: DictConfig) -> tuple[list[np.ndarray], list[dict[str, int]]]:
         )  # fmt: skip
     elif n_long:
         log.info(
-            "%s: %d pieces of documents longer than context_len = %d", cfg.dataset.name, n_long, c
-        )
-    return np.split(doc_lens, offsets[1:-1]), counts
+            "%s: %d pieces of documents longer than context_len = %d (%d tokens over dataset.cap "
+            "discarded; column overlong_tokens_cut)",
+            cfg.dataset.name, n_long, c, sum(x["overlong_tokens_cut"] for x in counts),
+        )  # fmt: skip
+    return seqs, counts
 
 
 GRID_GROUPS = ("method", "model", "hardware")
@@ -363,7 +297,13 @@ def grid_runs(cfg: DictConfig) -> list[DictConfig]:
     for k, values in grid.items():
         if not values:
             raise ConfigError(f"grid.{k} is empty; list at least one value or leave it null")
-    loaded = {(k, v): _group_option(k, str(v)) for k in GRID_GROUPS if k in grid for v in grid[k]}
+    changes = {k: group_changes(cfg, k) for k in GRID_GROUPS if k in grid}
+    loaded = {
+        (k, v): OmegaConf.merge(_group_option(k, str(v)), changes[k])
+        for k in GRID_GROUPS
+        if k in grid
+        for v in grid[k]
+    }
     runs = []
     for combo in itertools.product(*grid.values()):
         run_cfg = cfg.copy()
@@ -371,9 +311,56 @@ def grid_runs(cfg: DictConfig) -> list[DictConfig]:
             for k in run_cfg.grid:
                 run_cfg.grid[k] = None
             for k, v in zip(grid, combo, strict=True):
-                run_cfg[k] = loaded[(k, v)] if k in GRID_GROUPS else v
+                run_cfg[k] = loaded[(k, v)].copy() if k in GRID_GROUPS else v
         runs.append(run_cfg)
     return runs
+
+
+def _changed(value: Any, base: Any) -> Any:
+    """The parts of ``value`` (a plain mapping) that differ from ``base``; mappings recursively."""
+    out = {}
+    for k, v in value.items():
+        b = base.get(k, _changed) if isinstance(base, dict) else _changed
+        if isinstance(v, dict) and isinstance(b, dict):
+            sub = _changed(v, b)
+            if sub:
+                out[k] = sub
+        elif v != b:
+            out[k] = v
+    return out
+
+
+def _group_choice(cfg: DictConfig, group: str) -> str:
+    """The option of ``group`` the job composed: the group's ``name`` field (equal to its file's
+    stem for every option in conf/), else Hydra's choice when running under Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    name = str(cfg[group].name)
+    if (Path(CONF_DIR) / group / f"{name}.yaml").is_file() or not HydraConfig.initialized():
+        return name
+    return str(HydraConfig.get().runtime.choices.get(group) or name)
+
+
+def group_changes(cfg: DictConfig, group: str) -> dict[str, Any]:
+    """What the job's config sets over its ``group`` option's file (``model.num_kv_heads=8``,
+    ``method.impl=...``, ``method.options.lns=false``, ``hardware.p2p_bw_gbps=50``, or what an
+    experiment file sets): the settings a ``grid.<group>`` run keeps when it replaces the option
+    (``name`` excepted: the grid names the option).
+
+    Raises:
+        ConfigError: the job's option has no file to compare with (its settings could not be kept).
+    """
+    choice = _group_choice(cfg, group)
+    try:
+        base = _container(_group_option(group, choice))
+    except ConfigError:
+        raise ConfigError(
+            f"grid.{group}: the job's {group} {choice!r} is no file conf/{group}/{choice}.yaml, so "
+            f"its overrides cannot be carried to the grid's {group}s; set {group}= to one of them"
+        ) from None
+    out = _changed(_container(cfg[group]), base)
+    out.pop("name", None)
+    return out
 
 
 def run_spec(cfg: DictConfig, hardware: Any = None) -> RunSpec:
@@ -417,6 +404,10 @@ def execute_runs(cfg: DictConfig, runs: list[DictConfig], seqs: list[np.ndarray]
 def job_info(cfg: DictConfig) -> dict[str, Any]:
     """Where this run writes and who it belongs to.
 
+    ``launcher``: what ran the job (a row column): the sweep's Hydra launcher
+    (:func:`launcher_name`), ``single_run`` (Hydra without ``-m``), ``torchrun`` (a single run
+    under torchrun) or ``direct`` (called from Python).
+
     Under Hydra: the job's output folder (rows beside ``.hydra/`` and its log, wherever
     ``hydra.sweep.dir`` / ``hydra.run.dir`` put it), the experiment folder the callback locked,
     its ``sweep_id`` and provenance (code version; from the lock), the job number and the overrides. Called
@@ -433,9 +424,13 @@ def job_info(cfg: DictConfig) -> dict[str, Any]:
         exp_dir = Path(hc.sweep.dir) if multirun else Path(cfg.results_dir) / cfg.name
         out_dir = Path(hc.runtime.output_dir)
         job_num, overrides = int(hc.job.num) if multirun else 0, " ".join(hc.overrides.task)
+        launcher = launcher_name(hc) if multirun else "single_run"
+        if not multirun and os.environ.get("TORCHELASTIC_RUN_ID"):
+            launcher = "torchrun"
     else:
         exp_dir = Path(cfg.results_dir) / cfg.name
         out_dir, job_num, overrides = exp_dir / "runs" / cfg.run_key, 0, ""
+        launcher = "direct"
     # under Hydra the callback locked exp_dir for this invocation; a direct call has no sweep
     lock = (read_lock(exp_dir) or {}) if HydraConfig.initialized() else {}
     return {
@@ -445,8 +440,17 @@ def job_info(cfg: DictConfig) -> dict[str, Any]:
         or f"direct-{os.getpid()}-{time.strftime('%Y%m%dT%H%M%S')}",
         "provenance": lock.get("provenance"),
         "job_num": job_num,
+        "launcher": launcher,
         "overrides": overrides,
     }
+
+
+def launcher_name(hydra_cfg: Any) -> str:
+    """What launched a sweep's jobs, from ``hydra.launcher._target_``: ``basic``, ``joblib``,
+    ``submitit_local``, ``submitit_slurm`` (:data:`LAUNCHERS`), else the launcher's class name."""
+    target = str((hydra_cfg.get("launcher") or {}).get("_target_", "") or "")
+    cls = target.rsplit(".", 1)[-1]
+    return LAUNCHERS.get(cls, cls or "unknown")
 
 
 def finish_rows(
@@ -464,7 +468,7 @@ def finish_rows(
     concatenates several runs does it once on the result."""
     front = {
         "name": cfg.name, "sweep_id": job["sweep_id"], "job_num": job["job_num"],
-        "overrides": job["overrides"], "run_id": identity_hash(ident), **ident,
+        "launcher": job.get("launcher", "direct"), "overrides": job["overrides"], "run_id": identity_hash(ident), **ident,
     }  # fmt: skip
     df = pd.DataFrame(rows).drop(columns="run_idx", errors="ignore").reset_index(drop=True)
     body = df.drop(columns=[k for k in front if k in df])
@@ -505,17 +509,38 @@ def _previous(out: Path) -> tuple[set[str], str | None, bool]:
 
 
 def _checked_runs(cfg: DictConfig) -> list[DictConfig]:
-    """:func:`grid_runs` with every run's config checked (ConfigError naming the bad value)."""
+    """:func:`grid_runs` with every run's config checked (ConfigError naming the bad value) and
+    its method options converted to their declared types where a word stands for a boolean
+    (``lns=no`` reaches the planner as False, and is the same run as ``lns=false``).
+
+    A grid's runs are checked each (a ``method.impl`` or ``method.options.*`` against every method
+    of ``grid.method``, not against the job's own ``method``)."""
+    runs, r = [cfg], cfg
     try:
-        check_config(cfg)
         runs = grid_runs(cfg)
         for r in runs:
             check_config(r)
+            _coerce_bool_options(r)
     except ConfigError:
         raise
     except ValueError as exc:
+        if len(runs) > 1 and "grid" in cfg and cfg.grid.get("method"):
+            raise ConfigError(f"grid run method={r.method.name}: {exc}") from None
         raise ConfigError(str(exc)) from None
     return runs
+
+
+def _coerce_bool_options(cfg: DictConfig) -> None:
+    """Replace, in ``cfg.method.options``, every value checked as a boolean but written as a word
+    (``no``, ``off``, ``"false"``) by the boolean (:func:`flashcp.registry.check_options`)."""
+    from flashcp.registry import check_options
+
+    raw = _container(cfg.method.options) or {}
+    typed_opts = check_options(str(cfg.method.name), raw)
+    with open_dict(cfg):
+        for k, v in typed_opts.items():
+            if isinstance(v, bool) and not isinstance(raw[k], bool):
+                cfg.method.options[k] = v
 
 
 def run(cfg: DictConfig) -> Path | None:

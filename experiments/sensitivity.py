@@ -125,7 +125,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     """
     from scipy.stats import qmc
 
-    from flashcp.data import load_distribution, sample_sequences
+    from flashcp.data import sample_dataset
     from flashcp.registry import COMM_KIND, get_planner
     from flashcp.sim import load_hardware
     from flashcp.sim.cost_model import PlanCost
@@ -143,9 +143,8 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     n, c = int(cfg.cp_size), int(cfg.context_len)
     costs = {}
     for dataset in datasets:
-        seqs = sample_sequences(
-            load_distribution(dataset, context_len=c), int(cfg.num_sequences), c, seed=int(cfg.seed)
-        )
+        # flashcp-run's sampler and defaults: the sequences of Fig. 5 / 7 (overlong split)
+        seqs, _ = sample_dataset(dataset, int(cfg.num_sequences), c, seed=int(cfg.seed))
         for method in methods:
             planner = get_planner(method)
             costs[(dataset, method)] = [

@@ -97,7 +97,8 @@ class DatasetConfig:
 
     #: wlb_llm | pile | redpajama | stress | file (:class:`flashcp.data.DatasetName`)
     name: DatasetName = MISSING
-    #: for name=file: a text/CSV/.npy file of document lengths (tokens), one per document
+    #: for name=file: a text/CSV/.npy file of document lengths (tokens), one per document; set
+    #: with another dataset it is refused (check_config), not ignored
     path: str | None = None
     #: documents (a draw is a document) | tokens (length-biased: d drawn with prob. ∝ d·p(d))
     weighting: str = "documents"
@@ -310,9 +311,10 @@ class Table2Config(ExperimentConfig):
     #: improve the MIP start by a neighbourhood search over pairs of ranks (null: on when highspy
     #: is installed; flashcp.ilp.plan_ilp)
     lns: bool | None = None
-    #: HiGHS options by name, passed to the solver (checked before any solve); the default
-    #: mip_heuristic_effort 1.0 (HiGHS's own: 0.05) is the setting experiments/bench_ilp.py measures
-    highs_options: dict[str, Any] = field(default_factory=lambda: {"mip_heuristic_effort": 1.0})
+    #: HiGHS options by name, passed to the solver (checked before any solve; solver=highs only).
+    #: null: {mip_heuristic_effort: 1.0} under solver=highs (HiGHS's own: 0.05; the setting
+    #: experiments/bench_ilp.py measures), none under cbc; {} passes none
+    highs_options: dict[str, Any] | None = None
     #: processes solving ILPs in parallel
     workers: int = 1
 
@@ -489,11 +491,16 @@ def check_config(cfg: Any) -> None:
     Called before any work (and, for ``executor=dist``, before any collective) on a config composed
     against :class:`RunConfig` (the enums are checked by then).
     """
-    from flashcp.comm import AttnShape, check_mode
+    from flashcp.comm import AttnShape
     from flashcp.registry import get_method
 
     if cfg.dataset.name == "file" and cfg.dataset.path is None:
         raise ValueError("dataset=file needs dataset.path=<a .txt, .csv or .npy file of lengths>")
+    if cfg.dataset.name != "file" and cfg.dataset.path is not None:
+        raise ValueError(
+            f"dataset.path={cfg.dataset.path} is read only by dataset=file, and this run samples "
+            f"dataset={cfg.dataset.name}; add dataset=file (or drop dataset.path)"
+        )
     get_method(cfg.method.name)  # ValueError naming the known methods
     if cfg.cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cfg.cp_size}")
@@ -514,16 +521,29 @@ def check_config(cfg: Any) -> None:
         raise ValueError(f"num_sequences must be >= 1, got {cfg.num_sequences}")
     if cfg.workers < 1:
         raise ValueError(f"workers must be >= 1, got {cfg.workers}")
-    if not cfg.modes:
-        raise ValueError("modes is empty; use [train], [infer] or [train, infer]")
-    for mode in cfg.modes:
-        check_mode(mode)
+    _check_modes(cfg.modes)
     m = cfg.model
     AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
     check_method_options(
         cfg.method.name, cfg.method.options, int(cfg.context_len), int(cfg.cp_size)
     )
     check_impl_config(cfg.method.name, cfg.method.get("impl", "ours"), cfg.executor.name)
+
+
+def _check_modes(modes: Any) -> None:
+    """Raise ValueError for an empty list of modes, an unknown mode or one listed twice."""
+    from flashcp.comm import check_mode
+
+    modes = list(modes)
+    if not modes:
+        raise ValueError("modes is empty; use [train], [infer] or [train, infer]")
+    for mode in modes:
+        check_mode(mode)
+    twice = sorted({m for m in modes if modes.count(m) > 1})
+    if twice:
+        raise ValueError(
+            f"modes = {modes} lists {', '.join(twice)} twice; list each mode once, e.g. [train, infer]"
+        )
 
 
 def check_experiment_config(cfg: Any) -> None:
@@ -534,7 +554,7 @@ def check_experiment_config(cfg: Any) -> None:
     Raises:
         ValueError: naming the bad value.
     """
-    from flashcp.comm import AttnShape, check_mode
+    from flashcp.comm import AttnShape
     from flashcp.registry import get_method
 
     def at_least(key: str, low: float, strict: bool = False) -> None:
@@ -555,10 +575,7 @@ def check_experiment_config(cfg: Any) -> None:
             f"context_len = {cfg.context_len} must be a positive multiple of cp_size = {cfg.cp_size}"
         )
     if "modes" in cfg:
-        if not cfg.modes:
-            raise ValueError("modes is empty; use [train], [infer] or [train, infer]")
-        for mode in cfg.modes:
-            check_mode(mode)
+        _check_modes(cfg.modes)
     if "methods" in cfg:
         for method in cfg.methods:
             get_method(method)  # ValueError naming the known methods
@@ -570,6 +587,11 @@ def check_experiment_config(cfg: Any) -> None:
         raise ValueError(
             f"datasets = {[str(d) for d in cfg.datasets]}: list at least one, and not file "
             "(it needs a path, which this experiment does not take)"
+        )
+    if cfg.get("highs_options") and cfg.get("solver") != "highs":
+        raise ValueError(
+            f"highs_options={dict(cfg.highs_options)} are HiGHS options and solver={cfg.solver}; "
+            "drop them (highs_options=null or {}) or use solver=highs"
         )
     if "dataset" in cfg:  # Table 2 samples by name only
         default = DatasetConfig()

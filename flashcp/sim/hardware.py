@@ -36,6 +36,7 @@ __all__ = [
     "hardware_dir",
     "list_hardware",
     "load_hardware",
+    "profile_changes",
     "read_fitted",
     "read_profile",
 ]
@@ -354,6 +355,21 @@ def read_fitted(sections) -> dict[str, float]:
     return out
 
 
+def profile_changes(hw: dict[str, Any]) -> dict[str, Any]:
+    """Constants of a composed profile ``hw`` that differ from its file
+    ``conf/hardware/<hw["name"]>.yaml`` (:func:`read_profile`): the values set on top of the
+    file, e.g. on the command line (``hardware.launch_us=10``). Every key when ``hw`` names no
+    profile file. A ``defaults`` key is ignored. A value equal to the file's is not a change, so
+    ``hardware.fwd_tile_tflops=<the file's value>`` still gets the fitted value.
+
+    Returns:
+        ``{constant: value}`` of the changed keys (the ``calibration`` key included when changed).
+    """
+    name = hw.get("name")
+    base = read_profile(name) if isinstance(name, str) and name in list_hardware() else {}
+    return {k: v for k, v in hw.items() if k != "defaults" and base.get(k) != v}
+
+
 def load_hardware(
     name_or_dict: str | dict | HardwareProfile, calibrated: bool = True
 ) -> HardwareProfile:
@@ -363,7 +379,9 @@ def load_hardware(
     A ``calibration`` key (a list of section names of
     ``results/calibration/fitted_constants.yaml``) overrides the listed constants with their
     fitted values, unless ``calibrated`` is False (the calibration experiment starts from the
-    YAML's own values).
+    YAML's own values). A constant set explicitly over the profile's file (a mapping whose value
+    differs from ``conf/hardware/<name>.yaml``, :func:`profile_changes`: a command-line override
+    such as ``hardware.fwd_tile_tflops=150``) wins over its fitted value.
 
     Args:
         name_or_dict: a profile name, a mapping of constants (e.g. Hydra's composed
@@ -392,7 +410,8 @@ def load_hardware(
         unknown = sorted(set(fitted) - {f.name for f in fields(HardwareProfile) if f.init})
         if unknown:
             raise ValueError(f"fitted constants name unknown hardware key(s): {', '.join(unknown)}")
-        data.update(fitted)
+        explicit = profile_changes(data)
+        data.update({k: v for k, v in fitted.items() if k not in explicit})
     known = {f.name for f in fields(HardwareProfile) if f.init}
     for key in data:
         if key not in known:

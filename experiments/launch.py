@@ -28,7 +28,8 @@ person sees one line instead of a traceback or a page of Hydra internals:
   ``<results_dir>/<name>`` (:func:`experiment_sweep_problem`), a ``flashcp-run`` sweep over
   ``name`` or ``results_dir`` (its runs would be merged into one folder), and a plain override of
   a key the config's ``grid`` varies (``experiment=fig5 cp_size=2``: write ``grid.cp_size=[2]``;
-  :func:`grid_override_problem`).
+  :func:`grid_override_problem`), and ``dataset.path`` without ``dataset=file``
+  (:func:`dataset_path_problem`).
 * Ctrl-C (SIGINT) and SIGTERM end the process with one line (exit 130 / 143). Workers of the
   simulator's process pool ignore SIGINT (their initializer, :mod:`flashcp.executors.sim`); the run
   drops the queued chunks and joins them, and :func:`end_children` terminates any child left, so
@@ -334,7 +335,7 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
             "configuration of it"
         )
     if prog == PROG:
-        problem = grid_override_problem(config)
+        problem = grid_override_problem(config) or dataset_path_problem(config)
         if problem is not None:
             return problem
     ranks = _submitit_ranks(config)
@@ -378,15 +379,43 @@ def grid_override_problem(config: Any) -> str | None:
             if ov.is_sweep_override()
             else [str(ov.value())]
         )
-        listed = list(OmegaConf.to_container(grid[key]))
+        listed = ",".join(str(v) for v in OmegaConf.to_container(grid[key]))
         experiment = config.hydra.runtime.choices.get("experiment")
         source = f" (set by experiment={experiment})" if experiment else ""
         return (
-            f"{ov.input_line}: the grid varies {key} over grid.{key}={listed}{source}, which would "
-            f"replace it; write grid.{key}=[{','.join(values)}] to run "
-            f"{'these' if len(values) > 1 else 'this'} {key} in the grid"
+            f"{ov.input_line}: the grid varies {key} over grid.{key}=[{listed}]{source}, which "
+            f"would replace it; write grid.{key}=[{','.join(values)}] instead"
         )
     return None
+
+
+def dataset_path_problem(config: Any) -> str | None:
+    """``dataset.path=...`` on a command line whose runs never read it: no ``dataset=file``
+    (plain or among a sweep's values) and a composed dataset other than ``file``. A sweep
+    ``dataset=wlb_llm,file dataset.path=x.csv`` is fine: the file's jobs read it, the others
+    record ``dataset_path = "-"``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if "dataset" not in config or config.dataset.get("path") is None:
+        return None
+    if str(config.dataset.name) == "file":
+        return None
+    parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    path_ov = next((ov for ov in parsed if ov.key_or_group == "dataset.path"), None)
+    for ov in parsed:
+        if ov.key_or_group == "dataset":
+            values = (
+                [str(v) for v in ov.sweep_string_iterator()]
+                if ov.is_sweep_override()
+                else [str(ov.value())]
+            )
+            if "file" in values:
+                return None
+    typed = path_ov.input_line if path_ov is not None else f"dataset.path={config.dataset.path}"
+    return (
+        f"{typed}: only dataset=file reads dataset.path, and this run samples "
+        f"dataset={config.dataset.name}; add dataset=file to use the file, or drop dataset.path"
+    )
 
 
 def _submitit_ranks(config: Any) -> int | None:

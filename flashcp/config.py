@@ -97,8 +97,9 @@ class DatasetConfig:
 
     #: wlb_llm | pile | redpajama | stress | file (:class:`flashcp.data.DatasetName`)
     name: DatasetName = MISSING
-    #: for name=file: a text/CSV/.npy file of document lengths (tokens), one per document; set
-    #: with another dataset it is refused (check_config), not ignored
+    #: for name=file: a text/CSV/.npy file of document lengths (tokens), one per document. Other
+    #: datasets do not read it; flashcp-run refuses it on a command line that selects no
+    #: dataset=file (experiments.launch.dataset_path_problem)
     path: str | None = None
     #: documents (a draw is a document) | tokens (length-biased: d drawn with prob. ∝ d·p(d))
     weighting: str = "documents"
@@ -496,11 +497,6 @@ def check_config(cfg: Any) -> None:
 
     if cfg.dataset.name == "file" and cfg.dataset.path is None:
         raise ValueError("dataset=file needs dataset.path=<a .txt, .csv or .npy file of lengths>")
-    if cfg.dataset.name != "file" and cfg.dataset.path is not None:
-        raise ValueError(
-            f"dataset.path={cfg.dataset.path} is read only by dataset=file, and this run samples "
-            f"dataset={cfg.dataset.name}; add dataset=file (or drop dataset.path)"
-        )
     get_method(cfg.method.name)  # ValueError naming the known methods
     if cfg.cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cfg.cp_size}")

@@ -124,6 +124,17 @@ def hardware_changes(hw: dict[str, Any]) -> dict[str, Any]:
     return profile_changes(hw)
 
 
+def hardware_columns(hw: dict[str, Any], loaded: Any) -> dict[str, str]:
+    """``hardware``, ``hardware_changes`` (JSON) and ``hardware_sha256`` of a composed profile
+    ``hw`` and the :class:`flashcp.sim.HardwareProfile` it loaded to: the columns flashcp-run's
+    rows carry, for the tables of flashcp-fig3 and flashcp-sensitivity."""
+    return {
+        "hardware": loaded.name,
+        "hardware_changes": _json(hardware_changes(hw)),
+        "hardware_sha256": config_hash(loaded.to_dict()),
+    }
+
+
 def _hardware_sha256(hw: dict[str, Any]) -> str:
     """Hash of the constants the simulator really uses (fitted values loaded by the profile's
     ``calibration`` key included); of the raw mapping when it is not a valid profile."""

@@ -33,16 +33,13 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.launch import run_experiment
-from flashcp.config import register_configs
+from flashcp.config import DEFAULT_HIGHS_OPTIONS, register_configs
 from flashcp.resources import resource_path
 from flashcp.results import markdown_table
 
 __all__ = ["main", "run_table2", "table2_from_config"]
 
 _BASELINES = ("llama3", "per_doc", "ring", "zigzag")
-#: ``highs_options`` of a HiGHS solve when none are given (HiGHS's own effort: 0.05), the setting
-#: experiments/bench_ilp.py measures
-DEFAULT_HIGHS_OPTIONS = {"mip_heuristic_effort": 1.0}
 
 
 def _ilp_row(args: tuple) -> dict:
@@ -182,8 +179,8 @@ def run_table2(
         dataset: a :func:`flashcp.data.load_distribution` name (``pile`` for the paper's table).
         target_imbalance: R for ``flashcp`` and ``flashcp_refined``, and the ILP's imbalance cap.
         solver, gap, comm_weight, warm_start, formulation, lp_rounding, lns, highs_options: passed to
-            :func:`flashcp.ilp.plan_ilp` (``highs_options`` None: :data:`DEFAULT_HIGHS_OPTIONS`
-            under ``solver="highs"``, none under ``cbc``). The default warm start is the better heuristic, so the
+            :func:`flashcp.ilp.plan_ilp` (``highs_options`` equal to flashcp-table2's default,
+            :data:`flashcp.config.DEFAULT_HIGHS_OPTIONS`, is dropped under ``solver="cbc"``). The default warm start is the better heuristic, so the
             ILP row is never worse than the best plan known; ``gap`` is the relative gap at which
             a solve counts as proven optimal.
         workers: processes solving ILPs in parallel (heuristics and baselines run inline).
@@ -194,8 +191,8 @@ def run_table2(
     """
     from flashcp.data import sample_dataset
 
-    if highs_options is None:  # the default: HiGHS's heuristics at full effort, nothing for CBC
-        highs_options = dict(DEFAULT_HIGHS_OPTIONS) if solver == "highs" else {}
+    if solver != "highs" and dict(highs_options or {}) == DEFAULT_HIGHS_OPTIONS:
+        highs_options = None  # flashcp-table2's default is for HiGHS only
     from flashcp.refined import plan_flashcp_refined
     from flashcp.registry import get_planner
     from flashcp.results import provenance, write_csv_atomic

@@ -272,6 +272,10 @@ class ExperimentConfig:
     run_key: str = "run"
 
 
+#: ``flashcp-table2``'s HiGHS options unless given (HiGHS's own mip_heuristic_effort: 0.05)
+DEFAULT_HIGHS_OPTIONS: MappingProxyType[str, Any] = MappingProxyType({"mip_heuristic_effort": 1.0})
+
+
 @dataclass
 class Table2Config(ExperimentConfig):
     """``flashcp-table2`` (conf/table2.yaml, :func:`experiments.table2.run_table2`): the paper's
@@ -312,10 +316,13 @@ class Table2Config(ExperimentConfig):
     #: improve the MIP start by a neighbourhood search over pairs of ranks (null: on when highspy
     #: is installed; flashcp.ilp.plan_ilp)
     lns: bool | None = None
-    #: HiGHS options by name, passed to the solver (checked before any solve; solver=highs only).
-    #: null: {mip_heuristic_effort: 1.0} under solver=highs (HiGHS's own: 0.05; the setting
-    #: experiments/bench_ilp.py measures), none under cbc; {} passes none
-    highs_options: dict[str, Any] | None = None
+    #: HiGHS options by name, passed to the solver (checked before any solve). The default
+    #: mip_heuristic_effort 1.0 (HiGHS's own: 0.05) is the setting experiments/bench_ilp.py
+    #: measures; solver=cbc drops it (other HiGHS options with cbc are refused). null passes none
+    #: (HiGHS's own values); highs_options={k: v} adds to the default, as Hydra merges mappings
+    highs_options: dict[str, Any] | None = field(
+        default_factory=lambda: dict(DEFAULT_HIGHS_OPTIONS)
+    )
     #: processes solving ILPs in parallel
     workers: int = 1
 
@@ -584,10 +591,11 @@ def check_experiment_config(cfg: Any) -> None:
             f"datasets = {[str(d) for d in cfg.datasets]}: list at least one, and not file "
             "(it needs a path, which this experiment does not take)"
         )
-    if cfg.get("highs_options") and cfg.get("solver") != "highs":
+    highs = cfg.get("highs_options")
+    if highs and cfg.get("solver") != "highs" and dict(highs) != DEFAULT_HIGHS_OPTIONS:
         raise ValueError(
-            f"highs_options={dict(cfg.highs_options)} are HiGHS options and solver={cfg.solver}; "
-            "drop them (highs_options=null or {}) or use solver=highs"
+            f"highs_options={dict(highs)} are HiGHS options and solver={cfg.solver}; drop them "
+            "(highs_options=null) or use solver=highs"
         )
     if "dataset" in cfg:  # Table 2 samples by name only
         default = DatasetConfig()

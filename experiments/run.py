@@ -284,8 +284,11 @@ def grid_runs(cfg: DictConfig) -> list[DictConfig]:
     """The runs of one job: ``cfg`` itself when ``cfg.grid`` is empty, else one config per
     combination of the values in ``cfg.grid`` (:class:`flashcp.config.GridConfig`: lists for keys
     of :data:`GRID_KEYS`; a group value is an option name such as ``grid.model=[h16,h32]``), each
-    equal to the config the overrides ``key=value`` would compose, with an empty grid. The runs share the
-    job's sampled sequences, and under ``executor=sim`` each plan is made once and priced for
+    equal to the config the overrides ``key=value`` would compose, with an empty grid. What the
+    job sets inside a gridded group over its option's file (:func:`group_changes`:
+    ``model.num_kv_heads=8``, ``method.impl``, ``method.options.*``, ``hardware.<constant>``) is
+    kept by every run, as the overrides ``model=h16 model.num_kv_heads=8`` would. The runs share
+    the job's sampled sequences, and under ``executor=sim`` each plan is made once and priced for
     every model and hardware profile.
 
     Raises:

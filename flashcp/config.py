@@ -204,9 +204,12 @@ HardwareConfig = _hardware_schema()
 class GridConfig:
     """``executor=sim``: the runs of one job, sharing its sampled sequences and plans
     (``experiments.run.grid_runs``). Each combination of the listed values is its own run (its
-    own ``run_id`` and identity), equal to the run the overrides ``key=value`` would configure;
-    null leaves the job's own value. Plans are made once per (sequence, method, cp_size) and
-    priced for every model and hardware profile."""
+    own ``run_id`` and identity), equal to the run the overrides ``key=value`` would configure,
+    with every setting the job makes inside a gridded group kept (``model.num_kv_heads=8``,
+    ``method.impl``, ``method.options.*``, ``hardware.<constant>``); null leaves the job's own
+    value. A plain override of a gridded key (``cp_size=2`` beside ``grid.cp_size``) is refused
+    by flashcp-run (``experiments.launch.grid_override_problem``). Plans are made once per
+    (sequence, method, cp_size) and priced for every model and hardware profile."""
 
     #: method options (conf/method/), e.g. [llama3, flashcp]
     method: list[str] | None = None

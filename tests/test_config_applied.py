@@ -74,6 +74,24 @@ def test_an_explicit_hardware_constant_wins_over_the_fitted_one(tmp_path, key, v
     assert not np.allclose(rows["total_ms"], plain["total_ms"])
 
 
+def test_emulate_prices_with_the_explicit_hardware_constant(tmp_path):
+    """executor=emulate prices communication with the profile: p2p_latency_us (fitted 14.998)
+    set to 20 ms, far above the step's compute on the CPU, is exposed in p2p_ms."""
+    common = (
+        f"results_dir={tmp_path}", "cp_size=2", "context_len=256", "num_sequences=1",
+        "dataset=pile", "method=ring", "model.num_heads=2", "model.num_kv_heads=2",
+        "model.head_dim=8", "model.dtype=float32", "progress=false", "executor=emulate",
+        "executor.backend=cpu", "executor.iters=1", "executor.warmup=0", "modes=[infer]",
+    )  # fmt: skip
+    plain = read_rows(run(_compose(*common, "name=a")))
+    rows = read_rows(run(_compose(*common, "name=b", "hardware.p2p_latency_us=20000")))
+    assert json.loads(rows["hardware_changes"].iloc[0]) == {"p2p_latency_us": 20000.0}
+    hw = {**read_profile("h100_sxm"), "p2p_latency_us": 20000.0}
+    assert rows["hardware_sha256"].iloc[0] == config_hash(load_hardware(hw).to_dict())
+    assert float(rows["p2p_ms"].iloc[0]) > float(plain["p2p_ms"].iloc[0])
+    assert float(rows["p2p_ms"].iloc[0]) > 10  # one ring step of 20 ms, mostly exposed
+
+
 def test_fig3_uses_the_explicit_hardware_constant(tmp_path):
     from experiments.fig3 import run_fig3
 

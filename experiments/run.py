@@ -534,7 +534,7 @@ def _checked_runs(cfg: DictConfig) -> list[DictConfig]:
         runs = grid_runs(cfg)
         for r in runs:
             check_config(r)
-            _coerce_bool_options(r)
+        runs = [_coerce_bool_options(r) for r in runs]
     except ConfigError:
         raise
     except ValueError as exc:
@@ -544,17 +544,27 @@ def _checked_runs(cfg: DictConfig) -> list[DictConfig]:
     return runs
 
 
-def _coerce_bool_options(cfg: DictConfig) -> None:
-    """Replace, in ``cfg.method.options``, every value checked as a boolean but written as a word
-    (``no``, ``off``, ``"false"``) by the boolean (:func:`flashcp.registry.check_options`)."""
+def _coerce_bool_options(cfg: DictConfig) -> DictConfig:
+    """``cfg``, or a copy of it whose ``method.options`` hold a boolean wherever a value checked
+    as a boolean (:func:`flashcp.registry.check_options`) was written as a word (``no``, ``off``,
+    ``"false"``). ``cfg`` itself is not changed (its ``run_key`` names the job's folder)."""
+    import copy
+
     from flashcp.registry import check_options
 
     raw = _container(cfg.method.options) or {}
-    typed_opts = check_options(str(cfg.method.name), raw)
-    with open_dict(cfg):
-        for k, v in typed_opts.items():
-            if isinstance(v, bool) and not isinstance(raw[k], bool):
-                cfg.method.options[k] = v
+    words = {
+        k: v
+        for k, v in check_options(str(cfg.method.name), raw).items()
+        if isinstance(v, bool) and not isinstance(raw[k], bool)
+    }
+    if not words:
+        return cfg
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        for k, v in words.items():
+            out.method.options[k] = v
+    return out
 
 
 def run(cfg: DictConfig) -> Path | None:

@@ -10,8 +10,9 @@ not overlapped; values stay within what the profile accepts):
 * jointly: a Latin hypercube (``scipy.stats.qmc.LatinHypercube``) of ``num_draws``
   draws of log-uniform factors.
 
-For each draw the same sampled sequences (``num_sequences`` per dataset, CP
-``cp_size``, the run's model) are priced for every method; the statistic is the method's speedup
+For each draw the same sampled sequences (``num_sequences`` per dataset, sampled as
+``flashcp-run`` samples them by default, :func:`flashcp.data.sample_dataset`, so they are the
+sequences of Fig. 5 / 7; CP ``cp_size``, the run's model) are priced for every method; the statistic is the method's speedup
 over ``llama3`` (ratio of mean ``total_ms``, as in ``summary.csv``). Plans and tile counts are
 computed once; only the profile changes between draws.
 

@@ -287,8 +287,9 @@ class Table2Config(ExperimentConfig):
 
     name: str = "table2"
     #: the dataset sequences are sampled from (conf/dataset/; the paper's table: dataset=pile).
-    #: Only its name is used: documents weighting, default cap; the other fields must keep their
-    #: defaults (checked by check_experiment_config)
+    #: Only its name is used, sampled as flashcp-run samples it by default
+    #: (flashcp.data.sample_dataset: documents weighting, cap 4 x C, overlong split: the
+    #: sequences of Fig. 5 / 7); the other fields must keep their defaults (check_experiment_config)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     #: N, number of CP ranks
     cp_size: int = 4

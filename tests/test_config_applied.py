@@ -183,8 +183,8 @@ def test_a_plain_override_of_a_gridded_key_is_refused(overrides, needle):
     problem = launch_problem(_compose(*overrides, hydra_cfg=True), multirun=True)
     assert problem is not None and "\n" not in problem
     assert re.search(needle, problem), problem
-    # settings inside a group, or a key the grid does not vary, are not refused
-    assert launch_problem(_compose("experiment=fig5", "seed=3", hydra_cfg=True), True) is None
+    if overrides[0] == "experiment=fig5":  # a key the grid does not vary is not refused
+        assert launch_problem(_compose("experiment=fig5", "seed=3", hydra_cfg=True), True) is None
 
 
 # ---- yes/no words reach the planner as booleans ------------------------------------------------
@@ -212,25 +212,14 @@ def test_boolean_words_reach_the_planner_as_booleans(key, override):
 # ---- dataset.path without dataset=file ---------------------------------------------------------
 
 
-def test_dataset_path_without_dataset_file_is_refused(tmp_path):
-    lens = tmp_path / "lens.txt"
-    lens.write_text("100\n200\n")
-    for overrides in ((f"dataset.path={lens}",), ("dataset=pile", f"dataset.path={lens}")):
+def test_dataset_path_without_dataset_file_is_refused():
+    for overrides in (("dataset.path=x.txt",), ("dataset=pile", "dataset.path=x.txt")):
         problem = launch_problem(_compose(*overrides, hydra_cfg=True), multirun=False)
-        assert problem is not None and "add dataset=file" in problem, problem
-    ok = _compose("dataset=file", f"dataset.path={lens}", hydra_cfg=True)
-    assert launch_problem(ok, multirun=False) is None
-
-
-def test_dataset_path_with_file_in_a_sweep_is_accepted(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.run", f"results_dir={tmp_path}", "dataset.path=x.txt",
-         "num_sequences=1"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "only dataset=file reads dataset.path" in proc.stderr
-    assert proc.stderr.count("\n") == 1, proc.stderr
+        assert problem is not None and "add dataset=file" in problem and "\n" not in problem
     cfg = _compose("dataset=file", "dataset.path=x.txt", hydra_cfg=True)
+    assert launch_problem(cfg, multirun=False) is None
+    # a sweep whose jobs include dataset=file: the other datasets' jobs do not read the path
+    cfg.dataset.name = "pile"
     cfg.hydra.overrides.task = ["dataset=pile,file", "dataset.path=x.txt"]
     assert launch_problem(cfg, multirun=True) is None
 
@@ -251,14 +240,12 @@ def test_rows_record_their_launcher(tmp_path):
     ]:
         assert launcher_name(OmegaConf.create({"launcher": {"_target_": target}})) == name
     assert set(read_rows(run(_small(tmp_path, "method=llama3")))["launcher"]) == {"direct"}
-    base = [sys.executable, "-m", "experiments.run", f"results_dir={tmp_path}", "num_sequences=1",
-            "context_len=16384", "cp_size=4", "progress=false", "method=llama3"]  # fmt: skip
-    for args, name, want in (([], "single", "single_run"), (["-m", "seed=1,2"], "multi", "basic")):
-        cmd = [*base[:3], *args[:1], *base[3:], *args[1:], f"name={name}"]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        rows = read_rows(next((tmp_path / name / "runs").glob("*/rows.parquet")))
-        assert set(rows["launcher"]) == {want}
+    cmd = [sys.executable, "-m", "experiments.run", "-m", f"results_dir={tmp_path}", "name=m",
+           "num_sequences=1", "context_len=8192", "cp_size=2", "progress=false", "method=llama3",
+           "seed=1"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert set(read_rows(tmp_path / "m" / "rows.parquet")["launcher"]) == {"basic"}
 
 
 # ---- Fig. 6: a missing phase is marked, the title names the mode ---------------------------------
@@ -399,7 +386,7 @@ def test_table2_and_sensitivity_sample_the_sequences_of_flashcp_run(
 def test_table2_runs_with_cbc_and_highs_options_can_be_cleared(tmp_path):
     from experiments.table2 import table2_from_config
 
-    base = (f"results_dir={tmp_path}", "num_sequences=1", "context_len=8192", "cp_size=2",
+    base = (f"results_dir={tmp_path}", "num_sequences=1", "context_len=4096", "cp_size=2",
             "time_limit_s=10", "block_size=512")  # fmt: skip
     cfg = _compose(*base, "solver=cbc", config_name="table2")
     check_experiment_config(cfg)

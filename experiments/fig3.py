@@ -45,12 +45,11 @@ def run_fig3(cfg: DictConfig) -> Path:
         ValueError: ``context_len`` not divisible by 16, or a bad hardware profile.
     """
     from experiments.plot import draw
-    from experiments.run import hardware_columns
-    from flashcp.sim import load_hardware
+    from experiments.run import load_job_hardware
     from flashcp.sim.fig3 import FIG3_LAYOUTS, fig3_compute_us
 
-    hw_cfg = OmegaConf.to_container(cfg.hardware, resolve=True)
-    hw = load_hardware(hw_cfg)  # explicit constants win over the fitted ones
+    # explicit constants win over the fitted ones
+    hw, hw_columns = load_job_hardware(OmegaConf.to_container(cfg.hardware, resolve=True))
     m = cfg.model
     shape = AttnShape(int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype))
     c, n = int(cfg.context_len), int(cfg.cp_size)
@@ -78,7 +77,7 @@ def run_fig3(cfg: DictConfig) -> Path:
                     "executor": "sim",
                 })  # fmt: skip
     df = pd.DataFrame(rows)
-    for k, v in {**hardware_columns(hw_cfg, hw), **provenance()}.items():
+    for k, v in {**hw_columns, **provenance()}.items():
         df[k] = v
     out_dir = Path(cfg.results_dir) / cfg.name
     write_csv_atomic(df, out_dir / "fig3.csv")

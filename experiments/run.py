@@ -115,33 +115,58 @@ def file_sha256(path: str | Path) -> str:
         return "missing"
 
 
-def hardware_changes(hw: dict[str, Any]) -> dict[str, Any]:
+def hardware_changes(hw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Constants of a composed hardware profile that differ from its file ``conf/hardware/<name>``
-    (command-line overrides such as ``hardware.launch_us=10``); every constant if no such file.
+    (command-line overrides such as ``hardware.launch_us=10``), plus the ``explicit`` ones
+    (:func:`explicit_hardware_keys`) even where equal to it; every constant if no such file.
     These win over the profile's fitted constants (:func:`flashcp.sim.hardware.load_hardware`)."""
     from flashcp.sim.hardware import profile_changes
 
-    return profile_changes(hw)
+    changes = profile_changes(hw)
+    changes.update({k: hw[k] for k in sorted(explicit) if k in hw and k not in changes})
+    return changes
 
 
-def hardware_columns(hw: dict[str, Any], loaded: Any) -> dict[str, str]:
-    """``hardware``, ``hardware_changes`` (JSON) and ``hardware_sha256`` of a composed profile
-    ``hw`` and the :class:`flashcp.sim.HardwareProfile` it loaded to: the columns flashcp-run's
-    rows carry, for the tables of flashcp-fig3 and flashcp-sensitivity."""
-    return {
+def explicit_hardware_keys() -> frozenset[str]:
+    """The hardware constants the command line sets (``hardware.<key>=...``, swept or not), read
+    from Hydra's overrides of this job; empty outside Hydra. A constant set to its file's value is
+    explicit too, so it wins over the fitted value like any other override."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return frozenset()
+    task = list(HydraConfig.get().overrides.task)
+    keys = (ov.key_or_group for ov in OverridesParser.create().parse_overrides(task))
+    return frozenset(
+        k.split(".", 1)[1] for k in keys if k.startswith("hardware.") and k.count(".") == 1
+    )
+
+
+def load_job_hardware(hw: dict[str, Any]) -> tuple[Any, dict[str, str]]:
+    """A composed profile ``hw`` loaded with this job's explicit constants winning over the
+    fitted ones (:func:`flashcp.sim.hardware.load_hardware`, :func:`explicit_hardware_keys`), and
+    the columns flashcp-run's rows carry for it: ``hardware``, ``hardware_changes`` (JSON),
+    ``hardware_sha256`` (of the constants used). For flashcp-fig3 and flashcp-sensitivity."""
+    from flashcp.sim import load_hardware
+
+    explicit = explicit_hardware_keys()
+    loaded = load_hardware(hw, explicit=explicit)
+    return loaded, {
         "hardware": loaded.name,
-        "hardware_changes": _json(hardware_changes(hw)),
+        "hardware_changes": _json(hardware_changes(hw, explicit)),
         "hardware_sha256": config_hash(loaded.to_dict()),
     }
 
 
-def _hardware_sha256(hw: dict[str, Any]) -> str:
+def _hardware_sha256(hw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> str:
     """Hash of the constants the simulator really uses (fitted values loaded by the profile's
-    ``calibration`` key included); of the raw mapping when it is not a valid profile."""
+    ``calibration`` key included, explicit ones winning); of the raw mapping when it is not a
+    valid profile."""
     from flashcp.sim import load_hardware
 
     try:
-        return config_hash(load_hardware(hw).to_dict())
+        return config_hash(load_hardware(hw, explicit=explicit).to_dict())
     except ValueError:
         return config_hash(hw)
 
@@ -163,7 +188,12 @@ def run_identity(
     memo = {} if memo is None else memo
     key = _json(hw)
     if key not in memo:
-        memo[key] = (_json(hardware_changes(hw)), _hardware_sha256(hw)) if uses_hw else ("{}", "-")
+        explicit = explicit_hardware_keys() if uses_hw else frozenset()
+        memo[key] = (
+            (_json(hardware_changes(hw, explicit)), _hardware_sha256(hw, explicit))
+            if uses_hw
+            else ("{}", "-")
+        )
     hw_ident = memo[key]
     ident = {
         "dataset": ds.name,
@@ -400,13 +430,17 @@ def execute_runs(cfg: DictConfig, runs: list[DictConfig], seqs: list[np.ndarray]
     loading each distinct hardware profile once."""
     hws: dict[str, Any] = {}
     specs = []
+    explicit = explicit_hardware_keys()
     for r in runs:
         hw = None
         if r.executor.name in USES_HARDWARE_PROFILE:
             from flashcp.sim import load_hardware
 
             hw_dict = _container(r.hardware)
-            hw = hws.setdefault(_json(hw_dict), load_hardware(hw_dict))
+            key = _json(hw_dict)
+            if key not in hws:
+                hws[key] = load_hardware(hw_dict, explicit=explicit)
+            hw = hws[key]
         specs.append(run_spec(r, hw))
     kwargs: dict[str, Any] = {}
     if cfg.executor.name == "sim":

@@ -126,10 +126,9 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     """
     from scipy.stats import qmc
 
-    from experiments.run import hardware_columns
+    from experiments.run import load_job_hardware
     from flashcp.data import sample_dataset
     from flashcp.registry import COMM_KIND, get_planner
-    from flashcp.sim import load_hardware
     from flashcp.sim.cost_model import PlanCost
 
     factor, draws = float(cfg.factor), int(cfg.num_draws)
@@ -139,8 +138,8 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
             f"sensitivity needs factor > 1 (got {factor}), num_draws >= 2 (got {draws}) and llama3 "
             f"among the methods (got {methods})"
         )
-    hw_cfg = OmegaConf.to_container(cfg.hardware, resolve=True)
-    hw = load_hardware(hw_cfg)  # explicit constants win over the fitted ones
+    # explicit constants win over the fitted ones
+    hw, hw_columns = load_job_hardware(OmegaConf.to_container(cfg.hardware, resolve=True))
     m = cfg.model
     shape = AttnShape(int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype))
     n, c = int(cfg.cp_size), int(cfg.context_len)
@@ -167,9 +166,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
         rows += [{**r, "kind": "joint", "draw": i + 1, "constant": "", "factor": float("nan"), **{f"f_{k}": v for k, v in fac.items()}}
                  for r in _speedups(costs, perturb(hw, fac), shape, modes)]  # fmt: skip
     df = pd.DataFrame(rows)
-    for k, v in hardware_columns(
-        hw_cfg, hw
-    ).items():  # the profile varied, as flashcp-run records it
+    for k, v in hw_columns.items():  # the profile varied, as flashcp-run records it
         df[k] = v
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

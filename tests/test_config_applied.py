@@ -74,6 +74,40 @@ def test_an_explicit_hardware_constant_wins_over_the_fitted_one(tmp_path, key, v
     assert not np.allclose(rows["total_ms"], plain["total_ms"])
 
 
+@pytest.fixture
+def hydra_job():
+    """Make a composed config (with its ``hydra`` node) the running Hydra job's, as under
+    ``flashcp-run``; cleared afterwards."""
+    from hydra.core.hydra_config import HydraConfig
+
+    def start(*overrides: str):
+        cfg = _compose(*overrides, hydra_cfg=True)
+        HydraConfig.instance().set_config(cfg)
+        return cfg
+
+    yield start
+    HydraConfig.instance().cfg = None
+
+
+@pytest.mark.parametrize("key", ["fwd_tile_tflops", "bwd_cta_overhead_us"])
+def test_a_constant_set_to_its_file_value_wins_too(hydra_job, monkeypatch, key):
+    """hardware.<key>=<the YAML's start value> on the command line: that value, not the fitted."""
+    import experiments.run as run_mod
+
+    hw = read_profile("h100_sxm")
+    value = hw[key]
+    assert read_fitted(hw["calibration"])[key] != value
+    cfg = hydra_job(*SMALL, "method=flashcp", f"hardware.{key}={value}")
+    ident = run_identity(cfg, "v")
+    assert json.loads(ident["hardware_changes"]) == {key: value}
+    assert ident["hardware_sha256"] == config_hash(load_hardware(hw, explicit={key}).to_dict())
+    used = []
+    real = run_mod.execute
+    monkeypatch.setattr(run_mod, "execute", lambda *a, **k: used.extend(a[1]) or real(*a, **k))
+    run_mod.execute_runs(cfg, [cfg], sample(cfg)[0])
+    assert getattr(used[0].hardware, key) == value
+
+
 def test_emulate_prices_with_the_explicit_hardware_constant(tmp_path):
     """executor=emulate prices communication with the profile: p2p_latency_us (fitted 14.998)
     set to 20 ms, far above the step's compute on the CPU, is exposed in p2p_ms."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from itertools import pairwise
 from pathlib import Path
@@ -371,7 +372,9 @@ def profile_changes(hw: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_hardware(
-    name_or_dict: str | dict | HardwareProfile, calibrated: bool = True
+    name_or_dict: str | dict | HardwareProfile,
+    calibrated: bool = True,
+    explicit: Iterable[str] = (),
 ) -> HardwareProfile:
     """Load a profile by name (``conf/hardware/<name>.yaml``, :func:`read_profile`) or build it
     from a flat dict.
@@ -387,6 +390,8 @@ def load_hardware(
         name_or_dict: a profile name, a mapping of constants (e.g. Hydra's composed
             ``hardware`` group; a Hydra ``defaults`` key is ignored), or a profile (returned as is).
         calibrated: apply the fitted constants named by ``calibration``.
+        explicit: constants set explicitly even where equal to the file's value (the command
+            line's ``hardware.<key>=...``); they win over the fitted values too.
     Returns:
         The validated :class:`HardwareProfile`.
     Raises:
@@ -396,7 +401,7 @@ def load_hardware(
     if isinstance(name_or_dict, HardwareProfile):
         return name_or_dict
     if isinstance(name_or_dict, str):
-        return load_hardware(read_profile(name_or_dict), calibrated)
+        return load_hardware(read_profile(name_or_dict), calibrated, explicit)
     try:
         data = dict(name_or_dict)
     except (TypeError, ValueError):
@@ -410,8 +415,8 @@ def load_hardware(
         unknown = sorted(set(fitted) - {f.name for f in fields(HardwareProfile) if f.init})
         if unknown:
             raise ValueError(f"fitted constants name unknown hardware key(s): {', '.join(unknown)}")
-        explicit = profile_changes(data)
-        data.update({k: v for k, v in fitted.items() if k not in explicit})
+        mine = set(profile_changes(data)) | set(explicit)
+        data.update({k: v for k, v in fitted.items() if k not in mine})
     known = {f.name for f in fields(HardwareProfile) if f.init}
     for key in data:
         if key not in known:

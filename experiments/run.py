@@ -127,20 +127,24 @@ def hardware_changes(hw: dict[str, Any], explicit: frozenset[str] = frozenset())
     return changes
 
 
-def explicit_hardware_keys() -> frozenset[str]:
-    """The hardware constants the command line sets (``hardware.<key>=...``, swept or not), read
-    from Hydra's overrides of this job; empty outside Hydra. A constant set to its file's value is
-    explicit too, so it wins over the fitted value like any other override."""
+def explicit_keys(group: str) -> list[str]:
+    """The keys inside config group ``group`` that the command line sets (``<group>.<key>=...``,
+    swept or not; dotted below the group, e.g. ``options.lns``), read from Hydra's overrides of
+    this job; empty outside Hydra. A value equal to the option file's is explicit too."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     if not HydraConfig.initialized():
-        return frozenset()
+        return []
     task = list(HydraConfig.get().overrides.task)
     keys = (ov.key_or_group for ov in OverridesParser.create().parse_overrides(task))
-    return frozenset(
-        k.split(".", 1)[1] for k in keys if k.startswith("hardware.") and k.count(".") == 1
-    )
+    return [k.split(".", 1)[1] for k in keys if k.startswith(f"{group}.")]
+
+
+def explicit_hardware_keys() -> frozenset[str]:
+    """The hardware constants the command line sets (:func:`explicit_keys`): they win over the
+    fitted values like any other override, even where equal to the profile file's value."""
+    return frozenset(k for k in explicit_keys("hardware") if "." not in k)
 
 
 def load_job_hardware(hw: dict[str, Any]) -> tuple[Any, dict[str, str]]:
@@ -403,6 +407,13 @@ def group_changes(cfg: DictConfig, group: str) -> dict[str, Any]:
             f"its overrides cannot be carried to the grid's {group}s; set {group}= to one of them"
         ) from None
     out = _changed(_container(cfg[group]), base)
+    for key in explicit_keys(group):  # set on the command line, even to the file's own value
+        value = OmegaConf.select(cfg[group], key, default=None)
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = _container(value)
     out.pop("name", None)
     return out
 
@@ -516,7 +527,8 @@ def finish_rows(
     concatenates several runs does it once on the result."""
     front = {
         "name": cfg.name, "sweep_id": job["sweep_id"], "job_num": job["job_num"],
-        "launcher": job.get("launcher", "direct"), "overrides": job["overrides"], "run_id": identity_hash(ident), **ident,
+        "launcher": job.get("launcher", "direct"), "overrides": job["overrides"],
+        "run_id": identity_hash(ident), **ident,
     }  # fmt: skip
     df = pd.DataFrame(rows).drop(columns="run_idx", errors="ignore").reset_index(drop=True)
     body = df.drop(columns=[k for k in front if k in df])

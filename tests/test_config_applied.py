@@ -179,6 +179,16 @@ def test_grid_hardware_keeps_and_records_hardware_overrides():
         assert run_identity(r, "v") == run_identity(alone, "v")
 
 
+def test_grid_keeps_an_override_equal_to_the_jobs_own_file(hydra_job):
+    """hardware.p2p_bw_gbps=130 is h100_sxm's own value, so no diff shows it; typed on the command
+    line it still applies to a100_sxm (87 in its file) and is recorded."""
+    cfg = hydra_job(*SMALL, "grid.hardware=[h100_sxm,a100_sxm]", "hardware.p2p_bw_gbps=130")
+    runs = grid_runs(cfg)
+    assert [r.hardware.p2p_bw_gbps for r in runs] == [130.0, 130.0]
+    a100 = json.loads(run_identity(runs[1], "v")["hardware_changes"])
+    assert a100 == {"p2p_bw_gbps": 130.0}
+
+
 def test_grid_method_keeps_impl_and_options_and_checks_each_method():
     # method.impl=ring_flash_attn is checked against ring and zigzag, not the default flashcp
     runs = _checked_runs(

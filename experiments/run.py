@@ -575,19 +575,28 @@ def _checked_runs(cfg: DictConfig) -> list[DictConfig]:
 
     A grid's runs are checked each (a ``method.impl`` or ``method.options.*`` against every method
     of ``grid.method``, not against the job's own ``method``)."""
-    runs, r = [cfg], cfg
     try:
         runs = grid_runs(cfg)
+        failed = []
         for r in runs:
-            check_config(r)
-        runs = [_coerce_bool_options(r) for r in runs]
+            try:
+                check_config(r)
+            except ConfigError:
+                raise
+            except ValueError as exc:
+                failed.append((r, str(exc)))
+        if failed:
+            r, msg = failed[0]
+            if len(failed) < len(runs):  # some runs of the grid only: name the first one
+                gridded = [k for k, v in (_container(cfg.get("grid")) or {}).items() if v]
+                values = [f"{k}={r[k].name if k in GRID_GROUPS else r[k]}" for k in gridded]
+                msg = f"grid run {' '.join(values)}: {msg}"
+            raise ConfigError(msg)
+        return [_coerce_bool_options(r) for r in runs]
     except ConfigError:
         raise
     except ValueError as exc:
-        if len(runs) > 1 and "grid" in cfg and cfg.grid.get("method"):
-            raise ConfigError(f"grid run method={r.method.name}: {exc}") from None
         raise ConfigError(str(exc)) from None
-    return runs
 
 
 def _coerce_bool_options(cfg: DictConfig) -> DictConfig:

@@ -183,11 +183,13 @@ def _mark_missing_phases(ax, x: float, bottom: float, top: float, phases: list[s
     """Mark the part of a stacked bar at ``x`` whose phases are missing (``phases``: their
     labels): a hatched box from the known phases' sum ``bottom`` to the bar's total ``top`` (when
     above it) and the missing phases named, so a missing phase is never read as 0."""
-    if top == top and top > bottom:
+    boxed = top == top and top > bottom
+    if boxed:
         ax.bar([x], [top - bottom], bottom=[bottom], fill=False, hatch="///", edgecolor="#b00000",
                linewidth=0.6, label="missing phase")  # fmt: skip
-    ax.text(x, max(bottom, top) if top == top else bottom, "no " + ", ".join(phases),
-            rotation=90, ha="center", va="bottom", fontsize=6, color="#b00000")  # fmt: skip
+    ax.text(x, (bottom + top) / 2 if boxed else bottom, "no " + ", ".join(phases), rotation=90,
+            ha="center", va="center" if boxed else "bottom", fontsize=7, color="#b00000",
+            backgroundcolor="white")  # fmt: skip
 
 
 def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:

@@ -31,6 +31,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -261,21 +262,61 @@ def compare(ref_dir: str | Path, new_dir: str | Path) -> pd.DataFrame:
     return out
 
 
-def _compare_report(table: pd.DataFrame) -> list[str]:
-    """A few lines saying how two folders differ (see :func:`compare`)."""
+#: relative change of a compared value below which a run counts as unchanged (float noise)
+CHANGE_RTOL = 1e-9
+#: columns naming a run in the lines of :func:`compare_report`
+_NAMED = ("dataset", "cp_size", "model", "mode", "method")
+
+
+def _run_name(row: pd.Series, table: pd.DataFrame) -> str:
+    """``dataset=... cp_size=... model=... mode=... method=...`` plus every other identity column
+    whose value varies in ``table`` (e.g. ``method_options``), so the line names one run."""
+    cols = [c for c in _NAMED if c in row.index]
+    cols += [
+        k for k in RUN_KEYS
+        if k in table and k not in cols and k not in VERSION_COLUMNS
+        and table[k].astype("string").nunique(dropna=False) > 1
+    ]  # fmt: skip
+    return " ".join(f"{k}={row[k]}" for k in cols)
+
+
+def _changed(ref: Any, new: Any) -> bool:
+    ref, new = float(ref), float(new)
+    if ref != ref or new != new:
+        return (ref != ref) != (new != new)  # a value appeared or disappeared
+    return abs(new - ref) > CHANGE_RTOL * max(abs(ref), abs(new), 1e-300)
+
+
+def compare_report(table: pd.DataFrame) -> list[str]:
+    """How two folders differ (see :func:`compare`): a count line, one line per run (identity
+    and mode) whose ``total_ms_mean`` or ``speedup_vs_llama3`` changed (beyond
+    :data:`CHANGE_RTOL`, relative), one per run found in one folder only, and the largest change
+    of each compared value."""
     both = table[table["found"] == "both"]
     n_ref, n_new = ((table["found"] == f).sum() for f in ("ref_only", "new_only"))
     lines = [
         f"{len(both)} runs in both, {n_ref} only in the reference, {n_new} only in the new folder"
     ]
+    n_changed = 0
+    for _, r in both.iterrows():
+        if not any(_changed(r[f"{m}_ref"], r[f"{m}_new"]) for m in COMPARED):
+            continue
+        n_changed += 1
+        lines.append(
+            f"changed: {_run_name(r, table)}: total_ms_mean {r['total_ms_mean_ref']:.6g} -> "
+            f"{r['total_ms_mean_new']:.6g} ({r['total_ms_rel_change']:+.3%}), speedup_vs_llama3 "
+            f"{r['speedup_vs_llama3_ref']:.6g} -> {r['speedup_vs_llama3_new']:.6g} "
+            f"({r['speedup_change']:+.4g})"
+        )
+    for found, where in (("ref_only", "only in the reference"), ("new_only", "only in the new")):
+        for _, r in table[table["found"] == found].iterrows():
+            lines.append(f"{where}: {_run_name(r, table)}")
+    lines.insert(1, f"{n_changed} of {len(both)} runs in both changed")
     for col in ("total_ms_rel_change", "speedup_change"):
         change = both[col].astype("float64").abs()
         if change.notna().any():
             worst = both.loc[change.idxmax()]
-            run = " ".join(
-                f"{k}={worst[k]}" for k in ("dataset", "cp_size", "model", "mode", "method")
-            )
-            lines.append(f"largest {col}: {worst[col]:+.4g} ({run})")
+            lines.append(f"largest {col}: {worst[col]:+.4g} ({_run_name(worst, table)})")
     return lines
 
 
@@ -305,7 +346,7 @@ def _cli(argv: list[str] | None = None) -> None:
             table = compare(args.compare, args.exp_dir)
         except ValueError as exc:
             sys.exit(f"error: {exc}")
-        print("\n".join(_compare_report(table)))
+        print("\n".join(compare_report(table)))
         sys.exit(1 if (table["found"] == "ref_only").any() else 0)
     try:
         s = aggregate(args.exp_dir)

@@ -33,7 +33,8 @@ from flashcp.results import provenance, write_csv_atomic
 
 
 def run_fig3(cfg: DictConfig) -> Path:
-    """Write ``fig3.csv`` (case, layout, pass, tflops, kernel_ms, flops, latency_vs_whole) and
+    """Write ``fig3.csv`` (case, layout, pass, tflops, kernel_ms, flops, latency_vs_whole, the
+    profile's ``hardware_changes`` and ``hardware_sha256`` as in flashcp-run's rows) and
     ``fig3.png`` into ``<results_dir>/<name>/``; return the path of ``fig3.csv``.
 
     Args:
@@ -44,10 +45,11 @@ def run_fig3(cfg: DictConfig) -> Path:
         ValueError: ``context_len`` not divisible by 16, or a bad hardware profile.
     """
     from experiments.plot import draw
-    from flashcp.sim import load_hardware
+    from experiments.run import load_job_hardware
     from flashcp.sim.fig3 import FIG3_LAYOUTS, fig3_compute_us
 
-    hw = load_hardware(OmegaConf.to_container(cfg.hardware, resolve=True))
+    # explicit constants win over the fitted ones
+    hw, hw_columns = load_job_hardware(OmegaConf.to_container(cfg.hardware, resolve=True))
     m = cfg.model
     shape = AttnShape(int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype))
     c, n = int(cfg.context_len), int(cfg.cp_size)
@@ -75,7 +77,7 @@ def run_fig3(cfg: DictConfig) -> Path:
                     "executor": "sim",
                 })  # fmt: skip
     df = pd.DataFrame(rows)
-    for k, v in provenance().items():
+    for k, v in {**hw_columns, **provenance()}.items():
         df[k] = v
     out_dir = Path(cfg.results_dir) / cfg.name
     write_csv_atomic(df, out_dir / "fig3.csv")

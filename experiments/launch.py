@@ -25,8 +25,11 @@ person sees one line instead of a traceback or a page of Hydra internals:
   added with ``+`` that no schema has (``+cp_sise=4`` would run with the default ``cp_size``),
   ``executor=dist`` under a submitit launcher whose tasks per job differ from ``cp_size``, and a
   sweep of an experiment entry whose jobs would all write the same folder
-  ``<results_dir>/<name>`` (:func:`experiment_sweep_problem`), and a ``flashcp-run`` sweep over
-  ``name`` or ``results_dir`` (its runs would be merged into one folder).
+  ``<results_dir>/<name>`` (:func:`experiment_sweep_problem`), a ``flashcp-run`` sweep over
+  ``name`` or ``results_dir`` (its runs would be merged into one folder), and a plain override of
+  a key the config's ``grid`` varies (``experiment=fig5 cp_size=2``: write ``grid.cp_size=[2]``;
+  :func:`grid_override_problem`), and ``dataset.path`` without ``dataset=file``
+  (:func:`dataset_path_problem`).
 * Ctrl-C (SIGINT) and SIGTERM end the process with one line (exit 130 / 143). Workers of the
   simulator's process pool ignore SIGINT (their initializer, :mod:`flashcp.executors.sim`); the run
   drops the queued chunks and joins them, and :func:`end_children` terminates any child left, so
@@ -103,6 +106,36 @@ def unknown_key_message(key: str, override: str, schema: Any) -> str:
     return f"unknown key {key} (in {override}); {hint}"
 
 
+def unknown_option_message(cause: Any, override: str) -> str | None:
+    """One line for ``method.options.<key>=...`` naming a key the method's file does not list
+    (Hydra then refuses the override): the method's valid options (its options dataclass,
+    :func:`flashcp.registry.options_schema`), and the ``+method.options.<key>=...`` that adds a
+    valid one. None when the key is not under ``method.options`` or the method is unknown."""
+    key = str(cause.full_key)
+    if not key.startswith("method.options.") or key.count(".") != 2:
+        return None
+    leaf = key.rsplit(".", 1)[1]
+    try:
+        method = str(cause.parent_node._get_parent()["name"])
+        from flashcp.registry import options_schema
+
+        valid = [f.name for f in dataclasses.fields(options_schema(method))]
+    except Exception:  # no method node to read: the generic message
+        return None
+    value = override.split("=", 1)[1] if "=" in override else "..."
+    if leaf in valid:
+        return (
+            f"{override}: method {method!r} takes option {leaf!r}, but conf/method/{method}.yaml "
+            f"does not list it; add it with +method.options.{leaf}={value}"
+        )
+    close = difflib.get_close_matches(leaf, valid, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return (
+        f"unknown key {key} (in {override}): method {method!r} has no option {leaf!r}; {hint}"
+        f"its options: {', '.join(valid) or 'none'}"
+    )
+
+
 def explain_hydra_error(exc: BaseException) -> str | None:
     """One line for a Hydra composition error a person caused, or None for anything else.
 
@@ -134,6 +167,9 @@ def explain_hydra_error(exc: BaseException) -> str | None:
         cause = exc.__cause__
         override = _override_in(str(exc))
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+            option = unknown_option_message(cause, override)
+            if option is not None:
+                return option
             return unknown_key_message(str(cause.full_key), override, cause.object_type)
         if isinstance(cause, ValidationError) and cause.full_key:
             key = str(cause.full_key)
@@ -298,6 +334,10 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
             f"add -m ({PROG} -m experiment={experiment}), or hydra.sweeper.params=null to run one "
             "configuration of it"
         )
+    if prog == PROG:
+        problem = grid_override_problem(config) or dataset_path_problem(config)
+        if problem is not None:
+            return problem
     ranks = _submitit_ranks(config)
     dist = "executor" in config and config.executor.name == "dist"
     if ranks is not None and dist and not _is_sweep(config, "cp_size"):
@@ -311,6 +351,71 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
             )
     added = added_unknown_keys(config)
     return added[0] if added else None
+
+
+#: keys a ``flashcp-run`` grid varies (experiments.run.GRID_KEYS): groups and cp_size
+_GRID_KEYS = ("method", "model", "hardware", "cp_size")
+
+
+def grid_override_problem(config: Any) -> str | None:
+    """A plain override (``cp_size=2``, ``method=ring``, ``model=h16``, ``hardware=...``, swept or
+    not) of a key the composed config's ``grid`` varies (e.g. set by ``experiment=fig5``): the
+    grid's values would replace it, so it is refused with the ``grid.<key>=[...]`` to write
+    instead. Settings inside a group (``model.num_kv_heads=8``, ``method.options.lns=false``) are
+    not refused: every run of the grid keeps them (:func:`experiments.run.grid_runs`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    grid = config.get("grid") if "grid" in config else None
+    if grid is None:
+        return None
+    parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    for ov in parsed:
+        key = ov.key_or_group
+        if key not in _GRID_KEYS or grid.get(key) is None:
+            continue
+        values = (
+            [str(v) for v in ov.sweep_string_iterator()]
+            if ov.is_sweep_override()
+            else [str(ov.value())]
+        )
+        listed = ",".join(str(v) for v in OmegaConf.to_container(grid[key]))
+        experiment = config.hydra.runtime.choices.get("experiment")
+        source = f" (set by experiment={experiment})" if experiment else ""
+        return (
+            f"{ov.input_line}: the grid varies {key} over grid.{key}=[{listed}]{source}, which "
+            f"would replace it; write grid.{key}=[{','.join(values)}] instead"
+        )
+    return None
+
+
+def dataset_path_problem(config: Any) -> str | None:
+    """``dataset.path=...`` on a command line whose runs never read it: no ``dataset=file``
+    (plain or among a sweep's values) and a composed dataset other than ``file``. A sweep
+    ``dataset=wlb_llm,file dataset.path=x.csv`` is fine: the file's jobs read it, the others
+    record ``dataset_path = "-"``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if "dataset" not in config or config.dataset.get("path") is None:
+        return None
+    if str(config.dataset.name) == "file":
+        return None
+    parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+    path_ov = next((ov for ov in parsed if ov.key_or_group == "dataset.path"), None)
+    for ov in parsed:
+        if ov.key_or_group == "dataset":
+            values = (
+                [str(v) for v in ov.sweep_string_iterator()]
+                if ov.is_sweep_override()
+                else [str(ov.value())]
+            )
+            if "file" in values:
+                return None
+    typed = path_ov.input_line if path_ov is not None else f"dataset.path={config.dataset.path}"
+    return (
+        f"{typed}: only dataset=file reads dataset.path, and this run samples "
+        f"dataset={config.dataset.name}; add dataset=file to use the file, or drop dataset.path"
+    )
 
 
 def _submitit_ranks(config: Any) -> int | None:

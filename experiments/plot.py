@@ -5,7 +5,8 @@
 * ``fig5``: speedup of each method over ``llama3`` (summary.csv ``speedup_vs_llama3``), one panel
   per (mode, dataset), bars grouped by (heads, CP size) — the paper's Fig. 5.
 * ``fig6``: stacked latency breakdown (AllGather, Attention FWD, Attention BWD, ReduceScatter, P2P,
-  Others) per method, one panel per dataset, training — the paper's Fig. 6.
+  Others) per method, one panel per dataset, training (or the one mode the summary has, named in
+  the title) — the paper's Fig. 6. A phase a bar lacks is marked on the bar, never drawn as 0.
 * ``fig7``: speedup over ``llama3`` against context length, one line per method, training and
   inference panels — the paper's Fig. 7.
 * ``fig3``: kernel efficiency (TFLOP/s per layout) from ``fig3.csv`` — the paper's Fig. 3.
@@ -178,10 +179,32 @@ def plot_fig5(summary: pd.DataFrame, out: Path) -> Path:
     return out
 
 
+def _mark_missing_phases(ax, x: float, bottom: float, top: float, phases: list[str]) -> None:
+    """Mark the part of a stacked bar at ``x`` whose phases are missing (``phases``: their
+    labels): a hatched box from the known phases' sum ``bottom`` to the bar's total ``top`` (when
+    above it) and the missing phases named, so a missing phase is never read as 0."""
+    boxed = top == top and top > bottom
+    if boxed:
+        ax.bar([x], [top - bottom], bottom=[bottom], fill=False, hatch="///", edgecolor="#b00000",
+               linewidth=0.6, label="missing phase")  # fmt: skip
+    ax.text(x, (bottom + top) / 2 if boxed else bottom, "no " + ", ".join(phases), rotation=90,
+            ha="center", va="center" if boxed else "bottom", fontsize=7, color="#b00000",
+            backgroundcolor="white")  # fmt: skip
+
+
 def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
-    """Fig. 6-style stacked latency breakdown per method (training; one CP size and model per
-    dataset)."""
-    sub = summary[summary["mode"] == "train"] if "train" in set(summary["mode"]) else summary
+    """Fig. 6-style stacked latency breakdown per method (one CP size and model per dataset), of
+    training when the summary has it, else of the mode it has (the title says which). A bar
+    without data is marked "n/a"; a phase a bar lacks (missing value or column) is marked on the
+    bar (:func:`_mark_missing_phases`), never drawn as 0."""
+    modes = set(summary["mode"])
+    if "train" in modes:
+        mode = "train"
+    elif len(modes) == 1:
+        mode = next(iter(modes))
+    else:
+        raise ValueError(f"fig6 draws one mode; this summary has modes {sorted(modes)}")
+    sub = summary[summary["mode"] == mode]
     for col in ("cp_size", "num_heads"):
         many = sub.groupby("dataset")[col].nunique()
         if (many > 1).any():
@@ -200,15 +223,21 @@ def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
         d = sub[sub["dataset"] == ds].set_index("method").reindex(methods)
         d.index = [_label(m) for m in d.index]
         bottom = pd.Series(0.0, index=d.index)
+        missing: list[list[str]] = [[] for _ in range(len(d))]
+        totals = d["total_ms_mean"].astype("float64")
         for col, label in PHASES:
-            if col not in d:
-                continue
-            vals = d[col].astype("float64").fillna(0.0)
+            raw = d[col].astype("float64") if col in d else pd.Series(float("nan"), index=d.index)
+            for x, (v, total) in enumerate(zip(raw, totals, strict=True)):
+                if v != v and total == total:  # the bar has a total but not this phase
+                    missing[x].append(label)
+            vals = raw.fillna(0.0)
             ax.bar(d.index, vals, bottom=bottom, label=label)
             bottom += vals
-        for x, total in enumerate(d["total_ms_mean"].astype("float64")):
+        for x, total in enumerate(totals):
             if total != total:  # no (ok) run of this method on this dataset
                 _mark_missing(ax, x)
+            elif missing[x]:
+                _mark_missing_phases(ax, x, float(bottom.iloc[x]), float(total), missing[x])
         yerr = _yerr(d, "total_ms_mean", "total_ms")
         if yerr is not None:
             ax.errorbar(range(len(d)), d["total_ms_mean"].astype("float64"), yerr=yerr, fmt="none",
@@ -219,9 +248,15 @@ def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
         ax.set_ylabel("mean latency per layer step (ms)")
         ax.tick_params(axis="x", labelsize=8)
     # outside the panels: a legend inside hides the top of a stack
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
+    handles: dict[str, object] = {}
+    for ax in axes[0]:  # one legend entry per label (the missing-phase box may be in any panel)
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(lab, h)
+    axes[0][-1].legend(handles.values(), handles.keys(), fontsize=7, loc="upper left",
+                       bbox_to_anchor=(1.02, 1.0), frameon=False)  # fmt: skip
     note = _bars_note(_yerr(sub, "total_ms_mean", "total_ms") is not None, " on the total")
-    fig.suptitle(f"Latency breakdown, training\n({_subtitle(sub)}; {note})",
+    what = "training" if mode == "train" else "inference" if mode == "infer" else mode
+    fig.suptitle(f"Latency breakdown, {what}\n({_subtitle(sub)}; {note})",
                  fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(out, dpi=130)

@@ -53,7 +53,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from flashcp.comm import AttnShape
 from flashcp.config import (
     EXECUTOR_OPTIONS,
-    OVERLONG,
     USES_HARDWARE_PROFILE,
     check_config,
     register_configs,
@@ -77,7 +76,14 @@ log = logging.getLogger(__name__)
 CONF_DIR = str(resource_path("conf"))
 
 #: columns that say which invocation wrote a row (not part of the identity)
-JOB_COLUMNS = ("name", "sweep_id", "job_num", "overrides", "run_id")
+JOB_COLUMNS = ("name", "sweep_id", "job_num", "launcher", "overrides", "run_id")
+#: Hydra launcher classes -> the ``launcher`` a row records (any other: its class name)
+LAUNCHERS = {
+    "BasicLauncher": "basic",
+    "JoblibLauncher": "joblib",
+    "LocalLauncher": "submitit_local",
+    "SlurmLauncher": "submitit_slurm",
+}
 #: a job's rows, in its Hydra output folder (Parquet: a paper-scale job holds millions of rows)
 ROWS_FILE = "rows.parquet"
 
@@ -109,23 +115,62 @@ def file_sha256(path: str | Path) -> str:
         return "missing"
 
 
-def hardware_changes(hw: dict[str, Any]) -> dict[str, Any]:
+def hardware_changes(hw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Constants of a composed hardware profile that differ from its file ``conf/hardware/<name>``
-    (command-line overrides such as ``hardware.launch_us=10``); every constant if no such file."""
-    from flashcp.sim.hardware import list_hardware, read_profile
+    (command-line overrides such as ``hardware.launch_us=10``), plus the ``explicit`` ones
+    (:func:`explicit_hardware_keys`) even where equal to it; every constant if no such file.
+    These win over the profile's fitted constants (:func:`flashcp.sim.hardware.load_hardware`)."""
+    from flashcp.sim.hardware import profile_changes
 
-    name = hw.get("name")
-    base = read_profile(name) if name in list_hardware() else {}
-    return {k: v for k, v in hw.items() if k != "defaults" and base.get(k) != v}
+    changes = profile_changes(hw)
+    changes.update({k: hw[k] for k in sorted(explicit) if k in hw and k not in changes})
+    return changes
 
 
-def _hardware_sha256(hw: dict[str, Any]) -> str:
+def explicit_keys(group: str) -> list[str]:
+    """The keys inside config group ``group`` that the command line sets (``<group>.<key>=...``,
+    swept or not; dotted below the group, e.g. ``options.lns``), read from Hydra's overrides of
+    this job; empty outside Hydra. A value equal to the option file's is explicit too."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return []
+    task = list(HydraConfig.get().overrides.task)
+    keys = (ov.key_or_group for ov in OverridesParser.create().parse_overrides(task))
+    return [k.split(".", 1)[1] for k in keys if k.startswith(f"{group}.")]
+
+
+def explicit_hardware_keys() -> frozenset[str]:
+    """The hardware constants the command line sets (:func:`explicit_keys`): they win over the
+    fitted values like any other override, even where equal to the profile file's value."""
+    return frozenset(k for k in explicit_keys("hardware") if "." not in k)
+
+
+def load_job_hardware(hw: dict[str, Any]) -> tuple[Any, dict[str, str]]:
+    """A composed profile ``hw`` loaded with this job's explicit constants winning over the
+    fitted ones (:func:`flashcp.sim.hardware.load_hardware`, :func:`explicit_hardware_keys`), and
+    the columns flashcp-run's rows carry for it: ``hardware``, ``hardware_changes`` (JSON),
+    ``hardware_sha256`` (of the constants used). For flashcp-fig3 and flashcp-sensitivity."""
+    from flashcp.sim import load_hardware
+
+    explicit = explicit_hardware_keys()
+    loaded = load_hardware(hw, explicit=explicit)
+    return loaded, {
+        "hardware": loaded.name,
+        "hardware_changes": _json(hardware_changes(hw, explicit)),
+        "hardware_sha256": config_hash(loaded.to_dict()),
+    }
+
+
+def _hardware_sha256(hw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> str:
     """Hash of the constants the simulator really uses (fitted values loaded by the profile's
-    ``calibration`` key included); of the raw mapping when it is not a valid profile."""
+    ``calibration`` key included, explicit ones winning); of the raw mapping when it is not a
+    valid profile."""
     from flashcp.sim import load_hardware
 
     try:
-        return config_hash(load_hardware(hw).to_dict())
+        return config_hash(load_hardware(hw, explicit=explicit).to_dict())
     except ValueError:
         return config_hash(hw)
 
@@ -147,7 +192,12 @@ def run_identity(
     memo = {} if memo is None else memo
     key = _json(hw)
     if key not in memo:
-        memo[key] = (_json(hardware_changes(hw)), _hardware_sha256(hw)) if uses_hw else ("{}", "-")
+        explicit = explicit_hardware_keys() if uses_hw else frozenset()
+        memo[key] = (
+            (_json(hardware_changes(hw, explicit)), _hardware_sha256(hw, explicit))
+            if uses_hw
+            else ("{}", "-")
+        )
     hw_ident = memo[key]
     ident = {
         "dataset": ds.name,
@@ -184,74 +234,9 @@ def run_identity(
     return ident
 
 
-class OverlongDocs:
-    """A length distribution whose draws longer than ``context_len`` are handled by ``policy``.
-
-    * ``split``: a document of d > C tokens becomes ceil(d / C) consecutive documents (C tokens
-      each, the rest last), as a training data loader that streams documents into sequences does.
-    * ``cut``: it is cut to C tokens and the rest is discarded.
-    * ``error``: :meth:`check` raises before any work when the dataset has such documents.
-
-    :meth:`sample` has the signature of :meth:`flashcp.data.LengthDistribution.sample` and records
-    the original length behind every length it returns, so :meth:`per_sequence` can count the
-    documents and tokens each sequence lost or split.
-    """
-
-    def __init__(self, dist: Any, context_len: int, policy: str):
-        if policy not in OVERLONG:
-            raise ValueError(f"dataset.overlong = {policy!r}; choose one of {', '.join(OVERLONG)}")
-        self.dist, self.context_len, self.policy = dist, int(context_len), policy
-        self.name = dist.name
-        self._sources: list[np.ndarray] = []  # original draw behind each returned length
-
-    def check(self, cap: int) -> None:
-        """Raise ValueError (policy ``error``) if a document can be longer than ``context_len``."""
-        c = self.context_len
-        share = 1.0 - float(self.dist.cdf(c))
-        if self.policy == "error" and cap > c and share > 0:
-            raise ValueError(
-                f"dataset {self.name!r} has documents longer than context_len = {c} "
-                f"({100 * share:.3g}% of its documents) and dataset.overlong = error; "
-                "use dataset.overlong=split or cut, or dataset.cap"
-            )
-
-    def sample(
-        self, rng: np.random.Generator, size: int, *, weighting: str, cap: int | None
-    ) -> np.ndarray:
-        """(m,) int64 lengths <= context_len (m >= size under ``split``)."""
-        d = self.dist.sample(rng, size, weighting=weighting, cap=cap)
-        c = self.context_len
-        if self.policy == "split":
-            pieces = -(-d // c)
-            src = np.repeat(d, pieces)
-            first = np.cumsum(pieces) - pieces  # index of each draw's first piece
-            k = np.arange(src.size) - np.repeat(first, pieces)  # piece number inside its draw
-            out = np.minimum(c, src - k * c)
-        else:
-            src, out = d, np.minimum(d, c)
-        self._sources.append(src)
-        return out
-
-    def per_sequence(self, offsets: np.ndarray) -> list[dict[str, int]]:
-        """Per sequence: ``overlong_docs`` (documents, or pieces of documents under ``split``, that
-        came from a draw longer than context_len) and ``overlong_tokens_cut`` (their tokens
-        discarded by ``cut``)."""
-        c = self.context_len
-        src = (
-            np.concatenate(self._sources)[: offsets[-1]] if self._sources else np.zeros(0, np.int64)
-        )
-        long = src > c
-        cut = np.where(long, src - c, 0) if self.policy == "cut" else np.zeros_like(src)
-        n_long = np.add.reduceat(long.astype(np.int64), offsets[:-1]) if src.size else []
-        n_cut = np.add.reduceat(cut, offsets[:-1]) if src.size else []
-        return [
-            {"overlong_docs": int(a), "overlong_tokens_cut": int(b)}
-            for a, b in zip(n_long, n_cut, strict=True)
-        ]
-
-
 def sample(cfg: DictConfig) -> tuple[list[np.ndarray], list[dict[str, int]]]:
-    """The run's sequences and their overlong-document counts (see :class:`OverlongDocs`).
+    """The run's sequences and their overlong-document counts
+    (:func:`flashcp.data.sample_dataset`, which Table 2 and the sensitivity study also use).
 
     Returns:
         seqs: ``num_sequences`` arrays of (n_docs,) int64 document lengths, each summing to C.
@@ -259,24 +244,16 @@ def sample(cfg: DictConfig) -> tuple[list[np.ndarray], list[dict[str, int]]]:
     Raises:
         ValueError: a bad dataset, or ``dataset.overlong = error`` with documents longer than C.
     """
-    from flashcp.data import load_distribution, sample_packed
+    from flashcp.data import sample_dataset
 
     c = int(cfg.context_len)
-    dist = load_distribution(cfg.dataset.name, context_len=c, path=cfg.dataset.path)
-    cap = int(cfg.dataset.cap) if cfg.dataset.cap is not None else 4 * c
-    over = OverlongDocs(dist, c, str(cfg.dataset.overlong))
-    over.check(cap)
-    doc_lens, offsets = sample_packed(
-        over,
-        int(cfg.num_sequences),
-        c,
-        seed=int(cfg.seed),
-        weighting=str(cfg.dataset.weighting),
-        cap=cap,
-    )
-    counts = over.per_sequence(offsets)
+    ds = cfg.dataset
+    seqs, counts = sample_dataset(
+        str(ds.name), int(cfg.num_sequences), c, seed=int(cfg.seed), weighting=str(ds.weighting),
+        cap=None if ds.cap is None else int(ds.cap), overlong=str(ds.overlong), path=ds.path,
+    )  # fmt: skip
     n_long = sum(x["overlong_docs"] for x in counts)
-    if n_long and over.policy == "cut":
+    if n_long and ds.overlong == "cut":
         lost = sum(x["overlong_tokens_cut"] for x in counts)
         log.warning(
             "%s: %d documents longer than context_len = %d were cut to it (%d tokens discarded; "
@@ -285,9 +262,11 @@ def sample(cfg: DictConfig) -> tuple[list[np.ndarray], list[dict[str, int]]]:
         )  # fmt: skip
     elif n_long:
         log.info(
-            "%s: %d pieces of documents longer than context_len = %d", cfg.dataset.name, n_long, c
-        )
-    return np.split(doc_lens, offsets[1:-1]), counts
+            "%s: %d pieces of documents longer than context_len = %d (%d tokens over dataset.cap "
+            "discarded; column overlong_tokens_cut)",
+            cfg.dataset.name, n_long, c, sum(x["overlong_tokens_cut"] for x in counts),
+        )  # fmt: skip
+    return seqs, counts
 
 
 GRID_GROUPS = ("method", "model", "hardware")
@@ -339,8 +318,11 @@ def grid_runs(cfg: DictConfig) -> list[DictConfig]:
     """The runs of one job: ``cfg`` itself when ``cfg.grid`` is empty, else one config per
     combination of the values in ``cfg.grid`` (:class:`flashcp.config.GridConfig`: lists for keys
     of :data:`GRID_KEYS`; a group value is an option name such as ``grid.model=[h16,h32]``), each
-    equal to the config the overrides ``key=value`` would compose, with an empty grid. The runs share the
-    job's sampled sequences, and under ``executor=sim`` each plan is made once and priced for
+    equal to the config the overrides ``key=value`` would compose, with an empty grid. What the
+    job sets inside a gridded group over its option's file (:func:`group_changes`:
+    ``model.num_kv_heads=8``, ``method.impl``, ``method.options.*``, ``hardware.<constant>``) is
+    kept by every run, as the overrides ``model=h16 model.num_kv_heads=8`` would. The runs share
+    the job's sampled sequences, and under ``executor=sim`` each plan is made once and priced for
     every model and hardware profile.
 
     Raises:
@@ -363,7 +345,13 @@ def grid_runs(cfg: DictConfig) -> list[DictConfig]:
     for k, values in grid.items():
         if not values:
             raise ConfigError(f"grid.{k} is empty; list at least one value or leave it null")
-    loaded = {(k, v): _group_option(k, str(v)) for k in GRID_GROUPS if k in grid for v in grid[k]}
+    changes = {k: group_changes(cfg, k) for k in GRID_GROUPS if k in grid}
+    loaded = {
+        (k, v): OmegaConf.merge(_group_option(k, str(v)), changes[k])
+        for k in GRID_GROUPS
+        if k in grid
+        for v in grid[k]
+    }
     runs = []
     for combo in itertools.product(*grid.values()):
         run_cfg = cfg.copy()
@@ -371,9 +359,63 @@ def grid_runs(cfg: DictConfig) -> list[DictConfig]:
             for k in run_cfg.grid:
                 run_cfg.grid[k] = None
             for k, v in zip(grid, combo, strict=True):
-                run_cfg[k] = loaded[(k, v)] if k in GRID_GROUPS else v
+                run_cfg[k] = loaded[(k, v)].copy() if k in GRID_GROUPS else v
         runs.append(run_cfg)
     return runs
+
+
+def _changed(value: Any, base: Any) -> Any:
+    """The parts of ``value`` (a plain mapping) that differ from ``base``; mappings recursively."""
+    out = {}
+    for k, v in value.items():
+        b = base.get(k, _changed) if isinstance(base, dict) else _changed
+        if isinstance(v, dict) and isinstance(b, dict):
+            sub = _changed(v, b)
+            if sub:
+                out[k] = sub
+        elif v != b:
+            out[k] = v
+    return out
+
+
+def _group_choice(cfg: DictConfig, group: str) -> str:
+    """The option of ``group`` the job composed: the group's ``name`` field (equal to its file's
+    stem for every option in conf/), else Hydra's choice when running under Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    name = str(cfg[group].name)
+    if (Path(CONF_DIR) / group / f"{name}.yaml").is_file() or not HydraConfig.initialized():
+        return name
+    return str(HydraConfig.get().runtime.choices.get(group) or name)
+
+
+def group_changes(cfg: DictConfig, group: str) -> dict[str, Any]:
+    """What the job's config sets over its ``group`` option's file (``model.num_kv_heads=8``,
+    ``method.impl=...``, ``method.options.lns=false``, ``hardware.p2p_bw_gbps=50``, or what an
+    experiment file sets): the settings a ``grid.<group>`` run keeps when it replaces the option
+    (``name`` excepted: the grid names the option).
+
+    Raises:
+        ConfigError: the job's option has no file to compare with (its settings could not be kept).
+    """
+    choice = _group_choice(cfg, group)
+    try:
+        base = _container(_group_option(group, choice))
+    except ConfigError:
+        raise ConfigError(
+            f"grid.{group}: the job's {group} {choice!r} is no file conf/{group}/{choice}.yaml, so "
+            f"its overrides cannot be carried to the grid's {group}s; set {group}= to one of them"
+        ) from None
+    out = _changed(_container(cfg[group]), base)
+    for key in explicit_keys(group):  # set on the command line, even to the file's own value
+        value = OmegaConf.select(cfg[group], key, default=None)
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = _container(value)
+    out.pop("name", None)
+    return out
 
 
 def run_spec(cfg: DictConfig, hardware: Any = None) -> RunSpec:
@@ -399,13 +441,17 @@ def execute_runs(cfg: DictConfig, runs: list[DictConfig], seqs: list[np.ndarray]
     loading each distinct hardware profile once."""
     hws: dict[str, Any] = {}
     specs = []
+    explicit = explicit_hardware_keys()
     for r in runs:
         hw = None
         if r.executor.name in USES_HARDWARE_PROFILE:
             from flashcp.sim import load_hardware
 
             hw_dict = _container(r.hardware)
-            hw = hws.setdefault(_json(hw_dict), load_hardware(hw_dict))
+            key = _json(hw_dict)
+            if key not in hws:
+                hws[key] = load_hardware(hw_dict, explicit=explicit)
+            hw = hws[key]
         specs.append(run_spec(r, hw))
     kwargs: dict[str, Any] = {}
     if cfg.executor.name == "sim":
@@ -416,6 +462,10 @@ def execute_runs(cfg: DictConfig, runs: list[DictConfig], seqs: list[np.ndarray]
 
 def job_info(cfg: DictConfig) -> dict[str, Any]:
     """Where this run writes and who it belongs to.
+
+    ``launcher``: what ran the job (a row column): the sweep's Hydra launcher
+    (:func:`launcher_name`), ``single_run`` (Hydra without ``-m``), ``torchrun`` (a single run
+    under torchrun) or ``direct`` (called from Python).
 
     Under Hydra: the job's output folder (rows beside ``.hydra/`` and its log, wherever
     ``hydra.sweep.dir`` / ``hydra.run.dir`` put it), the experiment folder the callback locked,
@@ -433,9 +483,13 @@ def job_info(cfg: DictConfig) -> dict[str, Any]:
         exp_dir = Path(hc.sweep.dir) if multirun else Path(cfg.results_dir) / cfg.name
         out_dir = Path(hc.runtime.output_dir)
         job_num, overrides = int(hc.job.num) if multirun else 0, " ".join(hc.overrides.task)
+        launcher = launcher_name(hc) if multirun else "single_run"
+        if not multirun and os.environ.get("TORCHELASTIC_RUN_ID"):
+            launcher = "torchrun"
     else:
         exp_dir = Path(cfg.results_dir) / cfg.name
         out_dir, job_num, overrides = exp_dir / "runs" / cfg.run_key, 0, ""
+        launcher = "direct"
     # under Hydra the callback locked exp_dir for this invocation; a direct call has no sweep
     lock = (read_lock(exp_dir) or {}) if HydraConfig.initialized() else {}
     return {
@@ -445,8 +499,17 @@ def job_info(cfg: DictConfig) -> dict[str, Any]:
         or f"direct-{os.getpid()}-{time.strftime('%Y%m%dT%H%M%S')}",
         "provenance": lock.get("provenance"),
         "job_num": job_num,
+        "launcher": launcher,
         "overrides": overrides,
     }
+
+
+def launcher_name(hydra_cfg: Any) -> str:
+    """What launched a sweep's jobs, from ``hydra.launcher._target_``: ``basic``, ``joblib``,
+    ``submitit_local``, ``submitit_slurm`` (:data:`LAUNCHERS`), else the launcher's class name."""
+    target = str((hydra_cfg.get("launcher") or {}).get("_target_", "") or "")
+    cls = target.rsplit(".", 1)[-1]
+    return LAUNCHERS.get(cls, cls or "unknown")
 
 
 def finish_rows(
@@ -464,7 +527,8 @@ def finish_rows(
     concatenates several runs does it once on the result."""
     front = {
         "name": cfg.name, "sweep_id": job["sweep_id"], "job_num": job["job_num"],
-        "overrides": job["overrides"], "run_id": identity_hash(ident), **ident,
+        "launcher": job.get("launcher", "direct"), "overrides": job["overrides"],
+        "run_id": identity_hash(ident), **ident,
     }  # fmt: skip
     df = pd.DataFrame(rows).drop(columns="run_idx", errors="ignore").reset_index(drop=True)
     body = df.drop(columns=[k for k in front if k in df])
@@ -505,17 +569,57 @@ def _previous(out: Path) -> tuple[set[str], str | None, bool]:
 
 
 def _checked_runs(cfg: DictConfig) -> list[DictConfig]:
-    """:func:`grid_runs` with every run's config checked (ConfigError naming the bad value)."""
+    """:func:`grid_runs` with every run's config checked (ConfigError naming the bad value) and
+    its method options converted to their declared types where a word stands for a boolean
+    (``lns=no`` reaches the planner as False, and is the same run as ``lns=false``).
+
+    A grid's runs are checked each (a ``method.impl`` or ``method.options.*`` against every method
+    of ``grid.method``, not against the job's own ``method``)."""
     try:
-        check_config(cfg)
         runs = grid_runs(cfg)
+        failed = []
         for r in runs:
-            check_config(r)
+            try:
+                check_config(r)
+            except ConfigError:
+                raise
+            except ValueError as exc:
+                failed.append((r, str(exc)))
+        if failed:
+            r, msg = failed[0]
+            if len(failed) < len(runs):  # some runs of the grid only: name the first one
+                gridded = [k for k, v in (_container(cfg.get("grid")) or {}).items() if v]
+                values = [f"{k}={r[k].name if k in GRID_GROUPS else r[k]}" for k in gridded]
+                msg = f"grid run {' '.join(values)}: {msg}"
+            raise ConfigError(msg)
+        return [_coerce_bool_options(r) for r in runs]
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return runs
+
+
+def _coerce_bool_options(cfg: DictConfig) -> DictConfig:
+    """``cfg``, or a copy of it whose ``method.options`` hold a boolean wherever a value checked
+    as a boolean (:func:`flashcp.registry.check_options`) was written as a word (``no``, ``off``,
+    ``"false"``). ``cfg`` itself is not changed (its ``run_key`` names the job's folder)."""
+    import copy
+
+    from flashcp.registry import check_options
+
+    raw = _container(cfg.method.options) or {}
+    words = {
+        k: v
+        for k, v in check_options(str(cfg.method.name), raw).items()
+        if isinstance(v, bool) and not isinstance(raw[k], bool)
+    }
+    if not words:
+        return cfg
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        for k, v in words.items():
+            out.method.options[k] = v
+    return out
 
 
 def run(cfg: DictConfig) -> Path | None:

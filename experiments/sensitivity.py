@@ -10,8 +10,9 @@ not overlapped; values stay within what the profile accepts):
 * jointly: a Latin hypercube (``scipy.stats.qmc.LatinHypercube``) of ``num_draws``
   draws of log-uniform factors.
 
-For each draw the same sampled sequences (``num_sequences`` per dataset, CP
-``cp_size``, the run's model) are priced for every method; the statistic is the method's speedup
+For each draw the same sampled sequences (``num_sequences`` per dataset, sampled as
+``flashcp-run`` samples them by default, :func:`flashcp.data.sample_dataset`, so they are the
+sequences of Fig. 5 / 7; CP ``cp_size``, the run's model) are priced for every method; the statistic is the method's speedup
 over ``llama3`` (ratio of mean ``total_ms``, as in ``summary.csv``). Plans and tile counts are
 computed once; only the profile changes between draws.
 
@@ -125,9 +126,9 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     """
     from scipy.stats import qmc
 
-    from flashcp.data import load_distribution, sample_sequences
+    from experiments.run import load_job_hardware
+    from flashcp.data import sample_dataset
     from flashcp.registry import COMM_KIND, get_planner
-    from flashcp.sim import load_hardware
     from flashcp.sim.cost_model import PlanCost
 
     factor, draws = float(cfg.factor), int(cfg.num_draws)
@@ -137,15 +138,15 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
             f"sensitivity needs factor > 1 (got {factor}), num_draws >= 2 (got {draws}) and llama3 "
             f"among the methods (got {methods})"
         )
-    hw = load_hardware(OmegaConf.to_container(cfg.hardware, resolve=True))
+    # explicit constants win over the fitted ones
+    hw, hw_columns = load_job_hardware(OmegaConf.to_container(cfg.hardware, resolve=True))
     m = cfg.model
     shape = AttnShape(int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype))
     n, c = int(cfg.cp_size), int(cfg.context_len)
     costs = {}
     for dataset in datasets:
-        seqs = sample_sequences(
-            load_distribution(dataset, context_len=c), int(cfg.num_sequences), c, seed=int(cfg.seed)
-        )
+        # flashcp-run's sampler and defaults: the sequences of Fig. 5 / 7 (overlong split)
+        seqs, _ = sample_dataset(dataset, int(cfg.num_sequences), c, seed=int(cfg.seed))
         for method in methods:
             planner = get_planner(method)
             costs[(dataset, method)] = [
@@ -165,6 +166,8 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
         rows += [{**r, "kind": "joint", "draw": i + 1, "constant": "", "factor": float("nan"), **{f"f_{k}": v for k, v in fac.items()}}
                  for r in _speedups(costs, perturb(hw, fac), shape, modes)]  # fmt: skip
     df = pd.DataFrame(rows)
+    for k, v in hw_columns.items():  # the profile varied, as flashcp-run records it
+        df[k] = v
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "sensitivity.csv", index=False)

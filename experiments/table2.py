@@ -33,7 +33,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.launch import run_experiment
-from flashcp.config import register_configs
+from flashcp.config import DEFAULT_HIGHS_OPTIONS, register_configs
 from flashcp.resources import resource_path
 from flashcp.results import markdown_table
 
@@ -174,12 +174,15 @@ def run_table2(
         cp_size: N.
         time_limit_s: ILP wall-clock limit per sequence, seconds.
         block_size: ILP granularity in tokens (:func:`flashcp.ilp.block_pieces`).
-        seed: sampling seed.
+        seed: sampling seed. Sequences are sampled as ``flashcp-run`` samples them
+            (:func:`flashcp.data.sample_dataset` with its defaults: documents weighting, cap
+            4 x C, documents longer than C split), so they are the ones of Fig. 5 / 7.
         out_dir: folder for the outputs (created).
         dataset: a :func:`flashcp.data.load_distribution` name (``pile`` for the paper's table).
         target_imbalance: R for ``flashcp`` and ``flashcp_refined``, and the ILP's imbalance cap.
         solver, gap, comm_weight, warm_start, formulation, lp_rounding, lns, highs_options: passed to
-            :func:`flashcp.ilp.plan_ilp`. The default warm start is the better heuristic, so the
+            :func:`flashcp.ilp.plan_ilp` (``highs_options`` equal to flashcp-table2's default,
+            :data:`flashcp.config.DEFAULT_HIGHS_OPTIONS`, is dropped under ``solver="cbc"``). The default warm start is the better heuristic, so the
             ILP row is never worse than the best plan known; ``gap`` is the relative gap at which
             a solve counts as proven optimal.
         workers: processes solving ILPs in parallel (heuristics and baselines run inline).
@@ -188,13 +191,17 @@ def run_table2(
     Raises:
         ValueError: bad dataset or planner options (from the sampler and the planners).
     """
-    from flashcp.data import load_distribution, sample_sequences
+    from flashcp.data import sample_dataset
+
+    if solver != "highs" and dict(highs_options or {}) == DEFAULT_HIGHS_OPTIONS:
+        highs_options = None  # flashcp-table2's default is for HiGHS only
     from flashcp.refined import plan_flashcp_refined
     from flashcp.registry import get_planner
     from flashcp.results import provenance, write_csv_atomic
 
-    dist = load_distribution(dataset, context_len=context_len)
-    seqs = sample_sequences(dist, num_sequences, context_len, seed=seed)
+    # flashcp-run's sampler and defaults (documents longer than C split): the same sequences as
+    # Fig. 5 / 7 for the same dataset, seed and context
+    seqs, _ = sample_dataset(dataset, num_sequences, context_len, seed=seed)
     heuristics = {
         "flashcp": lambda d: get_planner("flashcp")(d, cp_size, target_imbalance=target_imbalance),
         "flashcp_refined": lambda d: plan_flashcp_refined(

@@ -176,6 +176,12 @@ def _plan_command(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--target-imbalance applies only to {takers}, not to method {args.method!r}"
             )
+        given = options.get("target_imbalance")
+        if given is not None and float(given) != float(args.target_imbalance):
+            raise ValueError(
+                f"--target-imbalance {args.target_imbalance} and --option "
+                f"target_imbalance={given} disagree; give one of them"
+            )
         options["target_imbalance"] = args.target_imbalance
     plan = planner(
         doc_lens, args.cp_size, num_pad=args.num_pad, pad_to_multiple=args.pad_to_multiple,

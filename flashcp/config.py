@@ -97,7 +97,9 @@ class DatasetConfig:
 
     #: wlb_llm | pile | redpajama | stress | file (:class:`flashcp.data.DatasetName`)
     name: DatasetName = MISSING
-    #: for name=file: a text/CSV/.npy file of document lengths (tokens), one per document
+    #: for name=file: a text/CSV/.npy file of document lengths (tokens), one per document. Other
+    #: datasets do not read it; flashcp-run refuses it on a command line that selects no
+    #: dataset=file (experiments.launch.dataset_path_problem)
     path: str | None = None
     #: documents (a draw is a document) | tokens (length-biased: d drawn with prob. ∝ d·p(d))
     weighting: str = "documents"
@@ -202,9 +204,12 @@ HardwareConfig = _hardware_schema()
 class GridConfig:
     """``executor=sim``: the runs of one job, sharing its sampled sequences and plans
     (``experiments.run.grid_runs``). Each combination of the listed values is its own run (its
-    own ``run_id`` and identity), equal to the run the overrides ``key=value`` would configure;
-    null leaves the job's own value. Plans are made once per (sequence, method, cp_size) and
-    priced for every model and hardware profile."""
+    own ``run_id`` and identity), equal to the run the overrides ``key=value`` would configure,
+    with every setting the job makes inside a gridded group kept (``model.num_kv_heads=8``,
+    ``method.impl``, ``method.options.*``, ``hardware.<constant>``); null leaves the job's own
+    value. A plain override of a gridded key (``cp_size=2`` beside ``grid.cp_size``) is refused
+    by flashcp-run (``experiments.launch.grid_override_problem``). Plans are made once per
+    (sequence, method, cp_size) and priced for every model and hardware profile."""
 
     #: method options (conf/method/), e.g. [llama3, flashcp]
     method: list[str] | None = None
@@ -270,6 +275,10 @@ class ExperimentConfig:
     run_key: str = "run"
 
 
+#: ``flashcp-table2``'s HiGHS options unless given (HiGHS's own mip_heuristic_effort: 0.05)
+DEFAULT_HIGHS_OPTIONS: MappingProxyType[str, Any] = MappingProxyType({"mip_heuristic_effort": 1.0})
+
+
 @dataclass
 class Table2Config(ExperimentConfig):
     """``flashcp-table2`` (conf/table2.yaml, :func:`experiments.table2.run_table2`): the paper's
@@ -278,8 +287,9 @@ class Table2Config(ExperimentConfig):
 
     name: str = "table2"
     #: the dataset sequences are sampled from (conf/dataset/; the paper's table: dataset=pile).
-    #: Only its name is used: documents weighting, default cap; the other fields must keep their
-    #: defaults (checked by check_experiment_config)
+    #: Only its name is used, sampled as flashcp-run samples it by default
+    #: (flashcp.data.sample_dataset: documents weighting, cap 4 x C, overlong split: the
+    #: sequences of Fig. 5 / 7); the other fields must keep their defaults (check_experiment_config)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     #: N, number of CP ranks
     cp_size: int = 4
@@ -310,9 +320,13 @@ class Table2Config(ExperimentConfig):
     #: improve the MIP start by a neighbourhood search over pairs of ranks (null: on when highspy
     #: is installed; flashcp.ilp.plan_ilp)
     lns: bool | None = None
-    #: HiGHS options by name, passed to the solver (checked before any solve); the default
-    #: mip_heuristic_effort 1.0 (HiGHS's own: 0.05) is the setting experiments/bench_ilp.py measures
-    highs_options: dict[str, Any] = field(default_factory=lambda: {"mip_heuristic_effort": 1.0})
+    #: HiGHS options by name, passed to the solver (checked before any solve). The default
+    #: mip_heuristic_effort 1.0 (HiGHS's own: 0.05) is the setting experiments/bench_ilp.py
+    #: measures; solver=cbc drops it (other HiGHS options with cbc are refused). null passes none
+    #: (HiGHS's own values); highs_options={k: v} adds to the default, as Hydra merges mappings
+    highs_options: dict[str, Any] | None = field(
+        default_factory=lambda: dict(DEFAULT_HIGHS_OPTIONS)
+    )
     #: processes solving ILPs in parallel
     workers: int = 1
 
@@ -489,7 +503,7 @@ def check_config(cfg: Any) -> None:
     Called before any work (and, for ``executor=dist``, before any collective) on a config composed
     against :class:`RunConfig` (the enums are checked by then).
     """
-    from flashcp.comm import AttnShape, check_mode
+    from flashcp.comm import AttnShape
     from flashcp.registry import get_method
 
     if cfg.dataset.name == "file" and cfg.dataset.path is None:
@@ -514,16 +528,29 @@ def check_config(cfg: Any) -> None:
         raise ValueError(f"num_sequences must be >= 1, got {cfg.num_sequences}")
     if cfg.workers < 1:
         raise ValueError(f"workers must be >= 1, got {cfg.workers}")
-    if not cfg.modes:
-        raise ValueError("modes is empty; use [train], [infer] or [train, infer]")
-    for mode in cfg.modes:
-        check_mode(mode)
+    _check_modes(cfg.modes)
     m = cfg.model
     AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
     check_method_options(
         cfg.method.name, cfg.method.options, int(cfg.context_len), int(cfg.cp_size)
     )
     check_impl_config(cfg.method.name, cfg.method.get("impl", "ours"), cfg.executor.name)
+
+
+def _check_modes(modes: Any) -> None:
+    """Raise ValueError for an empty list of modes, an unknown mode or one listed twice."""
+    from flashcp.comm import check_mode
+
+    modes = list(modes)
+    if not modes:
+        raise ValueError("modes is empty; use [train], [infer] or [train, infer]")
+    for mode in modes:
+        check_mode(mode)
+    twice = sorted({m for m in modes if modes.count(m) > 1})
+    if twice:
+        raise ValueError(
+            f"modes = {modes} lists {', '.join(twice)} twice; list each mode once, e.g. [train, infer]"
+        )
 
 
 def check_experiment_config(cfg: Any) -> None:
@@ -534,7 +561,7 @@ def check_experiment_config(cfg: Any) -> None:
     Raises:
         ValueError: naming the bad value.
     """
-    from flashcp.comm import AttnShape, check_mode
+    from flashcp.comm import AttnShape
     from flashcp.registry import get_method
 
     def at_least(key: str, low: float, strict: bool = False) -> None:
@@ -555,10 +582,7 @@ def check_experiment_config(cfg: Any) -> None:
             f"context_len = {cfg.context_len} must be a positive multiple of cp_size = {cfg.cp_size}"
         )
     if "modes" in cfg:
-        if not cfg.modes:
-            raise ValueError("modes is empty; use [train], [infer] or [train, infer]")
-        for mode in cfg.modes:
-            check_mode(mode)
+        _check_modes(cfg.modes)
     if "methods" in cfg:
         for method in cfg.methods:
             get_method(method)  # ValueError naming the known methods
@@ -570,6 +594,12 @@ def check_experiment_config(cfg: Any) -> None:
         raise ValueError(
             f"datasets = {[str(d) for d in cfg.datasets]}: list at least one, and not file "
             "(it needs a path, which this experiment does not take)"
+        )
+    highs = cfg.get("highs_options")
+    if highs and cfg.get("solver") != "highs" and dict(highs) != DEFAULT_HIGHS_OPTIONS:
+        raise ValueError(
+            f"highs_options={dict(highs)} are HiGHS options and solver={cfg.solver}; drop them "
+            "(highs_options=null) or use solver=highs"
         )
     if "dataset" in cfg:  # Table 2 samples by name only
         default = DatasetConfig()

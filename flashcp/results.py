@@ -128,7 +128,7 @@ INT_COLUMNS: tuple[str, ...] = (
 TEXT_COLUMNS: tuple[str, ...] = (
     "run_id", "config_hash", "sweep_id", "git_commit", "code_version", "dataset_path",
     "dataset_sha256", "hardware_sha256", "method_options", "executor_options", "hardware_changes",
-    "modes", "overrides", "status", "error",
+    "modes", "overrides", "launcher", "status", "error",
 )  # fmt: skip
 
 

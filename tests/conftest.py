@@ -3,12 +3,23 @@
 One intra-op thread for the whole session: the tensors under test are tiny, and on a CI machine
 with two busy cores (or with two test workers) torch's thread pool spins instead of helping. The
 forked gloo ranks of ``mp_utils.run_ranks`` set the same.
+
+Hypothesis runs derandomised (profile ``ci``, the default): every run of the suite tries the same
+examples, so a failure reproduces and a pass means the same thing on every machine.
+``HYPOTHESIS_PROFILE=explore`` draws fresh random examples (to look for new failures locally).
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True, scope="session")

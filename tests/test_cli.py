@@ -139,6 +139,9 @@ def test_target_imbalance_is_passed_to_flashcp(capsys):
     assert default["info"]["target_imbalance"] == 1.05
     assert default["info"]["per_doc_docs"] == [0]
     assert default["status"] == "ok" and default["imbalance_ratio"] <= 1.05
+    # the flag and the option may both be given when they agree
+    both = plan_json(capsys, *args, "--target-imbalance", "2", "--option", "target_imbalance=2.0")
+    assert both == loose
 
 
 def test_table_output(capsys):
@@ -202,6 +205,32 @@ def test_doc_lens_file_npy(capsys, tmp_path):
         (["--doc-lens", "4,12", "--target-imbalance", "1.1"], "'per_doc'"),
         (["--doc-lens", "4,12", "--method", "flashcp", "--target-imbalance", "0.5"], "0.5"),
         (["--doc-lens", "4,12", "--method", "flashcp", "--target-imbalance", "x"], "'x'"),
+        (
+            [
+                "--doc-lens",
+                "4,12",
+                "--method",
+                "flashcp",
+                "--target-imbalance",
+                "1.1",
+                "--option",
+                "target_imbalance=1.3",
+            ],
+            "disagree",
+        ),
+        (
+            [
+                "--doc-lens",
+                "4,12",
+                "--method",
+                "flashcp_refined",
+                "--target-imbalance",
+                "2",
+                "--option",
+                "target_imbalance=1.05",
+            ],
+            "--option target_imbalance=1.05 disagree",
+        ),
         (["--doc-lens", "4,12", "--doc-lens-file", "lens.txt"], "--doc-lens-file"),
         ([], "--doc-lens"),
     ],

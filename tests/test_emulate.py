@@ -245,6 +245,7 @@ def test_flashcp_run_executor_emulate(tmp_path):
 def test_gpu_check_quick_replays_fits_and_reports(tmp_path):
     import pandas as pd
 
+    import flashcp.sim.calibration  # noqa: F401  the real fit: a failed import fails this test
     from experiments import gpu_check
 
     code = gpu_check.main([

@@ -251,7 +251,9 @@ def test_signal_ends_sweep_with_one_line_and_no_orphans(tmp_path, signum, to_gro
     assert proc.returncode == code, err[-2000:]
     assert "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith(line)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30  # the workers end with the run; poll, do not time them
+    while _group_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _group_pids(proc.pid) == [], "worker processes outlived flashcp-run"
     assert not (tmp_path / "sig" / ".sweep.lock").exists()  # the next sweep starts cleanly
 

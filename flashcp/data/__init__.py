@@ -10,7 +10,10 @@ length distribution and appending them until C is full; the last one is cut to f
 * :mod:`flashcp.data.files`: reading the distribution tables and users' length files (pandas:
   CSV, Parquet, JSON; also ``.npy`` and plain text), and :mod:`flashcp.data.datasets`, which maps
   each dataset name (:data:`DATASETS`) to its distribution (:func:`load_distribution`);
-* :mod:`flashcp.data.packing`: :func:`sample_packed` and :func:`sample_sequences`.
+* :mod:`flashcp.data.packing`: :func:`sample_packed` and :func:`sample_sequences`;
+* :mod:`flashcp.data.overlong`: documents longer than the context (:class:`OverlongDocs`) and
+  :func:`sample_dataset`, the sampler of every experiment (``flashcp-run``, ``flashcp-table2``,
+  ``flashcp-sensitivity``: the same dataset, seed and context give the same sequences).
 
 Every public name is importable from :mod:`flashcp.data` itself. Units: every length is in
 tokens; arrays of lengths are int64.
@@ -33,22 +36,26 @@ from flashcp.data.files import (
     read_lengths_file,
     read_table,
 )
+from flashcp.data.overlong import OVERLONG_POLICIES, OverlongDocs, sample_dataset
 from flashcp.data.packing import sample_packed, sample_sequences
 
 __all__ = [
     "DATASETS",
     "LENGTH_FILE_FORMATS",
+    "OVERLONG_POLICIES",
     "WEIGHTINGS",
     "BinnedDistribution",
     "DatasetName",
     "EmpiricalDistribution",
     "LengthDistribution",
     "LogNormalMixture",
+    "OverlongDocs",
     "StressNormal",
     "default_data_dir",
     "load_distribution",
     "read_lengths_file",
     "read_table",
+    "sample_dataset",
     "sample_packed",
     "sample_sequences",
 ]

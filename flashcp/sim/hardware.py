@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from itertools import pairwise
 from pathlib import Path
@@ -36,6 +37,7 @@ __all__ = [
     "hardware_dir",
     "list_hardware",
     "load_hardware",
+    "profile_changes",
     "read_fitted",
     "read_profile",
 ]
@@ -354,8 +356,25 @@ def read_fitted(sections) -> dict[str, float]:
     return out
 
 
+def profile_changes(hw: dict[str, Any]) -> dict[str, Any]:
+    """Constants of a composed profile ``hw`` that differ from its file
+    ``conf/hardware/<hw["name"]>.yaml`` (:func:`read_profile`): the values set on top of the
+    file, e.g. on the command line (``hardware.launch_us=10``). Every key when ``hw`` names no
+    profile file. A ``defaults`` key is ignored. A value equal to the file's is not a change, so
+    ``hardware.fwd_tile_tflops=<the file's value>`` still gets the fitted value.
+
+    Returns:
+        ``{constant: value}`` of the changed keys (the ``calibration`` key included when changed).
+    """
+    name = hw.get("name")
+    base = read_profile(name) if isinstance(name, str) and name in list_hardware() else {}
+    return {k: v for k, v in hw.items() if k != "defaults" and base.get(k) != v}
+
+
 def load_hardware(
-    name_or_dict: str | dict | HardwareProfile, calibrated: bool = True
+    name_or_dict: str | dict | HardwareProfile,
+    calibrated: bool = True,
+    explicit: Iterable[str] = (),
 ) -> HardwareProfile:
     """Load a profile by name (``conf/hardware/<name>.yaml``, :func:`read_profile`) or build it
     from a flat dict.
@@ -363,12 +382,16 @@ def load_hardware(
     A ``calibration`` key (a list of section names of
     ``results/calibration/fitted_constants.yaml``) overrides the listed constants with their
     fitted values, unless ``calibrated`` is False (the calibration experiment starts from the
-    YAML's own values).
+    YAML's own values). A constant set explicitly over the profile's file (a mapping whose value
+    differs from ``conf/hardware/<name>.yaml``, :func:`profile_changes`: a command-line override
+    such as ``hardware.fwd_tile_tflops=150``) wins over its fitted value.
 
     Args:
         name_or_dict: a profile name, a mapping of constants (e.g. Hydra's composed
             ``hardware`` group; a Hydra ``defaults`` key is ignored), or a profile (returned as is).
         calibrated: apply the fitted constants named by ``calibration``.
+        explicit: constants set explicitly even where equal to the file's value (the command
+            line's ``hardware.<key>=...``); they win over the fitted values too.
     Returns:
         The validated :class:`HardwareProfile`.
     Raises:
@@ -378,7 +401,7 @@ def load_hardware(
     if isinstance(name_or_dict, HardwareProfile):
         return name_or_dict
     if isinstance(name_or_dict, str):
-        return load_hardware(read_profile(name_or_dict), calibrated)
+        return load_hardware(read_profile(name_or_dict), calibrated, explicit)
     try:
         data = dict(name_or_dict)
     except (TypeError, ValueError):
@@ -392,7 +415,8 @@ def load_hardware(
         unknown = sorted(set(fitted) - {f.name for f in fields(HardwareProfile) if f.init})
         if unknown:
             raise ValueError(f"fitted constants name unknown hardware key(s): {', '.join(unknown)}")
-        data.update(fitted)
+        mine = set(profile_changes(data)) | set(explicit)
+        data.update({k: v for k, v in fitted.items() if k not in mine})
     known = {f.name for f in fields(HardwareProfile) if f.init}
     for key in data:
         if key not in known:

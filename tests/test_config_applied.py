@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+
+pytest.importorskip("hydra")
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 

@@ -86,14 +86,14 @@ def toy():
 
 def test_the_registry_lists_every_method_once_in_display_order():
     assert method_names() == (
-        "llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "ilp",
+        "llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "ulysses", "ilp",
     )  # fmt: skip
     assert method_names(paper=True) == ("llama3", "per_doc", "ring", "zigzag", "flashcp")
     assert method_names(fast=True) == method_names()[:-1]
     assert dict(COMM_KIND) == {
         "llama3": "allgather_full", "per_doc": "allgather_full", "ring": "p2p_ring",
         "zigzag": "p2p_ring", "flashcp": "allgather_sharded",
-        "flashcp_refined": "allgather_sharded", "ilp": "allgather_sharded",
+        "flashcp_refined": "allgather_sharded", "ilp": "allgather_sharded", "ulysses": "alltoall",
     }  # fmt: skip
     assert all(isinstance(k, CommKind) for k in COMM_KIND.values())
     # one Hydra method config per registered method, and no other
@@ -349,5 +349,5 @@ def test_the_plan_cli_takes_any_planner_option(capsys):
         assert main([*args, "--option", bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], err
-    assert main(["plan", "--method", "ulysses", "--cp-size", "2", "--doc-lens", "4"]) == 2
-    assert "invalid choice: 'ulysses'" in capsys.readouterr().err
+    assert main(["plan", "--method", "striped", "--cp-size", "2", "--doc-lens", "4"]) == 2
+    assert "invalid choice: 'striped'" in capsys.readouterr().err

@@ -1,0 +1,115 @@
+"""Head-parallel (Ulysses) context parallelism: the pure pieces shared by its planners, its op, the
+communication volumes and the simulator (docs/design.md §3, "Methods beyond the paper").
+
+DeepSpeed-Ulysses (Jacobs et al., 2023) splits the *heads*, not the tokens, for attention: an
+all-to-all inside a group of ``u`` ranks turns each rank's (T tokens, H heads) into (u T tokens,
+H / u heads), every rank attends over all of its group's tokens for its heads, and a second
+all-to-all turns the output back. ``u`` is the Ulysses degree: ``u = N`` for ``ulysses``; hybrids
+use groups of ``u`` consecutive ranks and another scheme across the ``N / u`` groups.
+
+A head-parallel plan is an ordinary :class:`~flashcp.plan.Plan` of the N ranks' tokens whose
+``info["ulysses_degree"]`` is ``u``; ranks ``g u .. g u + u - 1`` form group g. Its
+:meth:`~flashcp.plan.Plan.group_plan` is the plan of the ``N / u`` groups as super-ranks (each
+holding its ranks' shards), which is what the attention kernels and any cross-group
+communication see.
+
+Heads (:func:`ulysses_heads`): the degree must divide the query heads, and either divide the KV
+heads or be a multiple of them; in the latter case (``num_kv_heads < u``) every KV head is
+replicated ``u / num_kv_heads`` times before the all-to-all, so that each rank receives the one KV
+head its query heads use, and the replicas' gradients are summed on the way back.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["UlyssesHeads", "check_ulysses_degree", "ulysses_heads", "valid_ulysses_degrees"]
+
+
+class UlyssesHeads(NamedTuple):
+    """How heads are split over a Ulysses group of ``degree`` ranks.
+
+    Attributes:
+        degree: u, ranks of the group.
+        num_heads, num_kv_heads: H and Hkv of the model.
+        kv_replication: r, copies of each KV head sent (1 unless ``num_kv_heads < degree``).
+        heads_per_rank: H / u query heads each rank attends with.
+        kv_heads_per_rank: r Hkv / u KV heads each rank receives.
+    """
+
+    degree: int
+    num_heads: int
+    num_kv_heads: int
+    kv_replication: int
+    heads_per_rank: int
+    kv_heads_per_rank: int
+
+
+def _is_valid(degree: int, num_heads: int, num_kv_heads: int) -> bool:
+    return num_heads % degree == 0 and (num_kv_heads % degree == 0 or degree % num_kv_heads == 0)
+
+
+def valid_ulysses_degrees(num_heads: int, num_kv_heads: int) -> list[int]:
+    """Every Ulysses degree u that ``num_heads`` query and ``num_kv_heads`` KV heads allow: u divides
+    ``num_heads`` and either divides ``num_kv_heads`` or is a multiple of it (ascending)."""
+    return [u for u in range(1, num_heads + 1) if _is_valid(u, num_heads, num_kv_heads)]
+
+
+def _check_positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def ulysses_heads(num_heads: int, num_kv_heads: int, degree: int) -> UlyssesHeads:
+    """Split ``num_heads`` query and ``num_kv_heads`` KV heads over a Ulysses group of ``degree``.
+
+    Args:
+        num_heads: H >= 1; num_kv_heads: Hkv >= 1 dividing H; degree: u >= 1.
+    Returns:
+        :class:`UlyssesHeads`.
+    Raises:
+        ValueError: a non-positive value, ``H % Hkv != 0``, or a degree the heads do not allow:
+            the one-line message names H, Hkv and u and the nearest valid degrees.
+    """
+    h = _check_positive("num_heads", num_heads)
+    hkv = _check_positive("num_kv_heads", num_kv_heads)
+    u = _check_positive("ulysses degree", degree)
+    if h % hkv:
+        raise ValueError(f"num_heads = {h} is not a multiple of num_kv_heads = {hkv}")
+    if not _is_valid(u, h, hkv):
+        valid = valid_ulysses_degrees(h, hkv)
+        below = [x for x in valid if x < u]
+        above = [x for x in valid if x > u]
+        near = ", ".join(str(x) for x in (below[-1:] + above[:1]))
+        why = (
+            f"does not divide num_heads = {h}"
+            if h % u
+            else f"neither divides nor is a multiple of num_kv_heads = {hkv}"
+        )
+        raise ValueError(
+            f"ulysses degree {u} {why} (with {h} query and {hkv} KV heads the valid degrees are "
+            f"{', '.join(map(str, valid))}; nearest: {near})"
+        )
+    r = 1 if hkv % u == 0 else u // hkv
+    return UlyssesHeads(u, h, hkv, r, h // u, r * hkv // u)
+
+
+def check_ulysses_degree(degree, cp_size: int) -> int:
+    """Check a Ulysses degree against the CP size (heads are checked later, by
+    :func:`ulysses_heads`, where they are known).
+
+    Returns:
+        the degree as an int.
+    Raises:
+        ValueError: ``degree`` is not a positive integer dividing ``cp_size`` (naming both and the
+            valid degrees).
+    """
+    u = _check_positive("ulysses_degree", degree)
+    if cp_size % u:
+        divisors = [x for x in range(1, cp_size + 1) if cp_size % x == 0]
+        raise ValueError(
+            f"ulysses_degree = {u} does not divide cp_size = {cp_size}; choose one of "
+            f"{', '.join(map(str, divisors))}"
+        )
+    return u

@@ -23,7 +23,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["UlyssesHeads", "check_ulysses_degree", "ulysses_heads", "valid_ulysses_degrees"]
+__all__ = [
+    "UlyssesHeads",
+    "check_ulysses_degree",
+    "split_groups",
+    "ulysses_heads",
+    "valid_ulysses_degrees",
+]
 
 
 class UlyssesHeads(NamedTuple):
@@ -99,12 +105,18 @@ def check_ulysses_degree(degree, cp_size: int) -> int:
     """Check a Ulysses degree against the CP size (heads are checked later, by
     :func:`ulysses_heads`, where they are known).
 
+    Args:
+        degree: u >= 1 dividing ``cp_size``, or None: the largest divisor of ``cp_size`` not
+            above its square root (a square-ish grid of groups: 1 up to 3 ranks, 2 for 4 to 8,
+            4 for 16).
     Returns:
         the degree as an int.
     Raises:
         ValueError: ``degree`` is not a positive integer dividing ``cp_size`` (naming both and the
             valid degrees).
     """
+    if degree is None:
+        return max(x for x in range(1, int(cp_size**0.5) + 1) if cp_size % x == 0)
     u = _check_positive("ulysses_degree", degree)
     if cp_size % u:
         divisors = [x for x in range(1, cp_size + 1) if cp_size % x == 0]
@@ -113,3 +125,54 @@ def check_ulysses_degree(degree, cp_size: int) -> int:
             f"{', '.join(map(str, divisors))}"
         )
     return u
+
+
+def split_groups(group_plan, degree: int, method: str, validate: bool = True):
+    """The plan of ``N = G u`` ranks whose groups of ``u`` consecutive ranks hold the super-ranks of
+    ``group_plan`` (G ranks): super-rank g's local rows (its shards in order, then its pad) cut
+    into u consecutive pieces of C/N rows, piece j on rank ``g u + j`` (so a group's all-to-all
+    puts the super-rank's rows back in order). ``info`` is the group plan's plus
+    ``ulysses_degree = u``; :meth:`~flashcp.plan.Plan.group_plan` gives the super-ranks back.
+
+    Args:
+        group_plan: a valid plan of G super-ranks (pad rows last on each, as every plan has).
+        degree: u >= 1.
+        method: the method stored in the result.
+    Returns:
+        a :class:`~flashcp.plan.Plan` of ``G u`` ranks.
+    Raises:
+        ValueError: the super-ranks' rows do not divide by u (C not divisible by N).
+    """
+    import numpy as np
+
+    from flashcp.plan import cu_seqlens, make_plan
+
+    g_n, u = group_plan.cp_size, int(degree)
+    rows = group_plan.context_len // g_n if g_n else 0
+    if rows % u:
+        raise ValueError(
+            f"context_len = {group_plan.context_len} is not divisible by cp_size = {g_n * u}"
+        )
+    t = rows // u
+    rank, doc, start, length = [], [], [], []
+    for g in range(g_n):
+        d, s, ln = group_plan.rank_shards(g)
+        off = cu_seqlens(ln)  # local row of each shard's first token, then the document rows
+        # cut every shard at the piece boundaries inside it
+        cuts = np.union1d(off, np.arange(0, int(off[-1]), t, dtype=np.int64)) if t else off
+        pos = cuts[:-1]
+        which = np.searchsorted(off, pos, side="right") - 1  # shard of each piece
+        rank.append(g * u + pos // t if t else np.full(pos.size, g * u))
+        doc.append(d[which])
+        start.append(s[which] + pos - off[which])
+        length.append(np.diff(cuts))
+    real = np.concatenate([np.asarray(x, dtype=np.int64) for x in length]) if length else []
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
+    rank_c = cat(rank)
+    doc_rows = np.bincount(rank_c, weights=real, minlength=g_n * u).astype(np.int64)
+    pad = t - doc_rows
+    info = {**group_plan.info, "ulysses_degree": u}
+    return make_plan(
+        method, g_n * u, group_plan.doc_lens, rank_c, cat(doc), cat(start), cat(length),
+        status=group_plan.status, info=info, pad=pad, validate=validate,
+    )  # fmt: skip

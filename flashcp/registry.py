@@ -418,3 +418,14 @@ register_method(MethodSpec(
     comm_kind=CommKind.ALLTOALL, prepare="flashcp.ops.ulysses_attn:prepare_ulysses",
     attn="flashcp.ops.ulysses_attn:ulysses_attn", color="#e377c2",
 ))  # fmt: skip
+register_method(MethodSpec(
+    name="usp", display_name="USP (Ulysses x ring)", order=64, planner="baselines.usp:plan_usp",
+    comm_kind=CommKind.P2P_RING, prepare="flashcp.ops.hybrid_attn:prepare_usp",
+    attn="flashcp.ops.hybrid_attn:usp_attn", color="#bcbd22",
+))  # fmt: skip
+register_method(MethodSpec(
+    name="flashcp_ulysses", display_name="FlashCP x Ulysses", order=66,
+    planner="flashcp.hybrid:plan_flashcp_ulysses", comm_kind=CommKind.ALLGATHER_SHARDED,
+    prepare="flashcp.ops.hybrid_attn:prepare_flashcp_ulysses",
+    attn="flashcp.ops.hybrid_attn:flashcp_ulysses_attn", color="#17becf",
+))  # fmt: skip

@@ -86,7 +86,8 @@ def toy():
 
 def test_the_registry_lists_every_method_once_in_display_order():
     assert method_names() == (
-        "llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "ulysses", "ilp",
+        "llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "ulysses", "usp",
+        "flashcp_ulysses", "ilp",
     )  # fmt: skip
     assert method_names(paper=True) == ("llama3", "per_doc", "ring", "zigzag", "flashcp")
     assert method_names(fast=True) == method_names()[:-1]
@@ -94,6 +95,7 @@ def test_the_registry_lists_every_method_once_in_display_order():
         "llama3": "allgather_full", "per_doc": "allgather_full", "ring": "p2p_ring",
         "zigzag": "p2p_ring", "flashcp": "allgather_sharded",
         "flashcp_refined": "allgather_sharded", "ilp": "allgather_sharded", "ulysses": "alltoall",
+        "usp": "p2p_ring", "flashcp_ulysses": "allgather_sharded",
     }  # fmt: skip
     assert all(isinstance(k, CommKind) for k in COMM_KIND.values())
     # one Hydra method config per registered method, and no other

@@ -77,6 +77,7 @@ ring methods of :class:`PlanCost` work on any leading axes (a stack of plans is 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -163,6 +164,15 @@ class PlanCost:
         self.num_docs = plan.num_docs
         self._masks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._fwd_memo: dict[AttnShape, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        #: head-parallel hybrid (ulysses_degree u > 1 with KV moved across groups): the inner
+        #: method's cost on the group plan, for H/u heads (:meth:`_step_hybrid`)
+        self.u = plan.ulysses_degree if comm_kind != "alltoall" else 1
+        self.inner: PlanCost | None = None
+        if self.u > 1:
+            across = plan.group_plan()
+            inner = "zigzag" if comm_kind == "p2p_ring" else "flashcp"
+            self.inner = PlanCost(dataclasses.replace(across, method=inner), hw, comm_kind, impl)
+            return
         if comm_kind == "p2p_ring":
             self.ops = impl_ops(impl, plan.method)
             self._init_ring()
@@ -175,7 +185,7 @@ class PlanCost:
         """This plan's cost on another profile, reusing the tile counts when its tile shapes are
         the same (a shallow copy; only ``hw`` changes), else rebuilt."""
         blocks = ("fwd_block_q", "fwd_block_k", "bwd_block_q", "bwd_block_k")
-        if any(getattr(hw, b) != getattr(self.hw, b) for b in blocks):
+        if self.inner is not None or any(getattr(hw, b) != getattr(self.hw, b) for b in blocks):
             return PlanCost(self.plan, hw, self.comm_kind, self.impl)
         other = copy.copy(self)
         other.hw = hw
@@ -209,6 +219,8 @@ class PlanCost:
         for the ring family (plus its merges and accumulations, which the ring issues between
         kernels). The one model of each layout's compute, used by the step model and by Fig. 3.
         """
+        if self.inner is not None:
+            return self.inner.attention_us(self._hybrid_shape(shape), train)
         if self.comm_kind == "alltoall":
             return self._alltoall_kernels_us(shape, train)
         if self.comm_kind == "p2p_ring":
@@ -346,40 +358,66 @@ class PlanCost:
         )
         return fwd, bwd
 
+    def _hybrid_shape(self, shape: AttnShape) -> AttnShape:
+        """The heads one rank of a head-parallel group attends with: H/u and r Hkv/u."""
+        from flashcp.head_parallel import ulysses_heads
+
+        heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, self.u)
+        return AttnShape(heads.heads_per_rank, heads.kv_heads_per_rank, shape.head_dim, shape.dtype)
+
+    def _step_hybrid(self, shape: AttnShape, mode: str) -> dict[str, float]:
+        """A hybrid (``usp``, ``flashcp_ulysses``): the inner method's step on the group plan for
+        H/u heads (its kernels, copies and cross-group communication), plus the all-to-alls of
+        the u-rank groups around it (:meth:`_alltoall_phases` without kernels)."""
+        out = self.inner.step(self._hybrid_shape(shape), mode)
+        a2a = self._alltoall_phases(shape, mode == "train", self.u, 0.0, 0.0)
+        return {c: out[c] + a2a[c] for c in PHASE_COLUMNS if c != "total_ms"}
+
     def _step_alltoall(
         self, shape: AttnShape, train: bool, vol: dict[str, int]
     ) -> dict[str, float]:
-        """Ulysses on one rank (all ranks do the same work: the slowest is any of them).
+        """Ulysses on one rank (all ranks do the same work: the slowest is any of them):
+        :meth:`_alltoall_phases` of the N-rank group around the kernels of
+        :meth:`_alltoall_kernels_us`."""
+        fwd_k, bwd_k = (float(x[0]) for x in self._alltoall_kernels_us(shape, train))
+        return self._alltoall_phases(shape, train, self.n, fwd_k, bwd_k)
 
-        Forward: KV heads replicated when num_kv_heads < N (two copies), q, k, v packed into one
+    def _alltoall_phases(
+        self, shape: AttnShape, train: bool, degree: int, fwd_k: float, bwd_k: float
+    ) -> dict[str, float]:
+        """The all-to-alls of a head-parallel group of u = ``degree`` ranks around kernels of
+        ``fwd_k`` / ``bwd_k`` µs (the same on every rank).
+
+        Forward: KV heads replicated when num_kv_heads < u (two copies), q, k, v packed into one
         send buffer (one copy), one all-to-all of T (H + 2 r Hkv) D elements, the received
-        buffer split into q, k, v (one copy), the kernel, the output padded (one copy), one
+        buffer split into q, k, v (one copy), the kernels, the output padded (one copy), one
         all-to-all of T H D elements back and transposed into place (one copy). Backward: dO
-        packed and sent (copy, all-to-all), the kernel backward, dQ and dK/dV padded and cast
-        (two copies), two all-to-alls back (dQ, then dK/dV in their ``comm_volume`` dtype), two
+        packed and sent (copy, all-to-all), the kernels, dQ and dK/dV padded and cast (two
+        copies), two all-to-alls back (dQ, then dK/dV in their ``comm_volume`` dtype), two
         transposes into place (and the replicas summed). An all-to-all of a rank's S-byte
-        buffer receives (N-1)/N S bytes (:meth:`HardwareProfile.alltoall_us`). Copies move read +
+        buffer receives (u-1)/u S bytes (:meth:`HardwareProfile.alltoall_us`). Copies move read +
         written bytes at ``copy_bw_gbps``; every op costs ``host_op_us`` on the host, every
-        all-to-all ``collective_host_us``.
+        all-to-all ``collective_host_us``; T = C / N.
         """
-        hw, n = self.hw, self.n
-        heads, local = self._alltoall_heads(shape)
+        from flashcp.head_parallel import ulysses_heads
+
+        hw, u = self.hw, degree
+        heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, u)
         e, d = shape.dtype_bytes, shape.head_dim
-        t = self.plan.context_len / n
+        t = self.plan.context_len / self.plan.cp_size
         r = heads.kv_replication
         qkv = t * (shape.num_heads + 2 * r * shape.num_kv_heads) * d * e  # send buffer, bytes
         o = t * shape.num_heads * d * e
-        frac = (n - 1) / n
+        frac = (u - 1) / u
 
         def a2a(nbytes):
-            return hw.alltoall_us(frac * nbytes, nbytes) if n > 1 else 0.0
+            return hw.alltoall_us(frac * nbytes, nbytes) if u > 1 else 0.0
 
-        fwd_k, bwd_k = (float(x[0]) for x in self._alltoall_kernels_us(shape, train))
+        colls = hw.collective_host_us if u > 1 else 0.0
         rep = self._op_us(2, 2 * t * shape.num_kv_heads * d * e * (1 + r)) if r > 1 else 0.0
         copies_f = rep + self._op_us(3, 2 * qkv) + self._op_us(2, 2 * o)
         comm_f = a2a(qkv) + a2a(o)
-        ops_f = 7 + (2 if r > 1 else 0)
-        host_f = ops_f * hw.host_op_us + (2 * hw.collective_host_us if n > 1 else 0.0)
+        host_f = (7 + (2 if r > 1 else 0)) * hw.host_op_us + 2 * colls
         dev_f = copies_f + comm_f + fwd_k
         out = {
             "allgather_ms": 0.0,
@@ -395,14 +433,13 @@ class PlanCost:
         acc = grad_comm_bytes(shape)  # compute dtype: whole gradients leave the kernel in it
         # dK/dV send buffer: model dtype, or partial sums in grad_comm_dtype when replicated
         dkv = 2 * t * r * shape.num_kv_heads * d * (e if r == 1 else acc)
-        rows = n * t
-        pads = self._op_us(2, rows * local.num_heads * d * (acc + e))
-        pads += self._op_us(2, rows * 2 * local.num_kv_heads * d * acc + dkv)
+        rows = u * t
+        pads = self._op_us(2, rows * heads.heads_per_rank * d * (acc + e))
+        pads += self._op_us(2, rows * 2 * heads.kv_heads_per_rank * d * acc + dkv)
         summed = self._op_us(1, 2 * dkv) if r > 1 else 0.0
         copies_b = self._op_us(1, 2 * o) + pads + self._op_us(2, 2 * (o + dkv)) + summed
         comm_b = a2a(o) + a2a(o) + a2a(dkv)
-        ops_b = 9 + (1 if r > 1 else 0)
-        host_b = ops_b * hw.host_op_us + (3 * hw.collective_host_us if n > 1 else 0.0)
+        host_b = (9 + (1 if r > 1 else 0)) * hw.host_op_us + 3 * colls
         dev_b = copies_b + comm_b + bwd_k
         out["attn_bwd_ms"] = bwd_k / 1e3
         out["alltoall_ms"] += comm_b / 1e3
@@ -640,7 +677,9 @@ class PlanCost:
         check_mode(mode)
         train = mode == "train"
         vol = comm_volume(self.plan, self.comm_kind, shape, mode)
-        if self.comm_kind == "p2p_ring":
+        if self.inner is not None:
+            out = self._step_hybrid(shape, mode)
+        elif self.comm_kind == "p2p_ring":
             fwd_p2p = vol["p2p_bytes"]
             if train:
                 fwd_p2p = comm_volume(self.plan, self.comm_kind, shape, "infer")["p2p_bytes"]
@@ -675,7 +714,8 @@ def step_many(costs: Sequence[PlanCost], shape: AttnShape, mode: str) -> dict[st
         return {c: np.zeros(0) for c in cols}
     first = costs[0]
     same = all(
-        c.hw is first.hw and c.n == first.n and c.comm_kind == first.comm_kind for c in costs
+        c.hw is first.hw and c.n == first.n and c.comm_kind == first.comm_kind and c.inner is None
+        for c in costs
     )
     if same and first.comm_kind == "p2p_ring" and all(c.ops == first.ops for c in costs):
         return _step_ring_batch(costs, shape, mode)

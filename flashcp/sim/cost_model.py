@@ -185,11 +185,13 @@ class PlanCost:
         """This plan's cost on another profile, reusing the tile counts when its tile shapes are
         the same (a shallow copy; only ``hw`` changes), else rebuilt."""
         blocks = ("fwd_block_q", "fwd_block_k", "bwd_block_q", "bwd_block_k")
-        if self.inner is not None or any(getattr(hw, b) != getattr(self.hw, b) for b in blocks):
+        if any(getattr(hw, b) != getattr(self.hw, b) for b in blocks):
             return PlanCost(self.plan, hw, self.comm_kind, self.impl)
         other = copy.copy(self)
         other.hw = hw
         other._fwd_memo = {}  # forward compute depends on the profile's constants
+        if self.inner is not None:
+            other.inner = self.inner.with_hardware(hw)
         return other
 
     # ---- all-gather family -------------------------------------------------------------------

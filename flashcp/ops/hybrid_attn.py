@@ -104,6 +104,25 @@ def hybrid_groups(degree: int, group=None) -> HybridGroups:
     return HybridGroups(degree, group, intra, cross)
 
 
+#: 2-D groups already made in this process, per (CP group, degree): ``(group, default group at the
+#: time, HybridGroups)``. Process groups are made once and kept (as torch.distributed keeps its
+#: own), so a run over many batches does not create new ones per batch; a re-initialised default
+#: group gets new ones.
+_MADE: dict[tuple[int, int], tuple] = {}
+
+
+def _groups_of(degree: int, group) -> HybridGroups:
+    """:func:`hybrid_groups` of ``group``, made on the first call per (group, degree)."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    key = (id(group), degree)
+    hit = _MADE.get(key)
+    if hit is not None and hit[0] is group and hit[1] is world:
+        return hit[2]
+    made = hybrid_groups(degree, group)
+    _MADE[key] = (group, world, made)
+    return made
+
+
 @dataclass(eq=False)
 class HybridMeta:
     """Per-batch metadata of one rank (build with ``prepare_usp`` / ``prepare_flashcp_ulysses``).
@@ -127,7 +146,6 @@ class HybridMeta:
     tokens: int
     inner: RingMeta | AllGatherMeta
     rows: int
-    _groups: dict = field(default_factory=dict, repr=False)
     _verified: set = field(default_factory=set, repr=False)
 
 
@@ -314,9 +332,9 @@ def hybrid_attention(q, k, v, meta: HybridMeta, group=None, *, method: str, soft
         q: (C/N, num_heads, head_dim); k, v: (C/N, num_kv_heads, head_dim), laid out as the plan
             gives this rank (:func:`flashcp.ops.sharding.shard_tensor`). Any float dtype.
         meta: from ``prepare_<method>(plan, rank)``.
-        group: the N CP ranks (None: the default group), or their :func:`hybrid_groups` (made
-            once and reused; otherwise they are made on the first call with this metadata, a
-            collective of every rank).
+        group: the N CP ranks (None: the default group), or their :func:`hybrid_groups`; for a
+            plain group they are made on the first call with its degree (a collective of every
+            rank) and reused by later calls in this process.
         softmax_scale, backend, timer: as every op's; counter: ``CommCounter`` (``alltoall``
             bytes, and the inner op's ``p2p`` or ``allgather`` / ``reducescatter`` bytes).
         grad_comm_dtype: dtype of the inner op's gradient partial sums and of replicated KV
@@ -334,10 +352,7 @@ def hybrid_attention(q, k, v, meta: HybridMeta, group=None, *, method: str, soft
     if isinstance(group, HybridGroups):
         groups, parent = group, group.parent
     else:
-        parent = group
-        if id(group) not in meta._groups:
-            meta._groups[id(group)] = hybrid_groups(meta.degree, group)
-        groups = meta._groups[id(group)]
+        groups, parent = _groups_of(meta.degree, group), group
     if meta.cp_size > 1 and id(parent) not in meta._verified:
         check_same_plan(meta.plan, parent)
         meta._verified.add(id(parent))

@@ -213,3 +213,28 @@ def test_sim_hybrid_is_the_inner_method_for_h_over_u_heads_plus_the_alltoalls():
             assert got["alltoall_ms"] == pytest.approx(fwd, rel=1e-12)
         else:
             assert got["alltoall_ms"] > 2 * fwd
+
+
+@pytest.mark.parametrize("method, inner", [("usp", "zigzag"), ("flashcp_ulysses", "flashcp")])
+def test_group_plans_are_the_inner_planners_plans(method, inner):
+    """Loop over random inputs (zero-length documents, pad): the hybrid's group plan is the inner
+    planner's plan of the N/u groups, shard for shard and pad for pad; every rank holds C/N rows,
+    a group's ranks its super-rank's rows in order, and the workload is the group's / u."""
+    from flashcp.ops.sharding import global_rows
+
+    rng = np.random.default_rng(3)
+    for _ in range(12):
+        n, u = [(4, 2), (8, 2), (8, 4), (16, 4), (6, 3)][int(rng.integers(5))]
+        lens = [int(x) for x in rng.integers(0, 90, size=int(rng.integers(1, 9)))]
+        pad = int(rng.integers(0, 2 * n))
+        plan = make_plan_for(method, lens, n, ulysses_degree=u, num_pad=pad, pad_to_multiple=True)
+        ref = make_plan_for(inner, lens, n // u, num_pad=plan.num_pad)
+        g = plan.group_plan()
+        for col in ("rank", "doc", "start", "length", "pad"):
+            assert (getattr(g, col) == getattr(ref, col)).all(), col
+        assert (plan.tokens_per_rank == plan.context_len // n).all()
+        for s in range(n // u):
+            rows = np.concatenate([global_rows(plan, s * u + j) for j in range(u)])
+            assert (rows == global_rows(ref, s)).all()
+        assert np.allclose(plan.workload_per_rank, np.repeat(ref.workload_per_rank / u, u))
+        assert plan.summary()["imbalance_ratio"] == pytest.approx(ref.imbalance_ratio)

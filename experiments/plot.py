@@ -10,6 +10,8 @@
 * ``fig7``: speedup over ``llama3`` against context length, one line per method, training and
   inference panels — the paper's Fig. 7.
 * ``fig3``: kernel efficiency (TFLOP/s per layout) from ``fig3.csv`` — the paper's Fig. 3.
+* ``fig5_peers``: ``fig5`` with the head-parallel peers (``ulysses``, ``usp`` per
+  ``ulysses_degree``, ``flashcp_ulysses``), bars grouped by (heads, KV heads, CP size).
 
 A figure that cannot be drawn faithfully raises ValueError saying why (two summary rows for one bar,
 a grid the figure has no axis for); a bar or point without data is drawn as a marked gap ("n/a"),
@@ -192,6 +194,79 @@ def _mark_missing_phases(ax, x: float, bottom: float, top: float, phases: list[s
             backgroundcolor="white")  # fmt: skip
 
 
+def _variant(row) -> tuple[str, str]:
+    """``(method, ulysses_degree or "")`` of a summary row: the series of ``fig5_peers``."""
+    import json
+
+    opts = row.get("method_options")
+    opts = json.loads(opts) if isinstance(opts, str) and opts else {}
+    u = opts.get("ulysses_degree")
+    return str(row["method"]), "" if u is None else str(u)
+
+
+def _variant_label(method: str, degree: str) -> str:
+    return _label(method) + (f", u={degree}" if degree else "")
+
+
+def plot_fig5_peers(summary: pd.DataFrame, out: Path) -> Path:
+    """Fig. 5's speedup bars over llama3 with the peers: one series per (method, ulysses_degree),
+    bars grouped by (heads, KV heads, CP size), one panel per (mode, dataset)."""
+    _require(summary, "fig5")
+    summary = summary.copy()
+    variants = [_variant(r) for _, r in summary.iterrows()]
+    summary["_series"] = [f"{m}|{u}" for m, u in variants]
+    _one_per(summary, "fig5_peers", ["mode", "dataset", "_series", "num_heads", "num_kv_heads",
+                                     "cp_size"])  # fmt: skip
+    order = {m: i for i, m in enumerate(_methods(summary))}
+    series = sorted(set(variants), key=lambda v: (order[v[0]], int(v[1] or 0)))
+    modes = [m for m in ("train", "infer") if m in set(summary["mode"])]
+    datasets = _datasets(summary)
+    keys = ["num_heads", "num_kv_heads", "cp_size"]
+    groups = list(summary[keys].drop_duplicates().sort_values(keys).itertuples(index=False,
+                                                                              name=None))  # fmt: skip
+    fig, axes = plt.subplots(
+        len(modes), len(datasets), figsize=(max(9.0, 6.0 * len(datasets)), 3.4 * len(modes)),
+        squeeze=False, sharey="row",
+    )  # fmt: skip
+    width = 0.85 / len(series)
+    shades = {}
+    for i, mode in enumerate(modes):
+        for j, ds in enumerate(datasets):
+            ax = axes[i][j]
+            sub = summary[(summary["mode"] == mode) & (summary["dataset"] == ds)]
+            for k, (method, degree) in enumerate(series):
+                m = sub[sub["_series"] == f"{method}|{degree}"].set_index(keys)
+                m = m.reindex(pd.MultiIndex.from_tuples(groups, names=keys))
+                vals = list(m["speedup_vs_llama3"].astype("float64"))
+                xs = [g + (k - (len(series) - 1) / 2) * width for g in range(len(groups))]
+                # variants of one method share its colour, told apart by hatching
+                hatch = shades.setdefault((method, degree), ["", "//", "xx"][
+                    sum(1 for mm, _ in shades if mm == method) % 3])  # fmt: skip
+                ax.bar(xs, vals, width, label=_variant_label(method, degree), color=_color(method),
+                       hatch=hatch, yerr=_yerr(m, "speedup_vs_llama3"),
+                       error_kw={"elinewidth": 0.6, "capsize": 1.0})  # fmt: skip
+                for x, v in zip(xs, vals, strict=True):
+                    if v != v:
+                        _mark_missing(ax, x)
+            ax.axhline(1.0, color="black", lw=0.8, ls="--")
+            ax.set_xticks(range(len(groups)),
+                          [f"{int(h)}h/{int(kv)}kv, CP{int(cp)}" for h, kv, cp in groups],
+                          fontsize=7, rotation=20)  # fmt: skip
+            ax.set_title(f"{ds} — {'training' if mode == 'train' else 'inference'}", fontsize=10)
+            if j == 0:
+                ax.set_ylabel("speedup over llama3")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(series), 5), fontsize=8,
+               frameon=False)  # fmt: skip
+    note = _bars_note(_yerr(summary, "speedup_vs_llama3") is not None)
+    fig.suptitle("Attention-layer speedup over Llama3 CP, with head-parallel peers\n"
+                 f"({_subtitle(summary)}; {note})", fontsize=10)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
 def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
     """Fig. 6-style stacked latency breakdown per method (one CP size and model per dataset), of
     training when the summary has it, else of the mode it has (the title says which). A bar
@@ -340,14 +415,15 @@ def plot_fig3(table: pd.DataFrame, out: Path) -> Path:
 
 
 def draw(fig: str, exp_dir: str | Path) -> Path:
-    """Draw figure ``fig`` (fig3 | fig5 | fig6 | fig7) from the CSVs in ``exp_dir``.
+    """Draw figure ``fig`` (fig3 | fig5 | fig6 | fig7 | fig5_peers) from the CSVs in ``exp_dir``.
 
     Raises:
         ValueError: unknown figure name, its CSV is missing, or the data cannot be drawn faithfully
             (the message says why).
     """
     exp_dir = Path(exp_dir)
-    plotters = {"fig5": plot_fig5, "fig6": plot_fig6, "fig7": plot_fig7, "fig3": plot_fig3}
+    plotters = {"fig5": plot_fig5, "fig6": plot_fig6, "fig7": plot_fig7, "fig3": plot_fig3,
+                "fig5_peers": plot_fig5_peers}  # fmt: skip
     if fig not in plotters:
         raise ValueError(f"unknown figure {fig!r}; choose one of {', '.join(plotters)}")
     csv = exp_dir / ("fig3.csv" if fig == "fig3" else "summary.csv")
@@ -366,7 +442,8 @@ def _cli(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("fig", choices=["fig3", "fig5", "fig6", "fig7"], help="figure to draw")
+    ap.add_argument("fig", choices=["fig3", "fig5", "fig6", "fig7", "fig5_peers"],
+                    help="figure to draw")  # fmt: skip
     ap.add_argument("exp_dir", metavar="RESULTS_DIR/NAME", help="experiment folder with its CSV")
     args = ap.parse_args(argv)
     try:

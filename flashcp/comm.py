@@ -20,6 +20,17 @@ them by default (:func:`flashcp.ops.collectives.resolve_grad_comm_dtype`).
   training passes the KV blocks around again and the dK/dV partial sums too, N-1 hops in
   ``grad_comm_dtype``.
 
+* head-parallel plans (``ulysses``, ``alltoall``; any plan with ``ulysses_degree`` u > 1,
+  docs/design.md §3): one all-to-all of a (T, h, D) tensor over a group of u ranks, T = C/N rows
+  per rank (pad rows included: they travel in the equal-split all-to-all), makes one rank receive
+  ``(u - 1) / u * T * h * D`` elements. The forward moves q (h = H), k and v (h = r Hkv each, r
+  the KV replication of :func:`flashcp.head_parallel.ulysses_heads`) in and the output (H) back;
+  training moves dO (H) in and dQ (H), dK, dV (r Hkv) back: dQ, and dK / dV when r = 1, are whole
+  gradients in the model dtype; replicated KV heads' gradients are partial sums, in
+  ``grad_comm_dtype``. Communication across the N / u groups is the family above of
+  ``comm_kind`` on the plan's :meth:`~flashcp.plan.Plan.group_plan`, for the r Hkv / u KV heads a
+  rank holds (none for ``alltoall``, which needs u = N).
+
 Reducing gradients in bfloat16 would round every rank's partial sum (or, around the ring, the
 growing sum at every hop), so the dK/dV error would grow with cp_size.
 """
@@ -32,7 +43,14 @@ from typing import Literal
 
 from flashcp.plan import Plan, kv_bytes
 
-__all__ = ["DTYPE_BYTES", "MODES", "AttnShape", "comm_volume", "grad_comm_bytes"]
+__all__ = [
+    "DTYPE_BYTES",
+    "MODES",
+    "AttnShape",
+    "alltoall_bytes",
+    "comm_volume",
+    "grad_comm_bytes",
+]
 
 DTYPE_BYTES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8})
 MODES = ("train", "infer")
@@ -103,6 +121,13 @@ def grad_comm_bytes(shape: AttnShape, grad_comm_dtype: str | None = None) -> int
     return DTYPE_BYTES[grad_comm_dtype]
 
 
+def alltoall_bytes(tokens: int, heads: int, head_dim: int, dtype_bytes: int, degree: int) -> int:
+    """Bytes one rank receives in one Ulysses all-to-all of a (tokens, heads, head_dim) tensor over
+    ``degree`` ranks: ``(u - 1) / u * tokens * heads * head_dim * dtype_bytes`` (it keeps its own
+    1/u). ``heads`` must divide by ``degree`` (:func:`flashcp.head_parallel.ulysses_heads`)."""
+    return (degree - 1) * tokens * (heads // degree) * head_dim * dtype_bytes
+
+
 def comm_volume(
     plan: Plan, comm_kind: str, shape: AttnShape, mode: Mode, grad_comm_dtype: str | None = None
 ) -> dict[str, int]:
@@ -110,43 +135,67 @@ def comm_volume(
 
     Args:
         plan: the plan.
-        comm_kind: ``allgather_full``, ``allgather_sharded`` or ``p2p_ring``
-            (:data:`flashcp.registry.COMM_KIND`).
+        comm_kind: ``allgather_full``, ``allgather_sharded``, ``p2p_ring`` or ``alltoall``
+            (:data:`flashcp.registry.COMM_KIND`); for a head-parallel plan, the kind across its
+            groups.
         shape: attention shape (KV heads, head_dim, dtype).
         mode: ``train`` or ``infer``.
         grad_comm_dtype: dtype of the dK/dV reduce-scatter (all-gather family) or ring hops
             (ring family), a key of :data:`DTYPE_BYTES`; None: the ops' default, the model dtype
             promoted to at least float32 (see :func:`grad_comm_bytes`).
     Returns:
-        ``{"allgather_bytes", "reducescatter_bytes", "p2p_bytes", "comm_bytes"}`` (ints; ``comm_bytes``
-        is their sum).
+        ``{"allgather_bytes", "reducescatter_bytes", "p2p_bytes", "alltoall_bytes",
+        "comm_bytes"}`` (ints; ``comm_bytes`` is their sum).
     Raises:
-        ValueError: unknown ``comm_kind``, ``mode`` or ``grad_comm_dtype``.
+        ValueError: unknown ``comm_kind``, ``mode`` or ``grad_comm_dtype``; heads that the plan's
+            Ulysses degree does not allow (:func:`flashcp.head_parallel.ulysses_heads`), or
+            ``alltoall`` for a plan whose degree is not its cp_size.
     """
+    from flashcp.head_parallel import ulysses_heads
+
     check_mode(mode)
+    kinds = ("allgather_full", "allgather_sharded", "p2p_ring", "alltoall")
+    if comm_kind not in kinds:
+        raise ValueError(f"unknown comm_kind {comm_kind!r}; choose {', '.join(kinds)}")
     train = mode == "train"
-    n = plan.cp_size
     grad_elem = grad_comm_bytes(shape, grad_comm_dtype)
+    u = plan.cp_size if comm_kind == "alltoall" else plan.ulysses_degree
+    if comm_kind == "alltoall" and plan.ulysses_degree not in (1, u):
+        raise ValueError(
+            f"comm_kind alltoall is Ulysses over all {u} ranks, but the plan's ulysses_degree is "
+            f"{plan.ulysses_degree}"
+        )
+    a2a = 0
+    kv_heads = shape.num_kv_heads
+    if u > 1:
+        heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, u)
+        kv_heads = heads.kv_heads_per_rank
+        t, d, e = plan.context_len // plan.cp_size, shape.head_dim, shape.dtype_bytes
+        q_or_o = alltoall_bytes(t, shape.num_heads, d, e, u)
+        kv = alltoall_bytes(t, heads.kv_replication * shape.num_kv_heads, d, e, u)
+        a2a = 2 * q_or_o + 2 * kv  # fwd: q, k, v in, out back
+        if train:  # bwd: dO in, dQ back (model dtype); dK, dV back, partial sums if replicated
+            dkv_elem = e if heads.kv_replication == 1 else grad_elem
+            a2a += 2 * q_or_o + 2 * kv // e * dkv_elem
+    across = plan.group_plan() if u == plan.ulysses_degree else None
     ag = rs = p2p = 0
     if comm_kind in ("allgather_full", "allgather_sharded"):
-        tokens = plan.comm_tokens_full if comm_kind == "allgather_full" else plan.comm_tokens
-        one = shape.kv_bytes(tokens)
+        tokens = across.comm_tokens_full if comm_kind == "allgather_full" else across.comm_tokens
+        one = kv_bytes(tokens, kv_heads, shape.head_dim, shape.dtype_bytes)
         ag = 2 * one if train else one
         # bwd: dK/dV of the same rows, reduce-scattered in grad_comm_dtype
-        rs = kv_bytes(tokens, shape.num_kv_heads, shape.head_dim, grad_elem) if train else 0
+        rs = kv_bytes(tokens, kv_heads, shape.head_dim, grad_elem) if train else 0
     elif comm_kind == "p2p_ring":
-        tokens = (n - 1) * int(plan.doc_tokens_per_rank.max())  # blocks leave out pad rows
-        one = shape.kv_bytes(tokens)
+        # blocks leave out pad rows
+        tokens = (across.cp_size - 1) * int(across.doc_tokens_per_rank.max())
+        one = kv_bytes(tokens, kv_heads, shape.head_dim, shape.dtype_bytes)
         # fwd KV; bwd KV again + dK/dV partial sums in grad_comm_dtype
-        grad = kv_bytes(tokens, shape.num_kv_heads, shape.head_dim, grad_elem)
+        grad = kv_bytes(tokens, kv_heads, shape.head_dim, grad_elem)
         p2p = 2 * one + grad if train else one
-    else:
-        raise ValueError(
-            f"unknown comm_kind {comm_kind!r}; choose allgather_full, allgather_sharded or p2p_ring"
-        )
     return {
         "allgather_bytes": int(ag),
         "reducescatter_bytes": int(rs),
         "p2p_bytes": int(p2p),
-        "comm_bytes": int(ag + rs + p2p),
+        "alltoall_bytes": int(a2a),
+        "comm_bytes": int(ag + rs + p2p + a2a),
     }

@@ -352,8 +352,14 @@ class Plan:
 
     @property
     def workload_per_rank(self) -> np.ndarray:
-        """(cp_size,) float64, sum of Eq. 3 over each rank's shards (query-key pairs per head)."""
-        return np.bincount(self.rank, weights=self.shard_workload, minlength=self.cp_size)
+        """(cp_size,) float64, query-key pairs per head each rank computes: the sum of Eq. 3 over
+        its shards; in a head-parallel plan (:attr:`ulysses_degree` u > 1) every rank of a group
+        attends over all of its group's tokens for 1/u of the heads, so the group's sum / u."""
+        w = np.bincount(self.rank, weights=self.shard_workload, minlength=self.cp_size)
+        u = self.ulysses_degree
+        if u == 1:
+            return w
+        return np.repeat(w.reshape(-1, u).mean(axis=1), u)
 
     @property
     def imbalance_ratio(self) -> float:
@@ -361,6 +367,29 @@ class Plan:
         when there is no work at all)."""
         w = self.workload_per_rank
         return float(w.max() / w.mean()) if w.any() else 1.0
+
+    # ---- head parallelism (docs/design.md §3; flashcp.head_parallel) ---------------------------
+    @property
+    def ulysses_degree(self) -> int:
+        """u, ranks of a head-parallel (Ulysses) group: ``info["ulysses_degree"]``, 1 (no head
+        parallelism) when absent. Ranks ``g u .. g u + u - 1`` form group g."""
+        return int(self.info.get("ulysses_degree", 1))
+
+    def group_plan(self) -> Plan:
+        """The plan of the ``cp_size / u`` head-parallel groups as super-ranks (group g holds its
+        ranks' shards, in rank order; pieces that continue each other merge), with u = 1 in its
+        ``info``; ``self`` when u = 1. Its shards are the attention segments every rank of the
+        group computes (for its heads), and its metrics are those of the communication across
+        groups."""
+        u = self.ulysses_degree
+        if u == 1:
+            return self
+        info = {**self.info, "ulysses_degree": 1}
+        pad = self.pad.reshape(-1, u).sum(axis=1)
+        return make_plan(
+            self.method, self.cp_size // u, self.doc_lens, self.rank // u, self.doc, self.start,
+            self.length, status=self.status, info=info, pad=pad, validate=False,
+        )  # fmt: skip
 
     # ---- communication -----------------------------------------------------------------------
     @property
@@ -501,11 +530,17 @@ class Plan:
         sharding-aware method (:class:`flashcp.registry.CommKind` ``ALLGATHER_SHARDED``, and any
         unregistered method name), Eq. 4 for full all-gather and ring methods, which move the whole
         KV whatever the layout. ``comm_tokens_sharded`` is Eq. 5 on the layout in every case.
+        A head-parallel plan (:attr:`ulysses_degree` u > 1) reports these, and its pieces, on its
+        :meth:`group_plan`: the KV moved across groups (tokens of 1/u of the KV heads; 0 for
+        ``ulysses``, which has one group) and the segments the kernels see.
         """
-        full = self.comm_tokens_full
+        # a head-parallel plan moves KV across its groups only: the group plan's tokens (each for
+        # 1/u of the KV heads); its all-to-alls are bytes (flashcp.comm.comm_volume), not KV tokens
+        across = self.group_plan()
+        full = across.comm_tokens_full
         kind = comm_kind_of(self.method, default=CommKind.ALLGATHER_SHARDED)
         sharded = kind is CommKind.ALLGATHER_SHARDED
-        moved = self.comm_tokens if sharded else full
+        moved = across.comm_tokens if sharded else full
         return {
             "method": self.method,
             "cp_size": self.cp_size,
@@ -517,10 +552,10 @@ class Plan:
             "comm_tokens": moved,
             "comm_tokens_full": full,
             "comm_saving": 1.0 - moved / full if full else 0.0,
-            "comm_tokens_sharded": self.comm_tokens,
-            "num_split_docs": int(self.split_docs.size),
-            "num_pieces": self.num_pieces,
-            "max_shards_per_rank": int(self.shards_per_rank.max()),
+            "comm_tokens_sharded": across.comm_tokens,
+            "num_split_docs": int(across.split_docs.size),
+            "num_pieces": across.num_pieces,
+            "max_shards_per_rank": int(across.shards_per_rank.max()),
         }
 
     def to_dict(self) -> dict[str, Any]:

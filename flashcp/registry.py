@@ -69,6 +69,9 @@ class CommKind(StrEnum):
     ALLGATHER_SHARDED = "allgather_sharded"
     #: ring point-to-point: N - 1 steps of one C / N block each
     P2P_RING = "p2p_ring"
+    #: head-parallel all-to-all only (Ulysses over all N ranks): q, k, v in and the output back,
+    #: no KV exchange between ranks (docs/design.md §3, "Methods beyond the paper")
+    ALLTOALL = "alltoall"
 
 
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -409,4 +412,20 @@ register_method(MethodSpec(
 register_method(MethodSpec(
     name="ilp", display_name="ILP", order=70, planner="flashcp.ilp:plan_ilp",
     comm_kind=CommKind.ALLGATHER_SHARDED, **_ALLGATHER_SHARDED_OP, color="#8c564b", fast=False,
+))  # fmt: skip
+register_method(MethodSpec(
+    name="ulysses", display_name="Ulysses", order=62, planner="baselines.ulysses:plan_ulysses",
+    comm_kind=CommKind.ALLTOALL, prepare="flashcp.ops.ulysses_attn:prepare_ulysses",
+    attn="flashcp.ops.ulysses_attn:ulysses_attn", color="#e377c2",
+))  # fmt: skip
+register_method(MethodSpec(
+    name="usp", display_name="USP (Ulysses x ring)", order=64, planner="baselines.usp:plan_usp",
+    comm_kind=CommKind.P2P_RING, prepare="flashcp.ops.hybrid_attn:prepare_usp",
+    attn="flashcp.ops.hybrid_attn:usp_attn", color="#bcbd22",
+))  # fmt: skip
+register_method(MethodSpec(
+    name="flashcp_ulysses", display_name="FlashCP x Ulysses", order=66,
+    planner="flashcp.hybrid:plan_flashcp_ulysses", comm_kind=CommKind.ALLGATHER_SHARDED,
+    prepare="flashcp.ops.hybrid_attn:prepare_flashcp_ulysses",
+    attn="flashcp.ops.hybrid_attn:flashcp_ulysses_attn", color="#17becf",
 ))  # fmt: skip

@@ -49,6 +49,7 @@ PHASE_COLUMNS: tuple[str, ...] = (
     "attn_bwd_ms",
     "reducescatter_ms",
     "p2p_ms",
+    "alltoall_ms",
     "others_ms",
     "total_ms",
 )
@@ -58,6 +59,7 @@ COMM_COLUMNS: tuple[str, ...] = (
     "allgather_bytes",
     "reducescatter_bytes",
     "p2p_bytes",
+    "alltoall_bytes",
     "comm_bytes",
 )
 

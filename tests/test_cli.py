@@ -40,16 +40,19 @@ def assert_json_matches_plan(data: dict, plan) -> None:
     assert data["context_len"] == plan.context_len
     assert data["imbalance_ratio"] == pytest.approx(plan.imbalance_ratio)
     # what the method moves: Eq. 5 for sharding-aware methods, the full KV (Eq. 4) otherwise
+    # (a head-parallel plan moves KV only across its groups: the metrics of its group plan)
     sharded = COMM_KIND[plan.method] == "allgather_sharded"
-    moved = plan.comm_tokens if sharded else plan.comm_tokens_full
+    across = plan.group_plan()
+    moved = across.comm_tokens if sharded else across.comm_tokens_full
     assert data["comm_tokens"] == moved
-    assert data["comm_tokens_sharded"] == plan.comm_tokens
-    assert data["comm_tokens_full"] == plan.comm_tokens_full
-    assert data["comm_saving"] == pytest.approx(1 - moved / plan.comm_tokens_full)
+    assert data["comm_tokens_sharded"] == across.comm_tokens
+    assert data["comm_tokens_full"] == across.comm_tokens_full
+    full = across.comm_tokens_full
+    assert data["comm_saving"] == pytest.approx(1 - moved / full if full else 0.0)
     if not sharded:
         assert data["comm_saving"] == 0.0
     assert [r["rank"] for r in data["ranks"]] == list(range(plan.cp_size))
-    assert data["num_pieces"] == plan.num_pieces and data["num_pad"] == plan.num_pad
+    assert data["num_pieces"] == across.num_pieces and data["num_pad"] == plan.num_pad
     for r, shards in enumerate(plan.ranks()):
         entry = data["ranks"][r]
         assert entry["tokens"] == int(plan.tokens_per_rank[r])
@@ -201,7 +204,7 @@ def test_doc_lens_file_npy(capsys, tmp_path):
         (["--doc-lens", "4,12", "--cp-size", "3"], "cp_size = 3"),
         (["--doc-lens", "4,12", "--cp-size", "two"], "'two'"),
         (["--doc-lens", "6,12", "--method", "llama3"], "2 * cp_size = 4"),
-        (["--doc-lens", "4,12", "--method", "ulysses"], "'ulysses'"),
+        (["--doc-lens", "4,12", "--method", "striped"], "'striped'"),
         (["--doc-lens", "4,12", "--target-imbalance", "1.1"], "'per_doc'"),
         (["--doc-lens", "4,12", "--method", "flashcp", "--target-imbalance", "0.5"], "0.5"),
         (["--doc-lens", "4,12", "--method", "flashcp", "--target-imbalance", "x"], "'x'"),

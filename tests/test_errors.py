@@ -53,7 +53,7 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["method=nope"], "method=nope: no such option; choose one of flashcp, flashcp_refined, ilp,"),
+        (["method=nope"], "method=nope: no such option; choose one of flashcp, flashcp_refined, flashcp_ulysses,"),
         (["hydra/launcher=nope"], "hydra/launcher=nope: no such option; choose one of basic, joblib,"),
         (["cp_sise=4"], "unknown key cp_sise (in cp_sise=4); did you mean cp_size?"),
         (["+cp_sise=4"], "unknown key cp_sise (in +cp_sise=4); did you mean cp_size?"),

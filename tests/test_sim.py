@@ -258,7 +258,7 @@ def test_comm_kind_override_and_errors():
     with pytest.raises(ValueError, match="mode"):
         simulate(plan, SHAPE, HW, "eval")
     with pytest.raises(ValueError, match="comm_kind"):
-        simulate(plan, SHAPE, HW, "train", comm_kind="alltoall")
+        simulate(plan, SHAPE, HW, "train", comm_kind="all_to_everyone")
     with pytest.raises(ValueError, match="mode"):
         simulate_many(plan, [SHAPE], ["train", "bogus"], HW)
 

@@ -22,8 +22,9 @@ group is replaced, by an in-process :class:`~flashcp.ops.collectives.LocalGroup`
 is cut out of the rank's timeline and replaced by the simulator's model on the hardware profile
 (:mod:`flashcp.sim.hardware`), on a virtual timeline (:func:`compose_comm`):
 
-* all-gather / reduce-scatter: blocking, ``HardwareProfile.collective_us(recv, total, busbw)``,
-  the same formula and bytes as :mod:`flashcp.sim.cost_model`;
+* all-gather / reduce-scatter / all-to-all: blocking, ``HardwareProfile.collective_us(recv,
+  total, busbw)`` (``alltoall_us`` for the all-to-all), the same formula and bytes as
+  :mod:`flashcp.sim.cost_model`;
 * ring exchange: the transfer starts when it is posted (or when the link frees up: transfers of
   one rank are serialised on its link) and takes ``HardwareProfile.p2p_us(bytes)``; a wait that
   comes before the transfer ends stalls the rank for the difference, which is ``p2p_ms`` (the
@@ -77,7 +78,7 @@ __all__ = [
 ]
 
 #: phases of the op's timer that the emulated communication replaces by the model
-COMM_PHASES: tuple[str, ...] = ("allgather", "reducescatter", "p2p")
+COMM_PHASES: tuple[str, ...] = ("allgather", "reducescatter", "p2p", "alltoall")
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
@@ -189,6 +190,13 @@ class RecordingGroup(LocalGroup):
             acc += p[rows]
         output.copy_(acc)
         self._keep("reducescatter", [output])
+
+    def all_to_all_single(self, output, inp) -> None:
+        parts = self._exchange(inp)
+        m = output.shape[0] // self.world.n
+        mine = slice(self._rank * m, (self._rank + 1) * m)
+        torch.cat([p[mine] for p in parts], dim=0, out=output)
+        self._keep("alltoall", [output])
 
     def check_same_plan(self, plan) -> None:
         digests = self._exchange(plan.digest())
@@ -404,8 +412,8 @@ class CommCall:
     """One emulated communication call on a replayed rank's timeline.
 
     Attributes:
-        kind: ``allgather`` / ``reducescatter`` (blocking collectives), ``post`` / ``wait`` (the two
-            halves of a ring exchange).
+        kind: ``allgather`` / ``reducescatter`` / ``alltoall`` (blocking collectives), ``post`` /
+            ``wait`` (the two halves of a ring exchange).
         recv_bytes: bytes this rank receives (for ``post``: of the exchange; 0 for ``wait``).
         begin_ms, end_ms: when the emulated call started and ended on the measured timeline.
         handle: pairs a ``wait`` with its ``post``.
@@ -435,7 +443,7 @@ def compose_comm(
         hw: the hardware profile.
         cp_size: N.
     Returns:
-        ``allgather_ms``, ``reducescatter_ms`` (modelled), ``p2p_ms`` (exposed transfer time),
+        ``allgather_ms``, ``reducescatter_ms``, ``alltoall_ms`` (modelled), ``p2p_ms`` (exposed transfer time),
         ``comm_measured_ms`` (the emulated calls' own time, removed) and ``total_ms`` (virtual).
     Raises:
         ValueError: an unknown kind, or a ``wait`` without its ``post``.
@@ -444,7 +452,8 @@ def compose_comm(
     shift = 0.0  # virtual time - measured time at the current point, ms
     link_free = float("-inf")
     ready: dict[int, float] = {}
-    out = {"allgather_ms": 0.0, "reducescatter_ms": 0.0, "p2p_ms": 0.0, "comm_measured_ms": 0.0}
+    out = {"allgather_ms": 0.0, "reducescatter_ms": 0.0, "p2p_ms": 0.0, "alltoall_ms": 0.0}
+    out["comm_measured_ms"] = 0.0
     for c in calls:
         span = c.end_ms - c.begin_ms
         out["comm_measured_ms"] += span
@@ -453,6 +462,10 @@ def compose_comm(
             bw = hw.allgather_busbw_gbps if c.kind == "allgather" else hw.reducescatter_busbw_gbps
             model = hw.collective_us(c.recv_bytes, c.recv_bytes * scale, bw) / 1e3
             out[f"{c.kind}_ms"] += model
+            shift += model - span
+        elif c.kind == "alltoall":
+            model = hw.alltoall_us(c.recv_bytes, c.recv_bytes * scale) / 1e3
+            out["alltoall_ms"] += model
             shift += model - span
         elif c.kind == "post":
             start = max(at, link_free)
@@ -532,6 +545,11 @@ class ReplayGroup(LocalGroup):
         self._collective(
             "reducescatter", output, (self.n - 1) * output.numel() * output.element_size()
         )
+
+    def all_to_all_single(self, output, inp) -> None:
+        # a rank receives every part but its own
+        nbytes = output.numel() * output.element_size()
+        self._collective("alltoall", output, (self.n - 1) * nbytes // self.n)
 
     def check_same_plan(self, plan) -> None:
         if plan.digest() != self.recording.digest:

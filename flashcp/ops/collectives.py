@@ -5,7 +5,9 @@ rank *received*, by kind, with the same keys and conventions as :func:`flashcp.c
 
 * all-gather of a per-rank buffer of ``b`` bytes: this rank receives ``(N - 1) * b``;
 * reduce-scatter to an output of ``b`` bytes per rank: this rank receives ``(N - 1) * b``;
-* point-to-point: the bytes of every received buffer (the ring ops call :meth:`CommCounter.add`).
+* point-to-point: the bytes of every received buffer (the ring ops call :meth:`CommCounter.add`);
+* all-to-all of a buffer of ``b`` bytes split in N equal parts: this rank receives
+  ``(N - 1) / N * b`` (it keeps its own part).
 
 Gradient partial sums cross ranks in one dtype chosen by :func:`resolve_grad_comm_dtype` (the
 ``grad_comm_dtype`` option of every CP op).
@@ -29,6 +31,7 @@ __all__ = [
     "CommCounter",
     "LocalGroup",
     "all_gather_into_tensor",
+    "all_to_all_single",
     "check_same_plan",
     "group_rank",
     "group_size",
@@ -36,7 +39,7 @@ __all__ = [
     "resolve_grad_comm_dtype",
 ]
 
-COMM_KINDS: tuple[str, ...] = ("allgather", "reducescatter", "p2p")
+COMM_KINDS: tuple[str, ...] = ("allgather", "reducescatter", "p2p", "alltoall")
 #: names accepted by ``grad_comm_dtype`` (as in :data:`flashcp.comm.DTYPE_BYTES`)
 GRAD_COMM_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32", "float64")
 
@@ -73,7 +76,8 @@ def resolve_grad_comm_dtype(grad_comm_dtype, dtype: torch.dtype) -> torch.dtype:
 class CommCounter:
     """Bytes received by this rank, by kind of communication.
 
-    ``as_dict()`` gives ``{"allgather_bytes", "reducescatter_bytes", "p2p_bytes", "comm_bytes"}``
+    ``as_dict()`` gives ``{"allgather_bytes", "reducescatter_bytes", "p2p_bytes", "alltoall_bytes",
+    "comm_bytes"}``
     (the keys of :func:`flashcp.comm.comm_volume`; ``comm_bytes`` is their sum).
     """
 
@@ -81,7 +85,7 @@ class CommCounter:
         self.bytes: dict[str, int] = dict.fromkeys(COMM_KINDS, 0)
 
     def add(self, kind: str, nbytes: int) -> None:
-        """Count ``nbytes`` received bytes of ``kind`` (``allgather``, ``reducescatter``, ``p2p``).
+        """Count ``nbytes`` received bytes of ``kind`` (one of :data:`COMM_KINDS`).
 
         Raises:
             ValueError: unknown kind or negative byte count.
@@ -129,6 +133,11 @@ class LocalGroup:
 
     def reduce_scatter_tensor(self, output: torch.Tensor, inp: torch.Tensor) -> None:
         """Fill ``output`` (n, ...) with this rank's slice of the sum of every rank's ``inp``."""
+        raise NotImplementedError
+
+    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor) -> None:
+        """Fill part j of ``output`` (N * n, ...) with part ``rank`` of rank j's ``inp``
+        (N * n, ...)."""
         raise NotImplementedError
 
     def check_same_plan(self, plan) -> None:
@@ -212,6 +221,32 @@ def reduce_scatter_tensor(
         _REDUCE_SCATTER(output, inp.contiguous(), op=dist.ReduceOp.SUM, group=group)
     if counter is not None:
         counter.add("reducescatter", (n - 1) * _nbytes(output))
+    return output
+
+
+def all_to_all_single(
+    output: torch.Tensor, inp: torch.Tensor, group=None, counter: CommCounter | None = None
+) -> torch.Tensor:
+    """All-to-all of equal parts, counted (``torch.distributed.all_to_all_single``; gloo and NCCL
+    support it).
+
+    Args:
+        output: (N * n, ...) receives, at rows ``j*n:(j+1)*n``, part ``rank`` of rank j's ``inp``.
+        inp: (N * n, ...) contiguous, same dtype and shape as ``output``; rows ``j*n:(j+1)*n`` go
+            to rank j.
+    Returns:
+        ``output``. With one rank it is a copy of ``inp`` and nothing is counted.
+    """
+    n = group_size(group)
+    if n == 1:
+        output.copy_(inp)
+        return output
+    if isinstance(group, LocalGroup):
+        group.all_to_all_single(output, inp.contiguous())
+    else:
+        dist.all_to_all_single(output, inp.contiguous(), group=group)
+    if counter is not None:
+        counter.add("alltoall", (n - 1) * _nbytes(output) // n)
     return output
 
 

@@ -51,6 +51,14 @@ merged rows back); the backward accumulates dQ, dK, dV. Per step t the device ti
 ``overlap_us(attention + merges, p2p_step)`` and the step takes
 ``max_r max(device, host)``; the backward's last dK/dV hop is exposed after its last step.
 
+**Head-parallel all-to-all** (``alltoall``: ``ulysses``; :meth:`PlanCost._step_alltoall`). Every
+rank runs one varlen call over every whole document for H/N query heads (and its r Hkv / N KV
+heads), the same call on every rank, so the kernel model of :mod:`flashcp.sim.kernel` on whole
+documents; the forward's two all-to-alls (q, k, v in; the output back) and the backward's three
+(dO in; dQ, dK/dV back) are blocking collectives of ``comm_volume``'s bytes priced by
+:meth:`HardwareProfile.alltoall_us`; the packing, splitting and padding copies around them are
+memory-bound ops (``others_ms``). ``alltoall_ms`` holds the all-to-alls.
+
 ``attn_*_ms`` hold attention kernels (slowed by contention), ``others_ms`` merges, copies,
 accumulations and host excess, ``p2p_ms`` / ``allgather_ms`` / ``reducescatter_ms`` the exposed
 communication; ``total_ms`` is their sum.
@@ -69,12 +77,13 @@ ring methods of :class:`PlanCost` work on any leading axes (a stack of plans is 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from flashcp.comm import AttnShape, check_mode, comm_volume
+from flashcp.comm import AttnShape, check_mode, comm_volume, grad_comm_bytes
 from flashcp.plan import Plan, cu_seqlens
 from flashcp.registry import COMM_KIND
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
@@ -84,7 +93,7 @@ from flashcp.sim.kernel import TileStats, bwd_extra_us, bwd_tile_counts, fwd_til
 
 __all__ = ["COMM_KINDS", "PlanCost", "overlap_us", "simulate", "simulate_many", "step_many"]
 
-COMM_KINDS = ("allgather_full", "allgather_sharded", "p2p_ring")
+COMM_KINDS = ("allgather_full", "allgather_sharded", "p2p_ring", "alltoall")
 
 
 def _check_comm_kind(plan: Plan, comm_kind: str | None) -> str:
@@ -155,9 +164,20 @@ class PlanCost:
         self.num_docs = plan.num_docs
         self._masks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._fwd_memo: dict[AttnShape, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        #: head-parallel hybrid (ulysses_degree u > 1 with KV moved across groups): the inner
+        #: method's cost on the group plan, for H/u heads (:meth:`_step_hybrid`)
+        self.u = plan.ulysses_degree if comm_kind != "alltoall" else 1
+        self.inner: PlanCost | None = None
+        if self.u > 1:
+            across = plan.group_plan()
+            inner = "zigzag" if comm_kind == "p2p_ring" else "flashcp"
+            self.inner = PlanCost(dataclasses.replace(across, method=inner), hw, comm_kind, impl)
+            return
         if comm_kind == "p2p_ring":
             self.ops = impl_ops(impl, plan.method)
             self._init_ring()
+        elif comm_kind == "alltoall":
+            self._init_alltoall()
         else:
             self._init_allgather()
 
@@ -170,6 +190,8 @@ class PlanCost:
         other = copy.copy(self)
         other.hw = hw
         other._fwd_memo = {}  # forward compute depends on the profile's constants
+        if self.inner is not None:
+            other.inner = self.inner.with_hardware(hw)
         return other
 
     # ---- all-gather family -------------------------------------------------------------------
@@ -199,6 +221,10 @@ class PlanCost:
         for the ring family (plus its merges and accumulations, which the ring issues between
         kernels). The one model of each layout's compute, used by the step model and by Fig. 3.
         """
+        if self.inner is not None:
+            return self.inner.attention_us(self._hybrid_shape(shape), train)
+        if self.comm_kind == "alltoall":
+            return self._alltoall_kernels_us(shape, train)
         if self.comm_kind == "p2p_ring":
             f, fo, _ = self._ring_fwd_compute(shape)
             if not train:
@@ -266,6 +292,7 @@ class PlanCost:
             "attn_bwd_ms": 0.0,
             "reducescatter_ms": 0.0,
             "p2p_ms": 0.0,
+            "alltoall_ms": 0.0,
             "others_ms": float((others_f + np.maximum(host_f - dev_f, 0.0)).max()) / 1e3,
         }
         if not train:
@@ -294,6 +321,131 @@ class PlanCost:
         out["attn_bwd_ms"] = float(attn_b.max()) / 1e3
         out["reducescatter_ms"] = groups * 2 * rs_call / 1e3
         out["others_ms"] += float((others_b + np.maximum(host_b - dev, 0.0)).max()) / 1e3
+        return out
+
+    # ---- head-parallel all-to-all (Ulysses) ---------------------------------------------------
+    def _init_alltoall(self) -> None:
+        """Ulysses (:mod:`flashcp.ops.ulysses_attn`): every rank runs one varlen call over every
+        non-empty document, whole (q_len = kv_len = d, causal), for its H/N heads; the same call
+        on every rank, so (N,) arrays of equal entries."""
+        plan, hw, n = self.plan, self.hw, self.n
+        d = plan.doc_lens[plan.doc_lens > 0]
+        one = np.zeros(d.size, dtype=np.int64)
+        causal = np.ones(d.size, dtype=bool)
+        f = _stats(one, 1, *fwd_tile_counts(d, d, causal, hw.fwd_block_q, hw.fwd_block_k))
+        b = _stats(one, 1, *bwd_tile_counts(d, d, causal, hw.bwd_block_q, hw.bwd_block_k))
+        self.fwd = TileStats(*(np.repeat(x, n) for x in f))
+        self.bwd = TileStats(*(np.repeat(x, n) for x in b))
+        rows = float(d.sum())
+        self.q_rows = self.kv_rows = np.full(n, rows)
+
+    def _alltoall_heads(self, shape: AttnShape):
+        from flashcp.head_parallel import ulysses_heads
+
+        heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, self.n)
+        local = AttnShape(
+            heads.heads_per_rank, heads.kv_heads_per_rank, shape.head_dim, shape.dtype
+        )
+        return heads, local
+
+    def _alltoall_kernels_us(self, shape: AttnShape, train: bool):
+        """(N,) forward and backward kernel µs of the Ulysses call (H/N heads, whole documents)."""
+        _, local = self._alltoall_heads(shape)
+        d = shape.head_dim
+        fwd = kernel_us(self.fwd, local.num_heads, d, self.hw, False)
+        if not train:
+            return fwd, np.zeros_like(fwd)
+        bwd = kernel_us(self.bwd, local.num_heads, d, self.hw, True) + bwd_extra_us(
+            self.q_rows, self.kv_rows, local, self.hw
+        )
+        return fwd, bwd
+
+    def _hybrid_shape(self, shape: AttnShape) -> AttnShape:
+        """The heads one rank of a head-parallel group attends with: H/u and r Hkv/u."""
+        from flashcp.head_parallel import ulysses_heads
+
+        heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, self.u)
+        return AttnShape(heads.heads_per_rank, heads.kv_heads_per_rank, shape.head_dim, shape.dtype)
+
+    def _step_hybrid(self, shape: AttnShape, mode: str) -> dict[str, float]:
+        """A hybrid (``usp``, ``flashcp_ulysses``): the inner method's step on the group plan for
+        H/u heads (its kernels, copies and cross-group communication), plus the all-to-alls of
+        the u-rank groups around it (:meth:`_alltoall_phases` without kernels)."""
+        out = self.inner.step(self._hybrid_shape(shape), mode)
+        a2a = self._alltoall_phases(shape, mode == "train", self.u, 0.0, 0.0)
+        return {c: out[c] + a2a[c] for c in PHASE_COLUMNS if c != "total_ms"}
+
+    def _step_alltoall(
+        self, shape: AttnShape, train: bool, vol: dict[str, int]
+    ) -> dict[str, float]:
+        """Ulysses on one rank (all ranks do the same work: the slowest is any of them):
+        :meth:`_alltoall_phases` of the N-rank group around the kernels of
+        :meth:`_alltoall_kernels_us`."""
+        fwd_k, bwd_k = (float(x[0]) for x in self._alltoall_kernels_us(shape, train))
+        return self._alltoall_phases(shape, train, self.n, fwd_k, bwd_k)
+
+    def _alltoall_phases(
+        self, shape: AttnShape, train: bool, degree: int, fwd_k: float, bwd_k: float
+    ) -> dict[str, float]:
+        """The all-to-alls of a head-parallel group of u = ``degree`` ranks around kernels of
+        ``fwd_k`` / ``bwd_k`` µs (the same on every rank).
+
+        Forward: KV heads replicated when num_kv_heads < u (two copies), q, k, v packed into one
+        send buffer (one copy), one all-to-all of T (H + 2 r Hkv) D elements, the received
+        buffer split into q, k, v (one copy), the kernels, the output padded (one copy), one
+        all-to-all of T H D elements back and transposed into place (one copy). Backward: dO
+        packed and sent (copy, all-to-all), the kernels, dQ and dK/dV padded and cast (two
+        copies), two all-to-alls back (dQ, then dK/dV in their ``comm_volume`` dtype), two
+        transposes into place (and the replicas summed). An all-to-all of a rank's S-byte
+        buffer receives (u-1)/u S bytes (:meth:`HardwareProfile.alltoall_us`). Copies move read +
+        written bytes at ``copy_bw_gbps``; every op costs ``host_op_us`` on the host, every
+        all-to-all ``collective_host_us``; T = C / N.
+        """
+        from flashcp.head_parallel import ulysses_heads
+
+        hw, u = self.hw, degree
+        heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, u)
+        e, d = shape.dtype_bytes, shape.head_dim
+        t = self.plan.context_len / self.plan.cp_size
+        r = heads.kv_replication
+        qkv = t * (shape.num_heads + 2 * r * shape.num_kv_heads) * d * e  # send buffer, bytes
+        o = t * shape.num_heads * d * e
+        frac = (u - 1) / u
+
+        def a2a(nbytes):
+            return hw.alltoall_us(frac * nbytes, nbytes) if u > 1 else 0.0
+
+        colls = hw.collective_host_us if u > 1 else 0.0
+        rep = self._op_us(2, 2 * t * shape.num_kv_heads * d * e * (1 + r)) if r > 1 else 0.0
+        copies_f = rep + self._op_us(3, 2 * qkv) + self._op_us(2, 2 * o)
+        comm_f = a2a(qkv) + a2a(o)
+        host_f = (7 + (2 if r > 1 else 0)) * hw.host_op_us + 2 * colls
+        dev_f = copies_f + comm_f + fwd_k
+        out = {
+            "allgather_ms": 0.0,
+            "attn_fwd_ms": fwd_k / 1e3,
+            "attn_bwd_ms": 0.0,
+            "reducescatter_ms": 0.0,
+            "p2p_ms": 0.0,
+            "alltoall_ms": comm_f / 1e3,
+            "others_ms": (copies_f + max(host_f - dev_f, 0.0)) / 1e3,
+        }
+        if not train:
+            return out
+        acc = grad_comm_bytes(shape)  # compute dtype: whole gradients leave the kernel in it
+        # dK/dV send buffer: model dtype, or partial sums in grad_comm_dtype when replicated
+        dkv = 2 * t * r * shape.num_kv_heads * d * (e if r == 1 else acc)
+        rows = u * t
+        pads = self._op_us(2, rows * heads.heads_per_rank * d * (acc + e))
+        pads += self._op_us(2, rows * 2 * heads.kv_heads_per_rank * d * acc + dkv)
+        summed = self._op_us(1, 2 * dkv) if r > 1 else 0.0
+        copies_b = self._op_us(1, 2 * o) + pads + self._op_us(2, 2 * (o + dkv)) + summed
+        comm_b = a2a(o) + a2a(o) + a2a(dkv)
+        host_b = (9 + (1 if r > 1 else 0)) * hw.host_op_us + 3 * colls
+        dev_b = copies_b + comm_b + bwd_k
+        out["attn_bwd_ms"] = bwd_k / 1e3
+        out["alltoall_ms"] += comm_b / 1e3
+        out["others_ms"] += (copies_b + max(host_b - dev_b, 0.0)) / 1e3
         return out
 
     # ---- ring family -------------------------------------------------------------------------
@@ -513,6 +665,7 @@ class PlanCost:
             "attn_bwd_ms": float(ba) / 1e3,
             "reducescatter_ms": 0.0,
             "p2p_ms": (float(fp) + float(bp)) / 1e3,
+            "alltoall_ms": 0.0,
             "others_ms": (float(fo) + float(bo)) / 1e3,
         }
 
@@ -526,11 +679,15 @@ class PlanCost:
         check_mode(mode)
         train = mode == "train"
         vol = comm_volume(self.plan, self.comm_kind, shape, mode)
-        if self.comm_kind == "p2p_ring":
+        if self.inner is not None:
+            out = self._step_hybrid(shape, mode)
+        elif self.comm_kind == "p2p_ring":
             fwd_p2p = vol["p2p_bytes"]
             if train:
                 fwd_p2p = comm_volume(self.plan, self.comm_kind, shape, "infer")["p2p_bytes"]
             out = self._step_ring(shape, train, vol, fwd_p2p)
+        elif self.comm_kind == "alltoall":
+            out = self._step_alltoall(shape, train, vol)
         else:
             out = self._step_allgather(shape, train, vol)
         out["total_ms"] = math.fsum(out[c] for c in PHASE_COLUMNS if c != "total_ms")
@@ -559,11 +716,16 @@ def step_many(costs: Sequence[PlanCost], shape: AttnShape, mode: str) -> dict[st
         return {c: np.zeros(0) for c in cols}
     first = costs[0]
     same = all(
-        c.hw is first.hw and c.n == first.n and c.comm_kind == first.comm_kind for c in costs
+        c.hw is first.hw and c.n == first.n and c.comm_kind == first.comm_kind and c.inner is None
+        for c in costs
     )
     if same and first.comm_kind == "p2p_ring" and all(c.ops == first.ops for c in costs):
         return _step_ring_batch(costs, shape, mode)
-    if same and first.comm_kind != "p2p_ring" and all(c.impl == "ours" for c in costs):
+    if (
+        same
+        and first.comm_kind not in ("p2p_ring", "alltoall")
+        and all(c.impl == "ours" for c in costs)
+    ):
         return _step_allgather_batch(costs, shape, mode)
     steps = [c.step(shape, mode) for c in costs]
     return {c: np.array([s[c] for s in steps]) for c in cols}
@@ -627,6 +789,7 @@ def _step_ring_batch(
         "attn_bwd_ms": ba / 1e3,
         "reducescatter_ms": zero,
         "p2p_ms": (fp + bp) / 1e3,
+        "alltoall_ms": zero,
         "others_ms": (fo + bo) / 1e3,
     }
     phases = [out[c] for c in PHASE_COLUMNS if c != "total_ms"]
@@ -681,6 +844,7 @@ def _step_allgather_batch(
         "attn_bwd_ms": np.zeros(len(costs)),
         "reducescatter_ms": np.zeros(len(costs)),
         "p2p_ms": np.zeros(len(costs)),
+        "alltoall_ms": np.zeros(len(costs)),
         "others_ms": (c_(groups) * fwd_copies + np.maximum(c_(host_f) - dev_f, 0.0)).max(axis=1)
         / 1e3,
     }

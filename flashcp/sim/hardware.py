@@ -254,6 +254,20 @@ class HardwareProfile:
         bw = busbw_gbps * 1e3 * self.busbw_fraction(total_bytes)  # bytes per µs
         return self.collective_latency_us + recv_bytes / bw
 
+    def alltoall_us(self, recv_bytes: float, total_bytes: float) -> float:
+        """Time of one all-to-all in which a rank receives ``recv_bytes`` (``(n - 1) / n`` of its
+        ``total_bytes`` buffer), µs: :meth:`collective_us` at the all-gather bus bandwidth.
+
+        An all-to-all's bus bandwidth (nccl-tests: algbw x (n-1)/n, the bytes a rank receives per
+        second) is bound by the same per-rank link as the all-gather's: NVLink into the NVSwitch
+        in one node, the NIC with one rank per node. alltoall_perf on 4x H100 in one node reaches
+        335 GB/s at 500 MiB (NVIDIA/nccl issue #2169), 8% below the 365 GB/s of ``h100_sxm``'s
+        all-gather; with one GPU per node an all-to-all runs at the NIC's rate (nccl-tests issues
+        #130, #267). No 8-rank H100 all-to-all table is public, so the profile's all-gather bus
+        bandwidth, latency and falloff are used (docs/design.md §8; optimistic by up to ~8%).
+        """
+        return self.collective_us(recv_bytes, total_bytes, self.allgather_busbw_gbps)
+
     def p2p_us(self, nbytes: float) -> float:
         """Time of one send/recv step moving ``nbytes`` each way, µs (falloff as for collectives)."""
         if nbytes <= 0:

@@ -1,0 +1,379 @@
+"""Hybrid head-parallel CP: Ulysses inside groups of u ranks, another CP op across the groups
+(``usp``: zigzag ring P2P; ``flashcp_ulysses``: FlashCP's sharding-aware KV all-gather).
+
+Layout (:func:`flashcp.head_parallel.split_groups`): ranks ``g u .. g u + u - 1`` form group g and
+hold, in order, the rows of super-rank g of the plan's :meth:`~flashcp.plan.Plan.group_plan`.
+Process groups (:func:`hybrid_groups`, 2-D): ``intra`` = the u ranks of this rank's group,
+``cross`` = the G = N/u ranks with this rank's position j inside their groups.
+
+Forward: KV heads replicated when num_kv_heads < u; one all-to-all inside the group
+(:func:`flashcp.ops.ulysses_attn.scatter_heads`) gives each rank the super-rank's rows for its
+H/u query heads and r Hkv/u KV heads; the inner op's forward runs over the cross group on the
+group plan (``usp``: :func:`flashcp.ops.ring_attn.ring_forward` with the zigzag metadata of
+super-rank g; ``flashcp_ulysses``: :func:`flashcp.ops.allgather_attn.allgather_attn_forward`
+with the sharding-aware metadata of super-rank g) on the super-rank's document rows (its pad
+rows, the last ones, take no part: output 0); one all-to-all brings the output back.
+
+Backward: dO in through the group's all-to-all; the inner op's backward (its own cross-group
+communication: the ring's KV and dK/dV hops, or the all-gather and reduce-scatter); dQ back in the
+model dtype and dK / dV with it (in ``grad_comm_dtype`` when KV heads are replicated: the
+replicas' sum is formed on the owning rank). Bytes per rank equal :func:`flashcp.comm.comm_volume`
+for the method's comm kind on a plan with ``ulysses_degree`` u.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from flashcp.head_parallel import UlyssesHeads, ulysses_heads
+from flashcp.ops.allgather_attn import (
+    AllGatherMeta,
+    allgather_attn_backward,
+    allgather_attn_forward,
+    build_allgather_meta,
+)
+from flashcp.ops.backends import VarlenBackend, get_backend, resolve_softmax_scale
+from flashcp.ops.collectives import (
+    LocalGroup,
+    check_same_plan,
+    group_rank,
+    group_size,
+    resolve_grad_comm_dtype,
+)
+from flashcp.ops.ring_attn import RingMeta, prepare_ring_meta, ring_backward, ring_forward
+from flashcp.ops.ring_comm import RingComm
+from flashcp.ops.timing import as_timer
+from flashcp.ops.ulysses_attn import gather_heads, scatter_heads
+from flashcp.plan import Plan
+
+__all__ = [
+    "HybridAttnFunction",
+    "HybridGroups",
+    "HybridMeta",
+    "flashcp_ulysses_attn",
+    "hybrid_attention",
+    "hybrid_backward",
+    "hybrid_forward",
+    "hybrid_groups",
+    "prepare_flashcp_ulysses",
+    "prepare_usp",
+    "usp_attn",
+]
+
+
+@dataclass(frozen=True)
+class HybridGroups:
+    """The 2-D process groups of one CP group: ``intra`` (this rank's u-rank group, for the
+    all-to-alls), ``cross`` (the G ranks at this rank's position in every group, for the inner
+    op); ``parent`` is the CP group they were made from (None: the default group)."""
+
+    degree: int
+    parent: object
+    intra: object
+    cross: object
+
+
+def hybrid_groups(degree: int, group=None) -> HybridGroups:
+    """Make the 2-D process groups of ``group`` (None: the default group) for Ulysses degree u.
+
+    Collective: every rank of ``group`` must call it with the same ``degree`` (it creates all
+    N/u intra and u cross groups, in the same order, with ``torch.distributed.new_group``). Make
+    them once and pass the result as the ops' ``group`` to reuse them batch after batch.
+
+    Raises:
+        ValueError: ``degree`` does not divide the group's size.
+    """
+    n = group_size(group)
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1 or n % degree:
+        raise ValueError(f"ulysses_degree = {degree!r} does not divide the {n} ranks of the group")
+    if n == 1 or not dist.is_initialized():
+        return HybridGroups(degree, group, None, None)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+    me = group_rank(group)
+    g, j = divmod(me, degree)
+    intra = cross = None
+    for gg in range(n // degree):
+        made = dist.new_group(ranks[gg * degree : (gg + 1) * degree])
+        intra = made if gg == g else intra
+    for jj in range(degree):
+        made = dist.new_group(ranks[jj::degree])
+        cross = made if jj == j else cross
+    return HybridGroups(degree, group, intra, cross)
+
+
+#: 2-D groups already made in this process, per (CP group, degree): ``(group, default group at the
+#: time, HybridGroups)``. Process groups are made once and kept (as torch.distributed keeps its
+#: own), so a run over many batches does not create new ones per batch; a re-initialised default
+#: group gets new ones.
+_MADE: dict[tuple[int, int], tuple] = {}
+
+
+def _groups_of(degree: int, group) -> HybridGroups:
+    """:func:`hybrid_groups` of ``group``, made on the first call per (group, degree)."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    key = (id(group), degree)
+    hit = _MADE.get(key)
+    if hit is not None and hit[0] is group and hit[1] is world:
+        return hit[2]
+    made = hybrid_groups(degree, group)
+    _MADE[key] = (group, world, made)
+    return made
+
+
+@dataclass(eq=False)
+class HybridMeta:
+    """Per-batch metadata of one rank (build with ``prepare_usp`` / ``prepare_flashcp_ulysses``).
+
+    Attributes:
+        method: ``usp`` or ``flashcp_ulysses``.
+        plan: the N-rank plan (checked across the CP group before the first collective).
+        rank: this rank; cp_size: N; degree: u.
+        tokens: T = C / N local rows, pad included.
+        inner: the inner op's metadata for super-rank ``rank // u`` of the group plan
+            (:class:`~flashcp.ops.ring_meta.RingMeta` of the zigzag ring, or
+            :class:`~flashcp.ops.allgather_attn.AllGatherMeta` of the sharding-aware all-gather).
+        rows: the super-rank's rows the inner op runs on (the rest are pad).
+    """
+
+    method: str
+    plan: Plan
+    rank: int
+    cp_size: int
+    degree: int
+    tokens: int
+    inner: RingMeta | AllGatherMeta
+    rows: int
+    _verified: set = field(default_factory=set, repr=False)
+
+
+def _prepare(plan: Plan, rank: int, method: str) -> tuple[Plan, int, int]:
+    if not isinstance(plan, Plan):
+        raise ValueError(f"prepare_{method} needs a Plan, got {type(plan).__name__}")
+    if plan.method != method:
+        raise ValueError(f"prepare_{method} needs a {method!r} plan, got one for {plan.method!r}")
+    n = plan.cp_size
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
+        raise ValueError(f"rank must be an integer in [0, {n}), got {rank!r}")
+    return plan.group_plan(), plan.ulysses_degree, int(rank)
+
+
+def prepare_usp(plan: Plan, rank: int) -> HybridMeta:
+    """Metadata of ``rank`` for :func:`usp_attn` (pure: no process group).
+
+    Raises:
+        ValueError: not a ``usp`` plan, or ``rank`` out of range.
+    """
+    groups, u, rank = _prepare(plan, rank, "usp")
+    inner = prepare_ring_meta(replace(groups, method="zigzag"), rank // u, "zigzag")
+    return HybridMeta("usp", plan, rank, plan.cp_size, u, plan.context_len // plan.cp_size,
+                      inner, inner.block_tokens)  # fmt: skip
+
+
+def prepare_flashcp_ulysses(plan: Plan, rank: int) -> HybridMeta:
+    """Metadata of ``rank`` for :func:`flashcp_ulysses_attn` (pure: no process group).
+
+    Raises:
+        ValueError: not a ``flashcp_ulysses`` plan, or ``rank`` out of range.
+    """
+    groups, u, rank = _prepare(plan, rank, "flashcp_ulysses")
+    full = build_allgather_meta(replace(groups, method="flashcp"), rank // u, "flashcp", True)
+    inner = full.without_pad()
+    return HybridMeta("flashcp_ulysses", plan, rank, plan.cp_size, u,
+                      plan.context_len // plan.cp_size, inner, inner.doc_tokens)  # fmt: skip
+
+
+# ---- forward and backward -------------------------------------------------------------------------
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, rows - x.shape[0]))
+
+
+def hybrid_forward(q, k, v, meta: HybridMeta, heads: UlyssesHeads, groups: HybridGroups, backend,
+                   scale, counter, timer):  # fmt: skip
+    """Hybrid forward (module docstring).
+
+    Args:
+        q: (T, H, D); k, v: (T, Hkv, D); checked by :func:`hybrid_attention`.
+    Returns:
+        out: (T, H, D) in q.dtype; saved: ``(q_h, k_h, v_h, out_h, lse_h)`` on the super-rank's
+        ``meta.rows`` rows, H/u (and r Hkv/u) heads, the LSE (H/u, rows) in compute dtype.
+    """
+    u, r, rows = heads.degree, heads.kv_replication, meta.rows
+    with timer.phase("others"):
+        if r > 1:
+            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    q_h, k_h, v_h = (x[:rows] for x in scatter_heads([q, k, v], u, groups.intra, counter, timer))
+    if meta.method == "usp":
+        comm = RingComm(groups.cross, q.device, counter) if meta.inner.cp_size > 1 else None
+        out_h, lse_h = ring_forward(q_h, k_h, v_h, meta.inner.to(q.device), comm, backend, scale,
+                                    timer)  # fmt: skip
+    else:
+        out_h, lse_h = allgather_attn_forward(q_h, k_h, v_h, meta.inner, groups.cross, scale,
+                                              backend, counter, timer)  # fmt: skip
+    with timer.phase("others"):
+        full = _pad_rows(out_h, u * meta.tokens)
+    out = gather_heads(full, u, groups.intra, counter, timer)
+    return out, (q_h, k_h, v_h, out_h, lse_h)
+
+
+def hybrid_backward(dout, saved, meta: HybridMeta, heads: UlyssesHeads, groups: HybridGroups,
+                    backend, scale, counter, timer, grad_comm_dtype=None):  # fmt: skip
+    """Hybrid backward (module docstring).
+
+    Returns:
+        dq: (T, H, D) in q's dtype; dk, dv: (T, Hkv, D) in k's dtype.
+    """
+    q_h, k_h, v_h, out_h, lse_h = saved
+    u, r, rows, t = heads.degree, heads.kv_replication, meta.rows, meta.tokens
+    (do_h,) = scatter_heads([dout], u, groups.intra, counter, timer)
+    do_h = do_h[:rows].contiguous()
+    if meta.method == "usp":
+        comm = RingComm(groups.cross, q_h.device, counter) if meta.inner.cp_size > 1 else None
+        dq_h, dk_h, dv_h = ring_backward(do_h, q_h, k_h, v_h, out_h, lse_h,
+                                         meta.inner.to(q_h.device), comm, backend, scale, timer,
+                                         grad_comm_dtype)  # fmt: skip
+    else:
+        dq_h, dk_h, dv_h = allgather_attn_backward(do_h, q_h, k_h, v_h, out_h, lse_h, meta.inner,
+                                                   groups.cross, scale, backend, counter, timer,
+                                                   grad_comm_dtype=grad_comm_dtype)  # fmt: skip
+    kv_dtype = resolve_grad_comm_dtype(grad_comm_dtype, k_h.dtype) if r > 1 else k_h.dtype
+    with timer.phase("others"):
+        dq_h = _pad_rows(dq_h, u * t)
+        dkv_h = _pad_rows(torch.cat([dk_h, dv_h], 1).to(kv_dtype), u * t)
+    dq = gather_heads(dq_h, u, groups.intra, counter, timer)
+    dkv = gather_heads(dkv_h, u, groups.intra, counter, timer)  # (T, 2 u h_kv, D)
+    with timer.phase("others"):
+        hd = q_h.shape[2]
+        dkv = dkv.reshape(t, u, 2, heads.kv_heads_per_rank, hd).transpose(1, 2)
+        dkv = dkv.reshape(t, 2, r * heads.num_kv_heads, hd)
+        if r > 1:  # replicas of a KV head are adjacent: sum them in float32 or wider
+            acc = torch.promote_types(kv_dtype, torch.float32)
+            dkv = dkv.to(acc).reshape(t, 2, heads.num_kv_heads, r, hd).sum(3)
+        dk, dv = dkv.to(k_h.dtype).unbind(1)
+    return dq, dk, dv
+
+
+class HybridAttnFunction(torch.autograd.Function):
+    """Autograd glue: saves the forward's head-parallel tensors and the call's context, and
+    delegates to :func:`hybrid_forward` / :func:`hybrid_backward`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, meta, heads, groups, backend, scale, counter, timer, gdt):
+        out, saved = hybrid_forward(q, k, v, meta, heads, groups, backend, scale, counter, timer)
+        ctx.save_for_backward(*saved)
+        ctx.args = (meta, heads, groups, backend, scale, counter, timer, gdt)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dq, dk, dv = hybrid_backward(dout.contiguous(), ctx.saved_tensors, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+# ---- checks and the public entry points -----------------------------------------------------------
+
+
+def _check_inputs(q, k, v, meta, method, group, grad_comm_dtype) -> UlyssesHeads:
+    """Raise ValueError on inconsistent inputs, before any communication; the head split."""
+    if not isinstance(meta, HybridMeta) or meta.method != method:
+        raise ValueError(
+            f"{method}_attn needs the metadata of prepare_{method}(plan, rank), got "
+            f"{type(meta).__name__}"
+        )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{name} must be a (T_local, heads, head_dim) tensor")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        if x.shape[0] != meta.tokens:
+            raise ValueError(
+                f"rank {meta.rank} holds {meta.tokens} tokens in its plan, but {name} has "
+                f"{x.shape[0]} rows"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
+            f"{q.device}/{k.device}/{v.device}"
+        )
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
+    heads = ulysses_heads(q.shape[1], k.shape[1], meta.degree)
+    resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)  # raises on a bad value
+    parent = group.parent if isinstance(group, HybridGroups) else group
+    if isinstance(parent, LocalGroup):
+        raise ValueError(
+            f"{method} needs torch.distributed process groups (no in-process emulation)"
+        )
+    if isinstance(group, HybridGroups) and group.degree != meta.degree:
+        raise ValueError(
+            f"process groups are for ulysses_degree {group.degree}, the plan's is {meta.degree}"
+        )
+    size, rank = group_size(parent), group_rank(parent)
+    if size != meta.cp_size or rank != meta.rank:
+        raise ValueError(
+            f"metadata is for rank {meta.rank} of {meta.cp_size}, but this process is rank {rank} "
+            f"of a group of {size}"
+        )
+    return heads
+
+
+def hybrid_attention(q, k, v, meta: HybridMeta, group=None, *, method: str, softmax_scale=None,
+                     backend="auto", counter=None, timer=None, grad_comm_dtype=None):  # fmt: skip
+    """Hybrid CP attention of this rank's tokens (document-masked, causal); the public ops
+    (:func:`usp_attn`, :func:`flashcp_ulysses_attn`) name their ``method``.
+
+    Args:
+        q: (C/N, num_heads, head_dim); k, v: (C/N, num_kv_heads, head_dim), laid out as the plan
+            gives this rank (:func:`flashcp.ops.sharding.shard_tensor`). Any float dtype.
+        meta: from ``prepare_<method>(plan, rank)``.
+        group: the N CP ranks (None: the default group), or their :func:`hybrid_groups`; for a
+            plain group they are made on the first call with its degree (a collective of every
+            rank) and reused by later calls in this process.
+        softmax_scale, backend, timer: as every op's; counter: ``CommCounter`` (``alltoall``
+            bytes, and the inner op's ``p2p`` or ``allgather`` / ``reducescatter`` bytes).
+        grad_comm_dtype: dtype of the inner op's gradient partial sums and of replicated KV
+            heads' gradients (default float32, float64 for float64 inputs).
+    Returns:
+        out: (C/N, num_heads, head_dim) in q.dtype, differentiable w.r.t. q, k and v.
+    Raises:
+        ValueError: bad inputs or metadata, heads that u does not divide (naming the valid
+            degrees), an in-process group, a bad ``softmax_scale`` (all before any
+            communication), or ranks holding different plans.
+    """
+    heads = _check_inputs(q, k, v, meta, method, group, grad_comm_dtype)
+    scale = resolve_softmax_scale(softmax_scale, q.shape[2])
+    be = backend if isinstance(backend, VarlenBackend) else get_backend(backend, q.device)
+    if isinstance(group, HybridGroups):
+        groups, parent = group, group.parent
+    else:
+        groups, parent = _groups_of(meta.degree, group), group
+    if meta.cp_size > 1 and id(parent) not in meta._verified:
+        check_same_plan(meta.plan, parent)
+        meta._verified.add(id(parent))
+    return HybridAttnFunction.apply(
+        q, k, v, meta, heads, groups, be, scale, counter, as_timer(timer), grad_comm_dtype
+    )
+
+
+def usp_attn(q, k, v, meta: HybridMeta, group=None, *, softmax_scale=None, backend="auto",
+             counter=None, timer=None, grad_comm_dtype=None):  # fmt: skip
+    """USP attention (Ulysses x zigzag ring): :func:`hybrid_attention` with ``method="usp"``
+    (arguments, shapes and errors there); ``meta`` from :func:`prepare_usp`."""
+    return hybrid_attention(q, k, v, meta, group, method="usp", softmax_scale=softmax_scale,
+                            backend=backend, counter=counter, timer=timer,
+                            grad_comm_dtype=grad_comm_dtype)  # fmt: skip
+
+
+def flashcp_ulysses_attn(q, k, v, meta: HybridMeta, group=None, *, softmax_scale=None,
+                         backend="auto", counter=None, timer=None, grad_comm_dtype=None):  # fmt: skip
+    """FlashCP x Ulysses attention: :func:`hybrid_attention` with ``method="flashcp_ulysses"``
+    (arguments, shapes and errors there); ``meta`` from :func:`prepare_flashcp_ulysses`."""
+    return hybrid_attention(q, k, v, meta, group, method="flashcp_ulysses",
+                            softmax_scale=softmax_scale, backend=backend, counter=counter,
+                            timer=timer, grad_comm_dtype=grad_comm_dtype)  # fmt: skip

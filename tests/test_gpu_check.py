@@ -1,7 +1,9 @@
 """``experiments/gpu_check.py`` as the GPU machine runs it: from the checkout, uninstalled, without
-Hydra, OmegaConf, PuLP or HiGHS (``shared/tools/as-device-image`` beside the checkout hides them;
-``FLASHCP_DEVICE_IMAGE`` names the tool elsewhere), every step doing work; and a step that did
-nothing fails the check."""
+Hydra, OmegaConf, PuLP or HiGHS, every step doing work; and a step that did nothing fails the check.
+
+The packages are hidden by ``FLASHCP_DEVICE_IMAGE`` (a command wrapper) when set, else by the
+workplace's ``shared/tools/as-device-image`` beside the checkout when there is one, else by the
+repository's own ``tests/device_image/as-device-image``."""
 
 from __future__ import annotations
 
@@ -16,7 +18,11 @@ import pytest
 from experiments import gpu_check
 
 REPO = Path(__file__).resolve().parents[1]
-TOOL = Path(os.environ.get("FLASHCP_DEVICE_IMAGE") or REPO.parent / "shared/tools/as-device-image")
+_SHARED = REPO.parent / "shared/tools/as-device-image"
+TOOL = Path(
+    os.environ.get("FLASHCP_DEVICE_IMAGE")
+    or (_SHARED if _SHARED.is_file() else REPO / "tests/device_image/as-device-image")
+)
 STEPS = ("emulate", "fit", "pytest", "dist", "kernels")
 
 

@@ -6,7 +6,9 @@ group is replaced, by an in-process :class:`~flashcp.ops.collectives.LocalGroup`
 1. **Record** (untimed). One thread per CP rank runs the op on its shard of seeded Q/K/V (the
    same tensors :func:`flashcp.executors.dist.measure_step` draws) through a
    :class:`RecordingGroup`: the threads meet in real all-gathers, reduce-scatters and ring
-   send/recv, computed in memory. Every buffer a replayed rank *receives* is kept, in call order.
+   send/recv, computed in memory (the hybrids' 2-D groups are sub-groups of it,
+   :meth:`RecordingGroup.new_subgroup`). Every buffer a replayed rank *receives* is kept, in call
+   order.
    (The backward is driven by calling the op's autograd node directly on its thread: PyTorch runs
    the backward of CUDA tensors on one shared device thread, where ranks waiting for each other
    would deadlock.)
@@ -45,6 +47,7 @@ real NCCL kernel would take.
 from __future__ import annotations
 
 import contextlib
+import copy
 import queue
 import statistics
 import threading
@@ -116,17 +119,46 @@ class _Abandoned(RuntimeError):
 
 
 class _World:
-    """State shared by the rank threads of one recording."""
+    """State shared by the rank threads of one recording, or of one of its sub-groups (``parent``
+    given: ``ranks`` are their CP ranks; the failure flag and the kept buffers are the
+    recording's, so a rank's calls in every group it belongs to land in one list, in order)."""
 
-    def __init__(self, n: int, timeout_s: float, keep: set[int]) -> None:
+    def __init__(
+        self, n: int, timeout_s: float, keep: set[int], parent: _World | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> None:  # fmt: skip
         self.n = n
         self.timeout_s = float(timeout_s)
         self.barrier = threading.Barrier(n, timeout=self.timeout_s)
         self.slots: list = [None] * n
         self.mail: dict[tuple[int, int], queue.Queue] = {}
         self.lock = threading.Lock()
-        self.failed = threading.Event()
-        self.received: dict[int, list[tuple[str, list[torch.Tensor]]]] = {r: [] for r in keep}
+        self.ranks = list(range(n)) if ranks is None else list(ranks)
+        self.root: _World = self if parent is None else parent.root
+        self.subs: dict[tuple[int, ...], _World] = {}  # the root's: every sub-group, by CP ranks
+        if parent is None:
+            self.failed = threading.Event()
+            self.received: dict[int, list[tuple[str, list[torch.Tensor]]]] = {r: [] for r in keep}
+        else:
+            self.failed, self.received = self.root.failed, self.root.received
+
+    def sub(self, ranks: Sequence[int]) -> _World:
+        """The sub-group of this group's positions ``ranks``; every member gets the same one."""
+        members = tuple(self.ranks[i] for i in ranks)
+        root = self.root
+        with root.lock:
+            if members not in root.subs:
+                root.subs[members] = _World(len(members), self.timeout_s, set(), self, members)
+            return root.subs[members]
+
+    def abort(self) -> None:
+        """Mark the recording failed and break every group's barrier (waiters give up)."""
+        root = self.root
+        root.failed.set()
+        with root.lock:
+            worlds = [root, *root.subs.values()]
+        for w in worlds:
+            w.barrier.abort()
 
     def box(self, dst: int, tag: int) -> queue.Queue:
         with self.lock:
@@ -138,10 +170,24 @@ class _World:
         except threading.BrokenBarrierError:
             if self.failed.is_set():
                 raise _Abandoned("emulated collective abandoned: another rank failed") from None
-            self.failed.set()
+            self.abort()
             raise RuntimeError(
                 f"emulated collective: a rank did not arrive within {self.timeout_s} s"
             ) from None
+
+
+def _subgroup_ranks(group: LocalGroup, ranks) -> list[int]:
+    """``ranks`` checked for :meth:`LocalGroup.new_subgroup` (as a list of ints)."""
+    n, me = group.size(), group.rank()
+    try:
+        got = [int(r) for r in ranks]
+    except (TypeError, ValueError):
+        raise ValueError(f"sub-group ranks must be integers, got {ranks!r}") from None
+    if not got or got != sorted(set(got)) or not 0 <= got[0] <= got[-1] < n:
+        raise ValueError(f"sub-group ranks must be distinct ascending ranks in [0, {n}), got {got}")
+    if me not in got:
+        raise ValueError(f"rank {me} asked for sub-group {got} without itself")
+    return got
 
 
 class RecordingGroup(LocalGroup):
@@ -149,7 +195,8 @@ class RecordingGroup(LocalGroup):
 
     Collectives meet at a barrier (bounded by the recording's timeout) and compute their result
     from every rank's buffer; ring messages go through per-(destination, tag) queues, in order.
-    What a kept rank receives is stored for :class:`ReplayGroup`.
+    What a kept rank receives is stored for :class:`ReplayGroup`. ``rank`` is a position in
+    ``world`` (a sub-group's, from :meth:`new_subgroup`, or the CP group's).
     """
 
     def __init__(self, world: _World, rank: int) -> None:
@@ -162,9 +209,14 @@ class RecordingGroup(LocalGroup):
     def rank(self) -> int:
         return self._rank
 
+    def new_subgroup(self, ranks: list[int]) -> RecordingGroup:
+        ranks = _subgroup_ranks(self, ranks)
+        return RecordingGroup(self.world.sub(ranks), ranks.index(self._rank))
+
     def _keep(self, kind: str, tensors: list[torch.Tensor]) -> None:
-        if self._rank in self.world.received:
-            self.world.received[self._rank].append((kind, [t.detach().clone() for t in tensors]))
+        me = self.world.ranks[self._rank]
+        if me in self.world.received:
+            self.world.received[me].append((kind, [t.detach().clone() for t in tensors]))
 
     def _exchange(self, value):
         """Deposit ``value``, wait for every rank's, return them all (then wait again so the slots
@@ -348,8 +400,7 @@ def record(
                 record_rank(rank)
         except BaseException as exc:  # surfaced by the caller
             errors[rank] = exc
-            world.failed.set()
-            world.barrier.abort()
+            world.abort()
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
     # on CPU the rank threads are the parallelism: intra-op pools of N threads at once would
@@ -366,8 +417,7 @@ def record(
     finally:
         torch.set_num_threads(intra_op)
     if any(t.is_alive() for t in threads):
-        world.failed.set()
-        world.barrier.abort()
+        world.abort()
         raise RuntimeError(f"record pass of {plan.method} did not finish within {timeout_s * 4} s")
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
@@ -417,6 +467,8 @@ class CommCall:
         recv_bytes: bytes this rank receives (for ``post``: of the exchange; 0 for ``wait``).
         begin_ms, end_ms: when the emulated call started and ended on the measured timeline.
         handle: pairs a ``wait`` with its ``post``.
+        group_size: ranks of the group the call ran in (0: the CP group; a hybrid's
+            all-to-alls run in its u-rank groups, its inner op across the N/u groups).
     """
 
     kind: str
@@ -424,6 +476,7 @@ class CommCall:
     begin_ms: float
     end_ms: float
     handle: int = -1
+    group_size: int = 0
 
 
 def compose_comm(
@@ -432,8 +485,8 @@ def compose_comm(
     """Replace the measured time of emulated communication by the simulator's model.
 
     Walks the calls in order on a virtual timeline that starts equal to the measured one. A
-    collective's measured span becomes its modelled time ``collective_us(recv, recv * N / (N-1),
-    busbw)``. A ring ``post``'s span is cut; its transfer starts at the post (or when the previous
+    collective's measured span becomes its modelled time ``collective_us(recv, recv * n / (n-1),
+    busbw)``, n the ranks of its group (``CommCall.group_size``, N by default). A ring ``post``'s span is cut; its transfer starts at the post (or when the previous
     transfer of this rank ends) and lasts ``p2p_us(recv_bytes)``; the matching ``wait``'s span is
     replaced by the time still left on that transfer (0 when compute hid it).
 
@@ -448,7 +501,6 @@ def compose_comm(
     Raises:
         ValueError: an unknown kind, or a ``wait`` without its ``post``.
     """
-    scale = cp_size / (cp_size - 1) if cp_size > 1 else 1.0
     shift = 0.0  # virtual time - measured time at the current point, ms
     link_free = float("-inf")
     ready: dict[int, float] = {}
@@ -457,6 +509,8 @@ def compose_comm(
     for c in calls:
         span = c.end_ms - c.begin_ms
         out["comm_measured_ms"] += span
+        n = c.group_size or cp_size
+        scale = n / (n - 1) if n > 1 else 1.0
         at = c.begin_ms + shift
         if c.kind in ("allgather", "reducescatter"):
             bw = hw.allgather_busbw_gbps if c.kind == "allgather" else hw.reducescatter_busbw_gbps
@@ -487,7 +541,8 @@ class ReplayGroup(LocalGroup):
     """Rank ``rank`` alone: every collective and ring exchange is answered from a recording.
 
     The ``i``-th call must be the ``i``-th recorded one (same kind and shapes). Each call is marked
-    on the rank's timeline (:class:`CommCall`) so its own time can be replaced by the model.
+    on the rank's timeline (:class:`CommCall`) so its own time can be replaced by the model. Its
+    sub-groups (:meth:`new_subgroup`) answer from the same recording, cursor and timeline.
 
     Args:
         rank, cp_size: the replayed rank and N.
@@ -509,7 +564,10 @@ class ReplayGroup(LocalGroup):
         self.device = clock.device
         self.side = torch.cuda.Stream(device=self.device) if nccl_traffic else None
         self.cursor = 0
-        self.calls: list[tuple[str, int, int, int, int]] = []  # kind, bytes, begin, end, handle
+        # kind, bytes, begin, end, handle, group size
+        self.calls: list[tuple[str, int, int, int, int, int]] = []
+        self.cp_rank = rank
+        self._root = self
 
     def size(self) -> int:
         return self.n
@@ -517,17 +575,24 @@ class ReplayGroup(LocalGroup):
     def rank(self) -> int:
         return self._rank
 
+    def new_subgroup(self, ranks: list[int]) -> ReplayGroup:
+        ranks = _subgroup_ranks(self, ranks)
+        sub = copy.copy(self)  # shares the recording, timeline, side stream and call list
+        sub._rank, sub.n = ranks.index(self._rank), len(ranks)
+        return sub
+
     def _next(self, kind: str, like: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.cursor >= len(self.script):
-            raise RuntimeError(f"replay of rank {self._rank} diverged: more calls than recorded")
-        rec_kind, bufs = self.script[self.cursor]
+        root, rank = self._root, self.cp_rank
+        if root.cursor >= len(self.script):
+            raise RuntimeError(f"replay of rank {rank} diverged: more calls than recorded")
+        rec_kind, bufs = self.script[root.cursor]
         shapes = [(tuple(t.shape), t.dtype) for t in like]
         if rec_kind != kind or shapes != [(tuple(t.shape), t.dtype) for t in bufs]:
             raise RuntimeError(
-                f"replay of rank {self._rank} diverged at call {self.cursor}: recorded {rec_kind} "
+                f"replay of rank {rank} diverged at call {root.cursor}: recorded {rec_kind} "
                 f"{[(tuple(t.shape), t.dtype) for t in bufs]}, got {kind} {shapes}"
             )
-        self.cursor += 1
+        root.cursor += 1
         return bufs
 
     def _collective(self, kind: str, output: torch.Tensor, recv_bytes: int) -> None:
@@ -535,7 +600,7 @@ class ReplayGroup(LocalGroup):
         (buf,) = self._next(kind, [output])
         output.copy_(buf)
         end = self.clock.mark()
-        self.calls.append((kind, recv_bytes, begin, end, -1))
+        self.calls.append((kind, recv_bytes, begin, end, -1, self.n))
 
     def all_gather_into_tensor(self, output, inp) -> None:
         # a rank receives every part but its own
@@ -573,7 +638,7 @@ class ReplayGroup(LocalGroup):
         end = self.clock.mark()
         handle = len(self.calls)
         nbytes = sum(b.numel() * b.element_size() for b in bufs)
-        self.calls.append(("post", nbytes, begin, end, handle))
+        self.calls.append(("post", nbytes, begin, end, handle, self.n))
         return handle, recv, event
 
     def ring_wait(self, handle) -> list[torch.Tensor]:
@@ -582,13 +647,13 @@ class ReplayGroup(LocalGroup):
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
         end = self.clock.mark()
-        self.calls.append(("wait", 0, begin, end, post))
+        self.calls.append(("wait", 0, begin, end, post, self.n))
         return recv
 
     def timeline(self) -> list[CommCall]:
         """The calls of the step as :class:`CommCall` (synchronises on CUDA)."""
         ms = self.clock.ms()
-        return [CommCall(k, nb, ms[b], ms[e], h) for k, nb, b, e, h in self.calls]
+        return [CommCall(k, nb, ms[b], ms[e], h, g) for k, nb, b, e, h, g in self.calls]
 
 
 # ---- the executor ------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ Gradient partial sums cross ranks in one dtype chosen by :func:`resolve_grad_com
 
 ``group`` may also be a :class:`LocalGroup`, an in-process stand-in for a process group: the
 wrappers (and :class:`flashcp.ops.ring_comm.RingComm`) then route every collective through its
-methods instead of ``torch.distributed``. ``executor=emulate`` (:mod:`flashcp.executors.emulate`)
+methods instead of ``torch.distributed``, and its :meth:`LocalGroup.new_subgroup` stands in for
+``torch.distributed.new_group``. ``executor=emulate`` (:mod:`flashcp.executors.emulate`)
 uses it to run the ops' own code for one rank on one device.
 """
 
@@ -142,6 +143,18 @@ class LocalGroup:
 
     def check_same_plan(self, plan) -> None:
         """Raise ValueError unless every rank runs ``plan``."""
+        raise NotImplementedError
+
+    def new_subgroup(self, ranks: list[int]) -> LocalGroup:
+        """The sub-group of this group's ranks ``ranks`` (ascending, this rank among them), acting
+        for this rank: ranks in it are positions in ``ranks``. The in-process counterpart of
+        ``torch.distributed.new_group``, except that a rank asks only for the groups it belongs to
+        (the 2-D groups of :func:`flashcp.ops.hybrid_attn.hybrid_groups`).
+
+        Raises:
+            ValueError: ``ranks`` not distinct ascending ranks of this group, or without this
+                rank.
+        """
         raise NotImplementedError
 
     def ring_post(self, tensors: list[torch.Tensor], tag: int):

@@ -4,7 +4,9 @@
 Layout (:func:`flashcp.head_parallel.split_groups`): ranks ``g u .. g u + u - 1`` form group g and
 hold, in order, the rows of super-rank g of the plan's :meth:`~flashcp.plan.Plan.group_plan`.
 Process groups (:func:`hybrid_groups`, 2-D): ``intra`` = the u ranks of this rank's group,
-``cross`` = the G = N/u ranks with this rank's position j inside their groups.
+``cross`` = the G = N/u ranks with this rank's position j inside their groups (made with
+``torch.distributed.new_group``, or, for an in-process group of ``executor=emulate``, with its
+``new_subgroup``).
 
 Forward: KV heads replicated when num_kv_heads < u; one all-to-all inside the group
 (:func:`flashcp.ops.ulysses_attn.scatter_heads`) gives each rank the super-rank's rows for its
@@ -81,7 +83,10 @@ def hybrid_groups(degree: int, group=None) -> HybridGroups:
 
     Collective: every rank of ``group`` must call it with the same ``degree`` (it creates all
     N/u intra and u cross groups, in the same order, with ``torch.distributed.new_group``). Make
-    them once and pass the result as the ops' ``group`` to reuse them batch after batch.
+    them once and pass the result as the ops' ``group`` to reuse them batch after batch. An
+    in-process :class:`~flashcp.ops.collectives.LocalGroup` (``executor=emulate``) makes this
+    rank's two groups with its :meth:`~flashcp.ops.collectives.LocalGroup.new_subgroup` instead
+    (no ``torch.distributed``).
 
     Raises:
         ValueError: ``degree`` does not divide the group's size.
@@ -89,6 +94,10 @@ def hybrid_groups(degree: int, group=None) -> HybridGroups:
     n = group_size(group)
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1 or n % degree:
         raise ValueError(f"ulysses_degree = {degree!r} does not divide the {n} ranks of the group")
+    if isinstance(group, LocalGroup):
+        g, j = divmod(group.rank(), degree)
+        intra = group.new_subgroup(list(range(g * degree, (g + 1) * degree)))
+        return HybridGroups(degree, group, intra, group.new_subgroup(list(range(j, n, degree))))
     if n == 1 or not dist.is_initialized():
         return HybridGroups(degree, group, None, None)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
@@ -112,7 +121,10 @@ _MADE: dict[tuple[int, int], tuple] = {}
 
 
 def _groups_of(degree: int, group) -> HybridGroups:
-    """:func:`hybrid_groups` of ``group``, made on the first call per (group, degree)."""
+    """:func:`hybrid_groups` of ``group``, made on the first call per (group, degree); an
+    in-process group's are made anew each call (cheap, and not kept alive here)."""
+    if isinstance(group, LocalGroup):
+        return hybrid_groups(degree, group)
     world = dist.group.WORLD if dist.is_initialized() else None
     key = (id(group), degree)
     hit = _MADE.get(key)
@@ -306,10 +318,6 @@ def _check_inputs(q, k, v, meta, method, group, grad_comm_dtype) -> UlyssesHeads
     heads = ulysses_heads(q.shape[1], k.shape[1], meta.degree)
     resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)  # raises on a bad value
     parent = group.parent if isinstance(group, HybridGroups) else group
-    if isinstance(parent, LocalGroup):
-        raise ValueError(
-            f"{method} needs torch.distributed process groups (no in-process emulation)"
-        )
     if isinstance(group, HybridGroups) and group.degree != meta.degree:
         raise ValueError(
             f"process groups are for ulysses_degree {group.degree}, the plan's is {meta.degree}"
@@ -332,7 +340,8 @@ def hybrid_attention(q, k, v, meta: HybridMeta, group=None, *, method: str, soft
         q: (C/N, num_heads, head_dim); k, v: (C/N, num_kv_heads, head_dim), laid out as the plan
             gives this rank (:func:`flashcp.ops.sharding.shard_tensor`). Any float dtype.
         meta: from ``prepare_<method>(plan, rank)``.
-        group: the N CP ranks (None: the default group), or their :func:`hybrid_groups`; for a
+        group: the N CP ranks (None: the default group; or an in-process
+            :class:`~flashcp.ops.collectives.LocalGroup`), or their :func:`hybrid_groups`; for a
             plain group they are made on the first call with its degree (a collective of every
             rank) and reused by later calls in this process.
         softmax_scale, backend, timer: as every op's; counter: ``CommCounter`` (``alltoall``
@@ -343,7 +352,7 @@ def hybrid_attention(q, k, v, meta: HybridMeta, group=None, *, method: str, soft
         out: (C/N, num_heads, head_dim) in q.dtype, differentiable w.r.t. q, k and v.
     Raises:
         ValueError: bad inputs or metadata, heads that u does not divide (naming the valid
-            degrees), an in-process group, a bad ``softmax_scale`` (all before any
+            degrees), a bad ``softmax_scale`` (all before any
             communication), or ranks holding different plans.
     """
     heads = _check_inputs(q, k, v, meta, method, group, grad_comm_dtype)

@@ -11,7 +11,7 @@ constant's published range (:data:`FREE_H100`, :data:`FREE_A100`), in two stages
 2. the A100 kernel constants, the shared ones fixed, against ring-flash-attn's 8x A100 numbers.
 
 Writes ``<results_dir>/<name>/`` (``results/calibration/`` with ``results_dir=results``): ``targets.csv`` (name, unit, measured, predicted, error, band,
-within_band, source; before and after the fit), ``targets.md``, ``fitted_constants.yaml`` (by
+within_band, fitted, source; before and after the fit; ``fitted`` False: reported, not fitted), ``targets.md``, ``fitted_constants.yaml`` (by
 section, loaded by the profiles' ``calibration`` key) and ``versions.yaml``. Never fitted: any
 method's end-to-end speedup over another.
 """
@@ -94,6 +94,7 @@ def _markdown(table: pd.DataFrame) -> str:
         "band_kind",
         "band",
         "within_band",
+        "fitted",
     ]
     return markdown_table(table[cols])
 

@@ -23,7 +23,18 @@ Targets (all from docs/design.md §8 and the original source named there):
   local ``cu_seqlens`` x N (ring/zigzag hold 1/N or 2 x 1/2N of every document; llama3's
   ``cu_seqlens * world_size``).
 * ``nccl_*``: all-gather bus bandwidth of a 1 GiB buffer on 8x H100 (nccl-tests; 360-370 GB/s);
-  NCCL send/recv bandwidth between two H100s (nccl-tests issue #268: 80-180 GB/s).
+  NCCL send/recv bandwidth between two H100s (nccl-tests issue #268: 80-180 GB/s); the time of
+  one all-to-all of a 500 MiB buffer on 4x H100 in one node (``nccl_alltoall_*``, NVIDIA/nccl
+  issue #2169), *reported, not fitted* (below).
+
+**Reported-only targets** (``CalibTarget.fitted = False``) are predicted and listed with the
+others but left out of the least-squares fit. The all-to-all point is one: the simulator prices an
+all-to-all by a derivation, at the all-gather's bus bandwidth, latency and falloff
+(:meth:`~flashcp.sim.hardware.HardwareProfile.alltoall_us`, docs/design.md §8), and it is the only
+public H100 all-to-all measurement. Fitted, it could move only ``collective_latency_us`` (the
+bandwidth is not free), which is about 1% of a 500 MiB all-to-all's time: the latency would be
+bent to absorb a bandwidth gap, changing the all-gather's and reduce-scatter's small-message
+times with it. Reported, it checks the derivation without changing what a fitted constant means.
 * ``fig3_*``: the FlashCP paper's Fig. 3: attention latency (forward + backward kernels, Zigzag
   with its merges as ring-flash-attn runs them) normalised to Whole-Doc on one device.
 """
@@ -77,6 +88,8 @@ class CalibTarget:
         unit: ``TFLOP/s``, ``GB/s``, ``us``, ``ms``, ``fraction``, ``iter/s``...
         band: ``("rel", 0.10)`` for ±10 %, or ``("abs", 0.05)`` for ±0.05 (±5 points).
         source: the public source, or ``measured: <where>``.
+        fitted: False: reported with the others (its row in the table) but left out of the
+            least-squares fit (module docstring, *reported-only targets*).
     """
 
     name: str
@@ -85,6 +98,7 @@ class CalibTarget:
     unit: str
     band: tuple[str, float]
     source: str
+    fitted: bool = True
 
     def error(self, predicted: float) -> float:
         """Relative error (``rel`` band) or difference (``abs`` band) of a prediction."""
@@ -100,7 +114,7 @@ class FitResult:
     Attributes:
         constants: fitted value per free profile field.
         table: one row per target: name, unit, measured, predicted, error, band_kind, band,
-            within_band, source.
+            within_band, fitted, source.
         success: the optimiser converged; message: its message.
     """
 
@@ -118,7 +132,8 @@ def _table(targets: Sequence[CalibTarget], hw: HardwareProfile) -> pd.DataFrame:
         rows.append({
             "name": t.name, "unit": t.unit, "measured": t.measured, "predicted": pred,
             "error": err, "band_kind": t.band[0], "band": t.band[1],
-            "within_band": bool(abs(err) <= t.band[1] + 1e-12), "source": t.source,
+            "within_band": bool(abs(err) <= t.band[1] + 1e-12), "fitted": bool(t.fitted),
+            "source": t.source,
         })  # fmt: skip
     return pd.DataFrame(rows)
 
@@ -131,7 +146,8 @@ def fit_constants(
 ) -> FitResult:
     """Least-squares fit (``scipy.optimize.least_squares``, bounded) of the named profile fields.
 
-    Minimises ``sum_i rho((error_i / band_i)^2)`` over the free fields, each within its
+    Minimises ``sum_i rho((error_i / band_i)^2)`` over the fitted targets (``fitted=True``; the
+    others are only evaluated, in the table) and the free fields, each within its
     ``(low, high)`` bounds, starting from the profile's values (clipped into the bounds).
     ``rho`` is SciPy's robust ``soft_l1`` loss (quadratic within one band, linear beyond), so a
     target the model cannot represent does not drag every other target out of its band.
@@ -144,13 +160,20 @@ def fit_constants(
     Returns:
         A :class:`FitResult` (its table evaluated at the fitted constants).
     Raises:
-        ValueError: no target, an unknown or non-numeric field, or empty bounds.
+        ValueError: no target, free fields but no fitted target, an unknown or non-numeric field,
+            or empty bounds.
     """
     from scipy.optimize import least_squares
 
     if not targets:
         raise ValueError("fit_constants needs at least one target")
     names = list(free)
+    fitted = [t for t in targets if t.fitted]
+    if names and not fitted:
+        raise ValueError(
+            f"fit_constants needs at least one fitted target to fit {', '.join(names)}; every "
+            f"target given is reported-only (fitted=False)"
+        )
     known = {f.name for f in dataclasses.fields(HardwareProfile) if f.init}
     for k in names:
         if k not in known or k == "name":
@@ -169,7 +192,7 @@ def fit_constants(
 
     def resid(x) -> np.ndarray:
         hw = make(x)
-        return np.array([t.error(float(t.predict(hw))) / t.band[1] for t in targets])
+        return np.array([t.error(float(t.predict(hw))) / t.band[1] for t in fitted])
 
     if names:
         res = least_squares(
@@ -218,6 +241,13 @@ FIG3 = {("1x128K", "per_doc"): 1.03, ("1x128K", "zigzag"): 1.06,
 _SRC_FA2 = "docs/design.md §8; FlashAttention-2 paper / Dao-AILab/flash-attention assets"
 _SRC_MAGI = "docs/design.md §8; MagiAttention docs/source/blog/cp_benchmark.md (±2%)"
 _SRC_RFA = "docs/design.md §8; zhuzilin/ring-flash-attention README + benchmark/"
+#: NVIDIA/nccl issue #2169: alltoall_perf, 4x H100 80GB HBM3 in one node (NCCL 2.30.4), 524288000 B
+#: per rank's buffer, out of place: 1174.14 µs (algbw 446.53, busbw 334.90 GB/s)
+A2A_BYTES, A2A_US = 524288000, 1174.14
+_SRC_A2A = (
+    "docs/design.md §8; NVIDIA/nccl issue #2169 (alltoall_perf, 4x H100 80GB HBM3 in one node, "
+    "500 MiB out of place: busbw 334.9 GB/s); reported, not fitted"
+)
 _SRC_FIG3 = "FlashCP paper (arXiv 2606.08476) Fig. 3, read from the figure (±0.02)"
 
 
@@ -390,6 +420,11 @@ def public_targets(gpu: str = "h100") -> list[CalibTarget]:
             lambda hw: 2**28 / hw.p2p_us(2**28) / 1e3,
             130.0, "GB/s", ("abs", 50.0),
             "docs/design.md §8; nccl-tests issue #268 (80-180 GB/s: midpoint ± half-range)",
+        ))  # fmt: skip
+        targets.append(CalibTarget(
+            "nccl_alltoall_time_4xh100_500mib",
+            lambda hw: hw.alltoall_us(A2A_BYTES * 3 / 4, A2A_BYTES),
+            A2A_US, "us", ("rel", 0.10), _SRC_A2A, fitted=False,
         ))  # fmt: skip
         for (case, layout), pub in FIG3.items():
             lens = FIG3_CASES[case]

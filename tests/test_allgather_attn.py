@@ -220,7 +220,7 @@ def test_bad_metadata_raises_before_communication(monkeypatch):
             ((q, torch.randn(32, 3, 8), torch.randn(32, 3, 8), meta), "multiple of num_kv_heads"),
             ((q, kv, torch.randn(32, 2, 4), meta), "shapes differ"),
             ((q, kv.double(), kv.double(), meta), "dtypes differ"),
-            ((q.long(), kv, kv, meta), "floating point"),
+            ((q.long(), kv, kv, meta), "floating-point"),
             ((q, kv, kv, {"not": "meta"}), "metadata"),
             ((q[0], kv, kv, meta), "tokens, heads, head_dim"),
             ((q, kv, kv, meta), "rank 0 of 2"),  # no process group of 2 ranks here

@@ -91,11 +91,11 @@ def _strided(layout: str, q, k, v, dout):
     return leaves, views, dview
 
 
-def _run(rank, n, methods, backends):
+def _run(rank, n, methods, backends, options):
     q, k, v, dout = _packed()
     res = {}
     for m in methods:
-        plan = make_plan_for(m, LENS, n)
+        plan = make_plan_for(m, LENS, n, **options)
         prepare, attn = get_attn_op(m)
         meta = prepare(plan, rank)
         local = [shard_tensor(x, plan, rank) for x in (q, k, v, dout)]
@@ -116,16 +116,23 @@ def _reference():
     return [out.detach()] + [x.grad for x in leaves]
 
 
-@pytest.mark.parametrize("methods", [("llama3", "per_doc", "ring", "zigzag"), ("flashcp",
-                         "flashcp_refined", "ilp")])  # fmt: skip
-def test_every_method_and_backend_accepts_strided_inputs(methods):
-    n = 2
+GROUPS = [  # (methods, cp_size, planner options): the hybrids with both of their dimensions
+    (("llama3", "per_doc", "ring", "zigzag"), 2, {}),
+    (("flashcp", "flashcp_refined", "ilp"), 2, {}),
+    (("ulysses",), 2, {}),
+    (("usp", "flashcp_ulysses"), 4, {"ulysses_degree": 2}),
+]
+
+
+@pytest.mark.parametrize(("methods", "n", "options"), GROUPS, ids=lambda x: "-".join(x)
+                         if isinstance(x, tuple) else None)  # fmt: skip
+def test_every_method_and_backend_accepts_strided_inputs(methods, n, options):
     want = _reference()
     backends = (*BACKENDS, "unit_stride")
-    results = run_ranks(_run, n, methods, backends, timeout_s=120)
+    results = run_ranks(_run, n, methods, backends, options, timeout_s=120)
     failures = []
     for m in methods:
-        plan = make_plan_for(m, LENS, n)
+        plan = make_plan_for(m, LENS, n, **options)
         for b in backends:
             for layout in LAYOUTS:
                 got = [
@@ -139,7 +146,7 @@ def test_every_method_and_backend_accepts_strided_inputs(methods):
 
 
 def test_registry_methods_are_all_covered():
-    covered = {"llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "ilp"}
+    covered = {m for methods, _, _ in GROUPS for m in methods}
     assert set(method_names()) <= covered, "a new method needs a strided-input check here"
 
 

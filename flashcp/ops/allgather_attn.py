@@ -48,9 +48,8 @@ from flashcp.ops.backends import (
 from flashcp.ops.collectives import (
     CommCounter,
     all_gather_into_tensor,
+    check_qkv,
     check_same_plan,
-    group_rank,
-    group_size,
     reduce_scatter_tensor,
     resolve_grad_comm_dtype,
 )
@@ -246,35 +245,7 @@ def check_inputs(q, k, v, meta, meta_type, method: str, group) -> None:
         raise ValueError(
             f"{method}_attn needs metadata from prepare_{method}(plan, rank), got {type(meta).__name__}"
         )
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            raise ValueError(
-                f"{name} must be a (tokens, heads, head_dim) tensor, got {getattr(x, 'shape', type(x))}"
-            )
-        if not x.is_floating_point():
-            raise ValueError(f"{name} must be floating point, got {x.dtype}")
-        if x.shape[0] != meta.tokens:
-            raise ValueError(
-                f"{name} has {x.shape[0]} tokens but the plan gives rank {meta.rank} {meta.tokens}"
-            )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
-    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"num_heads = {q.shape[1]} is not a multiple of num_kv_heads = {k.shape[1]}"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
-    n, r = group_size(group), group_rank(group)
-    if n != meta.cp_size or r != meta.rank:
-        raise ValueError(
-            f"metadata is for rank {meta.rank} of {meta.cp_size} but this process is rank {r} of a "
-            f"group of {n}"
-        )
+    check_qkv(q, k, v, tokens=meta.tokens, rank=meta.rank, cp_size=meta.cp_size, group=group)
 
 
 def check_heads_per_group(heads_per_group) -> None:

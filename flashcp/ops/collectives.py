@@ -33,6 +33,7 @@ __all__ = [
     "LocalGroup",
     "all_gather_into_tensor",
     "all_to_all_single",
+    "check_qkv",
     "check_same_plan",
     "group_rank",
     "group_size",
@@ -164,6 +165,50 @@ class LocalGroup:
     def ring_wait(self, handle) -> list[torch.Tensor]:
         """The buffers received for ``handle`` (from :meth:`ring_post`)."""
         raise NotImplementedError
+
+
+def check_qkv(q, k, v, *, tokens: int, rank: int, cp_size: int, group=None) -> None:
+    """Validate one rank's inputs of a CP attention op, before any collective (every op's check).
+
+    Args:
+        q: (T, H, D); k, v: (T, Hkv, D): floating point, one dtype, one device, ``T == tokens``,
+            ``H % Hkv == 0``.
+        tokens: the rows the plan gives this rank; rank, cp_size: the rank and CP size the op's
+            metadata was prepared for; group: the process group the op runs on (its size and this
+            process's rank must be ``cp_size`` and ``rank``).
+    Raises:
+        ValueError: naming the first problem and its values.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(
+                f"{name} must be a (tokens, heads, head_dim) tensor, got "
+                f"{tuple(getattr(x, 'shape', ())) or type(x).__name__}"
+            )
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        if x.shape[0] != tokens:
+            raise ValueError(
+                f"rank {rank} holds {tokens} tokens in its plan, but {name} has {x.shape[0]} rows"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"num_heads = {q.shape[1]} is not a multiple of num_kv_heads = {k.shape[1]}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+    size, me = group_size(group), group_rank(group)
+    if size != cp_size or me != rank:
+        raise ValueError(
+            f"metadata is for rank {rank} of {cp_size}, but this process is rank {me} of a "
+            f"group of {size}"
+        )
 
 
 def group_size(group=None) -> int:

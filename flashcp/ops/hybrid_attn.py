@@ -40,6 +40,7 @@ from flashcp.ops.allgather_attn import (
 from flashcp.ops.backends import VarlenBackend, get_backend, resolve_softmax_scale
 from flashcp.ops.collectives import (
     LocalGroup,
+    check_qkv,
     check_same_plan,
     group_rank,
     group_size,
@@ -296,38 +297,14 @@ def _check_inputs(q, k, v, meta, method, group, grad_comm_dtype) -> UlyssesHeads
             f"{method}_attn needs the metadata of prepare_{method}(plan, rank), got "
             f"{type(meta).__name__}"
         )
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            raise ValueError(f"{name} must be a (T_local, heads, head_dim) tensor")
-        if not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
-        if x.shape[0] != meta.tokens:
-            raise ValueError(
-                f"rank {meta.rank} holds {meta.tokens} tokens in its plan, but {name} has "
-                f"{x.shape[0]} rows"
-            )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
-            f"{q.device}/{k.device}/{v.device}"
-        )
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
-    heads = ulysses_heads(q.shape[1], k.shape[1], meta.degree)
-    resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)  # raises on a bad value
     parent = group.parent if isinstance(group, HybridGroups) else group
     if isinstance(group, HybridGroups) and group.degree != meta.degree:
         raise ValueError(
             f"process groups are for ulysses_degree {group.degree}, the plan's is {meta.degree}"
         )
-    size, rank = group_size(parent), group_rank(parent)
-    if size != meta.cp_size or rank != meta.rank:
-        raise ValueError(
-            f"metadata is for rank {meta.rank} of {meta.cp_size}, but this process is rank {rank} "
-            f"of a group of {size}"
-        )
+    check_qkv(q, k, v, tokens=meta.tokens, rank=meta.rank, cp_size=meta.cp_size, group=parent)
+    heads = ulysses_heads(q.shape[1], k.shape[1], meta.degree)
+    resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)  # raises on a bad value
     return heads
 
 

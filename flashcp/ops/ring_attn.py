@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from flashcp.ops.backends import VarlenBackend, compute_dtype, get_backend, resolve_softmax_scale
-from flashcp.ops.collectives import group_rank, group_size, resolve_grad_comm_dtype
+from flashcp.ops.collectives import check_qkv, resolve_grad_comm_dtype
 from flashcp.ops.lse import merge_lse_rows_, new_accumulator
 from flashcp.ops.ring_comm import RingComm
 from flashcp.ops.ring_meta import BlockCall, RingMeta, Rows, prepare_ring_meta
@@ -231,37 +231,9 @@ def _check_inputs(q, k, v, meta: RingMeta, method: str, group, grad_comm_dtype) 
         )
     if meta.method != method:
         raise ValueError(f"{method}_attn got metadata prepared for {meta.method!r}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            raise ValueError(f"{name} must be a (T_local, heads, head_dim) tensor")
-        if not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
-            f"{q.device}/{k.device}/{v.device}"
-        )
-    t = meta.local_tokens
-    if q.shape[0] != t or k.shape[0] != t:
-        raise ValueError(
-            f"rank {meta.rank} holds {t} tokens in its plan, but q has {q.shape[0]} rows and k "
-            f"has {k.shape[0]}"
-        )
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"num_heads = {q.shape[1]} is not a multiple of num_kv_heads = {k.shape[1]}"
-        )
+    check_qkv(q, k, v, tokens=meta.local_tokens, rank=meta.rank, cp_size=meta.cp_size,
+              group=group)  # fmt: skip
     resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)  # raises on a bad value
-    size, rank = group_size(group), group_rank(group)
-    if size != meta.cp_size or rank != meta.rank:
-        raise ValueError(
-            f"metadata is for rank {meta.rank} of {meta.cp_size}, but this process is rank {rank} "
-            f"of a group of {size}"
-        )
 
 
 def ring_attention(

@@ -35,9 +35,8 @@ from flashcp.head_parallel import UlyssesHeads, ulysses_heads
 from flashcp.ops.backends import VarlenBackend, compute_dtype, get_backend, resolve_softmax_scale
 from flashcp.ops.collectives import (
     all_to_all_single,
+    check_qkv,
     check_same_plan,
-    group_rank,
-    group_size,
     resolve_grad_comm_dtype,
 )
 from flashcp.ops.timing import as_timer
@@ -272,33 +271,9 @@ def _check_inputs(q, k, v, meta, group, grad_comm_dtype) -> UlyssesHeads:
             f"ulysses_attn needs the metadata of prepare_ulysses(plan, rank), got "
             f"{type(meta).__name__}"
         )
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            raise ValueError(f"{name} must be a (T_local, heads, head_dim) tensor")
-        if not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
-        if x.shape[0] != meta.tokens:
-            raise ValueError(
-                f"rank {meta.rank} holds {meta.tokens} tokens in its plan, but {name} has "
-                f"{x.shape[0]} rows"
-            )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
-            f"{q.device}/{k.device}/{v.device}"
-        )
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"head_dim of q ({q.shape[2]}) and k ({k.shape[2]}) differ")
+    check_qkv(q, k, v, tokens=meta.tokens, rank=meta.rank, cp_size=meta.cp_size, group=group)
     heads = ulysses_heads(q.shape[1], k.shape[1], meta.cp_size)
     resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)  # raises on a bad value
-    size, rank = group_size(group), group_rank(group)
-    if size != meta.cp_size or rank != meta.rank:
-        raise ValueError(
-            f"metadata is for rank {meta.rank} of {meta.cp_size}, but this process is rank {rank} "
-            f"of a group of {size}"
-        )
     return heads
 
 

@@ -323,6 +323,7 @@ def compare_report(table: pd.DataFrame) -> list[str]:
 def _cli(argv: list[str] | None = None) -> None:
     """``python -m experiments.aggregate DIR``: merge every run of DIR; one line on error."""
     import argparse
+    import signal
 
     ap = argparse.ArgumentParser(
         prog="python -m experiments.aggregate",
@@ -341,6 +342,8 @@ def _cli(argv: list[str] | None = None) -> None:
         "committed results/fig5); exit code 1 when a run of REF_DIR is missing",
     )
     args = ap.parse_args(argv)
+    if hasattr(signal, "SIGPIPE"):  # `... | head` ends the report quietly, as a Unix tool does
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     if args.compare:
         try:
             table = compare(args.compare, args.exp_dir)

@@ -321,7 +321,7 @@ class Table2Config(ExperimentConfig):
     #: is installed; flashcp.ilp.plan_ilp)
     lns: bool | None = None
     #: HiGHS options by name, passed to the solver (checked before any solve). The default
-    #: mip_heuristic_effort 1.0 (HiGHS's own: 0.05) is the setting experiments/bench_ilp.py
+    #: mip_heuristic_effort 1.0 (HiGHS's own: 0.05) is the setting experiments/benchmarks/bench_ilp.py
     #: measures; solver=cbc drops it (other HiGHS options with cbc are refused). null passes none
     #: (HiGHS's own values); highs_options={k: v} adds to the default, as Hydra merges mappings
     highs_options: dict[str, Any] | None = field(

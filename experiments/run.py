@@ -50,6 +50,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.common.callbacks import is_rank0, read_lock
+from experiments.common.entry import CONF_DIR
 from experiments.common.launch import PROG, launch
 from experiments.common.overrides import (
     explicit_hardware_keys,
@@ -66,7 +67,6 @@ from flashcp.config import (
 )
 from flashcp.executors import RunSpec, execute
 from flashcp.executors.sim import error_status
-from flashcp.resources import resource_path
 from flashcp.results import (
     COMM_COLUMNS,
     IDENTITY_COLUMNS,
@@ -80,7 +80,6 @@ from flashcp.results import (
 )
 
 log = logging.getLogger(__name__)
-CONF_DIR = str(resource_path("conf"))
 
 #: columns that say which invocation wrote a row (not part of the identity)
 JOB_COLUMNS = ("name", "sweep_id", "job_num", "launcher", "overrides", "run_id")

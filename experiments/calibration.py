@@ -1,5 +1,5 @@
 """Calibration of the simulator as an experiment: ``flashcp-calibration`` (or ``python -m
-experiments.calibration``; conf/calibration.yaml, :class:`flashcp.config.CalibrationConfig`).
+experiments.calibration``; conf/calibration.yaml, :class:`CalibrationConfig`).
 
 Fits the free constants of the hardware profiles to every public target of docs/design.md §8
 (:func:`flashcp.sim.calibration.public_targets`) with SciPy's bounded least squares, within each
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,13 @@ import hydra
 import pandas as pd
 from omegaconf import DictConfig
 
-from experiments.launch import run_experiment
-from flashcp.config import register_configs
-from flashcp.resources import resource_path
+from experiments.common.entry import (
+    CONF_DIR,
+    ExperimentConfig,
+    register_experiment,
+    run_experiment,
+)
+from experiments.common.launch import launch
 from flashcp.results import markdown_table
 from flashcp.sim.calibration import (
     KERNEL_FIELDS,
@@ -40,9 +45,21 @@ from flashcp.sim.calibration import (
 )
 from flashcp.sim.hardware import load_hardware
 
-__all__ = ["FREE_A100", "FREE_H100", "main", "run_calibration"]
+__all__ = ["FREE_A100", "FREE_H100", "CalibrationConfig", "cli", "main", "run_calibration"]
 
 log = logging.getLogger(__name__)
+#: the command (conf/calibration.yaml names it in hydra.callbacks.folder.prog; pyproject.toml's script)
+PROG = "flashcp-calibration"
+
+
+@dataclass
+class CalibrationConfig(ExperimentConfig):
+    """``flashcp-calibration`` (conf/calibration.yaml, :func:`experiments.calibration.run_calibration`):
+    fit the simulator's free constants to the public targets of docs/design.md §8; writes
+    targets.csv/.md, fitted_constants.yaml and versions.yaml."""
+
+    name: str = "calibration"
+
 
 #: free constants of stage 1 and their published ranges (conf/hardware/h100_sxm.yaml cites each)
 FREE_H100 = {
@@ -173,17 +190,22 @@ def _calibrate(cfg: DictConfig) -> Path:
     return out_dir / "targets.csv"
 
 
-register_configs()
+register_experiment("calibration", CalibrationConfig)
 
 
-@hydra.main(version_base="1.3", config_path=str(resource_path("conf")), config_name="calibration")
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="calibration")
 def main(cfg: DictConfig) -> dict[str, Any]:
-    """Hydra app of ``flashcp-calibration`` (conf/calibration.yaml, :class:`flashcp.config.CalibrationConfig`):
-    fit the simulator's constants into ``<results_dir>/<name>/``; returns the job's record (:func:`experiments.launch.run_experiment`)."""
+    """Hydra app of ``flashcp-calibration`` (conf/calibration.yaml, :class:`CalibrationConfig`): the simulator's constants fitted into
+    ``<results_dir>/<name>/``; returns the job's record
+    (:func:`experiments.common.entry.run_experiment`)."""
     return run_experiment(cfg, _calibrate)
 
 
-if __name__ == "__main__":
-    from experiments.launch import calibration as cli
+def cli(argv: list[str] | None = None) -> None:
+    """Console entry point ``flashcp-calibration``: :func:`main` with readable errors and clean
+    Ctrl-C (:func:`experiments.common.launch.launch`)."""
+    launch(main, PROG, argv)
 
-    cli()  # readable errors, clean Ctrl-C
+
+if __name__ == "__main__":
+    cli()

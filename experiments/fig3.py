@@ -1,5 +1,5 @@
 """Kernel efficiency by layout (the paper's Fig. 3), simulated: ``flashcp-fig3`` (or ``python -m
-experiments.fig3``; conf/fig3.yaml, :class:`flashcp.config.Fig3Config`).
+experiments.fig3``; conf/fig3.yaml, :class:`Fig3Config`).
 
 Two packed sequences of ``context_len`` tokens — one document filling it, and 16 equal documents —
 laid out ``whole`` (one device), ``per_doc`` (2N chunks per document, one varlen call per rank) and
@@ -16,6 +16,7 @@ quantity the paper's Fig. 3 plots).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,38 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.launch import run_experiment
+from experiments.common.entry import (
+    CONF_DIR,
+    ExperimentConfig,
+    register_experiment,
+    run_experiment,
+)
+from experiments.common.launch import launch
 from flashcp.comm import AttnShape
-from flashcp.config import register_configs
+from flashcp.config import HardwareConfig, ModelConfig
 from flashcp.plan import doc_workload
-from flashcp.resources import resource_path
 from flashcp.results import provenance, write_csv_atomic
+
+__all__ = ["Fig3Config", "cli", "main", "run_fig3"]
+
+#: the command (conf/fig3.yaml names it in hydra.callbacks.folder.prog; pyproject.toml's script)
+PROG = "flashcp-fig3"
+
+
+@dataclass
+class Fig3Config(ExperimentConfig):
+    """``flashcp-fig3`` (conf/fig3.yaml, :func:`experiments.fig3.run_fig3`): the paper's Fig. 3,
+    kernel efficiency of one document filling the context vs 16 equal documents, per layout,
+    simulated on the ``hardware`` profile."""
+
+    name: str = "fig3"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    #: the simulator's profile (conf/hardware/*.yaml)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    #: N, number of CP ranks
+    cp_size: int = 8
+    #: C, tokens per packed sequence (a multiple of 16)
+    context_len: int = 131072
 
 
 def run_fig3(cfg: DictConfig) -> Path:
@@ -38,14 +65,14 @@ def run_fig3(cfg: DictConfig) -> Path:
     ``fig3.png`` into ``<results_dir>/<name>/``; return the path of ``fig3.csv``.
 
     Args:
-        cfg: the fields of :class:`flashcp.config.Fig3Config` (``hardware``, ``model``,
+        cfg: the fields of :class:`Fig3Config` (``hardware``, ``model``,
             ``cp_size``, ``context_len``, ``results_dir``, ``name``).
 
     Raises:
         ValueError: ``context_len`` not divisible by 16, or a bad hardware profile.
     """
+    from experiments.common.overrides import load_job_hardware
     from experiments.plot import draw
-    from experiments.run import load_job_hardware
     from flashcp.sim.fig3 import FIG3_LAYOUTS, fig3_compute_us
 
     # explicit constants win over the fitted ones
@@ -85,17 +112,22 @@ def run_fig3(cfg: DictConfig) -> Path:
     return out_dir / "fig3.csv"
 
 
-register_configs()
+register_experiment("fig3", Fig3Config)
 
 
-@hydra.main(version_base="1.3", config_path=str(resource_path("conf")), config_name="fig3")
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="fig3")
 def main(cfg: DictConfig) -> dict[str, Any]:
-    """Hydra app of ``flashcp-fig3`` (conf/fig3.yaml, :class:`flashcp.config.Fig3Config`):
-    the paper's Fig. 3 into ``<results_dir>/<name>/``; returns the job's record (:func:`experiments.launch.run_experiment`)."""
+    """Hydra app of ``flashcp-fig3`` (conf/fig3.yaml, :class:`Fig3Config`): the paper's Fig. 3 into
+    ``<results_dir>/<name>/``; returns the job's record
+    (:func:`experiments.common.entry.run_experiment`)."""
     return run_experiment(cfg, run_fig3)
 
 
-if __name__ == "__main__":
-    from experiments.launch import fig3 as cli
+def cli(argv: list[str] | None = None) -> None:
+    """Console entry point ``flashcp-fig3``: :func:`main` with readable errors and clean
+    Ctrl-C (:func:`experiments.common.launch.launch`)."""
+    launch(main, PROG, argv)
 
-    cli()  # readable errors, clean Ctrl-C
+
+if __name__ == "__main__":
+    cli()

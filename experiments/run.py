@@ -7,8 +7,8 @@ write rows.
     flashcp-run grid.model=[h16,h32] grid.cp_size=[4,8]   # 4 runs in one job, plans shared
     torchrun --nproc-per-node 4 -m experiments.run executor=dist cp_size=4 ...   # real ranks
 
-The experiments that write their own tables have their own commands and configs
-(:mod:`experiments.launch`): ``flashcp-table2``, ``flashcp-calibration``, ``flashcp-sensitivity``,
+The experiments that write their own tables have their own modules, commands and configs
+(:mod:`experiments.common`): ``flashcp-table2``, ``flashcp-calibration``, ``flashcp-sensitivity``,
 ``flashcp-fig3``.
 
 One run is one configuration (dataset, method and its options, cp_size, model, hardware,
@@ -31,13 +31,12 @@ values) is skipped. A job whose rows came from other code (``code_version`` diff
 warning that names both versions.
 
 Failures. A job that raises becomes rows with ``status = "error: ..."`` and its traceback in its log;
-the sweep goes on, and :mod:`experiments.callbacks` ends it with one line counting the failed jobs
+the sweep goes on, and :mod:`experiments.common.callbacks` ends it with one line counting the failed jobs
 and a non-zero exit code. A sequence whose planner or simulation fails is a row of its own.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -50,6 +49,15 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from experiments.common.callbacks import is_rank0, read_lock
+from experiments.common.entry import CONF_DIR
+from experiments.common.launch import PROG, launch
+from experiments.common.overrides import (
+    explicit_hardware_keys,
+    explicit_keys,
+    hardware_changes,
+)
+from experiments.common.overrides import json_text as _json
 from flashcp.comm import AttnShape
 from flashcp.config import (
     EXECUTOR_OPTIONS,
@@ -59,7 +67,6 @@ from flashcp.config import (
 )
 from flashcp.executors import RunSpec, execute
 from flashcp.executors.sim import error_status
-from flashcp.resources import resource_path
 from flashcp.results import (
     COMM_COLUMNS,
     IDENTITY_COLUMNS,
@@ -73,7 +80,6 @@ from flashcp.results import (
 )
 
 log = logging.getLogger(__name__)
-CONF_DIR = str(resource_path("conf"))
 
 #: columns that say which invocation wrote a row (not part of the identity)
 JOB_COLUMNS = ("name", "sweep_id", "job_num", "launcher", "overrides", "run_id")
@@ -101,10 +107,6 @@ def _container(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
-def _json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, default=str)
-
-
 def file_sha256(path: str | Path) -> str:
     """First 12 hex digits of the sha256 of a file's bytes; ``"missing"`` if it cannot be read."""
     import hashlib
@@ -113,54 +115,6 @@ def file_sha256(path: str | Path) -> str:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
     except OSError:
         return "missing"
-
-
-def hardware_changes(hw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """Constants of a composed hardware profile that differ from its file ``conf/hardware/<name>``
-    (command-line overrides such as ``hardware.launch_us=10``), plus the ``explicit`` ones
-    (:func:`explicit_hardware_keys`) even where equal to it; every constant if no such file.
-    These win over the profile's fitted constants (:func:`flashcp.sim.hardware.load_hardware`)."""
-    from flashcp.sim.hardware import profile_changes
-
-    changes = profile_changes(hw)
-    changes.update({k: hw[k] for k in sorted(explicit) if k in hw and k not in changes})
-    return changes
-
-
-def explicit_keys(group: str) -> list[str]:
-    """The keys inside config group ``group`` that the command line sets (``<group>.<key>=...``,
-    swept or not; dotted below the group, e.g. ``options.lns``), read from Hydra's overrides of
-    this job; empty outside Hydra. A value equal to the option file's is explicit too."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    if not HydraConfig.initialized():
-        return []
-    task = list(HydraConfig.get().overrides.task)
-    keys = (ov.key_or_group for ov in OverridesParser.create().parse_overrides(task))
-    return [k.split(".", 1)[1] for k in keys if k.startswith(f"{group}.")]
-
-
-def explicit_hardware_keys() -> frozenset[str]:
-    """The hardware constants the command line sets (:func:`explicit_keys`): they win over the
-    fitted values like any other override, even where equal to the profile file's value."""
-    return frozenset(k for k in explicit_keys("hardware") if "." not in k)
-
-
-def load_job_hardware(hw: dict[str, Any]) -> tuple[Any, dict[str, str]]:
-    """A composed profile ``hw`` loaded with this job's explicit constants winning over the
-    fitted ones (:func:`flashcp.sim.hardware.load_hardware`, :func:`explicit_hardware_keys`), and
-    the columns flashcp-run's rows carry for it: ``hardware``, ``hardware_changes`` (JSON),
-    ``hardware_sha256`` (of the constants used). For flashcp-fig3 and flashcp-sensitivity."""
-    from flashcp.sim import load_hardware
-
-    explicit = explicit_hardware_keys()
-    loaded = load_hardware(hw, explicit=explicit)
-    return loaded, {
-        "hardware": loaded.name,
-        "hardware_changes": _json(hardware_changes(hw, explicit)),
-        "hardware_sha256": config_hash(loaded.to_dict()),
-    }
 
 
 def _hardware_sha256(hw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> str:
@@ -475,8 +429,6 @@ def job_info(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from experiments.callbacks import read_lock
-
     if HydraConfig.initialized():
         hc = HydraConfig.get()
         multirun = hc.mode == RunMode.MULTIRUN
@@ -697,8 +649,6 @@ def write_error_rows(cfg: DictConfig, exc: BaseException) -> Path | None:
     """Record a failed job: per run of the job (one when its grid is bad) one row per mode with
     ``seq_idx`` missing and ``status = "error: ..."``, identity and provenance as a finished run
     has them. None off rank 0 or if even that fails."""
-    from experiments.callbacks import is_rank0
-
     if not is_rank0():
         return None
     try:
@@ -729,7 +679,7 @@ register_configs()
 def main(cfg: DictConfig) -> dict[str, Any]:
     """Console entry point ``flashcp-run`` (Hydra parses the command line).
 
-    Returns (to :class:`experiments.callbacks.AggregateResults`) ``{"rows": path or None,
+    Returns (to :class:`experiments.common.callbacks.AggregateResults`) ``{"rows": path or None,
     "error": message or None, "exit_code": 0 | 1 | 2}``. A failing job writes error rows and its
     traceback to its log (a bad configuration value: one line, exit code 2) and returns, so a sweep
     goes on; the callback prints one line and sets the exit code. Under ``executor=dist`` a failure
@@ -752,7 +702,11 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         return {"rows": str(out) if out is not None else None, "error": msg, "exit_code": code}
 
 
-if __name__ == "__main__":
-    from experiments.launch import main as launch_main  # readable errors, clean Ctrl-C/SIGTERM
+def cli(argv: list[str] | None = None) -> None:
+    """Console entry point ``flashcp-run``: :func:`main` under
+    :func:`experiments.common.launch.launch` (readable errors, clean Ctrl-C/SIGTERM)."""
+    launch(main, PROG, argv)
 
-    launch_main()
+
+if __name__ == "__main__":
+    cli()

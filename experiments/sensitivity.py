@@ -1,5 +1,5 @@
 """How robust is each conclusion of the simulator? ``flashcp-sensitivity`` (or ``python -m
-experiments.sensitivity``; conf/sensitivity.yaml, :class:`flashcp.config.SensitivityConfig`).
+experiments.sensitivity``; conf/sensitivity.yaml, :class:`SensitivityConfig`).
 
 Every overhead constant of the hardware profile (:data:`VARIED`) is varied over a plausible range,
 a factor of ``1/2`` to ``2`` of its calibrated value (``factor``; for
@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +36,95 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.launch import run_experiment
+from experiments.common.entry import (
+    CONF_DIR,
+    ExperimentConfig,
+    at_least,
+    check_experiment_config,
+    register_experiment,
+    run_experiment,
+)
+from experiments.common.launch import launch
 from flashcp.comm import AttnShape
-from flashcp.config import register_configs
-from flashcp.resources import resource_path
+from flashcp.config import HardwareConfig, ModelConfig
+from flashcp.data.datasets import DatasetName
 from flashcp.results import markdown_table
 from flashcp.sim.hardware import HardwareProfile
 
-__all__ = ["VARIED", "main", "perturb", "plot_tornado", "run_sensitivity"]
+__all__ = [
+    "VARIED",
+    "SensitivityConfig",
+    "check_sensitivity_config",
+    "cli",
+    "main",
+    "perturb",
+    "plot_tornado",
+    "run_sensitivity",
+]
+
+#: the command (conf/sensitivity.yaml names it in hydra.callbacks.folder.prog; pyproject.toml's script)
+PROG = "flashcp-sensitivity"
+
+
+@dataclass
+class SensitivityConfig(ExperimentConfig):
+    """``flashcp-sensitivity`` (conf/sensitivity.yaml, :func:`experiments.sensitivity.run_sensitivity`):
+    vary every overhead constant of the ``hardware`` profile and report the range of each method's
+    speedup over llama3 and the share of draws in which each pairwise ordering holds."""
+
+    name: str = "sensitivity"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    #: the profile whose constants are varied (conf/hardware/*.yaml)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    #: N, number of CP ranks
+    cp_size: int = 8
+    #: C, tokens per packed sequence
+    context_len: int = 131072
+    #: train (forward + backward) and/or infer (forward only); the tornado plot shows the first
+    modes: list[str] = field(default_factory=lambda: ["train"])
+    #: seed of the sampler and of the Latin hypercube
+    seed: int = 0
+    #: sampled sequences per dataset (the same for every draw)
+    num_sequences: int = 24
+    #: Latin-hypercube draws of the joint study (>= 2)
+    num_draws: int = 256
+    #: each constant from value / factor to value * factor (> 1)
+    factor: float = 2.0
+    #: datasets studied
+    datasets: list[DatasetName] = field(
+        default_factory=lambda: [DatasetName.wlb_llm, DatasetName.pile, DatasetName.redpajama]
+    )
+    #: methods compared (llama3, the reference of every speedup, among them)
+    methods: list[str] = field(
+        default_factory=lambda: ["llama3", "per_doc", "ring", "zigzag", "flashcp"]
+    )
+
+
+def check_sensitivity_config(cfg: Any) -> None:
+    """Check a :class:`SensitivityConfig` before any work: the checks every experiment gets
+    (:func:`experiments.common.entry.check_experiment_config`), then the draws, the factor, the
+    methods (registered, llama3 among them) and the datasets (at least one, not ``file``).
+
+    Raises:
+        ValueError: naming the bad value.
+    """
+    from flashcp.registry import get_method
+
+    check_experiment_config(cfg)
+    at_least(cfg, "num_draws", 2)
+    at_least(cfg, "factor", 1.0, strict=True)
+    for method in cfg.methods:
+        get_method(method)  # ValueError naming the known methods
+    if "llama3" not in cfg.methods:
+        raise ValueError(
+            f"methods = {list(cfg.methods)} must include llama3, the reference of every speedup"
+        )
+    if not cfg.datasets or DatasetName.file in cfg.datasets:
+        raise ValueError(
+            f"datasets = {[str(d) for d in cfg.datasets]}: list at least one, and not file "
+            "(it needs a path, which this experiment does not take)"
+        )
+
 
 #: the overhead constants varied (the kernel tile rates, fixed by the FA2 table, are not)
 VARIED = (
@@ -117,7 +199,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     """Run the study described in the module docstring; return the per-draw table.
 
     Args:
-        cfg: the fields of :class:`flashcp.config.SensitivityConfig` (``hardware``, ``model``,
+        cfg: the fields of :class:`SensitivityConfig` (``hardware``, ``model``,
             ``cp_size``, ``context_len``, ``modes``, ``seed``, ``num_sequences``, ``num_draws``,
             ``factor``, ``datasets``, ``methods``).
         out_dir: folder of the outputs (created).
@@ -126,7 +208,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     """
     from scipy.stats import qmc
 
-    from experiments.run import load_job_hardware
+    from experiments.common.overrides import load_job_hardware
     from flashcp.data import sample_dataset
     from flashcp.registry import COMM_KIND, get_planner
     from flashcp.sim.cost_model import PlanCost
@@ -246,17 +328,22 @@ def _study(cfg: DictConfig) -> Path:
     return out_dir / "speedup_range.csv"
 
 
-register_configs()
+register_experiment("sensitivity", SensitivityConfig)
 
 
-@hydra.main(version_base="1.3", config_path=str(resource_path("conf")), config_name="sensitivity")
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="sensitivity")
 def main(cfg: DictConfig) -> dict[str, Any]:
-    """Hydra app of ``flashcp-sensitivity`` (conf/sensitivity.yaml, :class:`flashcp.config.SensitivityConfig`):
-    the sensitivity study into ``<results_dir>/<name>/``; returns the job's record (:func:`experiments.launch.run_experiment`)."""
-    return run_experiment(cfg, _study)
+    """Hydra app of ``flashcp-sensitivity`` (conf/sensitivity.yaml, :class:`SensitivityConfig`): the sensitivity study into
+    ``<results_dir>/<name>/``; returns the job's record
+    (:func:`experiments.common.entry.run_experiment`)."""
+    return run_experiment(cfg, _study, check_sensitivity_config)
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """Console entry point ``flashcp-sensitivity``: :func:`main` with readable errors and clean
+    Ctrl-C (:func:`experiments.common.launch.launch`)."""
+    launch(main, PROG, argv)
 
 
 if __name__ == "__main__":
-    from experiments.launch import sensitivity as cli
-
-    cli()  # readable errors, clean Ctrl-C
+    cli()

@@ -17,14 +17,16 @@ solver accepted, how many started from the rounded LP relaxation (:func:`flashcp
 Outputs in ``out_dir``: ``table2_rows.csv`` (one row per planner x sequence, with a ``status``
 column), ``table2.csv`` (the summary), ``table2.md`` and ``table2.tex``. Command:
 ``flashcp-table2 [field=value ...]`` (or ``python -m experiments.table2``; conf/table2.yaml,
-fields :class:`flashcp.config.Table2Config`), writing ``<results_dir>/<name>/``.
+fields :class:`Table2Config`), writing ``<results_dir>/<name>/``.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import hydra
@@ -32,14 +34,115 @@ import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.launch import run_experiment
-from flashcp.config import DEFAULT_HIGHS_OPTIONS, register_configs
-from flashcp.resources import resource_path
+from experiments.common.entry import (
+    CONF_DIR,
+    ExperimentConfig,
+    at_least,
+    check_experiment_config,
+    register_experiment,
+    run_experiment,
+)
+from experiments.common.launch import launch
+from flashcp.config import DatasetConfig
 from flashcp.results import markdown_table
 
-__all__ = ["main", "run_table2", "table2_from_config"]
+__all__ = [
+    "DEFAULT_HIGHS_OPTIONS",
+    "Table2Config",
+    "check_table2_config",
+    "cli",
+    "main",
+    "run_table2",
+    "table2_from_config",
+]
 
+#: the command (conf/table2.yaml names it in hydra.callbacks.folder.prog; pyproject.toml's script)
+PROG = "flashcp-table2"
 _BASELINES = ("llama3", "per_doc", "ring", "zigzag")
+
+#: ``flashcp-table2``'s HiGHS options unless given (HiGHS's own mip_heuristic_effort: 0.05)
+DEFAULT_HIGHS_OPTIONS: MappingProxyType[str, Any] = MappingProxyType({"mip_heuristic_effort": 1.0})
+
+
+@dataclass
+class Table2Config(ExperimentConfig):
+    """``flashcp-table2`` (conf/table2.yaml, :func:`experiments.table2.run_table2`): the paper's
+    Table 2, every heuristic and baseline against the ILP on the same sampled sequences.
+    CI-sized by default (about 10 minutes on 2 cores); paper-sized: ``num_sequences=100``."""
+
+    name: str = "table2"
+    #: the dataset sequences are sampled from (conf/dataset/; the paper's table: dataset=pile).
+    #: Only its name is used, sampled as flashcp-run samples it by default
+    #: (flashcp.data.sample_dataset: documents weighting, cap 4 x C, overlong split: the
+    #: sequences of Fig. 5 / 7); the other fields must keep their defaults (check_experiment_config)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    #: N, number of CP ranks
+    cp_size: int = 4
+    #: C, tokens per packed sequence
+    context_len: int = 131072
+    #: sequences sampled (the same for every planner)
+    num_sequences: int = 10
+    #: seed of the sampler
+    seed: int = 0
+    #: ILP wall-clock limit per sequence, seconds
+    time_limit_s: float = 60.0
+    #: ILP granularity, tokens
+    block_size: int = 1024
+    #: R for flashcp / flashcp_refined, and the ILP's imbalance cap
+    target_imbalance: float = 1.02
+    #: ILP solver: highs (highspy, a dependency) | cbc (bundled with PuLP)
+    solver: str = "highs"
+    #: ILP formulation: patterns | pieces (the original formulation)
+    formulation: str = "patterns"
+    #: relative gap at which an ILP solve counts as proven optimal
+    gap: float = 0.01
+    #: weight of communication in the ILP objective (flashcp.ilp.plan_ilp)
+    comm_weight: float = 1.0
+    #: the ILP's MIP start: best | flashcp | flashcp_refined | null (none)
+    warm_start: str | None = "best"
+    #: also try a MIP start cut from the LP relaxation (needs a warm_start)
+    lp_rounding: bool = True
+    #: improve the MIP start by a neighbourhood search over pairs of ranks (null: on when highspy
+    #: is installed; flashcp.ilp.plan_ilp)
+    lns: bool | None = None
+    #: HiGHS options by name, passed to the solver (checked before any solve). The default
+    #: mip_heuristic_effort 1.0 (HiGHS's own: 0.05) is the setting experiments/benchmarks/bench_ilp.py
+    #: measures; solver=cbc drops it (other HiGHS options with cbc are refused). null passes none
+    #: (HiGHS's own values); highs_options={k: v} adds to the default, as Hydra merges mappings
+    highs_options: dict[str, Any] | None = field(
+        default_factory=lambda: dict(DEFAULT_HIGHS_OPTIONS)
+    )
+    #: processes solving ILPs in parallel
+    workers: int = 1
+
+
+def check_table2_config(cfg: Any) -> None:
+    """Check a :class:`Table2Config` before any work: the checks every experiment gets
+    (:func:`experiments.common.entry.check_experiment_config`), then the ILP's settings, the
+    HiGHS options against the solver, and that only ``dataset.name`` is set.
+
+    Raises:
+        ValueError: naming the bad value.
+    """
+    check_experiment_config(cfg)
+    at_least(cfg, "block_size", 1)
+    at_least(cfg, "target_imbalance", 1.0)
+    at_least(cfg, "time_limit_s", 0.0, strict=True)
+    at_least(cfg, "gap", 0.0)
+    highs = cfg.get("highs_options")
+    if highs and cfg.get("solver") != "highs" and dict(highs) != DEFAULT_HIGHS_OPTIONS:
+        raise ValueError(
+            f"highs_options={dict(highs)} are HiGHS options and solver={cfg.solver}; drop them "
+            "(highs_options=null) or use solver=highs"
+        )
+    default = DatasetConfig()  # Table 2 samples by name only
+    for key in ("path", "weighting", "cap", "overlong"):
+        if cfg.dataset[key] != getattr(default, key):
+            raise ValueError(
+                f"dataset.{key} = {cfg.dataset[key]!r}: this experiment samples dataset.name "
+                f"only and does not support dataset.{key} (leave it at "
+                f"{getattr(default, key)!r})"
+            )
 
 
 def _ilp_row(args: tuple) -> dict:
@@ -182,7 +285,7 @@ def run_table2(
         target_imbalance: R for ``flashcp`` and ``flashcp_refined``, and the ILP's imbalance cap.
         solver, gap, comm_weight, warm_start, formulation, lp_rounding, lns, highs_options: passed to
             :func:`flashcp.ilp.plan_ilp` (``highs_options`` equal to flashcp-table2's default,
-            :data:`flashcp.config.DEFAULT_HIGHS_OPTIONS`, is dropped under ``solver="cbc"``). The default warm start is the better heuristic, so the
+            :data:`DEFAULT_HIGHS_OPTIONS`, is dropped under ``solver="cbc"``). The default warm start is the better heuristic, so the
             ILP row is never worse than the best plan known; ``gap`` is the relative gap at which
             a solve counts as proven optimal.
         workers: processes solving ILPs in parallel (heuristics and baselines run inline).
@@ -297,7 +400,7 @@ def run_table2(
 
 
 def table2_from_config(cfg: DictConfig) -> Path:
-    """:func:`run_table2` with the fields of a :class:`flashcp.config.Table2Config`, writing
+    """:func:`run_table2` with the fields of a :class:`Table2Config`, writing
     ``<results_dir>/<name>/``; returns the path of ``table2.csv``."""
     opts = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     out_dir = Path(str(opts.pop("results_dir"))) / str(opts.pop("name"))
@@ -307,17 +410,22 @@ def table2_from_config(cfg: DictConfig) -> Path:
     return out_dir / "table2.csv"
 
 
-register_configs()
+register_experiment("table2", Table2Config)
 
 
-@hydra.main(version_base="1.3", config_path=str(resource_path("conf")), config_name="table2")
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="table2")
 def main(cfg: DictConfig) -> dict[str, Any]:
-    """Hydra app of ``flashcp-table2`` (conf/table2.yaml, :class:`flashcp.config.Table2Config`):
-    the paper's Table 2 into ``<results_dir>/<name>/``; returns the job's record (:func:`experiments.launch.run_experiment`)."""
-    return run_experiment(cfg, table2_from_config)
+    """Hydra app of ``flashcp-table2`` (conf/table2.yaml, :class:`Table2Config`): the paper's
+    Table 2 into ``<results_dir>/<name>/``; returns the job's record
+    (:func:`experiments.common.entry.run_experiment`)."""
+    return run_experiment(cfg, table2_from_config, check_table2_config)
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """Console entry point ``flashcp-table2``: :func:`main` with readable errors and clean
+    Ctrl-C (:func:`experiments.common.launch.launch`)."""
+    launch(main, PROG, argv)
 
 
 if __name__ == "__main__":
-    from experiments.launch import table2 as cli
-
-    cli()  # readable errors, clean Ctrl-C
+    cli()

@@ -12,11 +12,10 @@ Two kinds of primary config:
 
 * ``conf/config.yaml`` (:class:`RunConfig`), the sweeps of ``flashcp-run``: one run = one
   (dataset, method, cp_size, model) over sampled sequences, priced or executed;
-* one per experiment that writes its own tables, each with its own schema holding only the fields
-  it uses, at the top level: ``conf/table2.yaml`` (:class:`Table2Config`, ``flashcp-table2``),
-  ``conf/calibration.yaml`` (:class:`CalibrationConfig`, ``flashcp-calibration``),
-  ``conf/sensitivity.yaml`` (:class:`SensitivityConfig`, ``flashcp-sensitivity``) and
-  ``conf/fig3.yaml`` (:class:`Fig3Config`, ``flashcp-fig3``).
+* one per experiment that writes its own tables (``conf/table2.yaml``, ``flashcp-table2``, ...),
+  typed by a schema of its own that lives beside the experiment (``experiments/table2.py``) and
+  uses the group schemas here (:class:`DatasetConfig`, :class:`ModelConfig`,
+  :data:`HardwareConfig`).
 """
 
 from __future__ import annotations
@@ -34,24 +33,18 @@ from flashcp.data.datasets import DatasetName
 from flashcp.sim.hardware import HardwareProfile
 
 __all__ = [
-    "EXPERIMENT_ENTRIES",
-    "CalibrationConfig",
     "DatasetConfig",
     "EmulateExecutorConfig",
     "Executor",
     "ExecutorConfig",
-    "ExperimentConfig",
-    "Fig3Config",
     "GridConfig",
     "HardwareConfig",
     "MethodConfig",
     "ModelConfig",
     "Overlong",
     "RunConfig",
-    "SensitivityConfig",
-    "Table2Config",
     "check_config",
-    "check_experiment_config",
+    "check_modes",
     "register_configs",
 ]
 
@@ -99,7 +92,7 @@ class DatasetConfig:
     name: DatasetName = MISSING
     #: for name=file: a text/CSV/.npy file of document lengths (tokens), one per document. Other
     #: datasets do not read it; flashcp-run refuses it on a command line that selects no
-    #: dataset=file (experiments.launch.dataset_path_problem)
+    #: dataset=file (experiments.common.launch.dataset_path_problem)
     path: str | None = None
     #: documents (a draw is a document) | tokens (length-biased: d drawn with prob. ∝ d·p(d))
     weighting: str = "documents"
@@ -208,7 +201,7 @@ class GridConfig:
     with every setting the job makes inside a gridded group kept (``model.num_kv_heads=8``,
     ``method.impl``, ``method.options.*``, ``hardware.<constant>``); null leaves the job's own
     value. A plain override of a gridded key (``cp_size=2`` beside ``grid.cp_size``) is refused
-    by flashcp-run (``experiments.launch.grid_override_problem``). Plans are made once per
+    by flashcp-run (``experiments.common.launch.grid_override_problem``). Plans are made once per
     (sequence, method, cp_size) and priced for every model and hardware profile."""
 
     #: method options (conf/method/), e.g. [llama3, flashcp]
@@ -257,146 +250,6 @@ class RunConfig:
     plots: list[str] = field(default_factory=list)
     #: executor=sim: runs of this job that share its sequences and plans (see GridConfig)
     grid: GridConfig = field(default_factory=GridConfig)
-
-
-@dataclass
-class ExperimentConfig:
-    """Fields every experiment entry (``flashcp-table2``, ``-calibration``, ``-sensitivity``,
-    ``-fig3``) has: where it writes. Its tables go to ``${results_dir}/${name}/``, its Hydra log
-    and saved config to ``${results_dir}/${name}/runs/${run_key}/``."""
-
-    #: experiment name: results go to ${results_dir}/${name}
-    name: str = MISSING
-    #: root folder of results; outputs/ is ignored by git (the committed reference results are
-    #: in results/: write there with results_dir=results)
-    results_dir: str = "outputs"
-    #: folder of this invocation's log and saved config inside ${results_dir}/${name}/runs
-    #: (interpolated in the entry's config: its name and the hash of its settings)
-    run_key: str = "run"
-
-
-#: ``flashcp-table2``'s HiGHS options unless given (HiGHS's own mip_heuristic_effort: 0.05)
-DEFAULT_HIGHS_OPTIONS: MappingProxyType[str, Any] = MappingProxyType({"mip_heuristic_effort": 1.0})
-
-
-@dataclass
-class Table2Config(ExperimentConfig):
-    """``flashcp-table2`` (conf/table2.yaml, :func:`experiments.table2.run_table2`): the paper's
-    Table 2, every heuristic and baseline against the ILP on the same sampled sequences.
-    CI-sized by default (about 10 minutes on 2 cores); paper-sized: ``num_sequences=100``."""
-
-    name: str = "table2"
-    #: the dataset sequences are sampled from (conf/dataset/; the paper's table: dataset=pile).
-    #: Only its name is used, sampled as flashcp-run samples it by default
-    #: (flashcp.data.sample_dataset: documents weighting, cap 4 x C, overlong split: the
-    #: sequences of Fig. 5 / 7); the other fields must keep their defaults (check_experiment_config)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
-    #: N, number of CP ranks
-    cp_size: int = 4
-    #: C, tokens per packed sequence
-    context_len: int = 131072
-    #: sequences sampled (the same for every planner)
-    num_sequences: int = 10
-    #: seed of the sampler
-    seed: int = 0
-    #: ILP wall-clock limit per sequence, seconds
-    time_limit_s: float = 60.0
-    #: ILP granularity, tokens
-    block_size: int = 1024
-    #: R for flashcp / flashcp_refined, and the ILP's imbalance cap
-    target_imbalance: float = 1.02
-    #: ILP solver: highs (highspy, a dependency) | cbc (bundled with PuLP)
-    solver: str = "highs"
-    #: ILP formulation: patterns | pieces (the original formulation)
-    formulation: str = "patterns"
-    #: relative gap at which an ILP solve counts as proven optimal
-    gap: float = 0.01
-    #: weight of communication in the ILP objective (flashcp.ilp.plan_ilp)
-    comm_weight: float = 1.0
-    #: the ILP's MIP start: best | flashcp | flashcp_refined | null (none)
-    warm_start: str | None = "best"
-    #: also try a MIP start cut from the LP relaxation (needs a warm_start)
-    lp_rounding: bool = True
-    #: improve the MIP start by a neighbourhood search over pairs of ranks (null: on when highspy
-    #: is installed; flashcp.ilp.plan_ilp)
-    lns: bool | None = None
-    #: HiGHS options by name, passed to the solver (checked before any solve). The default
-    #: mip_heuristic_effort 1.0 (HiGHS's own: 0.05) is the setting experiments/bench_ilp.py
-    #: measures; solver=cbc drops it (other HiGHS options with cbc are refused). null passes none
-    #: (HiGHS's own values); highs_options={k: v} adds to the default, as Hydra merges mappings
-    highs_options: dict[str, Any] | None = field(
-        default_factory=lambda: dict(DEFAULT_HIGHS_OPTIONS)
-    )
-    #: processes solving ILPs in parallel
-    workers: int = 1
-
-
-@dataclass
-class CalibrationConfig(ExperimentConfig):
-    """``flashcp-calibration`` (conf/calibration.yaml, :func:`experiments.calibration.run_calibration`):
-    fit the simulator's free constants to the public targets of docs/design.md §8; writes
-    targets.csv/.md, fitted_constants.yaml and versions.yaml."""
-
-    name: str = "calibration"
-
-
-@dataclass
-class SensitivityConfig(ExperimentConfig):
-    """``flashcp-sensitivity`` (conf/sensitivity.yaml, :func:`experiments.sensitivity.run_sensitivity`):
-    vary every overhead constant of the ``hardware`` profile and report the range of each method's
-    speedup over llama3 and the share of draws in which each pairwise ordering holds."""
-
-    name: str = "sensitivity"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    #: the profile whose constants are varied (conf/hardware/*.yaml)
-    hardware: HardwareConfig = field(default_factory=HardwareConfig)
-    #: N, number of CP ranks
-    cp_size: int = 8
-    #: C, tokens per packed sequence
-    context_len: int = 131072
-    #: train (forward + backward) and/or infer (forward only); the tornado plot shows the first
-    modes: list[str] = field(default_factory=lambda: ["train"])
-    #: seed of the sampler and of the Latin hypercube
-    seed: int = 0
-    #: sampled sequences per dataset (the same for every draw)
-    num_sequences: int = 24
-    #: Latin-hypercube draws of the joint study (>= 2)
-    num_draws: int = 256
-    #: each constant from value / factor to value * factor (> 1)
-    factor: float = 2.0
-    #: datasets studied
-    datasets: list[DatasetName] = field(
-        default_factory=lambda: [DatasetName.wlb_llm, DatasetName.pile, DatasetName.redpajama]
-    )
-    #: methods compared (llama3, the reference of every speedup, among them)
-    methods: list[str] = field(
-        default_factory=lambda: ["llama3", "per_doc", "ring", "zigzag", "flashcp"]
-    )
-
-
-@dataclass
-class Fig3Config(ExperimentConfig):
-    """``flashcp-fig3`` (conf/fig3.yaml, :func:`experiments.fig3.run_fig3`): the paper's Fig. 3,
-    kernel efficiency of one document filling the context vs 16 equal documents, per layout,
-    simulated on the ``hardware`` profile."""
-
-    name: str = "fig3"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    #: the simulator's profile (conf/hardware/*.yaml)
-    hardware: HardwareConfig = field(default_factory=HardwareConfig)
-    #: N, number of CP ranks
-    cp_size: int = 8
-    #: C, tokens per packed sequence (a multiple of 16)
-    context_len: int = 131072
-
-
-#: entry point -> (primary config in conf/, schema); one line per experiment with its own entry
-EXPERIMENT_ENTRIES: MappingProxyType[str, tuple[str, type]] = MappingProxyType({
-    "flashcp-table2": ("table2", Table2Config),
-    "flashcp-calibration": ("calibration", CalibrationConfig),
-    "flashcp-sensitivity": ("sensitivity", SensitivityConfig),
-    "flashcp-fig3": ("fig3", Fig3Config),
-})  # fmt: skip
 
 
 #: config fields that change a run's results; their hash names the run's folder
@@ -456,34 +309,15 @@ def run_name(*, _root_: Any) -> str:
     return f"{name}-C{_root_.context_len}-{run_hash(_root_=_root_)}"
 
 
-#: fields of an experiment entry's config that do not change its results
-_COSMETIC = frozenset({"name", "results_dir", "run_key", "workers", "progress", "hydra"})
-
-
-def experiment_key(*, _root_: Any) -> str:
-    """OmegaConf resolver ``${experiment_key:}``, the ``run_key`` of an experiment entry:
-    ``<name>-<6 hex digits>``, the hash of every field that changes its results, so a rerun with
-    the same settings finds its folder again and other settings get another."""
-    from omegaconf import OmegaConf
-
-    from flashcp.results import config_hash
-
-    picked = {
-        k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-        for k, v in _root_.items_ex(resolve=False)
-        if k not in _COSMETIC
-    }
-    return f"{_root_.name}-{config_hash(picked)[:6]}"
-
-
 def register_configs() -> None:
-    """Register the schemas in Hydra's ConfigStore and the ``run_hash`` resolver (idempotent)."""
+    """Register the schemas of ``flashcp-run`` and of the config groups in Hydra's ConfigStore,
+    and the ``run_hash`` and ``run_name`` resolvers (idempotent). An experiment with its own
+    command registers its own schema (:func:`experiments.common.entry.register_experiment`)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("run_hash", run_hash, replace=True)
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)
-    OmegaConf.register_new_resolver("experiment_key", experiment_key, replace=True)
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=RunConfig)
@@ -493,8 +327,6 @@ def register_configs() -> None:
     cs.store(group="hardware", name="base_hardware", node=HardwareConfig)
     cs.store(group="executor", name="base_executor", node=ExecutorConfig)
     cs.store(group="executor", name="base_emulate_executor", node=EmulateExecutorConfig)
-    for config_name, schema in EXPERIMENT_ENTRIES.values():
-        cs.store(name=f"base_{config_name}", node=schema)
 
 
 def check_config(cfg: Any) -> None:
@@ -528,7 +360,7 @@ def check_config(cfg: Any) -> None:
         raise ValueError(f"num_sequences must be >= 1, got {cfg.num_sequences}")
     if cfg.workers < 1:
         raise ValueError(f"workers must be >= 1, got {cfg.workers}")
-    _check_modes(cfg.modes)
+    check_modes(cfg.modes)
     m = cfg.model
     AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
     check_method_options(
@@ -537,7 +369,7 @@ def check_config(cfg: Any) -> None:
     check_impl_config(cfg.method.name, cfg.method.get("impl", "ours"), cfg.executor.name)
 
 
-def _check_modes(modes: Any) -> None:
+def check_modes(modes: Any) -> None:
     """Raise ValueError for an empty list of modes, an unknown mode or one listed twice."""
     from flashcp.comm import check_mode
 
@@ -551,68 +383,6 @@ def _check_modes(modes: Any) -> None:
         raise ValueError(
             f"modes = {modes} lists {', '.join(twice)} twice; list each mode once, e.g. [train, infer]"
         )
-
-
-def check_experiment_config(cfg: Any) -> None:
-    """Check the values of an experiment entry's config (:class:`Table2Config`,
-    :class:`SensitivityConfig`, :class:`Fig3Config`, :class:`CalibrationConfig`) that a type cannot
-    pin down, before any work; the fields a schema does not have are skipped.
-
-    Raises:
-        ValueError: naming the bad value.
-    """
-    from flashcp.comm import AttnShape
-    from flashcp.registry import get_method
-
-    def at_least(key: str, low: float, strict: bool = False) -> None:
-        if key in cfg and cfg[key] is not None:
-            v = cfg[key]
-            if v < low or (strict and v == low):
-                raise ValueError(f"{key} must be {'>' if strict else '>='} {low}, got {v}")
-
-    for key in ("cp_size", "num_sequences", "workers", "block_size"):
-        at_least(key, 1)
-    at_least("num_draws", 2)
-    at_least("target_imbalance", 1.0)
-    at_least("factor", 1.0, strict=True)
-    at_least("time_limit_s", 0.0, strict=True)
-    at_least("gap", 0.0)
-    if "context_len" in cfg and (cfg.context_len < 1 or cfg.context_len % cfg.cp_size):
-        raise ValueError(
-            f"context_len = {cfg.context_len} must be a positive multiple of cp_size = {cfg.cp_size}"
-        )
-    if "modes" in cfg:
-        _check_modes(cfg.modes)
-    if "methods" in cfg:
-        for method in cfg.methods:
-            get_method(method)  # ValueError naming the known methods
-        if "llama3" not in cfg.methods:
-            raise ValueError(
-                f"methods = {list(cfg.methods)} must include llama3, the reference of every speedup"
-            )
-    if "datasets" in cfg and (not cfg.datasets or DatasetName.file in cfg.datasets):
-        raise ValueError(
-            f"datasets = {[str(d) for d in cfg.datasets]}: list at least one, and not file "
-            "(it needs a path, which this experiment does not take)"
-        )
-    highs = cfg.get("highs_options")
-    if highs and cfg.get("solver") != "highs" and dict(highs) != DEFAULT_HIGHS_OPTIONS:
-        raise ValueError(
-            f"highs_options={dict(highs)} are HiGHS options and solver={cfg.solver}; drop them "
-            "(highs_options=null) or use solver=highs"
-        )
-    if "dataset" in cfg:  # Table 2 samples by name only
-        default = DatasetConfig()
-        for key in ("path", "weighting", "cap", "overlong"):
-            if cfg.dataset[key] != getattr(default, key):
-                raise ValueError(
-                    f"dataset.{key} = {cfg.dataset[key]!r}: this experiment samples dataset.name "
-                    f"only and does not support dataset.{key} (leave it at "
-                    f"{getattr(default, key)!r})"
-                )
-    if "model" in cfg:
-        m = cfg.model
-        AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
 
 
 def check_impl_config(method: str, impl: str, executor: str) -> None:

@@ -62,7 +62,7 @@ balanced when it does not. Sends and workload only grow during a pass, so a pass
 soon as a rank sends more than the best candidate meeting R, or must end above R once a candidate
 meets it (same result, less time). Time: the paper's plan plus up to eight passes of
 O(n_docs * N) steps, each a few bisections where a document is split
-(``experiments/bench_refined.py`` prints it next to Algorithm 1's).
+(``experiments/benchmarks/bench_refined.py`` prints it next to Algorithm 1's).
 """
 
 from __future__ import annotations

@@ -437,7 +437,7 @@ class _ZeroKernel(VarlenBackend):
 
 
 def _run_memory(rank, n, lens, shape, groups):
-    from experiments.bench_memory import peak_bytes
+    from experiments.benchmarks.bench_memory import peak_bytes
 
     h, hkv, d = shape
     plan = make_plan_for("llama3", lens, n)

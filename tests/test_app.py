@@ -3,6 +3,7 @@ to end (rows, provenance, resume, aggregation, figures), and bad configuration v
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +15,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from experiments.aggregate import aggregate
+from experiments.common.entry import experiment_commands
 from experiments.plot import draw
 from experiments.run import CONF_DIR, run
-from flashcp.config import EXPERIMENT_ENTRIES, register_configs
+from flashcp.config import register_configs
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS, read_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,6 +27,8 @@ EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml
 
 def _compose(*overrides: str, hydra_cfg: bool = False, config_name: str = "config"):
     register_configs()
+    if config_name != "config":  # an experiment's module registers its schema
+        importlib.import_module(f"experiments.{config_name}")
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name, overrides=list(overrides), return_hydra_config=hydra_cfg)
 
@@ -40,14 +44,18 @@ def test_every_experiment_composes(experiment):
     assert lines[1].startswith("# flashcp-run") and f"experiment={experiment}" in lines[1]
 
 
-@pytest.mark.parametrize(("prog", "config_name", "schema"), [
-    (prog, name, schema) for prog, (name, schema) in EXPERIMENT_ENTRIES.items()
-])  # fmt: skip
-def test_every_experiment_entry_composes(prog, config_name, schema):
-    """Each experiment that writes its own tables has its own primary config, typed by its own
-    schema (only its fields, at the top level), and its first comment names its command."""
+@pytest.mark.parametrize(("config_name", "prog"), sorted(experiment_commands().items()))
+def test_every_experiment_entry_composes(config_name, prog):
+    """Each experiment that writes its own tables has its own primary config, typed by the schema
+    beside it in its module (only its fields, at the top level), and its first comment names its
+    command."""
+    from experiments.common.entry import ExperimentConfig
+
     cfg = _compose(hydra_cfg=True, config_name=config_name)
-    assert OmegaConf.get_type(cfg) is schema and cfg.name == config_name
+    schema = OmegaConf.get_type(cfg)
+    assert issubclass(schema, ExperimentConfig) and cfg.name == config_name
+    module = importlib.import_module(f"experiments.{config_name}")
+    assert schema.__module__ == module.__name__ and getattr(module, schema.__name__) is schema
     OmegaConf.resolve(cfg)
     assert cfg.run_key.startswith(f"{config_name}-")
     assert cfg.hydra.callbacks.folder.prog == prog

@@ -9,6 +9,7 @@ method option, ``--compare``, ``--target-imbalance``)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
@@ -24,7 +25,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 import experiments.plot as plot
-from experiments.launch import explain_hydra_error, launch_problem
+from experiments.common.entry import check_experiment_config
+from experiments.common.launch import explain_hydra_error, launch_problem
 from experiments.run import (
     CONF_DIR,
     ConfigError,
@@ -35,7 +37,7 @@ from experiments.run import (
     run_spec,
     sample,
 )
-from flashcp.config import check_experiment_config, register_configs
+from flashcp.config import register_configs
 from flashcp.results import config_hash, read_rows
 from flashcp.sim.hardware import load_hardware, read_fitted, read_profile
 
@@ -45,6 +47,8 @@ SMALL = ("num_sequences=2", "context_len=16384", "cp_size=4", "progress=false", 
 
 def _compose(*overrides: str, config_name: str = "config", hydra_cfg: bool = False):
     register_configs()
+    if config_name != "config":  # an experiment's module registers its schema
+        importlib.import_module(f"experiments.{config_name}")
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name, overrides=list(overrides), return_hydra_config=hydra_cfg)
 
@@ -430,12 +434,12 @@ def test_table2_and_sensitivity_sample_the_sequences_of_flashcp_run(
 
 
 def test_table2_runs_with_cbc_and_highs_options_can_be_cleared(tmp_path):
-    from experiments.table2 import table2_from_config
+    from experiments.table2 import check_table2_config, table2_from_config
 
     base = (f"results_dir={tmp_path}", "num_sequences=1", "context_len=4096", "cp_size=2",
             "time_limit_s=10", "block_size=512")  # fmt: skip
     cfg = _compose(*base, "solver=cbc", config_name="table2")
-    check_experiment_config(cfg)
+    check_table2_config(cfg)
     rows = pd.read_csv(table2_from_config(cfg).with_name("table2_rows.csv"))
     ilp = rows[rows["method"] == "ilp"]
     assert (ilp["ilp_solver"] == "cbc").all() and ilp["ilp_highs_options"].isna().all()
@@ -443,7 +447,7 @@ def test_table2_runs_with_cbc_and_highs_options_can_be_cleared(tmp_path):
     bad = _compose(*base, "solver=cbc", "highs_options={mip_heuristic_effort: 0.5}",
                    config_name="table2")  # fmt: skip
     with pytest.raises(ValueError, match="are HiGHS options and solver=cbc"):
-        check_experiment_config(bad)
+        check_table2_config(bad)
 
 
 def test_duplicate_modes_are_refused(tmp_path):

@@ -18,11 +18,19 @@ pytest.importorskip("hydra", reason="the Hydra harness needs hydra-core and omeg
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 
-from experiments import launch
-from experiments.launch import main
+from experiments.common import launch
+from experiments.common.entry import experiment_commands
+from experiments.run import cli as main
 
 REPO = Path(__file__).resolve().parents[1]
 GROUPS = ("experiment", "dataset", "method", "model", "hardware", "executor")
+
+
+def _entry(name: str):
+    """The console entry point of experiment ``name`` (``experiments.<name>.cli``)."""
+    import importlib
+
+    return importlib.import_module(f"experiments.{name}").cli
 
 
 @pytest.fixture(autouse=True)
@@ -118,7 +126,7 @@ def test_experiment_entry_mistake_is_one_line_exit_2(
     capsys, monkeypatch, tmp_path, entry, argv, expected
 ):
     code, _, err = _flashcp_run(
-        capsys, monkeypatch, *argv, f"results_dir={tmp_path}", entry=getattr(launch, entry)
+        capsys, monkeypatch, *argv, f"results_dir={tmp_path}", entry=_entry(entry)
     )
     assert code == 2
     lines = err.strip().splitlines()
@@ -139,7 +147,7 @@ def test_experiment_entry_bad_value_is_one_line_exit_2(
     capsys, monkeypatch, tmp_path, entry, argv, expected
 ):
     code, _, err = _flashcp_run(
-        capsys, monkeypatch, *argv, f"results_dir={tmp_path}", entry=getattr(launch, entry)
+        capsys, monkeypatch, *argv, f"results_dir={tmp_path}", entry=_entry(entry)
     )
     assert code == 2
     assert err.strip().splitlines() == [f"flashcp-{entry}: error: {expected}"] or (
@@ -149,19 +157,26 @@ def test_experiment_entry_bad_value_is_one_line_exit_2(
 
 
 def test_every_experiment_entry_is_a_console_script():
-    """Each experiment with its own config is a console script calling its launch function, has
-    conf/<name>.yaml and no conf/experiment/<name>.yaml, and flashcp-run's refusal names it."""
-    import tomllib
+    """Each primary config other than conf/config.yaml is an experiment with its own command: a
+    console script calling its module's ``cli``, a module that registers its schema, no
+    conf/experiment/<name>.yaml, and flashcp-run's refusal names the command."""
+    import importlib
 
-    from flashcp.config import EXPERIMENT_ENTRIES
+    import tomllib
+    from hydra.core.config_store import ConfigStore
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    for prog, (config_name, _) in EXPERIMENT_ENTRIES.items():
-        assert scripts[prog] == f"experiments.launch:{config_name}"
-        assert callable(getattr(launch, config_name))
-        assert (REPO / "conf" / f"{config_name}.yaml").is_file()
+    assert scripts["flashcp-run"] == "experiments.run:cli"
+    commands = experiment_commands()
+    primary = sorted(p.stem for p in (REPO / "conf").glob("*.yaml") if p.stem != "config")
+    assert sorted(commands) == primary
+    assert {"table2", "calibration", "sensitivity", "fig3"} <= set(commands)
+    for config_name, prog in commands.items():
+        assert scripts[prog] == f"experiments.{config_name}:cli"
+        module = importlib.import_module(f"experiments.{config_name}")
+        assert callable(module.cli) and module.PROG == prog
+        assert ConfigStore.instance().load(f"base_{config_name}.yaml") is not None
         assert not (REPO / "conf" / "experiment" / f"{config_name}.yaml").exists()
-        assert launch.MOVED_EXPERIMENTS[config_name] == prog
         assert launch.moved_experiment_message(config_name).startswith(
             f"experiment={config_name} is its own command: {prog} "
         )
@@ -176,7 +191,7 @@ def test_experiment_entry_help_lists_its_fields(capsys, monkeypatch):
         ("sensitivity", ("num_draws: 256", "datasets:", "hardware:")),
         ("fig3", ("cp_size: 8", "context_len: 131072", "model:")),
     ]:
-        code, out, _ = _flashcp_run(capsys, monkeypatch, "--help", entry=getattr(launch, entry))
+        code, out, _ = _flashcp_run(capsys, monkeypatch, "--help", entry=_entry(entry))
         assert code == 0 and out.startswith(f"flashcp-{entry}: "), out[:200]
         assert all(f in out for f in fields) and "base_" not in out and "task" not in out
 
@@ -186,7 +201,7 @@ def test_experiment_entry_sweep_gives_each_job_its_folder(capsys, monkeypatch, t
     results reach the sweep that locked its folder, so a failing job fails the command."""
     argv = ["-m", "model=h16,h32", "name=f3_${model.name}", "context_len=1004"]
     code, _, err = _flashcp_run(
-        capsys, monkeypatch, *argv, f"results_dir={tmp_path}", entry=launch.fig3
+        capsys, monkeypatch, *argv, f"results_dir={tmp_path}", entry=_entry("fig3")
     )
     assert code == 1 and "2 of 2 jobs failed" in err and "context_len = 1004" in err
     for model in ("h16", "h32"):  # each job logged in its own folder

@@ -18,7 +18,7 @@ pytest.importorskip("hydra", reason="the Hydra harness needs hydra-core and omeg
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from experiments.callbacks import JOBS_DIR, read_job_records
+from experiments.common.callbacks import JOBS_DIR, read_job_records
 from experiments.run import CONF_DIR
 from flashcp.config import register_configs
 

@@ -1,6 +1,6 @@
 """No file the harness writes for committing, and no committed file, holds an absolute path of the
 machine that made it: Hydra's records (``.hydra/hydra.yaml``, ``multirun.yaml``) are rewritten
-when a job and a sweep end (:func:`experiments.callbacks.scrub_machine_paths`)."""
+when a job and a sweep end (:func:`experiments.common.callbacks.scrub_machine_paths`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("hydra")
-from experiments.callbacks import scrub_machine_paths
+from experiments.common.callbacks import scrub_machine_paths
 
 REPO = Path(__file__).resolve().parents[1]
 #: the keys under which Hydra records absolute paths

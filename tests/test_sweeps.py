@@ -22,7 +22,7 @@ from hydra.errors import ConfigCompositionException
 import experiments.plot as plot
 import experiments.run as run_mod
 from experiments.aggregate import aggregate, merge_rows
-from experiments.callbacks import LOCK_NAME, acquire_lock, read_lock, release_lock
+from experiments.common.callbacks import LOCK_NAME, acquire_lock, read_lock, release_lock
 from experiments.plot import draw
 from experiments.run import CONF_DIR, run, write_error_rows
 from flashcp.config import register_configs

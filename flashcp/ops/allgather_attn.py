@@ -323,7 +323,7 @@ def allgather_peak_bytes(
     buffer alone is (T + N*M) x 2 x Hkv x D x 4 bytes: 4.5 GiB per layer at 128K tokens on 8 ranks
     with 32 KV heads and head_dim 128, 144 MiB per KV head. Kernel workspace comes on top (the
     FlashAttention backward keeps a float32 dq accumulator of the group's query heads).
-    ``experiments/bench_memory.py`` measures the peaks.
+    ``experiments/benchmarks/bench_memory.py`` measures the peaks.
 
     Args:
         meta: the rank's metadata; num_heads, num_kv_heads, head_dim, dtype: of q / k / v.

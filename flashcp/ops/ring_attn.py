@@ -15,7 +15,7 @@ one it receives, 2 x 2 T Hkv D e, and the merge accumulators T H D a + H T a (wi
 query / key slices and kernel outputs); the backward holds the same two KV blocks, dq
 (T H D a), this rank's partial dK/dV of the held block and of its own block (2 x 2 T Hkv D a), the
 partial sum it sends and the one it receives (2 x 2 T Hkv D c). None of it grows with N;
-``experiments/bench_memory.py`` measures it.
+``experiments/benchmarks/bench_memory.py`` measures it.
 
 Forward: ``N - 1`` ring exchanges of the KV block (posted before the step's compute, waited after);
 partial outputs merge by their LSE in ``compute_dtype`` of the inputs (float32, or float64 for

@@ -16,7 +16,7 @@ Four sweeps, each a list of result rows (written to CSV, then printed as a table
   sequences at 128K with N = 4 and 8; per sequence the median of ``repeats`` runs, then the median
   and p90 over sequences.
 
-Run: ``python -m experiments.bench_ilp`` (the time-to-gap sweep: up to ``sequences x solvers x
+Run: ``python -m experiments.benchmarks.bench_ilp`` (the time-to-gap sweep: up to ``sequences x solvers x
 formulations x time_limit_s`` seconds); ``--sweeps all`` adds the other three. Times are wall
 clock with one solver thread; on a shared machine they depend on the load, so say so with them.
 """

@@ -1,7 +1,7 @@
 """Benchmark: peak memory of the CP attention ops per rank, forward and backward, every method.
 
-    python experiments/bench_memory.py                          # CPU, gloo, CP 4: ~1-2 minutes
-    python experiments/bench_memory.py --cp-size 8 --doc-lens 16384 --heads 32 --kv-heads 8 \
+    python experiments/benchmarks/bench_memory.py                          # CPU, gloo, CP 4: ~1-2 minutes
+    python experiments/benchmarks/bench_memory.py --cp-size 8 --doc-lens 16384 --heads 32 --kv-heads 8 \
         --head-dim 128 --dtype bfloat16                         # on 8 GPUs (NCCL, one per rank)
 
 Runs ``cp_size`` ranks (forked processes; gloo on CPU, NCCL with one GPU per rank when

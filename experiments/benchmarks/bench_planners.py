@@ -1,7 +1,7 @@
 """Benchmark: planner and simulator speed, and the wall time of the Fig. 5 sweep.
 
-    python experiments/bench_planners.py                       # quick: ~2 minutes
-    python experiments/bench_planners.py --sweep-sequences 100000   # the paper's scale
+    python experiments/benchmarks/bench_planners.py                       # quick: ~2 minutes
+    python experiments/benchmarks/bench_planners.py --sweep-sequences 100000   # the paper's scale
 
 Prints, per method (and ``flashcp_refined``), the median / p90 planning time per 128K sequence at
 CP 4 and 8 (plans per second = 1000 / median ms) and the simulator's time per (plan, shape, mode).
@@ -42,7 +42,7 @@ METHODS = method_names(paper=True)
 #: goal: <= 2 ms median per 128K sequence at CP 8)
 PLANNERS = method_names(fast=True)
 C = 131072
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: what a job of ``experiments.run`` logs when it finishes, and what the merge logs
 _JOB = re.compile(
     r"(\d+) runs, (\d+) rows .* in ([\d.]+) s -> .*seconds: sampling ([\d.]+), planning ([\d.]+), "

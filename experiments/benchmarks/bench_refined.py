@@ -1,7 +1,7 @@
 """Benchmark: ``flashcp_refined`` against ``flashcp`` (Algorithm 1) and the ILP, per context length.
 
-    python experiments/bench_refined.py                        # 3 datasets x CP 4/8 x 32K-128K
-    python experiments/bench_refined.py --sequences 20 --ilp-seconds 20 --ilp-sequences 2
+    python experiments/benchmarks/bench_refined.py                        # 3 datasets x CP 4/8 x 32K-128K
+    python experiments/benchmarks/bench_refined.py --sequences 20 --ilp-seconds 20 --ilp-sequences 2
 
 Prints one row per dataset x CP x context: the mean communication saving (1 - Eq. 5 / Eq. 4) and
 mean imbalance ratio of ``flashcp`` and ``flashcp_refined`` at the same target R on the same
@@ -40,7 +40,7 @@ from flashcp.refined import plan_flashcp_refined
 from flashcp.registry import get_planner
 
 DATASETS = ("wlb_llm", "pile", "redpajama")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _timed(fn, d) -> tuple[object, float]:

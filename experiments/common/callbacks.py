@@ -245,7 +245,7 @@ def read_job_records(exp_dir: str | Path, sweep_id: str) -> list[dict[str, Any]]
 
 class ExperimentFolder(Callback):
     """Refuse a launch Hydra would silently get wrong
-    (:func:`experiments.launch.launch_problem`); lock the experiment folder when a run or sweep
+    (:func:`experiments.common.launch.launch_problem`); lock the experiment folder when a run or sweep
     starts; when it ends, release the lock and exit non-zero with one line when a job failed.
     The callback of the experiments that write their own tables (``flashcp-table2``, ...); the
     sweeps of ``flashcp-run`` use :class:`AggregateResults`, which also merges their rows.
@@ -265,7 +265,7 @@ class ExperimentFolder(Callback):
         self.rank_env = False  # this process exported a submitit job's rank variables
 
     def _start(self, config: DictConfig, multirun: bool) -> None:
-        from experiments.launch import launch_problem
+        from experiments.common.launch import launch_problem
 
         self.exp_dir, self.multirun = experiment_dir(config), multirun
         problem = launch_problem(config, multirun, prog=self.prog)  # same on every torchrun rank

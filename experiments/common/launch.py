@@ -1,24 +1,26 @@
 """How the harness's commands start and stop: readable errors, launch checks and signals.
 
-    flashcp-run ...                      # the sweeps (Fig. 5, 6, 7): experiments.launch:main
+    flashcp-run ...                      # the sweeps (Fig. 5, 6, 7): experiments.run:cli
     python -m experiments.run            # the same (torchrun uses this form)
-    flashcp-table2 ...                   # Table 2: experiments.launch:table2 (python -m experiments.table2)
-    flashcp-calibration ...              # calibration: experiments.launch:calibration
-    flashcp-sensitivity ...              # sensitivity: experiments.launch:sensitivity
-    flashcp-fig3 ...                     # Fig. 3: experiments.launch:fig3
+    flashcp-table2 ...                   # Table 2: experiments.table2:cli (python -m experiments.table2)
+    flashcp-calibration ...              # calibration: experiments.calibration:cli
+    flashcp-sensitivity ...              # sensitivity: experiments.sensitivity:cli
+    flashcp-fig3 ...                     # Fig. 3: experiments.fig3:cli
 
-Each is its own Hydra app with its own primary config and schema (:mod:`flashcp.config`:
-``conf/config.yaml`` and ``conf/<experiment>.yaml``). :func:`launch` wraps any of them so that a
-person sees one line instead of a traceback or a page of Hydra internals:
+Each is its own Hydra app with its own primary config and schema (``conf/config.yaml`` and
+:class:`flashcp.config.RunConfig`; ``conf/<experiment>.yaml`` and the schema in
+``experiments/<experiment>.py``). Each module's ``cli`` calls :func:`launch` on its app, so that
+a person sees one line instead of a traceback or a page of Hydra internals:
 
 * Composition errors become one line naming the bad value and the valid choices
   (:func:`explain_hydra_error`): an unknown group option (``method=nope``: the options, without the
   internal ``base_*`` schemas), an unknown key (``cp_sise=4``: the closest keys), a value of the
   wrong type (``cp_size=abc``: the type the field takes), an override Hydra cannot parse. Exit
   code 2. ``HYDRA_FULL_ERROR=1`` keeps Hydra's own report. ``flashcp-run experiment=table2`` (an
-  experiment that has its own command, :data:`MOVED_EXPERIMENTS`) names that command.
+  experiment that has its own command, :func:`experiments.common.entry.experiment_commands`)
+  names that command.
 * Launch mistakes that Hydra would silently accept are refused before any job starts
-  (:func:`launch_problem`, called by :class:`experiments.callbacks.ExperimentFolder`): a sweep over
+  (:func:`launch_problem`, called by :class:`experiments.common.callbacks.ExperimentFolder`): a sweep over
   experiment configs (``-m experiment=fig6,fig7``: Hydra composes the sweep before choosing the
   experiment, so the sweeps they define are skipped), a launcher without ``-m`` (a single run
   ignores ``hydra/launcher``), an experiment that defines a sweep run without ``-m``, a key
@@ -49,17 +51,11 @@ import signal
 import sys
 import typing
 from collections.abc import Callable, Iterable
-from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
-from flashcp.config import EXPERIMENT_ENTRIES
+from experiments.common.entry import experiment_commands
 
 PROG = "flashcp-run"
-#: ``flashcp-run experiment=<name>`` options that became their own commands: name -> command
-MOVED_EXPERIMENTS: MappingProxyType[str, str] = MappingProxyType(
-    {config_name: prog for prog, (config_name, _) in EXPERIMENT_ENTRIES.items()}
-)
 #: exit codes: a bad command line or configuration; Ctrl-C; SIGTERM (128 + signal number)
 EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 2, 128 + signal.SIGINT, 128 + signal.SIGTERM
 
@@ -157,7 +153,7 @@ def explain_hydra_error(exc: BaseException) -> str | None:
         group, _, option = path.rpartition("/")
         if not group:
             return f"no config {path!r}"
-        if group == "experiment" and option in MOVED_EXPERIMENTS:
+        if group == "experiment" and option in experiment_commands():
             return moved_experiment_message(option)
         return f"{group}={option}: no such option; choose one of {_names(exc.options)}"
     if isinstance(exc, OverrideParseException):
@@ -192,7 +188,7 @@ def explain_hydra_error(exc: BaseException) -> str | None:
 
 def moved_experiment_message(option: str) -> str:
     """One line for ``flashcp-run experiment=<option>`` when that experiment is its own command."""
-    prog = MOVED_EXPERIMENTS[option]
+    prog = experiment_commands()[option]
     return (
         f"experiment={option} is its own command: {prog} [field=value ...] (python -m "
         f"experiments.{option}); its options are top-level fields (num_sequences=2, not "
@@ -298,7 +294,8 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
     """What is wrong with how this invocation was launched (one line saying what to write
     instead), or None. ``config`` is the composed config with its ``hydra`` node, as a Hydra
     callback receives it at ``on_run_start`` / ``on_multirun_start``; ``prog`` the command that
-    composed it (``flashcp-run`` or an experiment entry of :data:`MOVED_EXPERIMENTS`)."""
+    composed it (``flashcp-run`` or an experiment's command,
+    :func:`experiments.common.entry.experiment_commands`)."""
     choices = config.hydra.runtime.choices
     experiment = choices.get("experiment")
     if prog != PROG and multirun:
@@ -494,61 +491,3 @@ def launch(app: Callable[[], Any], prog: str, argv: list[str] | None = None) -> 
             signal.signal(sig, old)
         if translate:
             os.environ.pop("HYDRA_FULL_ERROR", None)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Console entry point ``flashcp-run``: the sweeps' Hydra app (:func:`experiments.run.main`)
-    under :func:`launch`."""
-    from experiments.run import main as app
-
-    launch(app, PROG, argv)
-
-
-def _experiment_command(prog: str) -> Callable[[list[str] | None], None]:
-    """The console entry point ``prog`` of :data:`flashcp.config.EXPERIMENT_ENTRIES`: the Hydra
-    app ``main`` of ``experiments.<config name>`` (conf/<config name>.yaml) under :func:`launch`."""
-    config_name = EXPERIMENT_ENTRIES[prog][0]
-
-    def command(argv: list[str] | None = None) -> None:
-        import importlib
-
-        launch(importlib.import_module(f"experiments.{config_name}").main, prog, argv)
-
-    command.__doc__ = (
-        f"Console entry point ``{prog}`` (:func:`experiments.{config_name}.main`, "
-        f"conf/{config_name}.yaml)."
-    )
-    return command
-
-
-table2 = _experiment_command("flashcp-table2")
-calibration = _experiment_command("flashcp-calibration")
-sensitivity = _experiment_command("flashcp-sensitivity")
-fig3 = _experiment_command("flashcp-fig3")
-
-
-def run_experiment(cfg: Any, work: Callable[[Any], Path]) -> dict[str, Any]:
-    """The body of an experiment entry's Hydra app: check ``cfg``
-    (:func:`flashcp.config.check_experiment_config`), run ``work(cfg)`` (which writes the tables
-    and returns the main file) and return the job's record for
-    :class:`experiments.callbacks.ExperimentFolder`: ``{"out": path or None, "error": message or
-    None, "exit_code": 0 | 1 | 2}``. A failure is logged (traceback in the job's log; a bad value:
-    one line, exit code 2) and returned, so the callback ends the command with one line."""
-    import logging
-
-    from flashcp.config import check_experiment_config
-
-    log = logging.getLogger("experiments")
-    try:
-        check_experiment_config(cfg)
-        out = work(cfg)
-    except Exception as exc:
-        if isinstance(exc, ValueError):
-            log.error("%s: bad configuration: %s", cfg.name, exc)
-        else:
-            log.exception("%s failed", cfg.name)
-        code = 2 if isinstance(exc, ValueError) else 1
-        msg = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        return {"out": None, "error": msg, "exit_code": code}
-    log.info("%s -> %s", cfg.name, out)
-    return {"out": str(out), "error": None, "exit_code": 0}

@@ -14,26 +14,30 @@ collected, no row written) fails the check: the exit code is 1 and ``summary.md`
 does a replayed unit or a ``dist`` row that failed (the others are still written and fitted).
 
 1. ``env.txt``: torch / CUDA / GPU / flash-attn versions.
-2. ``emulate.csv``: ``executor=emulate`` (:mod:`flashcp.executors.emulate`): every rank of CP 8
-   replayed on this one device, for ``--sequences`` sampled 128K sequences per dataset (WLB-LLM,
-   Pile, RedPajama) and all five methods, training step (forward + backward). The op code is
-   ``executor=dist``'s; communication is priced by the hardware profile. Next to each measured
-   phase (``attn_fwd_ms``, ``attn_bwd_ms``, ``others_ms``, ...) the simulator's prediction for
-   the same plan (``sim_*``, profile ``--hardware``). Work is taken round-robin (sequence 0 of
+2. ``emulate.csv``: ``execute("emulate")`` (:mod:`flashcp.executors.emulate`): every rank of
+   CP 8 replayed on this one device, for ``--sequences`` sampled 128K sequences per dataset
+   (WLB-LLM, Pile, RedPajama) and all five methods, training step (forward + backward). The op
+   code is ``executor=dist``'s; communication is priced by the hardware profile. A row is the
+   executor's row (the columns every executor writes, :mod:`flashcp.executors.rows`) with the
+   unit's dataset, shape, backend, ranks and wall time (``unit_s``); next to each measured phase
+   (``attn_fwd_ms``, ``attn_bwd_ms``, ``others_ms``, ...) ``execute("sim")``'s for the same run
+   and sequence (``sim_*``, profile ``--hardware``). Work is taken round-robin (sequence 0 of
    every dataset and method first), so a run cut short by the budget still covers every method.
 3. ``calibration_fit.csv``, ``fitted_constants.csv``: the simulator's free kernel and copy
-   constants fitted to those measurements by :func:`flashcp.sim.calibration.fit_constants` (one
+   constants fitted to those measurements by :func:`flashcp.sim.calibration.fit_replays` (one
    target per sequence, method and phase: measured = the replay, predict = the simulator on the
-   same plan and phase under the candidate profile); ``fit_*`` columns in ``emulate.csv``;
-   ``emulate_vs_sim.csv``: medians per method and phase.
+   same plan and phase under the candidate profile); ``fit_*`` columns in ``emulate.csv``
+   (``execute("sim")`` under the fitted profile); ``emulate_vs_sim.csv``: medians per method and
+   phase (:func:`flashcp.sim.calibration.measured_vs_model`).
    Every rank must be replayed (``--ranks all``): the simulator's phases are the slowest rank's.
 4. ``pytest_gpu.txt``: the GPU-marked tests (``pytest -m gpu``, among them ``executor=emulate``
    on CUDA against the float64 reference). With ``--quick`` on a CPU they are collected and skip;
    on a GPU at least one must pass.
-5. ``dist.csv``: ``executor=dist`` through ``torchrun --nproc-per-node 1 -m flashcp.executors.dist``
+5. ``dist.csv``: ``execute("dist")`` through ``torchrun --nproc-per-node 1 -m flashcp.executors.dist``
    (its plain entry, no Hydra) for every method.
 6. ``kernels.csv``: one varlen kernel call per rank for every method's all-gather layout, forward
-   and backward, measured vs :func:`flashcp.sim.attention_kernel_ms`.
+   and backward, measured vs :func:`flashcp.sim.attention_kernel_ms`
+   (:func:`flashcp.sim.calibration.measure_kernels`).
 7. ``summary.md``: what ran, how long each step took, measured vs simulated per method and phase,
    the fitted constants.
 

@@ -78,3 +78,24 @@ def test_finish_rows_refuses_an_unknown_column():
         finish_rows([pd.DataFrame({"run_idx": [0], "seq_idx": [0], "not_a_column": [1]})])
     with pytest.raises(ValueError, match="'num_docs' must hold int"):
         finish_rows([pd.DataFrame({"run_idx": [0], "seq_idx": [0], "num_docs": ["x"]})])
+
+
+def test_executors_import_the_row_loop_not_each_other():
+    import ast
+    from pathlib import Path
+
+    import flashcp.executors as pkg
+
+    names = {"sim", "dist", "emulate"}
+    for name in names:
+        tree = ast.parse((Path(pkg.__file__).parent / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            for mod in mods:
+                other = mod.removeprefix("flashcp.executors.")
+                assert other == mod or other not in names - {name}, f"{name}.py imports {mod}"

@@ -14,26 +14,30 @@ collected, no row written) fails the check: the exit code is 1 and ``summary.md`
 does a replayed unit or a ``dist`` row that failed (the others are still written and fitted).
 
 1. ``env.txt``: torch / CUDA / GPU / flash-attn versions.
-2. ``emulate.csv``: ``executor=emulate`` (:mod:`flashcp.executors.emulate`): every rank of CP 8
-   replayed on this one device, for ``--sequences`` sampled 128K sequences per dataset (WLB-LLM,
-   Pile, RedPajama) and all five methods, training step (forward + backward). The op code is
-   ``executor=dist``'s; communication is priced by the hardware profile. Next to each measured
-   phase (``attn_fwd_ms``, ``attn_bwd_ms``, ``others_ms``, ...) the simulator's prediction for
-   the same plan (``sim_*``, profile ``--hardware``). Work is taken round-robin (sequence 0 of
+2. ``emulate.csv``: ``execute("emulate")`` (:mod:`flashcp.executors.emulate`): every rank of
+   CP 8 replayed on this one device, for ``--sequences`` sampled 128K sequences per dataset
+   (WLB-LLM, Pile, RedPajama) and all five methods, training step (forward + backward). The op
+   code is ``executor=dist``'s; communication is priced by the hardware profile. A row is the
+   executor's row (the columns every executor writes, :mod:`flashcp.executors.rows`) with the
+   unit's dataset, shape, backend, ranks and wall time (``unit_s``); next to each measured phase
+   (``attn_fwd_ms``, ``attn_bwd_ms``, ``others_ms``, ...) ``execute("sim")``'s for the same run
+   and sequence (``sim_*``, profile ``--hardware``). Work is taken round-robin (sequence 0 of
    every dataset and method first), so a run cut short by the budget still covers every method.
 3. ``calibration_fit.csv``, ``fitted_constants.csv``: the simulator's free kernel and copy
-   constants fitted to those measurements by :func:`flashcp.sim.calibration.fit_constants` (one
+   constants fitted to those measurements by :func:`flashcp.sim.calibration.fit_replays` (one
    target per sequence, method and phase: measured = the replay, predict = the simulator on the
-   same plan and phase under the candidate profile); ``fit_*`` columns in ``emulate.csv``;
-   ``emulate_vs_sim.csv``: medians per method and phase.
+   same plan and phase under the candidate profile); ``fit_*`` columns in ``emulate.csv``
+   (``execute("sim")`` under the fitted profile); ``emulate_vs_sim.csv``: medians per method and
+   phase (:func:`flashcp.sim.calibration.measured_vs_model`).
    Every rank must be replayed (``--ranks all``): the simulator's phases are the slowest rank's.
 4. ``pytest_gpu.txt``: the GPU-marked tests (``pytest -m gpu``, among them ``executor=emulate``
    on CUDA against the float64 reference). With ``--quick`` on a CPU they are collected and skip;
    on a GPU at least one must pass.
-5. ``dist.csv``: ``executor=dist`` through ``torchrun --nproc-per-node 1 -m flashcp.executors.dist``
+5. ``dist.csv``: ``execute("dist")`` through ``torchrun --nproc-per-node 1 -m flashcp.executors.dist``
    (its plain entry, no Hydra) for every method.
 6. ``kernels.csv``: one varlen kernel call per rank for every method's all-gather layout, forward
-   and backward, measured vs :func:`flashcp.sim.attention_kernel_ms`.
+   and backward, measured vs :func:`flashcp.sim.attention_kernel_ms`
+   (:func:`flashcp.sim.calibration.measure_kernels`).
 7. ``summary.md``: what ran, how long each step took, measured vs simulated per method and phase,
    the fitted constants.
 
@@ -58,8 +62,7 @@ import argparse  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
-from dataclasses import fields  # noqa: E402
-from functools import partial  # noqa: E402
+from dataclasses import replace  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
@@ -67,43 +70,22 @@ import torch  # noqa: E402
 
 from flashcp.comm import AttnShape  # noqa: E402
 from flashcp.data import load_distribution, sample_sequences  # noqa: E402
-from flashcp.ops.backends import get_backend, resolve_softmax_scale  # noqa: E402
-from flashcp.ops.timing import record_event  # noqa: E402
-from flashcp.plan import cu_seqlens, shard_workload  # noqa: E402
-from flashcp.registry import make_plan_for, method_names  # noqa: E402
+from flashcp.executors import RunSpec, execute  # noqa: E402
+from flashcp.executors.rows import ILP_COLUMNS  # noqa: E402
+from flashcp.ops.backends import get_backend  # noqa: E402
+from flashcp.registry import method_names  # noqa: E402
 from flashcp.resources import source_root  # noqa: E402
-from flashcp.results import (  # noqa: E402
-    COMM_COLUMNS,
-    PHASE_COLUMNS,
-    markdown_table,
-    provenance,
-    write_csv_atomic,
+from flashcp.results import PHASE_COLUMNS, markdown_table, provenance, write_csv_atomic  # noqa: E402
+from flashcp.sim import HardwareProfile, load_hardware  # noqa: E402
+from flashcp.sim.calibration import (  # noqa: E402
+    fit_replays,
+    free_constants,
+    measure_kernels,
+    measured_vs_model,
 )
-from flashcp.sim import HardwareProfile, attention_kernel_ms, load_hardware, simulate  # noqa: E402
-from flashcp.sim.calibration import CalibTarget, fit_constants  # noqa: E402
 
 METHODS = method_names(paper=True)
 DATASETS = ("wlb_llm", "pile", "redpajama")
-#: measured phases the fit uses as targets (communication phases come from the profile itself)
-FIT_PHASES = ("attn_fwd_ms", "attn_bwd_ms", "others_ms")
-#: constants a one-device replay measures, fitted by default where the profile has them: kernel
-#: rates up to the peak, per-CTA, launch and per-op host costs, copy bandwidth, ring step
-#: overheads (not the network, nor NCCL's contention: the replay has no NCCL)
-DEFAULT_FREE = (
-    "fwd_tile_tflops", "bwd_tile_tflops", "fwd_cta_overhead_us", "bwd_cta_overhead_us",
-    "launch_us", "copy_bw_gbps", "host_op_us", "ring_step_fwd_us", "ring_step_bwd_us",
-)  # fmt: skip
-#: their bounds (widened to hold the starting profile's value): an eager PyTorch op costs
-#: 5-25 µs of host time, a kernel launch about 5 µs (docs/design.md §8)
-DEFAULT_BOUNDS = {
-    "fwd_cta_overhead_us": (0.0, 20.0),
-    "bwd_cta_overhead_us": (0.0, 20.0),
-    "launch_us": (0.0, 50.0),
-    "copy_bw_gbps": (300.0, 6000.0),
-    "host_op_us": (1.0, 50.0),
-    "ring_step_fwd_us": (0.0, 200.0),
-    "ring_step_bwd_us": (0.0, 400.0),
-}
 
 
 # ---- budget ---------------------------------------------------------------------------------------
@@ -166,26 +148,6 @@ class Budget:
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
-
-
-def _time_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
-    """Median wall time of ``fn()`` in ms (CUDA events on GPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            start = record_event(device)
-            fn()
-            end = record_event(device)
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times))
 
 
 def _text(x) -> str:
@@ -267,18 +229,36 @@ def sampled_sequences(args) -> dict[str, list[np.ndarray]]:
 # ---- step 2: executor=emulate --------------------------------------------------------------------
 
 
+def _emulate_run(args, method: str, shape: AttnShape, hw, backend: str, device, seq_idx: int):
+    """The :class:`RunSpec` of one replayed unit: CP ``args.cp_size``, a training step, every
+    rank of ``args.ranks`` replayed on ``device``, seeded as ``executor=dist`` seeds sequence
+    ``seq_idx`` (``args.seed + seq_idx``)."""
+    ex = {"backend": backend, "warmup": args.warmup, "iters": args.iters, "ranks": args.ranks,
+          "nccl_traffic": args.nccl_traffic, "device": str(device)}  # fmt: skip
+    return RunSpec(method, args.cp_size, shape, ("train",), hardware=hw,
+                   seed=args.seed + seq_idx, executor=ex)  # fmt: skip
+
+
+def _one_row(rows: pd.DataFrame) -> dict:
+    """The executor's one row of a unit, without the job's run index and the ILP's columns."""
+    (row,) = rows.drop(columns=["run_idx", *ILP_COLUMNS]).to_dict("records")
+    return {k: (None if v is pd.NA else v) for k, v in row.items()}
+
+
 def emulate_rows(
     args, device, shape: AttnShape, hw: HardwareProfile, budget: Budget, reserve_s: float
 ):
-    """Replay CP ``args.cp_size`` for every (sequence, dataset, method), round-robin, while the
-    budget (less ``reserve_s`` for later steps) allows another unit of the slowest size seen.
+    """``execute("emulate")`` on CP ``args.cp_size`` for every (sequence, dataset, method),
+    round-robin, while the budget (less ``reserve_s`` for later steps) allows another unit of the
+    slowest size seen; beside each row the simulator's prediction for the same run and sequence
+    (``execute("sim")``: columns ``sim_<phase>``).
 
     Returns:
-        ``(rows, plans)``: one dict per unit (measured phases, ``sim_*`` predictions, status),
-        and ``{(dataset, seq_idx, method): plan}`` of the units that succeeded.
+        ``(rows, replays)``: one dict per unit (the executor's row with the unit's ``dataset``,
+        ``seq_idx``, shape, ``backend``, ``ranks``, ``hardware`` and ``unit_s``), and the
+        ``(name, run, doc_lens, row)`` of the units that succeeded, for the fit
+        (:func:`flashcp.sim.calibration.fit_replays`).
     """
-    from flashcp.executors.emulate import emulate_step
-
     seqs = sampled_sequences(args)
     backend = get_backend(
         args.backend, device, dtype=getattr(torch, shape.dtype), head_dim=shape.head_dim
@@ -286,7 +266,7 @@ def emulate_rows(
     units = [
         (i, ds, m) for i in range(args.sequences) for ds in args.datasets for m in args.methods
     ]
-    rows, plans, slowest = [], {}, 0.0
+    rows, replays, slowest = [], [], 0.0
     for n_done, (i, ds, method) in enumerate(units):
         if budget.left() - reserve_s < 1.3 * slowest:
             print(
@@ -295,239 +275,97 @@ def emulate_rows(
             )
             break
         lens = seqs[ds][i]
+        run = _emulate_run(args, method, shape, hw, backend, device, i)
         ident = {
-            "dataset": ds, "seq_idx": i, "method": method, "cp_size": args.cp_size,
-            "context_len": args.context_len, "num_docs": int(lens.size), "max_doc_len": int(lens.max()),
-            "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads,
-            "head_dim": shape.head_dim, "dtype": shape.dtype, "backend": backend,
-            "ranks": "all" if args.ranks is None else " ".join(map(str, args.ranks)),
+            "dataset": ds, "method": method, "cp_size": args.cp_size,
+            "context_len": args.context_len, "num_heads": shape.num_heads,
+            "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "dtype": shape.dtype,
+            "backend": backend, "ranks": "all" if args.ranks is None else " ".join(map(str, args.ranks)),
             "hardware": hw.name,
         }  # fmt: skip
         t0 = time.monotonic()
         try:
-            plan = make_plan_for(method, lens, args.cp_size)
-            row = emulate_step(
-                plan, shape, "train", hw, device=device, backend=backend, warmup=args.warmup,
-                iters=args.iters, seed=args.seed + i, ranks=args.ranks,
-                nccl_traffic=args.nccl_traffic,
-            )  # fmt: skip
-            sim = simulate(plan, shape, hw, "train")
-            status = "ok"
-            plans[ds, i, method] = plan
+            row = _one_row(execute("emulate", [run], [lens]))
+            sim = _one_row(execute("sim", [replace(run, executor={})], [lens]))
+            if row["status"] == "ok" and sim["status"] != "ok":
+                row["status"] = f"sim {sim['status']}"
         except Exception as exc:  # an OOM or a failure is a row, not a crash
-            row, sim, status = {}, {}, f"error: {type(exc).__name__}: {exc}"
+            row, sim = {"status": f"error: {type(exc).__name__}: {exc}"}, {}
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         dt = time.monotonic() - t0
         slowest = max(slowest, dt)
-        out = {**ident, "status": status, "unit_s": dt, **row}
+        out = {**ident, **row, "seq_idx": i, "unit_s": dt}
         out.update({f"sim_{k}": sim[k] for k in PHASE_COLUMNS if k in sim})
         rows.append(out)
-        if status == "ok":
+        if out["status"] == "ok":
+            replays.append((f"emulate/{ds}/seq{i}/{method}", run, lens, out))
             print(
-                f"emulate {ds} seq{i} {method:8s} {dt:6.1f} s  fwd {row['attn_fwd_ms']:9.3f} ms "
-                f"(sim {sim['attn_fwd_ms']:9.3f})  bwd {row['attn_bwd_ms']:9.3f} ms "
-                f"(sim {sim['attn_bwd_ms']:9.3f})  others {row['others_ms']:8.3f} ms "
-                f"(sim {sim['others_ms']:8.3f})",
+                f"emulate {ds} seq{i} {method:8s} {dt:6.1f} s  fwd {out['attn_fwd_ms']:9.3f} ms "
+                f"(sim {out['sim_attn_fwd_ms']:9.3f})  bwd {out['attn_bwd_ms']:9.3f} ms "
+                f"(sim {out['sim_attn_bwd_ms']:9.3f})  others {out['others_ms']:8.3f} ms "
+                f"(sim {out['sim_others_ms']:8.3f})",
                 flush=True,
             )
         else:
-            print(f"emulate {ds} seq{i} {method}: {status}", flush=True)
-    return rows, plans
+            print(f"emulate {ds} seq{i} {method}: {out['status']}", flush=True)
+    return rows, replays
 
 
 # ---- step 3: calibration fit -----------------------------------------------------------------------
 
 
-def parse_free(spec: str | None, hw: HardwareProfile) -> dict[str, tuple[float, float]]:
-    """Free profile fields and bounds: ``name`` (default bounds) or ``name=lo:hi``, comma-separated.
-
-    Without ``spec``: the fields of :data:`DEFAULT_FREE` the profile has. Default bounds:
-    ``DEFAULT_BOUNDS`` (widened to hold the profile's value), rates ``(0.1 * value,
-    peak_tflops)``, otherwise ``(0.25 * value, 4 * value)``.
+def fit(args, rows, replays, hw, out: Path, env: dict):
+    """Fit the free constants to the replayed phases (:func:`flashcp.sim.calibration.fit_replays`);
+    write the fit table and constants; add ``fit_<phase>`` columns (``execute("sim")`` under the
+    fitted profile) to the replayed units' rows. Returns ``(result, constants)``.
 
     Raises:
-        ValueError: a name that is not a numeric profile field, or bounds that do not hold the
-            profile's value.
-    """
-    numeric = {f.name for f in fields(HardwareProfile) if f.init and f.type in ("float", "int")}
-    if spec:
-        names = tuple(s.strip() for s in spec.split(",") if s.strip())
-    else:
-        names = tuple(n for n in DEFAULT_FREE if n in numeric)
-    free = {}
-    for item in names:
-        name, _, rng = item.partition("=")
-        if name not in numeric:
-            raise ValueError(
-                f"--free: {name!r} is not a numeric hardware constant; choose from {', '.join(sorted(numeric))}"
-            )
-        value = float(getattr(hw, name))
-        if rng:
-            lo, _, hi = rng.partition(":")
-            bounds = (float(lo), float(hi))
-        elif name in DEFAULT_BOUNDS:
-            lo, hi = DEFAULT_BOUNDS[name]
-            bounds = (min(lo, value), max(hi, value))
-        elif name.endswith("_tflops"):
-            bounds = (0.1 * value, float(hw.peak_tflops))
-        else:
-            bounds = (0.25 * value, 4.0 * value)
-        if not bounds[0] <= value <= bounds[1]:
-            raise ValueError(f"--free: {name} = {value} lies outside its bounds {bounds}")
-        free[name] = bounds
-    return free
-
-
-def _phases_under(plan, shape: AttnShape):
-    """``phases(hw)``: the simulator's training-step row of ``plan`` under profile ``hw``; the last
-    profile's row is cached, so every phase of one plan costs one simulation per candidate."""
-    last: dict = {}
-
-    def phases(hw: HardwareProfile) -> dict[str, float]:
-        if last.get("hw") is not hw:
-            last["hw"], last["row"] = hw, simulate(plan, shape, hw, "train")
-        return last["row"]
-
-    return phases
-
-
-def fit_targets(rows: list[dict], plans: dict, shape: AttnShape, source: str) -> list[dict]:
-    """One calibration target per replayed (dataset, sequence, method) and phase of
-    :data:`FIT_PHASES` with a measured time above zero, as keyword arguments of
-    ``CalibTarget`` (``predict(hw)`` = the simulator on the same plan and phase)."""
-    targets = []
-    for row in rows:
-        key = (row["dataset"], row["seq_idx"], row["method"])
-        if row["status"] != "ok" or key not in plans:
-            continue
-        phases = _phases_under(plans[key], shape)
-        for phase in FIT_PHASES:
-            if not row[phase] > 0:
-                continue
-            targets.append({
-                "name": f"emulate/{key[0]}/seq{key[1]}/{key[2]}/{phase}",
-                "predict": lambda hw, ph=phase, f=phases: float(f(hw)[ph]),
-                "measured": float(row[phase]),
-                "unit": "ms",
-                "band": ("rel", 0.10),
-                "source": source,
-            })  # fmt: skip
-    return targets
-
-
-def fit(args, rows, plans, shape, hw, out: Path, env: dict):
-    """Fit the free constants to the replayed phases; write the fit table and constants; add
-    ``fit_*`` columns to ``rows``. Returns the fitted profile.
-
-    Raises:
-        RuntimeError: no target, or a subset of ranks replayed.
+        RuntimeError: a subset of ranks replayed.
+        ValueError: no replayed phase to fit.
     """
     if args.ranks is not None:
         raise RuntimeError(
             "the fit needs every rank replayed (--ranks all): the simulator's phases are the slowest rank's"
         )
-    free = parse_free(args.free, hw)
+    free = free_constants(args.free, hw)
     source = f"measured: experiments/gpu_check.py executor=emulate on {env['gpu']}, backend {rows[0]['backend']}"
-    targets = [CalibTarget(**t) for t in fit_targets(rows, plans, shape, source)]
-    if not targets:
-        raise RuntimeError("no replayed unit to fit")
-    # bound the optimiser (each evaluation simulates every replayed plan)
-    res = fit_constants(targets, hw, free, max_nfev=40 * len(free))
+    res, consts, fitted = fit_replays(replays, hw, free, source=source)
     write_csv_atomic(res.table, out / "calibration_fit.csv")
-    fitted = load_hardware({**hw.to_dict(), **res.constants})
-    consts = pd.DataFrame([
-        {"constant": k, "before": getattr(hw, k), "fitted": res.constants.get(k), "lower": lo, "upper": hi}
-        for k, (lo, hi) in free.items()
-    ])  # fmt: skip
     write_csv_atomic(consts, out / "fitted_constants.csv")
-    for row in rows:
-        key = (row["dataset"], row["seq_idx"], row["method"])
-        if key in plans:
-            sim = simulate(plans[key], shape, fitted, "train")
-            row.update({f"fit_{k}": sim[k] for k in PHASE_COLUMNS})
-    print(f"fit: success={res.success} ({res.message}); {len(targets)} targets", flush=True)
+    for _, run, lens, row in replays:
+        sim = _one_row(execute("sim", [replace(run, hardware=fitted, executor={})], [lens]))
+        row.update({f"fit_{k}": sim[k] for k in PHASE_COLUMNS})
+    print(f"fit: success={res.success} ({res.message}); {len(res.table)} targets", flush=True)
     print(consts.to_string(index=False), flush=True)
     return res, consts
 
 
-def comparison(rows: list[dict]) -> pd.DataFrame:
-    """Median over sequences of measured vs simulated (default and fitted profile) per method and
-    phase, with the median ratio measured / simulated. Phases zero on both sides for a method are
-    left out; ``allgather_ms`` / ``reducescatter_ms`` come from the profile on both sides and
-    ``p2p_ms`` is the model's transfer time left exposed by the measured compute."""
-    df = pd.DataFrame([r for r in rows if r["status"] == "ok"])
-    out = []
-    for method, g in df.groupby("method", sort=False):
-        for phase in PHASE_COLUMNS:
-            if not (g[phase].abs().sum() or g[f"sim_{phase}"].abs().sum()):
-                continue
-            rec = {"method": method, "phase": phase, "units": len(g), "measured": g[phase].median(),
-                   "sim": g[f"sim_{phase}"].median(),
-                   "measured_over_sim": (g[phase] / g[f"sim_{phase}"]).median()}  # fmt: skip
-            if f"fit_{phase}" in g:
-                rec["fitted_sim"] = g[f"fit_{phase}"].median()
-                rec["measured_over_fitted"] = (g[phase] / g[f"fit_{phase}"]).median()
-            out.append(rec)
-    return pd.DataFrame(out)
-
-
-# ---- step 5: kernels ---------------------------------------------------------------------------------
+# ---- step 6: kernels ---------------------------------------------------------------------------------
 
 
 def kernel_rows(
     args, device: torch.device, shape: AttnShape, hw: HardwareProfile, budget: Budget
 ) -> list[dict]:
-    """Measured vs simulated kernel time per (case, method, rank, pass), while the budget lasts."""
-    dtype = getattr(torch, shape.dtype)
-    backend = get_backend(args.backend, device, dtype=dtype, head_dim=shape.head_dim)
-    c, n = args.context_len, args.cp_size
+    """Measured vs simulated kernel time per (case, method, rank, pass), while the budget lasts
+    (:func:`flashcp.sim.calibration.measure_kernels`): one 128K document, 16 of 8K, and every
+    sampled sequence."""
+    c = args.context_len
     cases = {"1x128K": np.array([c]), "16x8K": np.full(16, c // 16)}
     for ds, seqs in sampled_sequences(args).items():
         cases.update({f"{ds}#{i}": d for i, d in enumerate(seqs)})
-    scale = resolve_softmax_scale(None, shape.head_dim)
-    rows, slowest = [], 0.0
-    for case, lens in cases.items():
-        for method in args.methods:
-            if budget.left() - 5 < 1.3 * slowest:
-                print(f"kernels: budget reached before {case} {method}", flush=True)
-                return rows
-            t0 = time.monotonic()
-            plan = make_plan_for(method, lens, n)
-            for r in range(n):
-                _, start, length = plan.rank_shards(r)
-                q_lens, kv_lens = length, start + length
-                cu_q = cu_seqlens(q_lens, device=device)
-                cu_k = cu_seqlens(kv_lens, device=device)
-                tq, tk = int(q_lens.sum()), int(kv_lens.sum())
-                q = torch.randn(tq, shape.num_heads, shape.head_dim, device=device, dtype=dtype)
-                k = torch.randn(tk, shape.num_kv_heads, shape.head_dim, device=device, dtype=dtype)
-                v = torch.randn_like(k)
-                mq, mk = int(q_lens.max()), int(kv_lens.max())
 
-                meta = (cu_q, cu_k, mq, mk)
-                fwd = partial(backend.forward, q, k, v, *meta, causal=True, softmax_scale=scale)
-                out, lse = fwd()
-                bwd = partial(backend.backward, torch.randn_like(out), q, k, v, out, lse, *meta,
-                              causal=True, softmax_scale=scale)  # fmt: skip
+    def stop(slowest_s: float) -> bool:
+        if budget.left() - 5 < 1.3 * slowest_s:
+            print("kernels: budget reached", flush=True)
+            return True
+        return False
 
-                for name, fn, backward in (("forward", fwd, False), ("backward", bwd, True)):
-                    ms = _time_ms(fn, device, args.warmup, args.iters)
-                    sim = attention_kernel_ms(q_lens, kv_lens, True, shape, hw, backward=backward)
-                    pairs = float(shard_workload(start, length).sum())
-                    flops = (
-                        4.0 * shape.head_dim * shape.num_heads * pairs * (2.5 if backward else 1.0)
-                    )
-                    rows.append({
-                        "case": case, "method": method, "rank": r, "pass": name,
-                        "num_segments": int(q_lens.size), "q_tokens": tq, "kv_tokens": tk,
-                        "measured_ms": ms, "sim_ms": sim, "ratio": ms / sim,
-                        "measured_tflops": flops / (ms * 1e-3) / 1e12, "backend": backend.name,
-                    })  # fmt: skip
-            slowest = max(slowest, time.monotonic() - t0)
-            print(f"kernels: {case} {method} {time.monotonic() - t0:.1f} s", flush=True)
-    return rows
+    return measure_kernels(
+        cases, args.methods, args.cp_size, shape, hw, device=device, backend=args.backend,
+        warmup=args.warmup, iters=args.iters, stop=stop,
+    )  # fmt: skip
 
 
 # ---- driver -------------------------------------------------------------------------------------------
@@ -673,7 +511,7 @@ def main(argv=None) -> int:
     shape = AttnShape(args.num_heads, args.num_heads, args.head_dim, args.dtype)
     hw = load_hardware(args.hardware)
     if args.free:
-        parse_free(args.free, hw)  # bad names fail now, not after the measurements
+        free_constants(args.free, hw)  # bad names fail now, not after the measurements
     out = Path(args.out or Path("results") / ("gpu_check_quick" if args.quick else "gpu_check"))
     out = out.resolve()  # the runs it starts work in the checkout: give them an absolute path
     out.mkdir(parents=True, exist_ok=True)
@@ -696,30 +534,27 @@ def main(argv=None) -> int:
 
         # kept back from the emulate step for the later ones (fit, GPU tests, dist, kernels)
         reserve = 45.0 if args.quick else 150.0
-        rows, plans = [], {}
+        rows, replays = [], []
         if "emulate" not in skip:
 
             def emulate():
                 got = emulate_rows(args, device, shape, hw, budget, reserve)
                 rows.extend(got[0])
-                plans.update(got[1])
+                replays.extend(got[1])
                 bad = [r["status"] for r in rows if r["status"] != "ok"]
-                if not plans or bad:  # the rows that are ok still go to the fit and the tables
+                if not replays or bad:  # the rows that are ok still go to the fit and the tables
                     first = bad[0] if bad else "no unit started"
                     raise RuntimeError(f"{len(bad)} of {len(rows)} units failed; first: {first}")
 
             budget.run("emulate", emulate, 10.0 if args.quick else 30.0)
         fit_res = consts = None
-        if plans and "fit" not in skip:
-            got = budget.run("fit", lambda: fit(args, rows, plans, shape, hw, out, env), 10.0)
+        if replays and "fit" not in skip:
+            got = budget.run("fit", lambda: fit(args, rows, replays, hw, out, env), 10.0)
             if got is not None:
                 fit_res, consts = got
-        comp = comparison(rows) if plans else None
+        comp = measured_vs_model(pd.DataFrame(rows), PHASE_COLUMNS) if replays else None
         if rows:
             df = pd.DataFrame(rows)
-            for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
-                if col not in df:
-                    df[col] = np.nan
             for k, v in env.items():
                 df[k] = v
             write_csv_atomic(df, out / "emulate.csv")

@@ -25,6 +25,7 @@ from flashcp.ops.sharding import shard_tensor
 from flashcp.registry import COMM_KIND, make_plan_for
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim import load_hardware, simulate
+from flashcp.sim.calibration import free_constants
 
 METHODS = ("llama3", "per_doc", "ring", "zigzag", "flashcp")
 LENS = [5, 40, 3, 60, 1, 19]  # C = 128
@@ -272,13 +273,13 @@ def test_gpu_check_quick_replays_fits_and_reports(tmp_path):
     assert len(table) == 2 * 3  # (method) x (attn_fwd, attn_bwd, others)
     assert table["name"].str.startswith("emulate/pile/seq0/").all()
     consts = pd.read_csv(tmp_path / "fitted_constants.csv")
-    assert set(consts["constant"]) == set(gpu_check.parse_free(None, HW))
+    assert set(consts["constant"]) == set(free_constants(None, HW))
     md = (tmp_path / "summary.md").read_text()
     assert "Measured vs simulated" in md and "| emulate | ok |" in md and "| fit | ok |" in md
 
 
 def test_gpu_check_free_constants_are_checked():
-    from experiments.gpu_check import parse_free
+    parse_free = free_constants  # the GPU check's --free
 
     default = parse_free(None, HW)  # the replay's constants this profile has
     assert {"fwd_tile_tflops", "bwd_tile_tflops", "launch_us"} <= set(default)
@@ -431,7 +432,7 @@ def test_timers_and_side_stream_use_the_tensors_device(monkeypatch):
     got = group.ring_wait(group.ring_post([torch.zeros(3)], tag=0))
     assert torch.equal(got[0], torch.ones(3))
     assert [c.kind for c in group.timeline()] == ["post", "wait"]
-    from experiments.gpu_check import _time_ms  # the check's kernel timer
+    from flashcp.sim.calibration import _time_ms  # the GPU check's kernel timer
 
     assert _time_ms(lambda: None, dev, warmup=0, iters=2) == 1.0
     kinds = {k for k, _ in fake.log}

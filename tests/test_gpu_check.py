@@ -105,3 +105,46 @@ def test_the_library_core_imports_without_hydra_omegaconf_pulp():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert Path(proc.stdout.strip()).resolve().parent.parent == REPO
+
+
+def test_the_check_is_a_driver_over_the_executors_and_the_calibration_module():
+    """No rows or fits of its own: the replays through ``execute("emulate")``, the predictions
+    through ``execute("sim")``, the fit and the kernel timings in ``flashcp.sim.calibration``."""
+    import inspect
+
+    src = inspect.getsource(gpu_check)
+    for own in ("emulate_step", "simulate(", "CalibTarget", "fit_constants", "inspect.signature",
+                "make_plan_for", "attention_kernel_ms("):  # fmt: skip
+        assert own not in src, own
+    for used in ('execute("emulate"', 'execute("sim"', "fit_replays(", "measure_kernels("):
+        assert used in src, used
+
+
+def test_fit_replays_recovers_the_kernel_rate_that_made_the_measurements():
+    from dataclasses import replace
+
+    import numpy as np
+
+    from flashcp.comm import AttnShape
+    from flashcp.executors import RunSpec
+    from flashcp.sim import load_hardware, simulate
+    from flashcp.sim.calibration import fit_replays, free_constants, replay_targets
+    from flashcp.sim.impl import impl_plan
+
+    hw = load_hardware("h100_sxm")
+    true = replace(hw, fwd_tile_tflops=0.7 * hw.fwd_tile_tflops)
+    shape = AttnShape(16, 16, 128, "bfloat16")
+    replays = []
+    for k, lens in enumerate([np.array([8192, 4096, 4096]), np.array([16384])]):
+        run = RunSpec("flashcp", 2, shape, ("train",))
+        plan, _ = impl_plan("flashcp", "ours", lens, 2)
+        replays.append((f"u{k}", run, lens, simulate(plan, shape, true, "train")))
+    assert len(replay_targets(replays, source="test")) == 6  # fwd, bwd, others per replay
+    free = {"fwd_tile_tflops": (0.1 * hw.fwd_tile_tflops, hw.fwd_tile_tflops)}
+    res, consts, fitted = fit_replays(replays, hw, free, source="test")
+    assert fitted.fwd_tile_tflops == pytest.approx(true.fwd_tile_tflops, rel=0.02)
+    assert list(consts["constant"]) == ["fwd_tile_tflops"] and len(res.table) == 6
+    with pytest.raises(ValueError, match="'no_such' is not a numeric hardware constant"):
+        free_constants("no_such", hw)
+    with pytest.raises(ValueError, match="outside its bounds"):
+        free_constants("launch_us=1000:2000", hw)

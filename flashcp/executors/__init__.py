@@ -6,7 +6,13 @@ options) and the job's sampled sequences. A row is one (run, sequence, mode): ``
 run's position in ``runs``), ``seq_idx``, ``num_docs``, ``max_doc_len``, the plan columns, ``mode``,
 ``status`` (``"ok"`` or ``"error: ..."``; a sequence whose planner or step fails is a row, not a
 crash), every :data:`flashcp.results.PHASE_COLUMNS` (ms) and :data:`flashcp.results.COMM_COLUMNS`
-(bytes). The harness (``experiments/run.py``) adds the run identity and provenance.
+(bytes), and the ILP's solve (``ilp_*``, null for other methods): exactly
+:data:`flashcp.executors.rows.ROW_COLUMNS`. The harness (``experiments/run.py``) adds the run
+identity and provenance.
+
+Every executor runs the same row loop (:mod:`flashcp.executors.rows`: plan each sequence, measure
+the plans, build the rows), so they write the same columns, of the same types, by construction;
+they differ only in how a plan is measured, and import that module, never each other.
 
 * :mod:`flashcp.executors.sim`: the analytic cost model; plans each (sequence, method, options,
   cp_size) once and prices every run that shares the plan (several models, hardware profiles).
@@ -48,7 +54,7 @@ class RunSpec:
         hardware: a :class:`flashcp.sim.HardwareProfile` (sim, emulate) or None (dist).
         seed: seed of the run (dist and emulate draw Q/K/V from ``seed + seq_idx``).
         executor: the executor's own options (dist/emulate: ``backend``, ``warmup``, ``iters``,
-            ``timeout_s``; emulate: ``ranks``, ``nccl_traffic``).
+            ``timeout_s``; emulate: ``ranks``, ``nccl_traffic``, ``device``).
     """
 
     method: str

@@ -40,13 +40,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from flashcp.comm import AttnShape, check_mode, comm_volume
+from flashcp.comm import AttnShape, check_mode
+from flashcp.executors.rows import check_comm, finish_rows, measure_rows, plan_sequences
 from flashcp.ops import get_attn_op
 from flashcp.ops.collectives import CommCounter, group_rank, group_size
 from flashcp.ops.sharding import shard_tensor
 from flashcp.ops.timing import PhaseTimer
 from flashcp.plan import Plan
-from flashcp.registry import COMM_KIND
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 
 __all__ = [
@@ -271,21 +271,6 @@ def init_from_env(timeout_s: float = 120.0):
     return dist.group.WORLD
 
 
-def check_comm(result: dict, plan: Plan, shape: AttnShape, mode: str) -> dict[str, int]:
-    """Compare counted bytes (``result[COMM_COLUMNS]``) with the plan's prediction.
-
-    Returns:
-        the predicted ``comm_volume`` dict.
-    Raises:
-        ValueError: any of the byte columns differs (the message gives both).
-    """
-    expect = comm_volume(plan, COMM_KIND[plan.method], shape, mode)
-    got = {k: int(result[k]) for k in COMM_COLUMNS}
-    if got != expect:
-        raise ValueError(f"{plan.method}: counted bytes {got} differ from the plan's {expect}")
-    return expect
-
-
 def _reduce_max(values: list[float], group, device) -> list[float]:
     """Element-wise max over the ranks of ``group``."""
     if group_size(group) == 1:
@@ -399,27 +384,27 @@ def measure_step(
 
 def execute(runs, seqs, *, group=None):
     """``executor=dist``: run one plan per sequence for real on the process group
-    (:mod:`flashcp.executors`' interface); rows on rank 0, None elsewhere.
+    (:mod:`flashcp.executors`' interface, the row loop of :mod:`flashcp.executors.rows`); rows on
+    rank 0, None elsewhere.
 
     Every rank plans every sequence (a pure function, so identical everywhere) and the ranks agree
-    on whether planning succeeded (:func:`agree_errors`): a sequence whose planner fails on any
-    rank is a row with ``status = "error: ..."`` on all of them. An exception while measuring
-    (inside collectives) cannot be recovered: the rank that raised prints it and aborts the group,
-    so every other rank stops within seconds (:func:`abort_group_on_error`).
+    on whether planning succeeded (:func:`agree_errors`, once per sequence, before any step): a
+    sequence whose planner fails on any rank is a row with ``status = "error: ..."`` on all of
+    them. An exception while measuring (inside collectives) cannot be recovered: the rank that
+    raised prints it and aborts the group, so every other rank stops within seconds
+    (:func:`abort_group_on_error`).
 
     Args:
         runs: exactly one :class:`flashcp.executors.RunSpec` (``executor`` options ``backend``,
             ``warmup``, ``iters``, ``timeout_s``).
         seqs: (n_docs,) int64 document lengths per sequence.
         group: the process group (default: :func:`init_from_env`, ``torchrun``'s ranks).
+    Returns:
+        the rows (:func:`flashcp.executors.rows.finish_rows`) on rank 0, None on the others.
     Raises:
         ValueError: several runs, or a world size other than the run's ``cp_size`` (before any
             collective).
     """
-    import pandas as pd
-
-    from flashcp.registry import get_planner
-
     if len(runs) != 1:
         raise ValueError(f"executor=dist runs one run per job, got {len(runs)}")
     run = runs[0]
@@ -436,44 +421,32 @@ def execute(runs, seqs, *, group=None):
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
-    planner = get_planner(run.method)
-    rows: list[dict] = []
+
+    def agree(i: int, err: str | None) -> str | None:
+        with abort_group_on_error(group, f"sequence {i}, agreeing on its plan"):
+            return agree_errors(err, group)
+
+    def measure(plans: list[Plan], mode: str) -> dict[str, list]:
+        (plan,) = plans
+        i = seq_of[id(plan)]
+        with abort_group_on_error(group, f"sequence {i}, mode {mode}"):
+            res = measure_step(
+                plan, run.shape, mode, group=group, device=device,
+                backend=ex.get("backend", "auto"), warmup=int(ex.get("warmup", 1)),
+                iters=int(ex.get("iters", 3)), seed=run.seed + i,
+            )  # fmt: skip
+        return {k: [v] for k, v in res.items()}
+
     with watch_peers(group):
-        _execute_sequences(run, ex, seqs, group, device, planner, rows)
+        planned = plan_sequences(run, seqs, agree=agree)
+        seq_of = {
+            id(p): int(planned.seq["seq_idx"][k])
+            for k, p in zip(planned.ok, planned.plans, strict=True)
+        }
+        rows = measure_rows(run, planned, measure, batch=1, catch=False)
     if group_rank(group) != 0:
         return None
-    out = pd.DataFrame(rows).assign(run_idx=0)
-    for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
-        if col not in out:
-            out[col] = float("nan")
-    return out
-
-
-def _execute_sequences(run, ex, seqs, group, device, planner, rows: list[dict]) -> None:
-    """:func:`execute`'s loop: plan, agree, measure every sequence; rows appended to ``rows``."""
-    from flashcp.executors.sim import error_status, plan_metrics
-
-    for i, d in enumerate(seqs):
-        base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
-        try:
-            plan, err = planner(d, run.cp_size, **dict(run.options)), None
-        except Exception as exc:
-            plan, err = None, error_status(exc)
-        with abort_group_on_error(group, f"sequence {i}, agreeing on its plan"):
-            status = agree_errors(err, group)
-        if status is not None:
-            log.warning("sequence %d failed: %s", i, status)
-            rows.extend({**base, "mode": mode, "status": status} for mode in run.modes)
-            continue
-        metrics = {"plan_status": plan.status, "pad_tokens": 0, **plan_metrics(plan)}
-        for mode in run.modes:
-            with abort_group_on_error(group, f"sequence {i}, mode {mode}"):
-                res = measure_step(
-                    plan, run.shape, mode, group=group, device=device,
-                    backend=ex.get("backend", "auto"), warmup=int(ex.get("warmup", 1)),
-                    iters=int(ex.get("iters", 3)), seed=run.seed + i,
-                )  # fmt: skip
-            rows.append({**base, **metrics, "mode": mode, "status": "ok", **res})
+    return finish_rows([rows])
 
 
 # ---- the plain entry point (no Hydra) ---------------------------------------------------------------

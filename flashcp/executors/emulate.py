@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashcp.comm import AttnShape, check_mode
-from flashcp.executors.dist import check_comm
+from flashcp.executors.rows import check_comm, finish_rows, measure_rows, plan_sequences
 from flashcp.ops import get_attn_op
 from flashcp.ops.collectives import CommCounter, LocalGroup
 from flashcp.ops.sharding import shard_tensor
@@ -845,60 +845,43 @@ def emulate_step(
 
 
 def execute(runs, seqs):
-    """``executor=emulate`` (:mod:`flashcp.executors`' interface): plan every sequence and replay
-    every rank of its plan on one device (CUDA if available, else CPU); communication priced by
-    the run's hardware profile. One process, so a sequence whose planning or replay fails is a row
-    with ``status = "error: ..."``.
+    """``executor=emulate`` (:mod:`flashcp.executors`' interface, the row loop of
+    :mod:`flashcp.executors.rows`): plan every sequence and replay every rank of its plan on one
+    device; communication priced by the run's hardware profile. One process, so a sequence whose
+    planning or replay fails is a row with ``status = "error: ..."``.
 
     Args:
         runs: exactly one :class:`flashcp.executors.RunSpec` (``executor`` options ``backend``,
-            ``warmup``, ``iters``, ``timeout_s``, ``ranks``, ``nccl_traffic``).
+            ``warmup``, ``iters``, ``timeout_s``, ``ranks``, ``nccl_traffic``, and ``device``:
+            where to replay, default CUDA if available, else CPU).
         seqs: (n_docs,) int64 document lengths per sequence.
+    Returns:
+        the rows (:func:`flashcp.executors.rows.finish_rows`).
     Raises:
         ValueError: several runs (before any work).
     """
-    import logging
-
-    import pandas as pd
-
-    from flashcp.executors.sim import error_status, plan_metrics
-    from flashcp.registry import get_planner
-
-    log = logging.getLogger(__name__)
     if len(runs) != 1:
         raise ValueError(f"executor=emulate runs one run per job, got {len(runs)}")
     run = runs[0]
     ex = dict(run.executor)
     hw = load_hardware(run.hardware)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    planner = get_planner(run.method)
+    device = torch.device(ex.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     ranks = None if ex.get("ranks") is None else [int(r) for r in ex["ranks"]]
-    rows: list[dict] = []
-    for i, d in enumerate(seqs):
-        base = {"seq_idx": i, "num_docs": int(d.size), "max_doc_len": int(d.max())}
-        try:
-            t0 = time.perf_counter()
-            plan = planner(d, run.cp_size, **dict(run.options))
-            plan_ms = (time.perf_counter() - t0) * 1e3
-            metrics = {"plan_status": plan.status, "plan_ms": plan_ms, "pad_tokens": 0}
-            metrics.update(plan_metrics(plan))
-            res = [
-                emulate_step(
-                    plan, run.shape, mode, hw, device=device, backend=ex.get("backend", "auto"),
-                    warmup=int(ex.get("warmup", 1)), iters=int(ex.get("iters", 3)),
-                    seed=run.seed + i, ranks=ranks, nccl_traffic=bool(ex.get("nccl_traffic", False)),
-                    timeout_s=float(ex.get("timeout_s", 120.0)),
-                )
-                for mode in run.modes
-            ]  # fmt: skip
-        except Exception as exc:  # a failure is a row, not a crash (docs/design.md §7)
-            log.warning("sequence %d failed: %s", i, exc)
-            rows.extend({**base, "mode": m, "status": error_status(exc)} for m in run.modes)
-            continue
-        for mode, r in zip(run.modes, res, strict=True):
-            rows.append({**base, **metrics, "mode": mode, "status": "ok", **r})
-    out = pd.DataFrame(rows).assign(run_idx=0)
-    for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
-        if col not in out:
-            out[col] = float("nan")
-    return out
+    planned = plan_sequences(run, seqs)
+    seq_of = {
+        id(p): int(planned.seq["seq_idx"][k])
+        for k, p in zip(planned.ok, planned.plans, strict=True)
+    }
+
+    def measure(plans: list[Plan], mode: str) -> dict[str, list]:
+        (plan,) = plans
+        res = emulate_step(
+            plan, run.shape, mode, hw, device=device, backend=ex.get("backend", "auto"),
+            warmup=int(ex.get("warmup", 1)), iters=int(ex.get("iters", 3)),
+            seed=run.seed + seq_of[id(plan)], ranks=ranks,
+            nccl_traffic=bool(ex.get("nccl_traffic", False)),
+            timeout_s=float(ex.get("timeout_s", 120.0)),
+        )  # fmt: skip
+        return {k: [v] for k, v in res.items()}
+
+    return finish_rows([measure_rows(run, planned, measure, batch=1)])

@@ -9,6 +9,11 @@ errors divided by their bands, so every target weighs by how tightly it must be 
 experiment (``experiments/calibration.py``) fits and writes ``results/calibration/``. Never a
 target: any method's end-to-end speedup over another (Fig. 5/6/7 are predictions).
 
+Measured targets: :func:`fit_replays` fits the constants a one-device replay measures
+(``executor=emulate``'s phases, :data:`REPLAY_FREE`) to replayed sequences, and
+:func:`measure_kernels` times single varlen kernel calls against the kernel model; the GPU check
+(``experiments/gpu_check.py``) drives both.
+
 Targets (all from docs/design.md §8 and the original source named there):
 
 * ``fa2_*``: FlashAttention-2 on one H100 SXM, causal, head_dim 128, 16 heads, 16K tokens per
@@ -54,11 +59,19 @@ from flashcp.plan import doc_workload
 from flashcp.sim.hardware import HardwareProfile, load_hardware
 
 __all__ = [
+    "REPLAY_BOUNDS",
+    "REPLAY_FREE",
+    "REPLAY_PHASES",
     "SHARED_FIELDS",
     "CalibTarget",
     "FitResult",
     "fit_constants",
+    "fit_replays",
+    "free_constants",
+    "measure_kernels",
+    "measured_vs_model",
     "public_targets",
+    "replay_targets",
     "rfa_benchmark_us",
 ]
 
@@ -458,3 +471,283 @@ def public_targets(gpu: str = "h100") -> list[CalibTarget]:
                     pub[method][idx], "fraction", ("abs", 0.05), _SRC_RFA,
                 ))  # fmt: skip
     return targets
+
+
+# ---- measured targets: one device's replays (executor=emulate) and kernel calls -----------------
+
+#: measured phases a replay gives as targets (its communication phases come from the profile)
+REPLAY_PHASES = ("attn_fwd_ms", "attn_bwd_ms", "others_ms")
+#: constants a one-device replay measures, fitted by default where the profile has them: kernel
+#: rates up to the peak, per-CTA, launch and per-op host costs, copy bandwidth, ring step
+#: overheads (not the network, nor NCCL's contention: the replay has no NCCL)
+REPLAY_FREE = (
+    "fwd_tile_tflops", "bwd_tile_tflops", "fwd_cta_overhead_us", "bwd_cta_overhead_us",
+    "launch_us", "copy_bw_gbps", "host_op_us", "ring_step_fwd_us", "ring_step_bwd_us",
+)  # fmt: skip
+#: their bounds (widened to hold the starting profile's value): an eager PyTorch op costs
+#: 5-25 µs of host time, a kernel launch about 5 µs (docs/design.md §8)
+REPLAY_BOUNDS = {
+    "fwd_cta_overhead_us": (0.0, 20.0),
+    "bwd_cta_overhead_us": (0.0, 20.0),
+    "launch_us": (0.0, 50.0),
+    "copy_bw_gbps": (300.0, 6000.0),
+    "host_op_us": (1.0, 50.0),
+    "ring_step_fwd_us": (0.0, 200.0),
+    "ring_step_bwd_us": (0.0, 400.0),
+}
+
+
+def free_constants(spec: str | None, hw: HardwareProfile) -> dict[str, tuple[float, float]]:
+    """Free profile fields and bounds: ``name`` (default bounds) or ``name=lo:hi``, comma-separated.
+
+    Without ``spec``: the fields of :data:`REPLAY_FREE` the profile has. Default bounds:
+    :data:`REPLAY_BOUNDS` (widened to hold the profile's value), rates ``(0.1 * value,
+    peak_tflops)``, otherwise ``(0.25 * value, 4 * value)``.
+
+    Raises:
+        ValueError: a name that is not a numeric profile field, or bounds that do not hold the
+            profile's value.
+    """
+    numeric = {
+        f.name for f in dataclasses.fields(HardwareProfile) if f.init and f.type in ("float", "int")
+    }
+    if spec:
+        names = tuple(s.strip() for s in spec.split(",") if s.strip())
+    else:
+        names = tuple(n for n in REPLAY_FREE if n in numeric)
+    free = {}
+    for item in names:
+        name, _, rng = item.partition("=")
+        if name not in numeric:
+            raise ValueError(
+                f"--free: {name!r} is not a numeric hardware constant; choose from "
+                f"{', '.join(sorted(numeric))}"
+            )
+        value = float(getattr(hw, name))
+        if rng:
+            lo, _, hi = rng.partition(":")
+            bounds = (float(lo), float(hi))
+        elif name in REPLAY_BOUNDS:
+            lo, hi = REPLAY_BOUNDS[name]
+            bounds = (min(lo, value), max(hi, value))
+        elif name.endswith("_tflops"):
+            bounds = (0.1 * value, float(hw.peak_tflops))
+        else:
+            bounds = (0.25 * value, 4.0 * value)
+        if not bounds[0] <= value <= bounds[1]:
+            raise ValueError(f"--free: {name} = {value} lies outside its bounds {bounds}")
+        free[name] = bounds
+    return free
+
+
+def replay_targets(
+    replays: Sequence[tuple[str, object, np.ndarray, Mapping[str, float]]],
+    *,
+    source: str,
+    phases: Sequence[str] = REPLAY_PHASES,
+    band: tuple[str, float] = ("rel", 0.10),
+) -> list[CalibTarget]:
+    """One target per replay and phase of ``phases`` measured above zero: measured = the
+    replay's time of that phase, predict = the simulator's on the same plan, phase and mode under
+    the candidate profile (one simulation per plan and candidate).
+
+    Args:
+        replays: ``(name, run, doc_lens, row)``: a unique name, the run replayed (a
+            :class:`flashcp.executors.RunSpec`: its method, impl, cp_size, options, shape and
+            first mode), the sequence's (n_docs,) document lengths and its measured row (ms per
+            phase; ``executor=emulate`` with every rank replayed: the simulator's phases are the
+            slowest rank's).
+        source: where the measurements come from (each target's ``source``).
+    Raises:
+        ValueError: what the run's planner raises for its sequence.
+    """
+    from flashcp.sim.cost_model import simulate
+    from flashcp.sim.impl import impl_plan
+
+    targets = []
+    for name, run, lens, row in replays:
+        plan, _ = impl_plan(run.method, run.impl, lens, run.cp_size, **dict(run.options))
+        mode, last = run.modes[0], {}
+
+        def sim(hw: HardwareProfile, plan=plan, run=run, mode=mode, last=last) -> dict:
+            if last.get("hw") is not hw:
+                last["hw"], last["row"] = hw, simulate(plan, run.shape, hw, mode, impl=run.impl)
+            return last["row"]
+
+        for phase in phases:
+            if not float(row[phase]) > 0:
+                continue
+            targets.append(CalibTarget(
+                f"{name}/{phase}", lambda hw, ph=phase, f=sim: float(f(hw)[ph]),
+                float(row[phase]), "ms", band, source,
+            ))  # fmt: skip
+    return targets
+
+
+def fit_replays(
+    replays: Sequence[tuple[str, object, np.ndarray, Mapping[str, float]]],
+    hw: HardwareProfile,
+    free: Mapping[str, tuple[float, float]],
+    *,
+    source: str,
+    max_nfev: int | None = None,
+) -> tuple[FitResult, pd.DataFrame, HardwareProfile]:
+    """Fit the ``free`` constants of ``hw`` to measured replays (:func:`replay_targets`,
+    :func:`fit_constants`; by default at most 40 evaluations per free constant, each simulating
+    every replayed plan).
+
+    Returns:
+        ``(result, constants, fitted)``: the fit; one row per free constant (``constant``,
+        ``before``, ``fitted``, ``lower``, ``upper``); ``hw`` with the fitted values.
+    Raises:
+        ValueError: no replay with a measured phase above zero, or what :func:`fit_constants`
+            raises.
+    """
+    targets = replay_targets(replays, source=source)
+    if not targets:
+        raise ValueError("no replayed phase to fit")
+    res = fit_constants(
+        targets, hw, free, max_nfev=40 * len(free) if max_nfev is None else max_nfev
+    )
+    fitted = load_hardware({**hw.to_dict(), **res.constants})
+    consts = pd.DataFrame([
+        {"constant": k, "before": getattr(hw, k), "fitted": res.constants.get(k), "lower": lo,
+         "upper": hi}
+        for k, (lo, hi) in free.items()
+    ])  # fmt: skip
+    return res, consts, fitted
+
+
+def measured_vs_model(rows: pd.DataFrame, phases: Sequence[str]) -> pd.DataFrame:
+    """Median over a method's rows of measured vs simulated time per phase: ``measured``,
+    ``sim`` (column ``sim_<phase>``), the median ratio ``measured_over_sim`` and, where the rows
+    have ``fit_<phase>``, ``fitted_sim`` and ``measured_over_fitted``. Phases zero on both sides
+    for a method are left out.
+
+    Args:
+        rows: rows with ``method``, ``status`` and per phase ``<phase>`` and ``sim_<phase>`` (ms);
+            only ``status == "ok"`` rows count.
+    """
+    df = rows[rows["status"] == "ok"]
+    out = []
+    for method, g in df.groupby("method", sort=False):
+        for phase in phases:
+            if not (g[phase].abs().sum() or g[f"sim_{phase}"].abs().sum()):
+                continue
+            rec = {"method": method, "phase": phase, "units": len(g), "measured": g[phase].median(),
+                   "sim": g[f"sim_{phase}"].median(),
+                   "measured_over_sim": (g[phase] / g[f"sim_{phase}"]).median()}  # fmt: skip
+            if f"fit_{phase}" in g:
+                rec["fitted_sim"] = g[f"fit_{phase}"].median()
+                rec["measured_over_fitted"] = (g[phase] / g[f"fit_{phase}"]).median()
+            out.append(rec)
+    return pd.DataFrame(out)
+
+
+def _time_ms(fn, device, warmup: int, iters: int) -> float:
+    """Median wall time of ``fn()`` in ms (CUDA events on GPU, wall clock after it on CPU)."""
+    import time
+
+    import torch
+
+    from flashcp.ops.timing import record_event
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start = record_event(device)
+            fn()
+            end = record_event(device)
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def measure_kernels(
+    cases: Mapping[str, np.ndarray],
+    methods: Sequence[str],
+    cp_size: int,
+    shape: AttnShape,
+    hw: HardwareProfile,
+    *,
+    device,
+    backend: str = "auto",
+    warmup: int = 1,
+    iters: int = 2,
+    stop: Callable[[float], bool] | None = None,
+) -> list[dict]:
+    """Measured vs simulated time of one varlen kernel call per rank of every method's plan
+    (the all-gather layout: rank r's shards against the KV before them), forward and backward,
+    on random causal Q/K/V; simulated by :func:`flashcp.sim.attention_kernel_ms`.
+
+    Args:
+        cases: name -> (n_docs,) document lengths of one sequence.
+        methods: registry methods; cp_size: N.
+        shape: heads, KV heads, head_dim, dtype; hw: the profile that prices the kernels.
+        device: a torch device; backend: kernel backend (:func:`flashcp.ops.backends.get_backend`).
+        warmup, iters: untimed and timed calls (median kept).
+        stop: ``stop(slowest_s)``, asked before each (case, method) with the slowest one's
+            seconds so far; True ends the measurements (a budget).
+    Returns:
+        one dict per (case, method, rank, pass): ``case``, ``method``, ``rank``, ``pass``
+        (``forward``/``backward``), ``num_segments``, ``q_tokens``, ``kv_tokens``,
+        ``measured_ms``, ``sim_ms``, ``ratio`` (measured / sim), ``measured_tflops``, ``backend``.
+    Raises:
+        ValueError: an unknown method or backend, or what a planner raises.
+    """
+    import time
+    from functools import partial
+
+    import torch
+
+    from flashcp.ops.backends import get_backend, resolve_softmax_scale
+    from flashcp.plan import cu_seqlens, shard_workload
+    from flashcp.registry import make_plan_for
+    from flashcp.sim.kernel import attention_kernel_ms
+
+    dtype = getattr(torch, shape.dtype)
+    kern = get_backend(backend, device, dtype=dtype, head_dim=shape.head_dim)
+    scale = resolve_softmax_scale(None, shape.head_dim)
+    rows, slowest = [], 0.0
+    for case, lens in cases.items():
+        for method in methods:
+            if stop is not None and stop(slowest):
+                return rows
+            t0 = time.monotonic()
+            plan = make_plan_for(method, lens, cp_size)
+            for r in range(cp_size):
+                _, start, length = plan.rank_shards(r)
+                q_lens, kv_lens = length, start + length
+                cu_q = cu_seqlens(q_lens, device=device)
+                cu_k = cu_seqlens(kv_lens, device=device)
+                tq, tk = int(q_lens.sum()), int(kv_lens.sum())
+                q = torch.randn(tq, shape.num_heads, shape.head_dim, device=device, dtype=dtype)
+                k = torch.randn(tk, shape.num_kv_heads, shape.head_dim, device=device, dtype=dtype)
+                v = torch.randn_like(k)
+                meta = (cu_q, cu_k, int(q_lens.max()), int(kv_lens.max()))
+                fwd = partial(kern.forward, q, k, v, *meta, causal=True, softmax_scale=scale)
+                out, lse = fwd()
+                bwd = partial(kern.backward, torch.randn_like(out), q, k, v, out, lse, *meta,
+                              causal=True, softmax_scale=scale)  # fmt: skip
+                pairs = float(shard_workload(start, length).sum())
+                for name, fn, backward in (("forward", fwd, False), ("backward", bwd, True)):
+                    ms = _time_ms(fn, device, warmup, iters)
+                    sim = attention_kernel_ms(q_lens, kv_lens, True, shape, hw, backward=backward)
+                    flops = (
+                        4.0 * shape.head_dim * shape.num_heads * pairs * (2.5 if backward else 1.0)
+                    )
+                    rows.append({
+                        "case": case, "method": method, "rank": r, "pass": name,
+                        "num_segments": int(q_lens.size), "q_tokens": tq, "kv_tokens": tk,
+                        "measured_ms": ms, "sim_ms": sim, "ratio": ms / sim,
+                        "measured_tflops": flops / (ms * 1e-3) / 1e12, "backend": kern.name,
+                    })  # fmt: skip
+            slowest = max(slowest, time.monotonic() - t0)
+    return rows

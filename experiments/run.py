@@ -66,7 +66,7 @@ from flashcp.config import (
     register_configs,
 )
 from flashcp.executors import RunSpec, execute
-from flashcp.executors.sim import error_status
+from flashcp.executors.rows import error_status
 from flashcp.results import (
     COMM_COLUMNS,
     IDENTITY_COLUMNS,

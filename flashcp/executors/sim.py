@@ -104,7 +104,7 @@ def price_sequences(
 
 def _worker_init() -> None:
     """Initializer of the pool's workers: leave Ctrl-C to the parent (it stops the pool and says
-    so in one line, :mod:`experiments.launch`; a worker that took it would print a traceback) and
+    so in one line, :mod:`experiments.common.launch`; a worker that took it would print a traceback) and
     let SIGTERM end a worker at once."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

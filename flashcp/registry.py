@@ -68,6 +68,7 @@ __all__ = [
     "OpFamily",
     "check_options",
     "comm_kind_of",
+    "get_attn_op",
     "get_method",
     "get_planner",
     "load_target",
@@ -430,6 +431,16 @@ def make_plan_for(method: str, doc_lens, cp_size: int, **options) -> Plan:
     if unknown:
         _unknown_option(method, sorted(unknown)[0])
     return planner(doc_lens, cp_size, **options)
+
+
+def get_attn_op(method: str) -> tuple[Callable, Callable]:
+    """``(prepare_fn, attn_fn)`` of ``method``'s real op: :func:`flashcp.ops.get_attn_op`
+    (imported on first use, so this module imports no op code).
+
+    Raises:
+        ValueError: unknown method (the message lists the known ones).
+    """
+    return importlib.import_module("flashcp.ops").get_attn_op(method)
 
 
 # ---- planner options -----------------------------------------------------------------------------

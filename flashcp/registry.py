@@ -201,6 +201,9 @@ class MethodSpec:
 _REGISTRY: dict[str, MethodSpec] = {}
 #: where each discovered method was declared (for error messages)
 _SOURCES: dict[str, str] = {}
+#: holds True once discovery has started (a method module that reads the registry while it is
+#: imported by the discovery sees the methods loaded so far, and no second discovery starts)
+_discovered: list[bool] = []
 
 
 def _declared() -> list[tuple[metadata.EntryPoint, str]]:
@@ -214,7 +217,7 @@ def _declared() -> list[tuple[metadata.EntryPoint, str]]:
         project = tomllib.loads((root / "pyproject.toml").read_text()).get("project", {})
         if project.get("name") == "flashcp":
             own = project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {})
-            where = f"{root / 'pyproject.toml'}"
+            where = str(root / "pyproject.toml")
             for name, value in own.items():
                 found.append((metadata.EntryPoint(name, value, ENTRY_POINT_GROUP), where))
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
@@ -261,17 +264,13 @@ def _discover() -> None:
 def _specs() -> dict[str, MethodSpec]:
     """The registry, with the declared methods discovered on first use."""
     if not _discovered:
-        _discovered.append(True)  # before loading: a method module may read the registry
+        _discovered.append(True)
         try:
             _discover()
         except BaseException:
             _discovered.clear()
             raise
     return _REGISTRY
-
-
-#: holds True once the declared methods are discovered
-_discovered: list[bool] = []
 
 
 def register_method(spec: MethodSpec, *, replace: bool = False) -> MethodSpec:

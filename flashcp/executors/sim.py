@@ -49,9 +49,8 @@ def plan_metrics(plan: Plan) -> dict[str, Any]:
     V, per KV head — Eq. 4 of the paper for full all-gather and for the ring, Eq. 5 for
     sharding-aware all-gather — and ``comm_saving`` = 1 - comm_tokens / comm_tokens_full.
     ``comm_tokens_sharded`` is Eq. 5 on the method's layout: what sharding-aware communication
-    would move for it. Plans of a method that ``reports_solve`` (its
-    :class:`~flashcp.registry.MethodSpec`: the ILP) add the solve's outcome, ``ilp_<key>`` for
-    every key of
+    would move for it. Plans of a method whose :class:`~flashcp.registry.MethodSpec`
+    ``reports_solve`` (the ILP) add the solve's outcome, ``ilp_<key>`` for every key of
     :data:`flashcp.results.ILP_INFO_COLUMNS` (status, gap, objective, best bound, threads,
     warm-start flags, fallback heuristic).
     """

@@ -1,8 +1,9 @@
-"""The four baselines of the FlashCP paper: Llama3 CP, Per-Doc CP, Ring attention and Zigzag ring
-attention. Each ``<method>.py`` holds its planner (a pure function of ``doc_lens`` and
-``cp_size``) and each ``<method>_attn.py`` its op; :mod:`flashcp.registry` names them by
-``"module:function"`` and imports them on first use, so :mod:`flashcp` never imports this package
-at import time."""
+"""The four baselines of the FlashCP paper (Llama3 CP, Per-Doc CP, Ring attention and Zigzag ring
+attention) and the head-parallel ones (Ulysses, USP). Each ``<method>.py`` holds its planner (a
+pure function of ``doc_lens`` and ``cp_size``) and its ``METHOD`` spec, which names the op family
+that runs its plans (:class:`flashcp.kinds.OpFamily`); ``pyproject.toml`` declares the specs in
+the ``flashcp.methods`` entry points, which :mod:`flashcp.registry` loads on first use, so
+:mod:`flashcp` never imports this package at import time."""
 
 from baselines.llama3 import plan_llama3
 from baselines.per_doc import plan_per_doc

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashcp.kinds import CommKind, OpFamily
 from flashcp.layout import split_packed
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
+from flashcp.registry import MethodSpec
 
 
 @planner_entry("llama3", chunks_per_rank=2)
@@ -43,3 +45,10 @@ def plan_llama3(doc_lens, cp_size: int, *, num_pad: int = 0, validate: bool = Tr
         "llama3", n, d, rank[order], doc[order], start[order], length[order], pad=pad,
         validate=validate,
     )  # fmt: skip
+
+
+#: the method's entry in the registry (declared in pyproject.toml's ``flashcp.methods`` entry points)
+METHOD = MethodSpec(
+    name="llama3", display_name="Llama3 CP", order=10, planner=plan_llama3,
+    comm_kind=CommKind.ALLGATHER_FULL, op=OpFamily.ALLGATHER, color="#7f7f7f", paper=True,
+)  # fmt: skip

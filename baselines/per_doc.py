@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashcp.kinds import CommKind, OpFamily
 from flashcp.layout import per_doc_chunk_sizes, per_doc_columns
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
+from flashcp.registry import MethodSpec
 
 
 def per_doc_layout(doc_lens, cp_size: int, method: str, num_pad: int, validate: bool) -> Plan:
@@ -41,3 +43,10 @@ def plan_per_doc(doc_lens, cp_size: int, *, num_pad: int = 0, validate: bool = T
         ValueError: bad lengths, ``cp_size`` < 1, or C (pad included) not divisible by N.
     """
     return per_doc_layout(doc_lens, cp_size, "per_doc", num_pad, validate)
+
+
+#: the method's entry in the registry (declared in pyproject.toml's ``flashcp.methods`` entry points)
+METHOD = MethodSpec(
+    name="per_doc", display_name="Per-Doc CP", order=20, planner=plan_per_doc,
+    comm_kind=CommKind.ALLGATHER_FULL, op=OpFamily.ALLGATHER, color="#1f77b4", paper=True,
+)  # fmt: skip

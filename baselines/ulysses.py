@@ -10,8 +10,10 @@ computes every document for H/N heads, so the plan is balanced by construction
 
 from __future__ import annotations
 
+from flashcp.kinds import CommKind, OpFamily
 from flashcp.layout import split_packed
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
+from flashcp.registry import MethodSpec
 
 
 @planner_entry("ulysses")
@@ -32,3 +34,10 @@ def plan_ulysses(doc_lens, cp_size: int, *, num_pad: int = 0, validate: bool = T
         "ulysses", cp_size, d, chunk, doc, start, length, pad=pad, validate=validate,
         info={"ulysses_degree": int(cp_size)},
     )  # fmt: skip
+
+
+#: the method's entry in the registry (declared in pyproject.toml's ``flashcp.methods`` entry points)
+METHOD = MethodSpec(
+    name="ulysses", display_name="Ulysses", order=62, planner=plan_ulysses,
+    comm_kind=CommKind.ALLTOALL, op=OpFamily.ULYSSES, color="#e377c2",
+)  # fmt: skip

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from baselines.zigzag import plan_zigzag
 from flashcp.head_parallel import check_ulysses_degree, split_groups
+from flashcp.kinds import CommKind, OpFamily
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, planner_entry
+from flashcp.registry import MethodSpec
 
 
 @planner_entry("usp")
@@ -41,3 +43,10 @@ def plan_usp(
     check_cp_args(int(d.sum()) + num_pad, cp_size)
     groups = plan_zigzag(d, cp_size // u, num_pad=num_pad, validate=validate)
     return split_groups(groups, u, "usp", validate=validate)
+
+
+#: the method's entry in the registry (declared in pyproject.toml's ``flashcp.methods`` entry points)
+METHOD = MethodSpec(
+    name="usp", display_name="USP (Ulysses x ring)", order=64, planner=plan_usp,
+    comm_kind=CommKind.P2P_RING, op=OpFamily.HYBRID, color="#bcbd22",
+)  # fmt: skip

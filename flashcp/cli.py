@@ -37,8 +37,15 @@ from typing import Any, NoReturn
 import numpy as np
 
 from flashcp.data import read_lengths_file
+from flashcp.kinds import CommKind
 from flashcp.plan import Plan, check_doc_lens
-from flashcp.registry import check_options, get_planner, method_names, options_schema
+from flashcp.registry import (
+    check_options,
+    comm_kind_of,
+    get_planner,
+    method_names,
+    options_schema,
+)
 
 __all__ = ["format_table", "main", "pack_doc_lens", "parse_doc_lens", "parse_options"]
 
@@ -102,13 +109,18 @@ def _shard_text(doc: int, start: int, length: int) -> str:
     return f"{doc}:{start}+{length}"
 
 
+def _comm_kind(plan: Plan) -> CommKind:
+    """How ``plan``'s method moves KV (sharding-aware for a method the registry does not know)."""
+    return comm_kind_of(plan.method, default=CommKind.ALLGATHER_SHARDED)
+
+
 def format_table(plan: Plan) -> str:
     """A readable view of a plan: its metrics, then per rank tokens, workload and shards.
 
     Shards are written ``doc:start+length`` in the order the rank holds them, then ``pad:P`` for
     a rank's pad tokens.
     """
-    s = plan.summary()
+    s = plan.summary(_comm_kind(plan))
     lines = [
         f"method {s['method']}  cp_size {s['cp_size']}  context_len {s['context_len']}  "
         f"docs {s['num_docs']}  num_pad {s['num_pad']}  status {s['status']}",
@@ -188,7 +200,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         **options,
     )  # fmt: skip
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2, default=_json_default))
+        print(json.dumps(plan.to_dict(_comm_kind(plan)), indent=2, default=_json_default))
     else:
         print(format_table(plan))
     return 0

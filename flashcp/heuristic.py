@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashcp.kinds import CommKind, OpFamily
 from flashcp.layout import per_doc_chunk_sizes
 from flashcp.plan import (
     Plan,
@@ -50,6 +51,7 @@ from flashcp.plan import (
     planner_entry,
     shard_workload,
 )
+from flashcp.registry import MethodSpec
 
 __all__ = ["plan_flashcp"]
 
@@ -352,3 +354,10 @@ def plan_flashcp(
         "target_imbalance": float(target_imbalance),
     }
     return make_plan("flashcp", n, d, *cols, status=status, info=info, pad=pad, validate=validate)
+
+
+#: the method's entry in the registry (declared in pyproject.toml's ``flashcp.methods`` entry points)
+METHOD = MethodSpec(
+    name="flashcp", display_name="FlashCP", order=50, planner=plan_flashcp,
+    comm_kind=CommKind.ALLGATHER_SHARDED, op=OpFamily.ALLGATHER, color="#d62728", paper=True,
+)  # fmt: skip

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from flashcp.head_parallel import check_ulysses_degree, split_groups
 from flashcp.heuristic import plan_flashcp
+from flashcp.kinds import CommKind, OpFamily
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, planner_entry
+from flashcp.registry import MethodSpec
 
 __all__ = ["plan_flashcp_ulysses"]
 
@@ -47,3 +49,10 @@ def plan_flashcp_ulysses(
         d, cp_size // u, target_imbalance=target_imbalance, num_pad=num_pad, validate=validate
     )
     return split_groups(groups, u, "flashcp_ulysses", validate=validate)
+
+
+#: the method's entry in the registry (declared in pyproject.toml's ``flashcp.methods`` entry points)
+METHOD = MethodSpec(
+    name="flashcp_ulysses", display_name="FlashCP x Ulysses", order=66, planner=plan_flashcp_ulysses,
+    comm_kind=CommKind.ALLGATHER_SHARDED, op=OpFamily.HYBRID, color="#17becf",
+)  # fmt: skip

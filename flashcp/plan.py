@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from flashcp.registry import CommKind, comm_kind_of
+from flashcp.kinds import CommKind
 
 __all__ = [
     "Plan",
@@ -523,23 +523,32 @@ class Plan:
                 f"got {tok.tolist()}"
             )
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, comm_kind: CommKind | str = CommKind.ALLGATHER_SHARDED) -> dict[str, Any]:
         """Scalar metrics of the plan (JSON-serialisable).
 
-        ``comm_tokens`` / ``comm_saving`` are what the plan's *method* moves: Eq. 5 for a
-        sharding-aware method (:class:`flashcp.registry.CommKind` ``ALLGATHER_SHARDED``, and any
-        unregistered method name), Eq. 4 for full all-gather and ring methods, which move the whole
-        KV whatever the layout. ``comm_tokens_sharded`` is Eq. 5 on the layout in every case.
+        ``comm_tokens`` / ``comm_saving`` are what the plan's method moves, given its
+        ``comm_kind`` (:class:`flashcp.kinds.CommKind`; the caller supplies it, e.g.
+        :func:`flashcp.registry.comm_kind_of` ``(plan.method)``, so the data model reads no
+        registry): Eq. 5 for sharding-aware all-gather (the default), Eq. 4 for full all-gather
+        and ring methods, which move the whole KV whatever the layout. ``comm_tokens_sharded`` is
+        Eq. 5 on the layout in every case.
         A head-parallel plan (:attr:`ulysses_degree` u > 1) reports these, and its pieces, on its
         :meth:`group_plan`: the KV moved across groups (tokens of 1/u of the KV heads; 0 for
         ``ulysses``, which has one group) and the segments the kernels see.
+
+        Raises:
+            ValueError: unknown ``comm_kind``.
         """
         # a head-parallel plan moves KV across its groups only: the group plan's tokens (each for
         # 1/u of the KV heads); its all-to-alls are bytes (flashcp.comm.comm_volume), not KV tokens
         across = self.group_plan()
         full = across.comm_tokens_full
-        kind = comm_kind_of(self.method, default=CommKind.ALLGATHER_SHARDED)
-        sharded = kind is CommKind.ALLGATHER_SHARDED
+        try:
+            sharded = CommKind(comm_kind) is CommKind.ALLGATHER_SHARDED
+        except ValueError:
+            raise ValueError(
+                f"unknown comm_kind {comm_kind!r}; choose one of {', '.join(CommKind)}"
+            ) from None
         moved = across.comm_tokens if sharded else full
         return {
             "method": self.method,
@@ -558,14 +567,14 @@ class Plan:
             "max_shards_per_rank": int(across.shards_per_rank.max()),
         }
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON view: the summary plus ``info``, ``doc_lens`` and
+    def to_dict(self, comm_kind: CommKind | str = CommKind.ALLGATHER_SHARDED) -> dict[str, Any]:
+        """JSON view: the :meth:`summary` (for ``comm_kind``) plus ``info``, ``doc_lens`` and
         ``ranks = [{rank, tokens, pad, workload, shards: [{doc, start, length}, ...]}, ...]``.
 
         Plain Python types only: ``json.dumps(plan.to_dict())`` works for every plan, and
         :meth:`from_dict` reads it (or its ``json.loads``) back to an equal plan."""
         tok, wl = self.tokens_per_rank, self.workload_per_rank
-        out = self.summary()
+        out = self.summary(comm_kind)
         out["info"] = self.info
         out["doc_lens"] = self.doc_lens.tolist()
         out["ranks"] = [

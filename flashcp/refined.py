@@ -74,6 +74,7 @@ from collections.abc import Callable
 import numpy as np
 
 from flashcp.heuristic import plan_flashcp
+from flashcp.kinds import CommKind, OpFamily
 from flashcp.plan import (
     Plan,
     check_cp_args,
@@ -83,6 +84,7 @@ from flashcp.plan import (
     planner_entry,
     shard_workload,
 )
+from flashcp.registry import MethodSpec
 
 __all__ = ["plan_flashcp_refined"]
 
@@ -487,3 +489,10 @@ def plan_flashcp_refined(
     else:
         cols = np.array(best, dtype=np.int64).reshape(-1, 4).T
     return make_plan("flashcp_refined", n, d, *cols, status=status, info=info, validate=validate)
+
+
+#: the method's entry in the registry (declared in pyproject.toml's ``flashcp.methods`` entry points)
+METHOD = MethodSpec(
+    name="flashcp_refined", display_name="FlashCP (refined)", order=60, planner=plan_flashcp_refined,
+    comm_kind=CommKind.ALLGATHER_SHARDED, op=OpFamily.ALLGATHER, color="#9467bd",
+)  # fmt: skip

@@ -1,25 +1,42 @@
 """The method registry: one :class:`MethodSpec` per CP method, the only list of methods.
 
 A method is a planner (a pure function ``planner(doc_lens, cp_size, **options) -> Plan`` that never
-touches a process group), the way it moves KV (:class:`CommKind`), a real attention op (a
-``prepare(plan, rank) -> meta`` and an ``attn(q, k, v, meta, group, ...) -> out``), the schema of
+touches a process group), the way it moves KV (:class:`~flashcp.kinds.CommKind`), the family of
+real ops that runs its plans (:class:`~flashcp.kinds.OpFamily`, or an op of its own), the schema of
 its planner options, and how plots and tables name and order it. Everything else reads this
 registry: the CLI's and the Hydra app's method choices, the simulator's and the executors'
 communication kind, the benchmarks' and the plots' method lists, orders, names and colours.
 
-Adding a method is one module (its planner, and its op if no existing op runs its layout) and one
-line::
+Where methods come from
+-----------------------
+This module names no method. Each method's :class:`MethodSpec` sits in its own module, beside its
+planner (``baselines/llama3.py`` holds ``plan_llama3`` and ``METHOD``), and is declared in the
+Python entry-point group ``flashcp.methods`` (:data:`ENTRY_POINT_GROUP`) as
+``<name> = "<module>:<attribute>"``. The registry reads two declared lists, once, on first use:
 
-    register_method(MethodSpec(
-        name="my_cp", display_name="My CP", order=80, planner="my_pkg.my_cp:plan_my_cp",
-        comm_kind=CommKind.ALLGATHER_SHARDED, prepare="flashcp.attn:prepare_flashcp",
-        attn="flashcp.attn:flashcp_attn", color="#17becf",
-    ))
+1. this project's own, the ``[project.entry-points."flashcp.methods"]`` table of the
+   ``pyproject.toml`` beside the imported ``flashcp`` package when that is a source checkout
+   (:func:`flashcp.resources.source_root`; a checkout on ``PYTHONPATH``, never installed, still
+   knows its methods, and an edited checkout's list wins over a stale install of it);
+2. the entry points of every installed distribution (:func:`importlib.metadata.entry_points`):
+   an installed ``flashcp`` wheel's own list (the same table, copied into its metadata), and any
+   other package's methods. A third-party package adds a method with ``pip install``::
 
-Planners and ops are named ``"module:function"`` and imported only when first used, so importing
-:mod:`flashcp` imports neither the baselines nor torch. This module imports nothing of the
-project: :mod:`flashcp.plan` (the data model) reads it to price a plan's communication, never the
-other way round.
+       # its pyproject.toml
+       [project.entry-points."flashcp.methods"]
+       my_cp = "my_pkg.my_cp:METHOD"
+
+       # my_pkg/my_cp.py, beside plan_my_cp
+       METHOD = MethodSpec(name="my_cp", display_name="My CP", order=80,
+                           planner="my_pkg.my_cp:plan_my_cp",
+                           comm_kind=CommKind.ALLGATHER_SHARDED)  # run by the all-gather op family
+
+Discovery imports the modules that hold the specs (light: no torch, no solver); planners and ops
+named ``"module:function"`` are imported only when first used, so importing :mod:`flashcp` imports
+neither the baselines nor torch. :func:`register_method` adds a method at run time (tests,
+notebooks). This module imports only the leaf modules :mod:`flashcp.kinds` and
+:mod:`flashcp.resources`: the data model (:mod:`flashcp.plan`) does not read it, and the method
+modules import it without a circle (it imports them by name, after they are loaded).
 """
 
 from __future__ import annotations
@@ -31,22 +48,30 @@ import re
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from functools import cache
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
+
+import tomllib
+
+from flashcp.kinds import CommKind, OpFamily
+from flashcp.resources import source_root
 
 if TYPE_CHECKING:
     from flashcp.plan import Plan
 
 __all__ = [
     "COMM_KIND",
+    "ENTRY_POINT_GROUP",
     "CommKind",
     "MethodSpec",
+    "OpFamily",
     "check_options",
     "comm_kind_of",
     "get_attn_op",
     "get_method",
     "get_planner",
+    "load_target",
     "make_plan_for",
     "method_names",
     "methods",
@@ -55,30 +80,30 @@ __all__ = [
     "unregister_method",
 ]
 
-
-class CommKind(StrEnum):
-    """How a method moves KV between CP ranks (docs/design.md §3, §4).
-
-    Members compare and hash equal to their string values, so CSV columns, Hydra values and
-    existing comparisons with ``"allgather_sharded"`` keep working.
-    """
-
-    #: every rank all-gathers the whole KV, Eq. 4: ``(N - 1) C / N`` tokens per rank
-    ALLGATHER_FULL = "allgather_full"
-    #: sharding-aware all-gather of the non-last shards only, Eq. 5
-    ALLGATHER_SHARDED = "allgather_sharded"
-    #: ring point-to-point: N - 1 steps of one C / N block each
-    P2P_RING = "p2p_ring"
-    #: head-parallel all-to-all only (Ulysses over all N ranks): q, k, v in and the output back,
-    #: no KV exchange between ranks (docs/design.md §3, "Methods beyond the paper")
-    ALLTOALL = "alltoall"
-
+#: the entry-point group a distribution declares its methods in (values: a :class:`MethodSpec`)
+ENTRY_POINT_GROUP = "flashcp.methods"
 
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 #: planner keyword arguments that are not method options: pad handling shared by every planner
 #: (:func:`flashcp.plan.planner_entry`) and invariant checking
 _NOT_OPTIONS = frozenset({"num_pad", "pad_to_multiple", "validate"})
+
+
+#: the op family that runs a method's plans when its spec names none: by its comm kind
+_DEFAULT_OP = {
+    CommKind.ALLGATHER_FULL: OpFamily.ALLGATHER,
+    CommKind.ALLGATHER_SHARDED: OpFamily.ALLGATHER,
+    CommKind.P2P_RING: OpFamily.RING,
+    CommKind.ALLTOALL: OpFamily.ULYSSES,
+}
+#: the comm kinds each op family runs
+_FAMILY_KINDS = {
+    OpFamily.ALLGATHER: (CommKind.ALLGATHER_FULL, CommKind.ALLGATHER_SHARDED),
+    OpFamily.RING: (CommKind.P2P_RING,),
+    OpFamily.ULYSSES: (CommKind.ALLTOALL,),
+    OpFamily.HYBRID: (CommKind.P2P_RING, CommKind.ALLGATHER_SHARDED),
+}
 
 
 @dataclass(frozen=True)
@@ -91,10 +116,15 @@ class MethodSpec:
         order: position in figures, tables and listings (ascending).
         planner: ``"module:function"`` (or the function) of the planner, declared with
             :func:`flashcp.plan.planner_entry`; imported on first use.
-        comm_kind: how its plans move KV (:class:`CommKind`).
-        prepare, attn: ``"module:function"`` (or the function) of the real op's
-            ``prepare(plan, rank) -> meta`` and ``attn(q, k, v, meta, group=None, *, softmax_scale,
-            backend, counter, timer, grad_comm_dtype) -> out`` (:mod:`flashcp.ops`).
+        comm_kind: how its plans move KV (:class:`~flashcp.kinds.CommKind`).
+        op: the family of real ops that runs its plans (:class:`~flashcp.kinds.OpFamily`; the
+            comm kind picks the variant inside it). None: the family of its comm kind (all-gather
+            for ``allgather_*``, the ring for ``p2p_ring``, Ulysses for ``alltoall``); the
+            head-parallel hybrids name ``OpFamily.HYBRID``.
+        prepare, attn: an op of its own instead of a family: ``"module:function"`` (or the
+            function) of its ``prepare(plan, rank) -> meta`` and ``attn(q, k, v, meta,
+            group=None, *, softmax_scale, backend, counter, timer, grad_comm_dtype) -> out``
+            (:mod:`flashcp.ops`); both or neither.
         color: its matplotlib colour in figures.
         options: dataclass of its planner options (fields: names, types, defaults). None: built
             from the planner's keyword-only parameters (:func:`options_schema`), so the planner's
@@ -102,8 +132,11 @@ class MethodSpec:
         fast: the planner runs in milliseconds per 128K sequence (False for the ILP, which solves a
             MIP per sequence); quick sweeps and tests loop over the fast ones.
         paper: one of the five methods the paper compares (its Fig. 5).
+        reports_solve: its plans carry a solver's outcome in ``Plan.info`` (the keys of
+            :data:`flashcp.results.ILP_INFO_COLUMNS`), which rows report as ``ilp_<key>``.
     Raises:
-        ValueError: (at construction) a malformed name, target or kind.
+        ValueError: (at construction) a malformed name, target, kind or family, a family that
+            does not run the comm kind, or only one of ``prepare`` and ``attn``.
     """
 
     name: str
@@ -111,18 +144,22 @@ class MethodSpec:
     order: int
     planner: str | Callable
     comm_kind: CommKind
-    prepare: str | Callable
-    attn: str | Callable
+    op: OpFamily | None = None
+    prepare: str | Callable | None = None
+    attn: str | Callable | None = None
     color: str = "#17becf"
     options: type | None = None
     fast: bool = True
     paper: bool = False
+    reports_solve: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ValueError(f"method name must match [a-z][a-z0-9_]*, got {self.name!r}")
         for key in ("planner", "prepare", "attn"):
             target = getattr(self, key)
+            if key != "planner" and target is None:
+                continue
             if not callable(target) and not (isinstance(target, str) and _TARGET.match(target)):
                 raise ValueError(
                     f"method {self.name!r}: {key} must be 'module:function' or a function, "
@@ -135,24 +172,119 @@ class MethodSpec:
                 f"method {self.name!r}: unknown comm_kind {self.comm_kind!r}; choose one of "
                 f"{', '.join(CommKind)}"
             ) from None
+        if (self.prepare is None) != (self.attn is None):
+            raise ValueError(f"method {self.name!r}: give both prepare and attn, or neither")
+        if self.prepare is not None:
+            if self.op is not None:
+                raise ValueError(
+                    f"method {self.name!r}: an op of its own (prepare, attn) or op={self.op!r}, "
+                    "not both"
+                )
+        else:
+            try:
+                family = _DEFAULT_OP[self.comm_kind] if self.op is None else OpFamily(self.op)
+            except ValueError:
+                raise ValueError(
+                    f"method {self.name!r}: unknown op family {self.op!r}; choose one of "
+                    f"{', '.join(OpFamily)}"
+                ) from None
+            if self.comm_kind not in _FAMILY_KINDS[family]:
+                raise ValueError(
+                    f"method {self.name!r}: the {family} op family runs comm kinds "
+                    f"{', '.join(_FAMILY_KINDS[family])}, not {self.comm_kind}"
+                )
+            object.__setattr__(self, "op", family)
         if self.options is not None and not dataclasses.is_dataclass(self.options):
             raise ValueError(f"method {self.name!r}: options must be a dataclass type or None")
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
+#: where each discovered method was declared (for error messages)
+_SOURCES: dict[str, str] = {}
+#: holds True once discovery has started (a method module that reads the registry while it is
+#: imported by the discovery sees the methods loaded so far, and no second discovery starts)
+_discovered: list[bool] = []
+
+
+def _declared() -> list[tuple[metadata.EntryPoint, str]]:
+    """Entry points of :data:`ENTRY_POINT_GROUP`, each with where it was declared: the source
+    checkout's ``pyproject.toml`` first (when ``flashcp`` is imported from one), then every
+    installed distribution but an installed ``flashcp`` that the checkout's list supersedes."""
+    found: list[tuple[metadata.EntryPoint, str]] = []
+    root = source_root()
+    own = None
+    if root is not None:
+        project = tomllib.loads((root / "pyproject.toml").read_text()).get("project", {})
+        if project.get("name") == "flashcp":
+            own = project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {})
+            where = str(root / "pyproject.toml")
+            for name, value in own.items():
+                found.append((metadata.EntryPoint(name, value, ENTRY_POINT_GROUP), where))
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        if own is not None and dist == "flashcp":
+            continue
+        found.append((ep, f"the installed distribution {dist!r}"))
+    return found
+
+
+def _discover() -> None:
+    """Load and register every declared method (:func:`_declared`); run once, on first use.
+
+    Raises:
+        ValueError: an entry point that does not load, is not a :class:`MethodSpec`, or names a
+            method other than its own name; two declarations of one method name.
+    """
+    for ep, where in _declared():
+        if ep.name in _SOURCES:
+            if _SOURCES[ep.name] == where:
+                continue
+            raise ValueError(
+                f"method {ep.name!r} is declared twice ({ENTRY_POINT_GROUP} entry points): in "
+                f"{_SOURCES[ep.name]} and in {where}"
+            )
+        try:
+            spec = ep.load()
+        except Exception as exc:
+            raise ValueError(
+                f"method {ep.name!r} ({ep.value!r}, declared in {where}) does not load: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(spec, MethodSpec) or spec.name != ep.name:
+            raise ValueError(
+                f"entry point {ep.name} = {ep.value!r} (declared in {where}) must be the "
+                f"MethodSpec of method {ep.name!r}, got {spec!r}"
+            )
+        _SOURCES[ep.name] = where
+        if ep.name not in _REGISTRY:  # a method registered at run time keeps its spec
+            _REGISTRY[ep.name] = spec
+    _load.cache_clear()
+
+
+def _specs() -> dict[str, MethodSpec]:
+    """The registry, with the declared methods discovered on first use."""
+    if not _discovered:
+        _discovered.append(True)
+        try:
+            _discover()
+        except BaseException:
+            _discovered.clear()
+            raise
+    return _REGISTRY
 
 
 def register_method(spec: MethodSpec, *, replace: bool = False) -> MethodSpec:
     """Add ``spec`` to the registry (and return it).
 
     Raises:
-        ValueError: a method of that name is registered and ``replace`` is False.
+        ValueError: a method of that name is registered (or declared) and ``replace`` is False.
     """
     if not isinstance(spec, MethodSpec):
         raise ValueError(f"register_method takes a MethodSpec, got {type(spec).__name__}")
-    if spec.name in _REGISTRY and not replace:
+    registry = _specs()
+    if spec.name in registry and not replace:
         raise ValueError(f"method {spec.name!r} is already registered (pass replace=True)")
-    _REGISTRY[spec.name] = spec
+    registry[spec.name] = spec
     _load.cache_clear()
     return spec
 
@@ -164,14 +296,14 @@ def unregister_method(name: str) -> MethodSpec:
         ValueError: unknown method.
     """
     spec = get_method(name)
-    del _REGISTRY[name]
+    del _specs()[name]
     _load.cache_clear()
     return spec
 
 
 def methods(*, fast: bool | None = None, paper: bool | None = None) -> tuple[MethodSpec, ...]:
     """The registered methods in display order; ``fast`` / ``paper`` keep those with that flag."""
-    specs = sorted(_REGISTRY.values(), key=lambda s: (s.order, s.name))
+    specs = sorted(_specs().values(), key=lambda s: (s.order, s.name))
     return tuple(
         s for s in specs if (fast is None or s.fast == fast) and (paper is None or s.paper == paper)
     )
@@ -189,7 +321,7 @@ def get_method(name: str) -> MethodSpec:
         ValueError: unknown method (the message lists the known ones).
     """
     try:
-        return _REGISTRY[name]
+        return _specs()[name]
     except (KeyError, TypeError):
         raise ValueError(
             f"unknown method {name!r}; choose one of {', '.join(method_names())}"
@@ -202,7 +334,7 @@ def comm_kind_of(method: str, default: CommKind | None = None) -> CommKind:
     Raises:
         ValueError: unknown method and no default.
     """
-    spec = _REGISTRY.get(method)
+    spec = _specs().get(method)
     if spec is not None:
         return spec.comm_kind
     if default is None:
@@ -214,13 +346,13 @@ class _CommKindView(Mapping):
     """Read-only, live ``method -> CommKind`` view of the registry."""
 
     def __getitem__(self, method: str) -> CommKind:
-        return _REGISTRY[method].comm_kind
+        return _specs()[method].comm_kind
 
     def __iter__(self) -> Iterator[str]:
         return iter(method_names())
 
     def __len__(self) -> int:
-        return len(_REGISTRY)
+        return len(_specs())
 
     def __repr__(self) -> str:
         return f"COMM_KIND({dict(self)})"
@@ -247,6 +379,15 @@ def _load(target: str | Callable) -> Callable:
         return target
     module, func = target.split(":")
     return getattr(importlib.import_module(module), func)
+
+
+def load_target(target: str | Callable) -> Callable:
+    """The function a spec names: ``"module:function"`` imported (cached), or the function itself.
+
+    Raises:
+        ImportError, AttributeError: the module or the function does not exist.
+    """
+    return _load(target)
 
 
 def get_planner(method: str) -> Callable[..., Plan]:
@@ -292,13 +433,13 @@ def make_plan_for(method: str, doc_lens, cp_size: int, **options) -> Plan:
 
 
 def get_attn_op(method: str) -> tuple[Callable, Callable]:
-    """``(prepare_fn, attn_fn)`` of ``method``'s real op (:mod:`flashcp.ops`).
+    """``(prepare_fn, attn_fn)`` of ``method``'s real op: :func:`flashcp.ops.get_attn_op`
+    (imported on first use, so this module imports no op code).
 
     Raises:
         ValueError: unknown method (the message lists the known ones).
     """
-    spec = get_method(method)
-    return _load(spec.prepare), _load(spec.attn)
+    return importlib.import_module("flashcp.ops").get_attn_op(method)
 
 
 # ---- planner options -----------------------------------------------------------------------------
@@ -371,61 +512,3 @@ def check_options(method: str, options: Mapping[str, Any] | None) -> dict[str, A
             ) from None
     out = OmegaConf.to_container(typed)
     return {key: out[key] for key in given}
-
-
-# ---- the methods -------------------------------------------------------------------------------
-
-_ALLGATHER_SHARDED_OP = {
-    "prepare": "flashcp.attn:prepare_flashcp",
-    "attn": "flashcp.attn:flashcp_attn",
-}
-
-register_method(MethodSpec(
-    name="llama3", display_name="Llama3 CP", order=10, planner="baselines.llama3:plan_llama3",
-    comm_kind=CommKind.ALLGATHER_FULL, prepare="baselines.llama3_attn:prepare_llama3",
-    attn="baselines.llama3_attn:llama3_attn", color="#7f7f7f", paper=True,
-))  # fmt: skip
-register_method(MethodSpec(
-    name="per_doc", display_name="Per-Doc CP", order=20, planner="baselines.per_doc:plan_per_doc",
-    comm_kind=CommKind.ALLGATHER_FULL, prepare="baselines.per_doc_attn:prepare_per_doc",
-    attn="baselines.per_doc_attn:per_doc_attn", color="#1f77b4", paper=True,
-))  # fmt: skip
-register_method(MethodSpec(
-    name="ring", display_name="Ring", order=30, planner="baselines.ring:plan_ring",
-    comm_kind=CommKind.P2P_RING, prepare="baselines.ring_attn:prepare_ring",
-    attn="baselines.ring_attn:ring_attn", color="#ff7f0e", paper=True,
-))  # fmt: skip
-register_method(MethodSpec(
-    name="zigzag", display_name="Zigzag ring", order=40, planner="baselines.zigzag:plan_zigzag",
-    comm_kind=CommKind.P2P_RING, prepare="baselines.zigzag_attn:prepare_zigzag",
-    attn="baselines.zigzag_attn:zigzag_attn", color="#2ca02c", paper=True,
-))  # fmt: skip
-register_method(MethodSpec(
-    name="flashcp", display_name="FlashCP", order=50, planner="flashcp.heuristic:plan_flashcp",
-    comm_kind=CommKind.ALLGATHER_SHARDED, **_ALLGATHER_SHARDED_OP, color="#d62728", paper=True,
-))  # fmt: skip
-register_method(MethodSpec(
-    name="flashcp_refined", display_name="FlashCP (refined)", order=60,
-    planner="flashcp.refined:plan_flashcp_refined", comm_kind=CommKind.ALLGATHER_SHARDED,
-    **_ALLGATHER_SHARDED_OP, color="#9467bd",
-))  # fmt: skip
-register_method(MethodSpec(
-    name="ilp", display_name="ILP", order=70, planner="flashcp.ilp:plan_ilp",
-    comm_kind=CommKind.ALLGATHER_SHARDED, **_ALLGATHER_SHARDED_OP, color="#8c564b", fast=False,
-))  # fmt: skip
-register_method(MethodSpec(
-    name="ulysses", display_name="Ulysses", order=62, planner="baselines.ulysses:plan_ulysses",
-    comm_kind=CommKind.ALLTOALL, prepare="flashcp.ops.ulysses_attn:prepare_ulysses",
-    attn="flashcp.ops.ulysses_attn:ulysses_attn", color="#e377c2",
-))  # fmt: skip
-register_method(MethodSpec(
-    name="usp", display_name="USP (Ulysses x ring)", order=64, planner="baselines.usp:plan_usp",
-    comm_kind=CommKind.P2P_RING, prepare="flashcp.ops.hybrid_attn:prepare_usp",
-    attn="flashcp.ops.hybrid_attn:usp_attn", color="#bcbd22",
-))  # fmt: skip
-register_method(MethodSpec(
-    name="flashcp_ulysses", display_name="FlashCP x Ulysses", order=66,
-    planner="flashcp.hybrid:plan_flashcp_ulysses", comm_kind=CommKind.ALLGATHER_SHARDED,
-    prepare="flashcp.ops.hybrid_attn:prepare_flashcp_ulysses",
-    attn="flashcp.ops.hybrid_attn:flashcp_ulysses_attn", color="#17becf",
-))  # fmt: skip

@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import inspect
+import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 import torch
 import yaml
 from mp_utils import run_ranks
 
+import flashcp.registry as registry
 from flashcp.comm import AttnShape, comm_volume
+from flashcp.kinds import OpFamily
 from flashcp.ops import get_attn_op
 from flashcp.ops.collectives import CommCounter
 from flashcp.ops.reference import reference_attention
@@ -27,6 +33,7 @@ from flashcp.ops.sharding import shard_tensor, unshard
 from flashcp.plan import make_plan, planner_entry
 from flashcp.registry import (
     COMM_KIND,
+    ENTRY_POINT_GROUP,
     CommKind,
     MethodSpec,
     check_options,
@@ -70,9 +77,7 @@ def toy():
             display_name="Toy (reversed chunks)",
             order=99,
             planner=plan_toy_reversed,
-            comm_kind=CommKind.ALLGATHER_SHARDED,
-            prepare="flashcp.attn:prepare_flashcp",
-            attn="flashcp.attn:flashcp_attn",
+            comm_kind=CommKind.ALLGATHER_SHARDED,  # run by the all-gather op family
         )
     )
     try:
@@ -151,6 +156,80 @@ def test_registration_errors_are_readable(toy):
         get_method("nope")
 
 
+def test_every_method_is_declared_beside_its_planner():
+    """pyproject.toml's flashcp.methods entry points are the list: each names the MethodSpec in
+    the module of its planner, and the registry holds exactly those."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    table = project["entry-points"][ENTRY_POINT_GROUP]
+    assert set(table) == set(method_names())
+    for name, target in table.items():
+        module, attr = target.split(":")
+        assert getattr(importlib.import_module(module), attr) is get_method(name)
+        assert inspect.unwrap(get_planner(name)).__module__ == module, name
+    families = {m: get_method(m).op for m in method_names()}
+    assert families == {
+        "llama3": "allgather", "per_doc": "allgather", "flashcp": "allgather",
+        "flashcp_refined": "allgather", "ilp": "allgather", "ring": "ring", "zigzag": "ring",
+        "ulysses": "ulysses", "usp": "hybrid", "flashcp_ulysses": "hybrid",
+    }  # fmt: skip
+    assert [m for m in method_names() if get_method(m).reports_solve] == ["ilp"]
+
+
+def test_the_registry_names_no_method():
+    """No string of flashcp/registry.py (docstrings aside) names a method; ``flashcp`` is also
+    the project's name, so only the other names are searched for."""
+    tree = ast.parse((REPO / "flashcp" / "registry.py").read_text())
+    docs = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef) and ast.get_docstring(n)
+    }
+    strings = [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+    ]
+    for name in set(method_names()) - {"flashcp"}:
+        assert not [s for s in strings if re.search(rf"\b{name}\b", s)], name
+    assert not [s for s in strings if s.startswith("baselines")]
+
+
+def test_spec_fields_choose_a_family_that_runs_the_comm_kind(toy):
+    assert toy.op is OpFamily.ALLGATHER  # the default family of allgather_sharded
+    ring = dataclasses.replace(toy, comm_kind=CommKind.P2P_RING, op=None)
+    assert ring.op is OpFamily.RING
+    with pytest.raises(ValueError, match="the ring op family runs comm kinds p2p_ring, not "):
+        dataclasses.replace(toy, op=OpFamily.RING)
+    with pytest.raises(ValueError, match="unknown op family 'tree'"):
+        dataclasses.replace(toy, op="tree")
+    with pytest.raises(ValueError, match="give both prepare and attn, or neither"):
+        dataclasses.replace(toy, op=None, prepare="my_pkg.ops:prepare")
+    with pytest.raises(ValueError, match="not both"):
+        dataclasses.replace(toy, prepare="my_pkg.ops:prepare", attn="my_pkg.ops:attn")
+    own = dataclasses.replace(toy, op=None, prepare=_toy_op, attn=_toy_op)
+    assert own.op is None
+
+
+def test_bad_declarations_are_named(monkeypatch):
+    def declared(*pairs):
+        eps = [(metadata.EntryPoint(n, v, ENTRY_POINT_GROUP), where) for n, v, where in pairs]
+        for key, value in (("_declared", lambda: eps), ("_REGISTRY", {}), ("_SOURCES", {}),
+                           ("_discovered", [])):  # fmt: skip
+            monkeypatch.setattr(registry, key, value)
+
+    declared(("spiral", "baselines.ring:METHOD", "a test"))
+    with pytest.raises(ValueError, match=r"must be the MethodSpec of method 'spiral'"):
+        method_names()
+    declared(("spiral", "no_such_pkg.spiral:METHOD", "a test"))
+    with pytest.raises(ValueError, match=r"'spiral' .*declared in a test\) does not load"):
+        method_names()
+    declared(("ring", "baselines.ring:METHOD", "one"), ("ring", "baselines.ring:METHOD", "two"))
+    with pytest.raises(ValueError, match=r"method 'ring' is declared twice .*in one and in two"):
+        method_names()
+    declared(("ring", "baselines.ring:METHOD", "one"))
+    assert method_names() == ("ring",)  # discovered once, on first use
+
+
 def test_the_core_imports_neither_baselines_nor_torch():
     code = (
         "import sys, flashcp, flashcp.registry, flashcp.plan\n"
@@ -159,20 +238,34 @@ def test_the_core_imports_neither_baselines_nor_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    # flashcp.registry imports nothing of the project (flashcp.plan reads it, not the reverse)
-    tree = ast.parse((REPO / "flashcp" / "registry.py").read_text())
+    # flashcp.registry imports only the project's leaf modules, and flashcp.plan (the data model)
+    # does not import the registry; neither names a method module
+    for module, allowed in (("registry", {"flashcp.kinds", "flashcp.resources"}), ("plan", None)):
+        imported = _imports(REPO / "flashcp" / f"{module}.py")
+        assert not [m for m in imported if m.split(".")[0] == "baselines"], module
+        if allowed is not None:
+            assert {m for m in imported if m.split(".")[0] == "flashcp"} <= allowed, module
+        else:
+            assert "flashcp.registry" not in imported
+    for leaf in ("kinds", "resources"):
+        assert not [m for m in _imports(REPO / "flashcp" / f"{leaf}.py") if m.startswith("flashcp")]
+
+
+def _imports(path: Path) -> list[str]:
+    """Modules a file imports at run time (typing-only imports do not run)."""
+    tree = ast.parse(path.read_text())
     tree.body = [  # typing-only imports do not run
         n
         for n in tree.body
         if not (isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
     ]
-    imported = [
+    return [
         n.module if isinstance(n, ast.ImportFrom) else a.name
         for n in ast.walk(tree)
         if isinstance(n, ast.Import | ast.ImportFrom)
         for a in (n.names if isinstance(n, ast.Import) else [n])
+        if (n.module if isinstance(n, ast.ImportFrom) else a.name)
     ]
-    assert not [m for m in imported if m and m.split(".")[0] in ("flashcp", "baselines")]
 
 
 # ---- a method added in one line runs everywhere --------------------------------------------------

@@ -20,17 +20,18 @@ import torch
 import torch.distributed as dist
 from mp_utils import run_ranks
 
-from baselines.ring_attn import prepare_ring, ring_attn
-from baselines.zigzag_attn import prepare_zigzag, zigzag_attn
 from flashcp.comm import AttnShape, comm_volume
 from flashcp.data import load_distribution, sample_sequences
+from flashcp.ops import get_attn_op
 from flashcp.ops.collectives import CommCounter
 from flashcp.ops.lse import merge_lse_, merge_lse_rows_, new_accumulator
 from flashcp.ops.reference import document_mask, reference_attention
 from flashcp.ops.sharding import shard_tensor, unshard
 from flashcp.registry import make_plan_for
 
-OPS = {"ring": (prepare_ring, ring_attn), "zigzag": (prepare_zigzag, zigzag_attn)}
+OPS = {m: get_attn_op(m) for m in ("ring", "zigzag")}  # the ring op family with each layout
+prepare_ring, ring_attn = OPS["ring"]
+prepare_zigzag, zigzag_attn = OPS["zigzag"]
 DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 

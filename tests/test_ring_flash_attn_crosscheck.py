@@ -36,8 +36,7 @@ import numpy as np
 import pytest
 import torch
 
-from baselines.ring_attn import prepare_ring
-from baselines.zigzag_attn import prepare_zigzag
+from flashcp.ops import get_attn_op
 from flashcp.ops.backends import get_backend
 from flashcp.ops.reference import reference_attention
 from flashcp.ops.ring_attn import ring_backward, ring_forward
@@ -48,7 +47,7 @@ from flashcp.registry import make_plan_for
 pytestmark = pytest.mark.gpu
 
 WAIT_S = 60
-PREPARE = {"ring": prepare_ring, "zigzag": prepare_zigzag}
+PREPARE = {m: get_attn_op(m)[0] for m in ("ring", "zigzag")}
 
 
 class _Mailbox:

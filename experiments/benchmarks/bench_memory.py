@@ -31,6 +31,7 @@ now and then show one staging buffer more.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import multiprocessing as mp
 import os
@@ -42,6 +43,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from flashcp.kinds import OpFamily
 from flashcp.ops import get_attn_op
 from flashcp.ops.allgather_attn import (
     AllGatherMeta,
@@ -49,11 +51,15 @@ from flashcp.ops.allgather_attn import (
     resolve_heads_per_group,
 )
 from flashcp.ops.sharding import shard_tensor
-from flashcp.registry import make_plan_for, method_names
+from flashcp.registry import get_method, make_plan_for, method_names, options_schema
 
 METHODS = method_names()
-RING_FAMILY = ("ring", "zigzag")
 MIB = 2**20
+
+
+def _head_groups(method: str) -> bool:
+    """The method's op takes ``heads_per_group`` (the all-gather op family)."""
+    return get_method(method).op is OpFamily.ALLGATHER
 
 
 # ---- measuring -----------------------------------------------------------------------------------
@@ -123,7 +129,7 @@ def _rank_rows(rank: int, n: int, args, plans: dict) -> list[dict]:
         meta = prepare(plan, rank)
         q, k, v, dout = (shard_tensor(x, plan, rank).to(device) for x in full)
         q, k, v = (x.requires_grad_() for x in (q, k, v))
-        opts = {} if method in RING_FAMILY else {"heads_per_group": hpg}
+        opts = {"heads_per_group": hpg} if _head_groups(method) else {}
         forward = functools.partial(attn, q, k, v, meta, backend=args.backend, **opts)
         forward().backward(dout)  # warm-up (lazy initialisation is not the op's memory)
         q.grad = k.grad = v.grad = None
@@ -182,9 +188,10 @@ def run(args) -> pd.DataFrame:
         raise SystemExit(f"--device cuda needs {n} GPUs, found {torch.cuda.device_count()}")
     plans = {}
     for method in args.methods:
-        opts = {"time_limit_s": 30.0} if method == "ilp" else {}
+        options = {f.name for f in dataclasses.fields(options_schema(method))}
+        opts = {"time_limit_s": 30.0} if "time_limit_s" in options else {}  # a solver's cap
         plan = make_plan_for(method, args.doc_lens, n, **opts)
-        groups = [None] if method in RING_FAMILY else args.heads_per_group
+        groups = args.heads_per_group if _head_groups(method) else [None]
         for hpg in groups:
             plans[method, hpg] = plan
     ctx = mp.get_context("spawn" if args.device == "cuda" else "fork")

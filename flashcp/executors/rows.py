@@ -89,13 +89,17 @@ def plan_metrics(plan: Plan) -> dict[str, Any]:
     V, per KV head — Eq. 4 of the paper for full all-gather and for the ring, Eq. 5 for
     sharding-aware all-gather — and ``comm_saving`` = 1 - comm_tokens / comm_tokens_full.
     ``comm_tokens_sharded`` is Eq. 5 on the method's layout: what sharding-aware communication
-    would move for it. ILP plans add the solve's outcome, ``ilp_<key>`` for every key of
+    would move for it. Plans of a method whose :class:`~flashcp.registry.MethodSpec`
+    ``reports_solve`` (the ILP) add the solve's outcome, ``ilp_<key>`` for every key of
     :data:`flashcp.results.ILP_INFO_COLUMNS` (status, gap, objective, best bound, threads,
     warm-start flags, fallback heuristic).
     """
-    s = plan.summary()
+    from flashcp.kinds import CommKind
+    from flashcp.registry import COMM_KIND, get_method
+
+    s = plan.summary(COMM_KIND.get(plan.method, CommKind.ALLGATHER_SHARDED))
     out = {k: s[k] for k in PLAN_COLUMNS[3:]}
-    if plan.method == "ilp":  # the solver's outcome (flashcp.ilp.plan_ilp's info)
+    if plan.method in COMM_KIND and get_method(plan.method).reports_solve:  # e.g. the ILP's
         for k in ILP_INFO_COLUMNS:
             out[f"ilp_{k}"] = plan.info.get(k)
     return out

@@ -14,7 +14,9 @@ import numpy as np
 
 from flashcp.ilp.model import FORMULATIONS, Instance, block_pieces, meets_cap, piece_ranks
 from flashcp.ilp.worker import check_highs_options, run_job
+from flashcp.kinds import CommKind, OpFamily
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
+from flashcp.registry import MethodSpec
 
 __all__ = ["plan_ilp", "plan_objective", "saving_bound"]
 
@@ -353,3 +355,10 @@ def plan_ilp(
         info=info,
         validate=validate,
     )
+
+
+#: the method's entry in the registry (declared in pyproject.toml's ``flashcp.methods`` entry points)
+METHOD = MethodSpec(
+    name="ilp", display_name="ILP", order=70, planner=plan_ilp,
+    comm_kind=CommKind.ALLGATHER_SHARDED, op=OpFamily.ALLGATHER, color="#8c564b", fast=False, reports_solve=True,
+)  # fmt: skip

@@ -1,10 +1,12 @@
 """Real context-parallel attention ops and their building blocks.
 
-Every method module exposes ``prepare_<method>(plan, rank) -> meta`` (pure: no process group) and
-``<method>_attn(q, k, v, meta, group=None, *, softmax_scale=None, backend="auto", counter=None,
+Every method's op is a pair ``prepare(plan, rank) -> meta`` (pure: no process group) and
+``attn(q, k, v, meta, group=None, *, softmax_scale=None, backend="auto", counter=None,
 timer=None, grad_comm_dtype=None) -> out`` (the all-gather family also takes ``heads_per_group``).
-:func:`get_attn_op` finds them by method name (the method's :class:`flashcp.registry.MethodSpec`)
-without importing every module.
+:func:`get_attn_op` builds it from the method's :class:`flashcp.registry.MethodSpec`: the op
+family it names (:class:`flashcp.kinds.OpFamily`: all-gather, ring, Ulysses, hybrid; its comm
+kind picks the variant, :mod:`flashcp.ops.families`), or the op of its own it names, importing
+only the modules that op needs.
 
 Numerics, the same for every op: the LSE, LSE merges and gradient partial sums are in
 :func:`flashcp.ops.backends.compute_dtype` of the inputs (float32; float64 for float64 inputs, so
@@ -25,6 +27,25 @@ Typical use inside a training step (one plan per batch, shared by every layer)::
 
 from __future__ import annotations
 
-from flashcp.registry import get_attn_op
+from collections.abc import Callable
+
+from flashcp.ops.families import family_op
+from flashcp.registry import get_method, load_target
 
 __all__ = ["get_attn_op"]
+
+
+def get_attn_op(method: str) -> tuple[Callable, Callable]:
+    """``(prepare_fn, attn_fn)`` of ``method``'s real op.
+
+    ``prepare_fn(plan, rank) -> meta`` runs plans of ``method`` only, and ``attn_fn`` only the
+    metadata of that ``prepare_fn`` (signatures in the module docstring; shapes and errors:
+    :func:`flashcp.ops.families.family_op`, or the method's own op).
+
+    Raises:
+        ValueError: unknown method (the message lists the known ones).
+    """
+    spec = get_method(method)
+    if spec.prepare is not None:
+        return load_target(spec.prepare), load_target(spec.attn)
+    return family_op(spec.name, spec.op, spec.comm_kind)

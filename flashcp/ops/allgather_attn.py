@@ -1,4 +1,5 @@
-"""Shared machinery of the all-gather CP family (``llama3``, ``per_doc``, ``flashcp``).
+"""The all-gather CP op family (``llama3``, ``per_doc``: full; ``flashcp``, ``flashcp_refined``,
+``ilp``: sharding-aware), for any plan of a method whose spec names it (:mod:`flashcp.ops.families`).
 
 Every rank contributes a *send buffer* of its local KV rows, padded to the largest rank's, and
 all-gathers the buffers; each local shard ``(doc, start, length)`` is then one causal varlen
@@ -7,7 +8,7 @@ its document, then itself), aligned bottom-right. One varlen kernel call compute
 rank.
 
 * ``llama3`` / ``per_doc`` send every local row (full all-gather; Eq. 4 of the FlashCP paper).
-* ``flashcp`` sends only the rows of *non-last* shards: a shard's KV is needed by another rank only
+* ``flashcp`` (and every ``allgather_sharded`` method) sends only the rows of *non-last* shards: a shard's KV is needed by another rank only
   if a later shard of its document exists (Eq. 5). Documents kept whole are never communicated.
 
 Keys are assembled with one index gather from ``source = [local KV (T rows); gathered buffers
@@ -566,14 +567,15 @@ def allgather_attention(
 ):  # fmt: skip
     """CP attention of the all-gather family for this rank's tokens (document-masked causal).
 
-    The public ops (``llama3_attn``, ``per_doc_attn``, ``flashcp_attn``) are thin wrappers that
-    name their ``method``.
+    Each method of the family gets it with its ``method`` bound from
+    :func:`flashcp.ops.get_attn_op` (:mod:`flashcp.ops.families`).
 
     Args:
         q: (T_local, num_heads, head_dim); k, v: (T_local, num_kv_heads, head_dim), laid out as the
             plan gives this rank (see :func:`flashcp.ops.sharding.shard_tensor`). Any float dtype;
             float64 inputs are computed in float64 end to end with ``backend="reference"``.
-        meta: from the method's ``prepare_<method>(plan, rank)``; reuse it for every layer.
+        meta: from the method's ``prepare(plan, rank)`` (:func:`build_allgather_meta`); reuse it
+            for every layer.
         group: process group of the CP ranks (default: the world); size ``cp_size``.
         method: the method whose metadata ``meta`` must be.
         softmax_scale: default ``1 / sqrt(head_dim)``

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from flashcp.head_parallel import UlyssesHeads, ulysses_heads
+from flashcp.kinds import CommKind
 from flashcp.ops.allgather_attn import (
     AllGatherMeta,
     allgather_attn_backward,
@@ -56,14 +57,11 @@ __all__ = [
     "HybridAttnFunction",
     "HybridGroups",
     "HybridMeta",
-    "flashcp_ulysses_attn",
     "hybrid_attention",
     "hybrid_backward",
     "hybrid_forward",
     "hybrid_groups",
-    "prepare_flashcp_ulysses",
-    "prepare_usp",
-    "usp_attn",
+    "prepare_hybrid",
 ]
 
 
@@ -138,10 +136,10 @@ def _groups_of(degree: int, group) -> HybridGroups:
 
 @dataclass(eq=False)
 class HybridMeta:
-    """Per-batch metadata of one rank (build with ``prepare_usp`` / ``prepare_flashcp_ulysses``).
+    """Per-batch metadata of one rank (build with :func:`prepare_hybrid`).
 
     Attributes:
-        method: ``usp`` or ``flashcp_ulysses``.
+        method: the plan's method (``usp``, ``flashcp_ulysses``).
         plan: the N-rank plan (checked across the CP group before the first collective).
         rank: this rank; cp_size: N; degree: u.
         tokens: T = C / N local rows, pad included.
@@ -173,29 +171,34 @@ def _prepare(plan: Plan, rank: int, method: str) -> tuple[Plan, int, int]:
     return plan.group_plan(), plan.ulysses_degree, int(rank)
 
 
-def prepare_usp(plan: Plan, rank: int) -> HybridMeta:
-    """Metadata of ``rank`` for :func:`usp_attn` (pure: no process group).
+def prepare_hybrid(plan: Plan, rank: int, method: str, comm_kind: CommKind | str) -> HybridMeta:
+    """Metadata of ``rank`` for :func:`hybrid_attention` (pure: no process group).
 
+    Args:
+        plan: a head-parallel plan of ``method`` (``ulysses_degree`` u; its
+            :meth:`~flashcp.plan.Plan.group_plan` is the layout across the groups).
+        rank: 0 <= rank < cp_size.
+        method: the plan's method.
+        comm_kind: the op across the groups: ``p2p_ring`` (the ring,
+            :func:`~flashcp.ops.ring_meta.prepare_ring_meta`, as ``usp``) or
+            ``allgather_sharded`` (the sharding-aware all-gather,
+            :func:`~flashcp.ops.allgather_attn.build_allgather_meta`, as ``flashcp_ulysses``).
     Raises:
-        ValueError: not a ``usp`` plan, or ``rank`` out of range.
+        ValueError: not a plan of ``method``, ``rank`` out of range, or another ``comm_kind``.
     """
-    groups, u, rank = _prepare(plan, rank, "usp")
-    inner = prepare_ring_meta(replace(groups, method="zigzag"), rank // u, "zigzag")
-    return HybridMeta("usp", plan, rank, plan.cp_size, u, plan.context_len // plan.cp_size,
-                      inner, inner.block_tokens)  # fmt: skip
-
-
-def prepare_flashcp_ulysses(plan: Plan, rank: int) -> HybridMeta:
-    """Metadata of ``rank`` for :func:`flashcp_ulysses_attn` (pure: no process group).
-
-    Raises:
-        ValueError: not a ``flashcp_ulysses`` plan, or ``rank`` out of range.
-    """
-    groups, u, rank = _prepare(plan, rank, "flashcp_ulysses")
-    full = build_allgather_meta(replace(groups, method="flashcp"), rank // u, "flashcp", True)
-    inner = full.without_pad()
-    return HybridMeta("flashcp_ulysses", plan, rank, plan.cp_size, u,
-                      plan.context_len // plan.cp_size, inner, inner.doc_tokens)  # fmt: skip
+    groups, u, rank = _prepare(plan, rank, method)
+    across = replace(groups, method=method)
+    tokens = plan.context_len // plan.cp_size
+    if comm_kind == CommKind.P2P_RING:
+        inner = prepare_ring_meta(across, rank // u, method)
+        return HybridMeta(method, plan, rank, plan.cp_size, u, tokens, inner, inner.block_tokens)
+    if comm_kind == CommKind.ALLGATHER_SHARDED:
+        inner = build_allgather_meta(across, rank // u, method, True).without_pad()
+        return HybridMeta(method, plan, rank, plan.cp_size, u, tokens, inner, inner.doc_tokens)
+    raise ValueError(
+        f"the hybrid op runs comm kinds {CommKind.P2P_RING} and {CommKind.ALLGATHER_SHARDED} "
+        f"across its groups, not {comm_kind!r}"
+    )
 
 
 # ---- forward and backward -------------------------------------------------------------------------
@@ -220,7 +223,7 @@ def hybrid_forward(q, k, v, meta: HybridMeta, heads: UlyssesHeads, groups: Hybri
         if r > 1:
             k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
     q_h, k_h, v_h = (x[:rows] for x in scatter_heads([q, k, v], u, groups.intra, counter, timer))
-    if meta.method == "usp":
+    if isinstance(meta.inner, RingMeta):
         comm = RingComm(groups.cross, q.device, counter) if meta.inner.cp_size > 1 else None
         out_h, lse_h = ring_forward(q_h, k_h, v_h, meta.inner.to(q.device), comm, backend, scale,
                                     timer)  # fmt: skip
@@ -244,7 +247,7 @@ def hybrid_backward(dout, saved, meta: HybridMeta, heads: UlyssesHeads, groups: 
     u, r, rows, t = heads.degree, heads.kv_replication, meta.rows, meta.tokens
     (do_h,) = scatter_heads([dout], u, groups.intra, counter, timer)
     do_h = do_h[:rows].contiguous()
-    if meta.method == "usp":
+    if isinstance(meta.inner, RingMeta):
         comm = RingComm(groups.cross, q_h.device, counter) if meta.inner.cp_size > 1 else None
         dq_h, dk_h, dv_h = ring_backward(do_h, q_h, k_h, v_h, out_h, lse_h,
                                          meta.inner.to(q_h.device), comm, backend, scale, timer,
@@ -311,12 +314,12 @@ def _check_inputs(q, k, v, meta, method, group, grad_comm_dtype) -> UlyssesHeads
 def hybrid_attention(q, k, v, meta: HybridMeta, group=None, *, method: str, softmax_scale=None,
                      backend="auto", counter=None, timer=None, grad_comm_dtype=None):  # fmt: skip
     """Hybrid CP attention of this rank's tokens (document-masked, causal); the public ops
-    (:func:`usp_attn`, :func:`flashcp_ulysses_attn`) name their ``method``.
+    (``flashcp.ops.get_attn_op("usp")``, ...) bind their ``method``.
 
     Args:
         q: (C/N, num_heads, head_dim); k, v: (C/N, num_kv_heads, head_dim), laid out as the plan
             gives this rank (:func:`flashcp.ops.sharding.shard_tensor`). Any float dtype.
-        meta: from ``prepare_<method>(plan, rank)``.
+        meta: from :func:`prepare_hybrid` for ``method``.
         group: the N CP ranks (None: the default group; or an in-process
             :class:`~flashcp.ops.collectives.LocalGroup`), or their :func:`hybrid_groups`; for a
             plain group they are made on the first call with its degree (a collective of every
@@ -345,21 +348,3 @@ def hybrid_attention(q, k, v, meta: HybridMeta, group=None, *, method: str, soft
     return HybridAttnFunction.apply(
         q, k, v, meta, heads, groups, be, scale, counter, as_timer(timer), grad_comm_dtype
     )
-
-
-def usp_attn(q, k, v, meta: HybridMeta, group=None, *, softmax_scale=None, backend="auto",
-             counter=None, timer=None, grad_comm_dtype=None):  # fmt: skip
-    """USP attention (Ulysses x zigzag ring): :func:`hybrid_attention` with ``method="usp"``
-    (arguments, shapes and errors there); ``meta`` from :func:`prepare_usp`."""
-    return hybrid_attention(q, k, v, meta, group, method="usp", softmax_scale=softmax_scale,
-                            backend=backend, counter=counter, timer=timer,
-                            grad_comm_dtype=grad_comm_dtype)  # fmt: skip
-
-
-def flashcp_ulysses_attn(q, k, v, meta: HybridMeta, group=None, *, softmax_scale=None,
-                         backend="auto", counter=None, timer=None, grad_comm_dtype=None):  # fmt: skip
-    """FlashCP x Ulysses attention: :func:`hybrid_attention` with ``method="flashcp_ulysses"``
-    (arguments, shapes and errors there); ``meta`` from :func:`prepare_flashcp_ulysses`."""
-    return hybrid_attention(q, k, v, meta, group, method="flashcp_ulysses",
-                            softmax_scale=softmax_scale, backend=backend, counter=counter,
-                            timer=timer, grad_comm_dtype=grad_comm_dtype)  # fmt: skip

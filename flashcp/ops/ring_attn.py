@@ -1,4 +1,5 @@
-"""Ring attention runtime over document-masked varlen blocks, shared by ``ring`` and ``zigzag``.
+"""Ring attention runtime over document-masked varlen blocks: the ring op family (``ring``,
+``zigzag`` and any method whose spec names it; :mod:`flashcp.ops.families`).
 
 Algorithm (Ring Attention, Liu et al. 2023; the varlen/zigzag scheduling of the ``ring-flash-attn``
 package, re-derived here for arbitrary shard layouts). Which kernel calls each ring step makes
@@ -255,9 +256,10 @@ def ring_attention(
     Args:
         q: (T_local, num_heads, head_dim); k, v: (T_local, num_kv_heads, head_dim); laid out as
             the plan says (``flashcp.ops.sharding.shard_tensor``). Any float dtype.
-        meta: from ``prepare_<method>(plan, rank)``.
+        meta: from :func:`~flashcp.ops.ring_meta.prepare_ring_meta` for ``method``
+            (``flashcp.ops.get_attn_op(method)`` binds both).
         group: process group of the N CP ranks (None: the default group).
-        method: ``ring`` or ``zigzag`` (must match the metadata).
+        method: the plan's method, e.g. ``ring`` or ``zigzag`` (must match the metadata).
         softmax_scale: default ``1 / sqrt(head_dim)``
             (:func:`~flashcp.ops.backends.resolve_softmax_scale`).
         backend: a name for :func:`flashcp.ops.backends.get_backend` or a backend object.

@@ -88,7 +88,7 @@ class RingMeta:
     """Per-batch metadata of the ring family for one rank (build with :func:`prepare_ring_meta`).
 
     Attributes:
-        method: ``ring`` or ``zigzag`` (checked by the op).
+        method: the plan's method (``ring``, ``zigzag``, ...; checked by the op).
         plan: the plan it was built from (its digest is compared across ranks once).
         rank: this rank r.
         cp_size: N.
@@ -248,9 +248,10 @@ def prepare_ring_meta(plan: Plan, rank: int, method: str) -> RingMeta:
     """Build the ring-family metadata of ``rank`` (pure: no process group, no device).
 
     Args:
-        plan: a ``ring`` or ``zigzag`` plan (any valid plan works; ``method`` must match it).
+        plan: a plan of ``method`` (any valid layout: ``ring``, ``zigzag``, or any method whose
+            spec names the ring op family).
         rank: this rank's index in ``[0, plan.cp_size)``.
-        method: the method the caller implements (``ring`` or ``zigzag``).
+        method: the method the caller runs (``plan.method`` must be it).
     Returns:
         :class:`RingMeta` with the varlen kernel calls of every ring step.
     Raises:

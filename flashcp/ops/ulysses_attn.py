@@ -59,7 +59,7 @@ class UlyssesMeta:
     """Per-batch metadata of one rank (build with :func:`prepare_ulysses`; reuse it per layer).
 
     Attributes:
-        method: ``ulysses``.
+        method: the plan's method (``ulysses``).
         plan: the plan (its digest is checked across ranks before the first collective).
         rank: this rank; cp_size: N (= the Ulysses degree u).
         tokens: T = C / N local rows, pad included.
@@ -93,23 +93,27 @@ class UlyssesMeta:
             self._verified.add(id(group))
 
 
-def prepare_ulysses(plan: Plan, rank: int) -> UlyssesMeta:
+def prepare_ulysses(plan: Plan, rank: int, *, method: str = "ulysses") -> UlyssesMeta:
     """Metadata of ``rank`` for :func:`ulysses_attn` (pure: no process group).
 
+    Args:
+        plan: a plan of ``method``; rank: 0 <= rank < cp_size.
+        method: the method whose plans this runs (the Ulysses op family,
+            :mod:`flashcp.ops.families`).
     Raises:
-        ValueError: ``plan`` is not a ``ulysses`` plan (or not a :class:`~flashcp.plan.Plan`),
+        ValueError: ``plan`` is not a plan of ``method`` (or not a :class:`~flashcp.plan.Plan`),
             ``rank`` is out of range.
     """
     if not isinstance(plan, Plan):
-        raise ValueError(f"prepare_ulysses needs a Plan, got {type(plan).__name__}")
-    if plan.method != "ulysses":
-        raise ValueError(f"prepare_ulysses needs a 'ulysses' plan, got one for {plan.method!r}")
+        raise ValueError(f"prepare_{method} needs a Plan, got {type(plan).__name__}")
+    if plan.method != method:
+        raise ValueError(f"prepare_{method} needs a {method!r} plan, got one for {plan.method!r}")
     n = plan.cp_size
     if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < n:
         raise ValueError(f"rank must be an integer in [0, {n}), got {rank!r}")
     lens = plan.doc_lens[plan.doc_lens > 0]
     return UlyssesMeta(
-        method="ulysses",
+        method=method,
         plan=plan,
         rank=int(rank),
         cp_size=n,
@@ -264,11 +268,11 @@ class UlyssesAttnFunction(torch.autograd.Function):
 # ---- checks and the public entry point ------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, meta, group, grad_comm_dtype) -> UlyssesHeads:
+def _check_inputs(q, k, v, meta, method, group, grad_comm_dtype) -> UlyssesHeads:
     """Raise ValueError on inconsistent inputs, before any communication; the head split."""
-    if not isinstance(meta, UlyssesMeta):
+    if not isinstance(meta, UlyssesMeta) or meta.method != method:
         raise ValueError(
-            f"ulysses_attn needs the metadata of prepare_ulysses(plan, rank), got "
+            f"{method}_attn needs the metadata of prepare_{method}(plan, rank), got "
             f"{type(meta).__name__}"
         )
     check_qkv(q, k, v, tokens=meta.tokens, rank=meta.rank, cp_size=meta.cp_size, group=group)
@@ -289,6 +293,7 @@ def ulysses_attn(
     counter=None,
     timer=None,
     grad_comm_dtype: torch.dtype | str | None = None,
+    method: str = "ulysses",
 ) -> torch.Tensor:
     """Ulysses context-parallel attention of this rank's tokens (document-masked, causal).
 
@@ -302,6 +307,7 @@ def ulysses_attn(
             ``alltoall``, ``attn_fwd``, ``attn_bwd``, ``others``).
         grad_comm_dtype: dtype of the gradients of replicated KV heads (num_kv_heads < N) on the
             way back, which are partial sums (default float32, float64 for float64 inputs).
+        method: the method ``meta`` was prepared for (:func:`prepare_ulysses`).
     Returns:
         out: (C/N, num_heads, head_dim) in q.dtype, differentiable w.r.t. q, k and v; pad rows 0.
     Raises:
@@ -309,7 +315,7 @@ def ulysses_attn(
             degrees), a bad ``softmax_scale`` (all before any communication), or ranks holding
             different plans.
     """
-    heads = _check_inputs(q, k, v, meta, group, grad_comm_dtype)
+    heads = _check_inputs(q, k, v, meta, method, group, grad_comm_dtype)
     scale = resolve_softmax_scale(softmax_scale, q.shape[2])
     be = backend if isinstance(backend, VarlenBackend) else get_backend(backend, q.device)
     if meta.cp_size > 1:

@@ -77,7 +77,6 @@ ring methods of :class:`PlanCost` work on any leading axes (a stack of plans is 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -169,9 +168,7 @@ class PlanCost:
         self.u = plan.ulysses_degree if comm_kind != "alltoall" else 1
         self.inner: PlanCost | None = None
         if self.u > 1:
-            across = plan.group_plan()
-            inner = "zigzag" if comm_kind == "p2p_ring" else "flashcp"
-            self.inner = PlanCost(dataclasses.replace(across, method=inner), hw, comm_kind, impl)
+            self.inner = PlanCost(plan.group_plan(), hw, comm_kind, impl)
             return
         if comm_kind == "p2p_ring":
             self.ops = impl_ops(impl, plan.method)

@@ -102,10 +102,10 @@ _OPS = MappingProxyType(
     {
         ("ring_flash_attn", "ring"): ImplOps(2, "merge_bytes_scripted", 0, 3, 0, False, True),
         ("ring_flash_attn", "zigzag"): ImplOps(2, "merge_bytes_scripted", 2, 3, 2, True, False),
-        ("ours", "ring"): ImplOps(12, "merge_bytes_eager", 2, 3, 0, False, False),
-        ("ours", "zigzag"): ImplOps(12, "merge_bytes_eager", 2, 3, 0, False, False),
     }
 )
+#: the project's ring op family (:mod:`flashcp.ops.ring_attn`): the same code for every layout
+_OURS_RING = ImplOps(12, "merge_bytes_eager", 2, 3, 0, False, False)
 
 
 def check_impl(method: str, impl: str) -> None:
@@ -130,7 +130,7 @@ def impl_ops(impl: str, method: str) -> ImplOps:
         raise ValueError(f"ring-flash-attn has no ring implementation of method {method!r}")
     check_impl(method, impl)
     if impl == "ours":  # the project's ring op runs any layout as a ring
-        return _OPS[("ours", "zigzag")]
+        return _OURS_RING
     return _OPS[(impl, method)]
 
 

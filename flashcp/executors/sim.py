@@ -2,12 +2,12 @@
 (:mod:`flashcp.sim`; docs/design.md §4).
 
 Plans are made once per (sequence, method, impl, cp_size, options) (:attr:`RunSpec.plan_key`) and
-their shape- and mode-independent statistics once per (plan, hardware tile shape)
-(:class:`flashcp.sim.PlanCost`); every run sharing the plan (another model, another hardware
-profile) and every mode is then priced from them. A worker process takes a chunk of
-:data:`CHUNK` sequences, plans them, and prices each (run, mode) of the chunk at once with
-:func:`flashcp.sim.cost_model.step_many` (numpy operations over the chunk's plans; equal to
-:func:`flashcp.sim.simulate` per plan, tested to 1e-12). Rows are built as columns.
+their shape- and mode-independent statistics once per (chunk of plans, hardware tile shape)
+(:class:`flashcp.sim.cost_model.PlanBatch`); every run sharing the plans (another model, another
+hardware profile) and every mode is then priced from them. A worker process takes a chunk of
+:data:`CHUNK` sequences, plans them, and prices each run of the chunk, all its modes, in one call
+of :func:`flashcp.sim.cost_model.price_plans` (numpy operations over the chunk's plans and ranks;
+equal to :func:`flashcp.sim.simulate` per plan, tested to 1e-12). Rows are built as columns.
 """
 
 from __future__ import annotations
@@ -85,11 +85,21 @@ def _run_rows(
     return pd.DataFrame(cols)
 
 
-def _price(costs: list[Any], run: RunSpec, mode: str) -> dict[str, np.ndarray]:
-    """:func:`flashcp.sim.cost_model.step_many`; raises what the first failing plan raises."""
-    from flashcp.sim.cost_model import step_many
+def _price(batch: Any, run: RunSpec) -> dict[str, dict[str, np.ndarray]]:
+    """Price every plan of ``batch`` (a :class:`flashcp.sim.cost_model.PlanBatch`) for the run's
+    shape, hardware profile and each of its modes in one call of
+    :func:`flashcp.sim.cost_model.price_plans`; raises what the first failing plan raises.
 
-    return step_many(costs, run.shape, mode)
+    Returns:
+        per mode, (S,) arrays per phase and communication column.
+    """
+    from flashcp.registry import COMM_KIND
+    from flashcp.sim.cost_model import price_plans
+
+    out = price_plans(
+        batch, [run.shape], run.modes, [run.hardware], COMM_KIND[run.method], run.impl
+    )
+    return {mode: {c: v[0, 0, m] for c, v in out.items()} for m, mode in enumerate(run.modes)}
 
 
 def price_sequences(
@@ -107,8 +117,7 @@ def price_sequences(
         pricing (process time: not inflated when other processes share the cores). ``plan_ms``
         in a row is the planner's wall time.
     """
-    from flashcp.registry import COMM_KIND
-    from flashcp.sim import PlanCost
+    from flashcp.sim.cost_model import PlanBatch
     from flashcp.sim.impl import impl_plan
 
     groups: dict[tuple, list[int]] = {}
@@ -124,7 +133,6 @@ def price_sequences(
     }
     for members in groups.values():
         spec = runs[members[0]]
-        comm_kind = COMM_KIND[spec.method]
         plans, metrics, ok = [], [], []
         c0 = time.process_time()
         for k, d in enumerate(seqs):
@@ -154,21 +162,13 @@ def price_sequences(
         if ok:
             per_seq = {k: v[ok] for k, v in base.items()}
             per_seq.update({k: np.array(v) for k, v in pd.DataFrame(metrics).items()})
-            costs: dict[int, list[Any]] = {}  # per hardware profile object: one PlanCost a plan
+            batch = PlanBatch(plans)  # shared by the runs of this plan key
             for j in members:
                 run = runs[j]
-                hw_costs = costs.get(id(run.hardware))
-                if hw_costs is None:
-                    prev = next(iter(costs.values()), None)
-                    hw_costs = costs[id(run.hardware)] = (
-                        [PlanCost(p, run.hardware, comm_kind, run.impl) for p in plans]
-                        if prev is None
-                        else [c.with_hardware(run.hardware) for c in prev]
-                    )
                 try:
-                    steps = {mode: _price(hw_costs, run, mode) for mode in run.modes}
+                    steps = _price(batch, run)
                 except Exception:  # find the plans the cost model rejects: price one at a time
-                    parts[j].extend(_price_one_by_one(run, hw_costs, per_seq, errors[j]))
+                    parts[j].extend(_price_one_by_one(run, plans, per_seq, errors[j]))
                     continue
                 parts[j].append(_run_rows(run, per_seq, steps))
         price_s += time.process_time() - c1
@@ -183,14 +183,16 @@ def price_sequences(
 
 
 def _price_one_by_one(
-    run: RunSpec, costs: list[Any], per_seq: dict[str, np.ndarray], errors: list[dict[str, Any]]
+    run: RunSpec, plans: list[Any], per_seq: dict[str, np.ndarray], errors: list[dict[str, Any]]
 ) -> list[pd.DataFrame]:
     """Price each plan alone; a plan the cost model rejects becomes error rows in ``errors``."""
+    from flashcp.sim.cost_model import PlanBatch
+
     out = []
-    for k, cost in enumerate(costs):
+    for k, plan in enumerate(plans):
         one = {c: v[k : k + 1] for c, v in per_seq.items()}
         try:
-            steps = {mode: _price([cost], run, mode) for mode in run.modes}
+            steps = _price(PlanBatch([plan]), run)
         except Exception as exc:
             log.warning("sequence %d failed (%s): %s", one["seq_idx"][0], run.method, exc)
             errors.extend(

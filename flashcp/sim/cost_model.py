@@ -1040,8 +1040,16 @@ class PlanBatch:
     demand (:meth:`allgather`, :meth:`ring`, :meth:`alltoall`), all plans at once."""
 
     def __init__(self, plans: Sequence[Plan]) -> None:
+        if not plans:
+            raise ValueError("PlanBatch needs at least one plan")
         s, n = len(plans), plans[0].cp_size
+        if any(p.cp_size != n for p in plans):
+            raise ValueError(
+                f"PlanBatch holds plans of one cp_size; got {sorted({p.cp_size for p in plans})}"
+            )
+        self.plans = list(plans)
         self.s, self.n = s, n
+        self._inner: PlanBatch | None = None
         counts = np.fromiter((p.rank.size for p in plans), np.int64, s)
         self.ndocs = np.fromiter((p.doc_lens.size for p in plans), np.int64, s)
         cat = np.concatenate
@@ -1290,7 +1298,8 @@ def price_plans(
 
     Args:
         plans: S valid plans (any methods and cp_sizes; for ``impl="ring_flash_attn"`` the plans of
-            :func:`flashcp.sim.impl.impl_plan`).
+            :func:`flashcp.sim.impl.impl_plan`), or a :class:`PlanBatch` of them (its statistics
+            are kept in it for the next call: price the runs of one set of plans from one batch).
         shapes: K attention shapes (heads, KV heads, head_dim, dtype).
         modes: M modes, ``train`` / ``infer``.
         hardware: one profile (a :class:`HardwareProfile`, name or mapping for
@@ -1306,6 +1315,8 @@ def price_plans(
     """
     for m in modes:
         check_mode(m)
+    batch = plans if isinstance(plans, PlanBatch) else None
+    plans = batch.plans if batch is not None else plans
     hws = _as_profiles(hardware)
     dims = (len(hws), len(shapes), len(modes), len(plans))
     out = {c: np.zeros(dims) for c in PHASE_COLUMNS}
@@ -1330,14 +1341,18 @@ def price_plans(
                             for col in out:
                                 out[col][a, b, m, k] = row[col]
             continue
-        part = _price_group(members, kind, impl, method, u, hws, shapes, modes)
+        whole = batch if batch is not None and len(idx) == len(plans) else None
+        part = _price_group(members, kind, impl, method, u, hws, shapes, modes, whole)
         for col in out:
             out[col][..., idx] = part[col]
     return out
 
 
-def _price_group(plans, kind, impl, method, u, hws, shapes, modes) -> dict[str, np.ndarray]:
-    """:func:`price_plans` of plans sharing (comm_kind, method, cp_size, Ulysses degree u)."""
+def _price_group(
+    plans, kind, impl, method, u, hws, shapes, modes, batch=None
+) -> dict[str, np.ndarray]:
+    """:func:`price_plans` of plans sharing (comm_kind, method, cp_size, Ulysses degree u), from
+    ``batch`` (a :class:`PlanBatch` of exactly these plans, statistics kept) when given."""
     from flashcp.head_parallel import ulysses_heads
 
     n = plans[0].cp_size
@@ -1350,8 +1365,15 @@ def _price_group(plans, kind, impl, method, u, hws, shapes, modes) -> dict[str, 
         )
     if u > 1:  # the inner method's cost on the group plans, for H/u heads (PlanCost._step_hybrid)
         inner_method = "zigzag" if kind == "p2p_ring" else "flashcp"
-        batch = PlanBatch([dataclasses.replace(p.group_plan(), method=inner_method) for p in plans])
-    else:
+        outer = batch
+        batch = outer._inner if outer is not None else None
+        if batch is None:
+            batch = PlanBatch(
+                [dataclasses.replace(p.group_plan(), method=inner_method) for p in plans]
+            )
+            if outer is not None:
+                outer._inner = batch
+    elif batch is None:
         batch = PlanBatch(plans)
     dims = (len(hws), len(shapes), len(modes), len(plans))
     out = {c: np.zeros(dims) for c in PHASE_COLUMNS}

@@ -203,10 +203,13 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
     return typed(out)
 
 
-def aggregate(exp_dir: str | Path, rows_paths: list[Path] | None = None) -> pd.DataFrame | None:
+def aggregate(
+    exp_dir: str | Path, rows_paths: list[Path] | None = None, write_rows: bool = True
+) -> pd.DataFrame | None:
     """Merge ``rows_paths`` (default: every run's rows under ``exp_dir/runs/``) into
-    ``exp_dir/rows.parquet`` and ``exp_dir/summary.csv``; return the summary (None when there
-    are no rows).
+    ``exp_dir/rows.parquet`` (unless ``write_rows`` is false: then a merged file left by an earlier
+    merge is removed, as it would not match the summary) and ``exp_dir/summary.csv``; return the
+    summary (None when there are no rows).
 
     Raises:
         ValueError: as :func:`merge_rows`.
@@ -216,7 +219,10 @@ def aggregate(exp_dir: str | Path, rows_paths: list[Path] | None = None) -> pd.D
     rows = merge_rows(exp_dir, rows_paths)
     if rows is None:
         return None
-    write_rows_atomic(rows, exp_dir / ROWS_FILE)
+    if write_rows:
+        write_rows_atomic(rows, exp_dir / ROWS_FILE)
+    else:
+        (exp_dir / ROWS_FILE).unlink(missing_ok=True)
     summary = summarise(rows)
     write_csv_atomic(summary, exp_dir / "summary.csv")
     log.info(

@@ -1145,28 +1145,32 @@ class PlanBatch:
         q_rows[:, 0] = kv_rows[:, 0] = self.q_rows
         if n > 1:
             # first and last piece start of every (document, rank)
-            dr = self.gdoc * n + rank
+            i32 = np.int32 if n * n * int(nd.sum()) < 2**31 else np.int64
+            dr = (self.gdoc * n + rank).astype(i32)
             size_dr = int(nd.sum()) * n
             min_start = np.full(size_dr, np.iinfo(np.int64).max)
             max_start = np.full(size_dr, -1, dtype=np.int64)
             np.minimum.at(min_start, dr, start)
             np.maximum.at(max_start, dr, start)
-            t = np.arange(1, n)[None, :]
-            src = rank[:, None] - t
-            src += n * (src < 0)
-            dst = rank[:, None] + t
-            dst -= n * (dst >= n)
-            gd = (self.gdoc * n)[:, None]
-            q_vis = min_start[gd + src] < start[:, None]
-            k_vis = max_start[gd + dst] > start[:, None]
-            # rectangle [plan, t, r, doc]: plan p's block holds N * N * nd[p] entries
-            ndp = nd[pid][:, None]
-            base = _excl_cumsum(n * n * nd)[pid][:, None] + doc[:, None]
-            size = int(n * n * nd.sum())
-            q_key = (base + (t * n + rank[:, None]) * ndp)[q_vis]
-            k_key = (base + (t * n + dst) * ndp)[k_vis]
+            # step t >= 1: the source rank (r - t) mod N and the rank (r + t) mod N that sees r
+            r_t = np.arange(n, dtype=i32)[:, None] + np.arange(1, n, dtype=i32)[None, :]
+            src_of = (r_t - 2 * np.arange(1, n, dtype=i32)[None, :]) % n  # (N, N-1) [r, t-1]
+            dst_of = r_t % n
+            rank32 = rank.astype(i32)
+            gd = (dr - rank32)[:, None]  # gdoc * N
+            st = start[:, None]
+            q_vis = min_start[gd + src_of[rank32]] < st
+            k_vis = max_start[gd + dst_of[rank32]] > st
+            # rectangle [plan, t, r, doc]: plan p's block holds N * N * nd[p] entries, at key
+            # base + (t * N + r) * nd[p] + doc
+            ndp = nd[pid].astype(i32)
+            base = (_excl_cumsum(n * n * nd)[pid] + doc).astype(i32)
+            tn = np.arange(1, n, dtype=i32) * n
+            q_key = ((base + rank32 * ndp)[:, None] + (ndp[:, None] * tn[None, :]))[q_vis]
+            k_key = (base[:, None] + (tn[None, :] + dst_of[rank32]) * ndp[:, None])[k_vis]
             lq = np.broadcast_to(length[:, None], q_vis.shape)[q_vis]
             lk = np.broadcast_to(length[:, None], k_vis.shape)[k_vis]
+            size = int(n * n * nd.sum())
             if 4 * (q_key.size + k_key.size) >= size:  # dense: most rectangles hold work
                 qs = np.bincount(q_key, weights=lq, minlength=size)
                 ks = np.bincount(k_key, weights=lk, minlength=size)
@@ -1176,18 +1180,26 @@ class PlanBatch:
                 keys, inv = np.unique(np.concatenate([q_key, k_key]), return_inverse=True)
                 qs = np.bincount(inv[: q_key.size], weights=lq, minlength=keys.size)
                 ks = np.bincount(inv[q_key.size :], weights=lk, minlength=keys.size)
-            # the (plan, t, r) of each rectangle, sorted
-            seg = np.repeat(np.arange(s * n * n), np.repeat(nd, n * n))[keys]
+            # the (plan, t, r) of each rectangle, sorted; sums and maxima over its documents
+            seg = np.repeat(np.arange(s * n * n, dtype=i32), np.repeat(nd, n * n))[keys]
             fq, fk = np.ceil(qs / hw.fwd_block_q), np.ceil(ks / hw.fwd_block_k)
             bq, bk = np.ceil(qs / hw.bwd_block_q), np.ceil(ks / hw.bwd_block_k)
-            fs = _stats(seg, s * n * n, fq, fq * fk, fk)
-            bs = _stats(seg, s * n * n, bk, bq * bk, bq)
-            rows = _stats(seg, s * n * n, qs, ks, ks)
-            for k in range(3):
-                fwd[k][:, 1:] = fs[k].reshape(s, n, n)[:, 1:]
-                bwd[k][:, 1:] = bs[k].reshape(s, n, n)[:, 1:]
-            q_rows[:, 1:] = rows[0].reshape(s, n, n)[:, 1:]
-            kv_rows[:, 1:] = rows[1].reshape(s, n, n)[:, 1:]
+            m = s * n * n
+            if seg.size:
+                head = np.flatnonzero(np.concatenate([[True], seg[1:] != seg[:-1]]))
+                at = seg[head]
+            else:
+                head = at = np.zeros(0, dtype=np.int64)
+            cols = (
+                (fwd[0], fq, np.add), (fwd[1], fq * fk, np.add), (fwd[2], fk, np.maximum),
+                (bwd[0], bk, np.add), (bwd[1], bq * bk, np.add), (bwd[2], bq, np.maximum),
+                (q_rows, qs, np.add), (kv_rows, ks, np.add),
+            )  # fmt: skip
+            for dense, values, red in cols:
+                flat = np.zeros(m)
+                if head.size:
+                    flat[at] = red.reduceat(values, head)
+                dense[:, 1:] = flat.reshape(s, n, n)[:, 1:]
         return TileStats(*fwd), TileStats(*bwd), q_rows, kv_rows
 
     # ---- pricing -----------------------------------------------------------------------------

@@ -68,10 +68,13 @@ the all-gather with other layers' work, and stream-ordering stalls beyond the tw
 
 Speed: a plan's tile counts, segment lists and copy counts do not depend on heads, head_dim,
 dtype or mode; :func:`simulate_many` computes them once and then prices each (shape, mode) with a
-few numpy operations on (N,) or (N, N) arrays. :func:`step_many` prices many plans at once: the
-ring methods of :class:`PlanCost` work on any leading axes (a stack of plans is (S, N, N)), and
-:func:`_step_allgather_batch` prices the all-gather family (ours) on (S, N) arrays
-(:meth:`PlanCost._step_allgather` calls it with one plan).
+few numpy operations on (N,) or (N, N) arrays. :func:`price_plans` prices many plans x hardware
+profiles x shapes x modes in one call: a :class:`PlanBatch` concatenates the plans' shard arrays
+and builds every plan's statistics at once (per tile shape), communication volumes and collective
+times are computed over arrays of plans, and the step formulas run on (S, N) (all-gather family,
+:func:`_allgather_phases`) or (S, N, N) arrays (ring family: :class:`PlanCost`'s ring methods work
+on any leading axes). The per-plan path (:class:`PlanCost`, :func:`simulate`) is the reference it
+is tested against (1e-12); :func:`step_many` prices a list of built :class:`PlanCost` objects.
 """
 
 from __future__ import annotations
@@ -92,7 +95,10 @@ from flashcp.sim.hardware import HardwareProfile, load_hardware
 from flashcp.sim.impl import AG_GROUP_BUDGET_BYTES, RFA_HEADS_K_STRIDE, check_impl, impl_ops
 from flashcp.sim.kernel import TileStats, bwd_extra_us, bwd_tile_counts, fwd_tile_counts, kernel_us
 
-__all__ = ["COMM_KINDS", "PlanCost", "overlap_us", "simulate", "simulate_many", "step_many"]
+__all__ = [
+    "COMM_KINDS", "PlanBatch", "PlanCost", "overlap_us", "price_plans", "simulate", "simulate_many",
+    "step_many",
+]  # fmt: skip
 
 COMM_KINDS = ("allgather_full", "allgather_sharded", "p2p_ring", "alltoall")
 
@@ -1034,10 +1040,25 @@ def _p2p_us_v(hw: HardwareProfile, nbytes):
 
 
 class PlanBatch:
-    """S plans of one cp_size N as flat arrays: every plan's shards concatenated (``pid``: the
-    plan of each shard), documents concatenated (``doc_off``: each plan's first), and the per-plan
-    token counts the communication volumes need. Tile statistics are built per tile shape on
-    demand (:meth:`allgather`, :meth:`ring`, :meth:`alltoall`), all plans at once."""
+    """S plans of one cp_size N as flat arrays, for :func:`price_plans`.
+
+    Attributes:
+        plans: the S plans, in order.
+        rank, doc, start, length: (n_shards_total,) int64, every plan's shards concatenated;
+            ``pid`` the plan of each, ``gdoc`` its document's index in ``doc_lens``.
+        doc_lens: (n_docs_total,) int64, every plan's documents; ``ndocs`` (S,) per plan,
+            ``doc_off`` (S,) the first of each.
+        q_rows, send_rows: (S, N) float64, tokens per rank and its non-last shards' tokens.
+        tokens_full, tokens_sharded: (S,) int64, Eq. 4 and Eq. 5 tokens per plan.
+        context_len: (S,) float64, C of each plan (documents + pad).
+
+    Tile statistics are built per tile shape on demand (:meth:`allgather`, :meth:`ring`,
+    :meth:`alltoall`), all plans at once, and kept: price every run of one set of plans from
+    one batch.
+
+    Raises:
+        ValueError: no plans, or plans of several cp_sizes.
+    """
 
     def __init__(self, plans: Sequence[Plan]) -> None:
         if not plans:

@@ -1187,39 +1187,43 @@ class PlanBatch:
             ndp = nd[pid].astype(i32)
             base = (_excl_cumsum(n * n * nd)[pid] + doc).astype(i32)
             tn = np.arange(1, n, dtype=i32) * n
-            q_key = ((base + rank32 * ndp)[:, None] + (ndp[:, None] * tn[None, :]))[q_vis]
-            k_key = (base[:, None] + (tn[None, :] + dst_of[rank32]) * ndp[:, None])[k_vis]
-            lq = np.broadcast_to(length[:, None], q_vis.shape)[q_vis]
-            lk = np.broadcast_to(length[:, None], k_vis.shape)[k_vis]
+            q_key = (base + rank32 * ndp)[:, None] + (ndp[:, None] * tn[None, :])
+            k_key = base[:, None] + (tn[None, :] + dst_of[rank32]) * ndp[:, None]
             size = int(n * n * nd.sum())
-            if 4 * (q_key.size + k_key.size) >= size:  # dense: most rectangles hold work
-                qs = np.bincount(q_key, weights=lq, minlength=size)
-                ks = np.bincount(k_key, weights=lk, minlength=size)
-                keys = np.flatnonzero(qs)
-                qs, ks = qs[keys], ks[keys]
+            m = s * n * n
+            len_f = length.astype(np.float64)[:, None]
+            if 4 * q_vis.size >= size and (nd > 0).all():
+                # dense: most rectangles hold work; (plan, t, r) is a run of nd[p] documents
+                qs = np.bincount(q_key.ravel(), weights=(len_f * q_vis).ravel(), minlength=size)
+                ks = np.bincount(k_key.ravel(), weights=(len_f * k_vis).ravel(), minlength=size)
+                head = _excl_cumsum(np.repeat(nd, n * n))
+                at = None
             else:
+                q_key, k_key = q_key[q_vis], k_key[k_vis]
+                lq = np.broadcast_to(len_f, q_vis.shape)[q_vis]
+                lk = np.broadcast_to(len_f, k_vis.shape)[k_vis]
                 keys, inv = np.unique(np.concatenate([q_key, k_key]), return_inverse=True)
                 qs = np.bincount(inv[: q_key.size], weights=lq, minlength=keys.size)
                 ks = np.bincount(inv[q_key.size :], weights=lk, minlength=keys.size)
-            # the (plan, t, r) of each rectangle, sorted; sums and maxima over its documents
-            seg = np.repeat(np.arange(s * n * n, dtype=i32), np.repeat(nd, n * n))[keys]
-            fq, fk = np.ceil(qs / hw.fwd_block_q), np.ceil(ks / hw.fwd_block_k)
-            bq, bk = np.ceil(qs / hw.bwd_block_q), np.ceil(ks / hw.bwd_block_k)
-            m = s * n * n
-            if seg.size:
+                # the (plan, t, r) of each rectangle, sorted
+                seg = np.repeat(np.arange(m, dtype=i32), np.repeat(nd, n * n))[keys]
                 head = np.flatnonzero(np.concatenate([[True], seg[1:] != seg[:-1]]))
                 at = seg[head]
-            else:
-                head = at = np.zeros(0, dtype=np.int64)
+            # sums and maxima over each (plan, t, r)'s documents
+            fq, fk = np.ceil(qs / hw.fwd_block_q), np.ceil(ks / hw.fwd_block_k)
+            bq, bk = np.ceil(qs / hw.bwd_block_q), np.ceil(ks / hw.bwd_block_k)
             cols = (
                 (fwd[0], fq, np.add), (fwd[1], fq * fk, np.add), (fwd[2], fk, np.maximum),
                 (bwd[0], bk, np.add), (bwd[1], bq * bk, np.add), (bwd[2], bq, np.maximum),
                 (q_rows, qs, np.add), (kv_rows, ks, np.add),
             )  # fmt: skip
             for dense, values, red in cols:
-                flat = np.zeros(m)
-                if head.size:
-                    flat[at] = red.reduceat(values, head)
+                if at is None:
+                    flat = red.reduceat(values, head)
+                else:
+                    flat = np.zeros(m)
+                    if head.size:
+                        flat[at] = red.reduceat(values, head)
                 dense[:, 1:] = flat.reshape(s, n, n)[:, 1:]
         return TileStats(*fwd), TileStats(*bwd), q_rows, kv_rows
 

@@ -74,6 +74,34 @@ def run_rows_paths(exp_dir: str | Path) -> list[Path]:
     return out
 
 
+def _read_slim(path: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The columns :func:`summarise` reads from every row of a rows file (``run_id``, ``mode``,
+    ``status``, ``seq_idx``, phases, plan metrics, bytes), and the identity columns once per run
+    (the first row of each ``run_id``; text read dictionary-encoded, so a file of millions of rows
+    costs what its measurements cost)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    per_row = {"run_id", "mode", "status", "seq_idx", *PHASE_COLUMNS, *METRICS, *COMM_COLUMNS}
+    if path.suffix != ".parquet":
+        df = read_rows(path)
+        return df[[c for c in df if c in per_row]], df.drop_duplicates("run_id")
+    schema = pq.read_schema(path)
+    names = schema.names
+    rows = read_rows(path, columns=[c for c in names if c in per_row])
+    ident = [c for c in ("run_id", *IDENTITY_COLUMNS) if c in names]
+    text = [c for c in ident if str(schema.field(c).type) in ("string", "large_string")]
+    table = pq.read_table(path, columns=ident, read_dictionary=text)
+    run_ids = pc.dictionary_encode(table.column("run_id")).combine_chunks().indices
+    _, first = np.unique(run_ids.to_numpy(zero_copy_only=False), return_index=True)
+    firsts = table.take(pa.array(np.sort(first)))
+    idents = firsts.to_pandas()
+    for c in text:
+        idents[c] = idents[c].astype("string")
+    return rows, typed(idents, strict=False)
+
+
 def merge_rows(exp_dir: str | Path, rows_paths: list[Path] | None = None) -> pd.DataFrame | None:
     """Concatenate ``rows_paths`` (default: :func:`run_rows_paths`).
 
@@ -83,23 +111,39 @@ def merge_rows(exp_dir: str | Path, rows_paths: list[Path] | None = None) -> pd.
         ValueError: a file lacks the identity columns (written by an older harness: rerun it), or
             two files hold the same (run_id, seq_idx, mode); the message names the files.
     """
+    return _merge(exp_dir, rows_paths, slim=False)[0]
+
+
+def _merge(
+    exp_dir: str | Path, rows_paths: list[Path] | None, slim: bool
+) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
+    """:func:`merge_rows`; with ``slim``, only what :func:`summarise` needs of every row
+    (:func:`_read_slim`) and the identity columns once per run (one row per ``run_id``, the
+    second value; None without ``slim``)."""
     paths = run_rows_paths(exp_dir) if rows_paths is None else list(rows_paths)
     paths = [Path(p) for p in dict.fromkeys(paths) if Path(p).exists()]
     if not paths:
         log.warning("no finished runs under %s", exp_dir)
-        return None
-    parts = []
+        return None, None
+    parts, ident_parts = [], []
     for k, p in enumerate(paths):
-        df = read_rows(p)
-        missing = [c for c in ("run_id", *IDENTITY_COLUMNS) if c not in df]
+        df, idents = _read_slim(p) if slim else (read_rows(p), None)
+        missing = [
+            c for c in ("run_id", *IDENTITY_COLUMNS) if c not in (df if idents is None else idents)
+        ]
         if missing:
             raise ValueError(
                 f"{p} has no {', '.join(missing[:3])} columns (an older harness wrote it); rerun it"
             )
         parts.append(df.assign(_source=np.int32(k)))
+        if idents is not None:
+            ident_parts.append(idents)
     rows = pd.concat(parts, ignore_index=True)
     key = ["run_id", "seq_idx", "mode"]
     dup = rows[rows["seq_idx"].notna() & rows.duplicated(key, keep=False)]
+    if len(dup) and ident_parts:
+        named = pd.concat(ident_parts).drop_duplicates("run_id")
+        dup = dup.merge(named[["run_id", "method", "dataset", "cp_size"]], on="run_id")
     if len(dup):
         files = sorted({str(paths[k]) for k in dup["_source"]})
         raise ValueError(
@@ -107,7 +151,10 @@ def merge_rows(exp_dir: str | Path, rows_paths: list[Path] | None = None) -> pd.
             f"cp_size {dup['cp_size'].iloc[0]}) is in several files: {', '.join(files)}; "
             "remove all but one"
         )
-    return typed(rows.drop(columns="_source"))
+    rows = typed(rows.drop(columns="_source"))
+    if not ident_parts:
+        return rows, None
+    return rows, pd.concat(ident_parts, ignore_index=True).drop_duplicates("run_id")
 
 
 def _t95(n) -> np.ndarray:
@@ -133,15 +180,16 @@ def _ratio_halfwidth(per_seq: pd.DataFrame, keys: list[str]) -> pd.Series:
     return _t95(st["n"]) * st["s"] / (st["x_mean"] * np.sqrt(st["n"]))
 
 
-def summarise(rows: pd.DataFrame) -> pd.DataFrame:
+def summarise(rows: pd.DataFrame, idents: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per (run identity, mode) statistics of ``rows`` (see the module docstring).
 
     Rows are grouped by (``run_id``, ``mode``); ``run_id`` is the hash of the identity columns,
     which are then attached once per run (grouping millions of rows by ~25 text columns is what
-    made the merge slow).
+    made the merge slow), from ``idents`` (one row per ``run_id``) when given, else from ``rows``.
     """
-    ident_cols = [k for k in RUN_KEYS if k in rows and k not in ("run_id", "mode")]
-    idents = rows.drop_duplicates("run_id")[["run_id", *ident_cols]]
+    source = rows if idents is None else idents  # identity columns once per run (slim merge)
+    ident_cols = [k for k in RUN_KEYS if k in source and k not in ("run_id", "mode")]
+    idents = source.drop_duplicates("run_id")[["run_id", *ident_cols]]
     gkeys = ["run_id", "mode"]
     ok = rows[rows["status"] == "ok"]
     g = ok.groupby(gkeys, dropna=False, sort=True)
@@ -182,7 +230,10 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
     out["speedup_vs_llama3"] = out["llama3_total_ms_mean"] / out["total_ms_mean"]
     # geometric mean of per-sequence speedups
     seq = ok[["run_id", "mode", "seq_idx", "total_ms"]].assign(
-        _peer=ok["run_id"].map(peer_of).to_numpy(), _llama3=(ok["method"] == "llama3").to_numpy()
+        _peer=ok["run_id"].map(peer_of).to_numpy(),
+        _llama3=ok["run_id"]
+        .map(idents.set_index("run_id")["method"] == "llama3")
+        .to_numpy(dtype=bool),
     )
     ref = seq.loc[seq["_llama3"], ["_peer", "mode", "seq_idx", "total_ms"]]
     ref = ref.rename(columns={"total_ms": "_ref"})
@@ -203,21 +254,27 @@ def summarise(rows: pd.DataFrame) -> pd.DataFrame:
     return typed(out)
 
 
-def aggregate(exp_dir: str | Path, rows_paths: list[Path] | None = None) -> pd.DataFrame | None:
+def aggregate(
+    exp_dir: str | Path, rows_paths: list[Path] | None = None, write_rows: bool = True
+) -> pd.DataFrame | None:
     """Merge ``rows_paths`` (default: every run's rows under ``exp_dir/runs/``) into
-    ``exp_dir/rows.parquet`` and ``exp_dir/summary.csv``; return the summary (None when there
-    are no rows).
+    ``exp_dir/rows.parquet`` (unless ``write_rows`` is false: then a merged file left by an earlier
+    merge is removed, as it would not match the summary) and ``exp_dir/summary.csv``; return the
+    summary (None when there are no rows).
 
     Raises:
         ValueError: as :func:`merge_rows`.
     """
     t0 = time.perf_counter()
     exp_dir = Path(exp_dir)
-    rows = merge_rows(exp_dir, rows_paths)
+    rows, idents = _merge(exp_dir, rows_paths, slim=not write_rows)
     if rows is None:
         return None
-    write_rows_atomic(rows, exp_dir / ROWS_FILE)
-    summary = summarise(rows)
+    if write_rows:
+        write_rows_atomic(rows, exp_dir / ROWS_FILE)
+    else:
+        (exp_dir / ROWS_FILE).unlink(missing_ok=True)
+    summary = summarise(rows, idents)
     write_csv_atomic(summary, exp_dir / "summary.csv")
     log.info(
         "%d rows, %d summary rows -> %s in %.1f s (merge)",

@@ -499,7 +499,7 @@ def finish_rows(
 
 def _resolved_hash(cfg: DictConfig) -> str:
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    for cosmetic in ("progress", "workers", "plots"):  # do not change results
+    for cosmetic in ("progress", "workers", "plots", "merged_rows"):  # do not change results
         resolved.pop(cosmetic, None)
     return config_hash(resolved)
 

@@ -248,6 +248,9 @@ class RunConfig:
     progress: bool = True
     #: figures to draw after a sweep: fig5 | fig6 | fig7
     plots: list[str] = field(default_factory=list)
+    #: write the merged per-sequence rows (``<folder>/rows.parquet``) when a sweep ends; false
+    #: (a paper-scale sweep) writes only summary.csv, each run's rows staying in runs/
+    merged_rows: bool = True
     #: executor=sim: runs of this job that share its sequences and plans (see GridConfig)
     grid: GridConfig = field(default_factory=GridConfig)
 

@@ -101,6 +101,23 @@ def test_swept_options_and_sizes_are_not_averaged(tmp_path):
     assert fl.loc[2, "speedup_vs_llama3"] > 0 and pd.isna(fl.loc[3, "speedup_vs_llama3"])
 
 
+def test_merge_without_merged_rows(tmp_path):
+    """merged_rows=false (the paper-scale fig5_100k): summary.csv only, a stale merged file gone,
+    the same summary as a merge that writes the rows."""
+    run(_small(tmp_path, "method=llama3"))
+    full = aggregate(tmp_path / "t")
+    assert (tmp_path / "t" / "rows.parquet").exists()
+    slim = aggregate(tmp_path / "t", write_rows=False)
+    assert not (tmp_path / "t" / "rows.parquet").exists()
+    pd.testing.assert_frame_equal(full, slim)
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=fig5_100k"])
+    assert cfg.name == "fig5_100k" and cfg.num_sequences == 100_000
+    assert cfg.merged_rows is False and list(cfg.plots) == ["fig5"]
+    assert list(cfg.grid.method) == ["llama3", "per_doc", "ring", "zigzag", "flashcp"]
+
+
 def test_merge_refuses_the_same_run_twice(tmp_path):
     out = run(_small(tmp_path, "method=llama3"))
     copy = out.parent.with_name(out.parent.name + "-copy")

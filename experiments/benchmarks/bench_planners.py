@@ -4,7 +4,10 @@
     python experiments/benchmarks/bench_planners.py --sweep-sequences 100000   # the paper's scale
 
 Prints, per method (and ``flashcp_refined``), the median / p90 planning time per 128K sequence at
-CP 4 and 8 (plans per second = 1000 / median ms) and the simulator's time per (plan, shape, mode).
+CP 4 and 8 (plans per second = 1000 / median ms) and the simulator's time per (plan, shape, mode);
+then the pricing time per plan for both modes and both head counts, the per-plan step model against
+one batched call over all the sampled plans (:func:`flashcp.sim.cost_model.price_plans`; goal
+<= 20 µs per plan).
 Then runs the Fig. 5 sweep exactly as a user does (``flashcp-run -m experiment=fig5
 num_sequences=<n>`` in a subprocess, into a temporary folder: 3 datasets x 5 methods x CP 4/8 x
 16/32 heads x train/infer) and prints its wall time with the breakdown the jobs log: sampling,
@@ -13,7 +16,8 @@ writing, and the end-of-sweep merge; with fewer than 100,000 sequences it also e
 per-sequence parts linearly to the paper's 100,000. The load average before and after is printed:
 on a shared machine every wall time is inflated by the other processes, CPU-seconds the least, so
 it also prints the time on idle cores the CPU-seconds imply (planning + pricing over the workers,
-plus sampling, writing, merge and startup as measured).
+plus sampling, writing, merge and startup as measured), the pricing CPU-µs per plan, and whether
+the goals are met (<= 15 s for the default 1000 sequences, <= 5 minutes at 100,000).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from flashcp.comm import AttnShape
 from flashcp.data import load_distribution, sample_sequences
 from flashcp.registry import get_planner, method_names
 from flashcp.sim import load_hardware, simulate_many
+from flashcp.sim.cost_model import price_plans
 
 DATASETS = ("wlb_llm", "pile", "redpajama")
 #: the methods of the paper's Fig. 5 comparison, simulated in the timed sweep
@@ -42,6 +47,10 @@ METHODS = method_names(paper=True)
 #: goal: <= 2 ms median per 128K sequence at CP 8)
 PLANNERS = method_names(fast=True)
 C = 131072
+#: goals: pricing per plan (both modes, both head counts), the paper-scale and the default Fig. 5
+PRICE_GOAL_US = 20.0
+SWEEP_GOAL_S = 300.0
+DEFAULT_SWEEP_GOAL_S = 15.0
 REPO = Path(__file__).resolve().parents[2]
 #: what a job of ``experiments.run`` logs when it finishes, and what the merge logs
 _JOB = re.compile(
@@ -105,6 +114,7 @@ def main() -> None:
     args = ap.parse_args()
     if not args.sweep_only:
         time_planners(args)
+        time_pricing(args)
     time_fig5(args)
 
 
@@ -142,6 +152,47 @@ def time_planners(args: argparse.Namespace) -> None:
               f"{1e3 / med:>9.0f} {np.median(sim_times):>12.1f}")  # fmt: skip
 
 
+def _goal(value: float, goal: float) -> str:
+    return "met" if value <= goal else "missed"
+
+
+def time_pricing(args: argparse.Namespace) -> None:
+    """Pricing time per plan, both modes x both head counts (the Fig. 5 runs of one plan):
+    the per-plan step model (:func:`flashcp.sim.simulate_many`, one plan at a time) against
+    one batched call over all sampled plans (:func:`flashcp.sim.cost_model.price_plans`), CPU µs
+    (process time: the least inflated by other processes on a shared machine)."""
+    hw = load_hardware("h100_sxm")
+    shapes = [AttnShape(16, 16, 128, "bfloat16"), AttnShape(32, 32, 128, "bfloat16")]
+    modes = ["train", "infer"]
+    print(f"\npricing per plan, 2 modes x 2 head counts ({args.sequences} sequences x "
+          f"{len(DATASETS)} datasets; goal <= {PRICE_GOAL_US:g} us batched)")  # fmt: skip
+    print(f"{'method':<10} {'cp':>3} {'per_plan_us':>12} {'batched_us':>11} {'speedup':>8} goal")
+    seqs = [
+        d
+        for ds in DATASETS
+        for d in sample_sequences(
+            load_distribution(ds, context_len=C), args.sequences, C, seed=args.seed
+        )
+    ]
+    batched_all = []
+    for method, cp in itertools.product(METHODS, (4, 8)):
+        planner = get_planner(method)
+        plans = [planner(d, cp) for d in seqs]
+        t0 = time.process_time()
+        for p in plans:
+            simulate_many(p, shapes, modes, hw)
+        t1 = time.process_time()
+        price_plans(plans, shapes, modes, [hw])
+        t2 = time.process_time()
+        ref, fast = (t1 - t0) * 1e6 / len(plans), (t2 - t1) * 1e6 / len(plans)
+        batched_all.append(fast)
+        print(f"{method:<10} {cp:>3} {ref:>12.1f} {fast:>11.1f} {ref / fast:>7.1f}x "
+              f"{_goal(fast, PRICE_GOAL_US)}")  # fmt: skip
+    mean = float(np.mean(batched_all))
+    print(f"mean batched pricing over the Fig. 5 methods: {mean:.1f} us per plan "
+          f"(goal <= {PRICE_GOAL_US:g}: {_goal(mean, PRICE_GOAL_US)})")  # fmt: skip
+
+
 def time_fig5(args: argparse.Namespace) -> None:
     """Wall time and breakdown of ``flashcp-run -m experiment=fig5`` (module docstring)."""
     n = args.sweep_sequences
@@ -160,13 +211,25 @@ def time_fig5(args: argparse.Namespace) -> None:
     # loaded machine cannot measure directly
     cpu_wall = (t["planning_cpu"] + t["pricing_cpu"]) / args.workers
     serial = t["sampling"] + t["writing"] + t["merge"]
+    idle = cpu_wall + serial + other
     print(f"  on {args.workers} idle cores (planning + pricing CPU-s / workers, plus the rest): "
-          f"{cpu_wall + serial + other:.1f} s")  # fmt: skip
+          f"{idle:.1f} s")  # fmt: skip
+    # every plan is priced for 2 head counts x 2 modes: 4 rows per plan
+    plans = t["rows"] / 4
+    if plans:
+        per_plan = t["pricing_cpu"] * 1e6 / plans
+        print(f"  pricing: {per_plan:.1f} CPU-us per plan (2 modes x 2 head counts; goal <= "
+              f"{PRICE_GOAL_US:g}: {_goal(per_plan, PRICE_GOAL_US)}); planning: "
+              f"{t['planning_cpu'] * 1e3 / plans:.3f} CPU-ms per plan")  # fmt: skip
+    if n == 1000:
+        print(f"  default Fig. 5 (1000 sequences): {t['wall']:.1f} s wall, {idle:.1f} s on idle "
+              f"cores (goal <= {DEFAULT_SWEEP_GOAL_S:g} s: {_goal(idle, DEFAULT_SWEEP_GOAL_S)})")  # fmt: skip
     if n < 100_000:
         scale = 100_000 / n
         est = other + scale * (cpu_wall + serial)
         print(f"  extrapolated to 100,000 sequences per dataset on idle cores: {est / 60:.1f} min "
-              f"(per-sequence parts x{scale:g}, startup as measured)")  # fmt: skip
+              f"(per-sequence parts x{scale:g}, startup as measured; goal <= "
+              f"{SWEEP_GOAL_S / 60:g} min: {_goal(est, SWEEP_GOAL_S)})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -392,7 +392,8 @@ class AggregateResults(ExperimentFolder):
 
         paths = [Path(j["rows"]) for j in jobs if j.get("rows")]
         try:
-            summary = aggregate(self.exp_dir, rows_paths=paths) if paths else None
+            write_rows = bool(config.get("merged_rows", True))
+            summary = aggregate(self.exp_dir, paths, write_rows=write_rows) if paths else None
         except ValueError as exc:
             return [f"error: merge refused: {exc}"]
         if summary is None:

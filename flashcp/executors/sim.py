@@ -2,12 +2,12 @@
 (:mod:`flashcp.sim`; docs/design.md §4).
 
 Plans are made once per (sequence, method, impl, cp_size, options) (:attr:`RunSpec.plan_key`) and
-their shape- and mode-independent statistics once per (plan, hardware tile shape)
-(:class:`flashcp.sim.PlanCost`); every run sharing the plan (another model, another hardware
-profile) and every mode is then priced from them. A worker process takes a chunk of
-:data:`CHUNK` sequences, plans them, and prices each (run, mode) of the chunk at once with
-:func:`flashcp.sim.cost_model.step_many` (numpy operations over the chunk's plans; equal to
-:func:`flashcp.sim.simulate` per plan, tested to 1e-12). Rows are built as columns.
+their shape- and mode-independent statistics once per (chunk of plans, hardware tile shape)
+(:class:`flashcp.sim.cost_model.PlanBatch`); every run sharing the plans (another model, another
+hardware profile) and every mode is then priced from them. A worker process takes a chunk of
+:data:`CHUNK` sequences, plans them, and prices each run of the chunk, all its modes, in one call
+of :func:`flashcp.sim.cost_model.price_plans` (numpy operations over the chunk's plans and ranks;
+equal to :func:`flashcp.sim.simulate` per plan, tested to 1e-12). Rows are built as columns.
 """
 
 from __future__ import annotations
@@ -41,11 +41,21 @@ log = logging.getLogger(__name__)
 CHUNK = 128
 
 
-def _price(costs: list[Any], run: RunSpec, mode: str) -> dict[str, np.ndarray]:
-    """:func:`flashcp.sim.cost_model.step_many`; raises what the first failing plan raises."""
-    from flashcp.sim.cost_model import step_many
+def _price(batch: Any, run: RunSpec) -> dict[str, dict[str, np.ndarray]]:
+    """Price every plan of ``batch`` (a :class:`flashcp.sim.cost_model.PlanBatch`) for the run's
+    shape, hardware profile and each of its modes in one call of
+    :func:`flashcp.sim.cost_model.price_plans`; raises what the first failing plan raises.
 
-    return step_many(costs, run.shape, mode)
+    Returns:
+        per mode, (S,) arrays per phase and communication column.
+    """
+    from flashcp.registry import COMM_KIND
+    from flashcp.sim.cost_model import price_plans
+
+    out = price_plans(
+        batch, [run.shape], run.modes, [run.hardware], COMM_KIND[run.method], run.impl
+    )
+    return {mode: {c: v[0, 0, m] for c, v in out.items()} for m, mode in enumerate(run.modes)}
 
 
 def price_sequences(
@@ -66,8 +76,7 @@ def price_sequences(
         spent planning and pricing (process time: not inflated when other processes share the
         cores). ``plan_ms`` in a row is the planner's wall time.
     """
-    from flashcp.registry import COMM_KIND
-    from flashcp.sim import PlanCost
+    from flashcp.sim.cost_model import PlanBatch
 
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(runs):
@@ -76,26 +85,21 @@ def price_sequences(
     plan_s = price_s = 0.0
     for members in groups.values():
         spec = runs[members[0]]
-        comm_kind = COMM_KIND[spec.method]
         c0 = time.process_time()
         planned = plan_sequences(spec, seqs, first_idx=first_idx)
         c1 = time.process_time()
         plan_s += c1 - c0
-        index = {id(p): k for k, p in enumerate(planned.plans)}
-        costs: dict[int, list[Any]] = {}  # per hardware profile object: one PlanCost a plan
+        batch = PlanBatch(planned.plans) if planned.plans else None  # shared by the key's runs
         for j in members:
             run = runs[j]
-            hw_costs = costs.get(id(run.hardware))
-            if hw_costs is None and planned.plans:
-                prev = next(iter(costs.values()), None)
-                hw_costs = costs[id(run.hardware)] = (
-                    [PlanCost(p, run.hardware, comm_kind, run.impl) for p in planned.plans]
-                    if prev is None
-                    else [c.with_hardware(run.hardware) for c in prev]
-                )
+            priced: dict[str, Any] = {}  # the whole batch, every mode, priced once per run
 
-            def measure(plans, mode, run=run, hw_costs=hw_costs, index=index):
-                return _price([hw_costs[index[id(p)]] for p in plans], run, mode)
+            def measure(plans, mode, run=run, priced=priced, planned=planned, batch=batch):
+                if len(plans) == len(planned.plans):  # the whole batch (a retry is one plan)
+                    if "all" not in priced:
+                        priced["all"] = _price(batch, run)
+                    return priced["all"][mode]
+                return _price(PlanBatch(plans), run)[mode]  # a retry on a subset
 
             parts.append(measure_rows(run, planned, measure, run_idx=j))
         price_s += time.process_time() - c1

@@ -68,15 +68,20 @@ the all-gather with other layers' work, and stream-ordering stalls beyond the tw
 
 Speed: a plan's tile counts, segment lists and copy counts do not depend on heads, head_dim,
 dtype or mode; :func:`simulate_many` computes them once and then prices each (shape, mode) with a
-few numpy operations on (N,) or (N, N) arrays. :func:`step_many` prices many plans at once: the
-ring methods of :class:`PlanCost` work on any leading axes (a stack of plans is (S, N, N)), and
-:func:`_step_allgather_batch` prices the all-gather family (ours) on (S, N) arrays
-(:meth:`PlanCost._step_allgather` calls it with one plan).
+few numpy operations on (N,) or (N, N) arrays. :func:`price_plans` prices many plans x hardware
+profiles x shapes x modes in one call: a :class:`PlanBatch` concatenates the plans' shard arrays
+and builds every plan's statistics at once (per tile shape), communication volumes and collective
+times are computed over arrays of plans, and the step formulas run on (S, N) (all-gather family,
+:func:`_allgather_phases`) or (S, N, N) arrays (ring family: :class:`PlanCost`'s ring methods work
+on any leading axes). The per-plan path (:class:`PlanCost`, :func:`simulate`) is the reference it
+is tested against (1e-12); :func:`step_many` prices a list of built :class:`PlanCost` objects.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -90,7 +95,10 @@ from flashcp.sim.hardware import HardwareProfile, load_hardware
 from flashcp.sim.impl import AG_GROUP_BUDGET_BYTES, RFA_HEADS_K_STRIDE, check_impl, impl_ops
 from flashcp.sim.kernel import TileStats, bwd_extra_us, bwd_tile_counts, fwd_tile_counts, kernel_us
 
-__all__ = ["COMM_KINDS", "PlanCost", "overlap_us", "simulate", "simulate_many", "step_many"]
+__all__ = [
+    "COMM_KINDS", "PlanBatch", "PlanCost", "overlap_us", "price_plans", "simulate", "simulate_many",
+    "step_many",
+]  # fmt: skip
 
 COMM_KINDS = ("allgather_full", "allgather_sharded", "p2p_ring", "alltoall")
 
@@ -125,6 +133,11 @@ def overlap_us(compute, comm, hw: HardwareProfile):
     return np.maximum(c, slowed) + (1.0 - hw.overlap_fraction) * comm, slowed
 
 
+def _op_us(hw: HardwareProfile, count, nbytes):
+    """Device µs of ``count`` memory-bound launches moving ``nbytes`` (read + write)."""
+    return count * hw.launch_us + hw.copy_us(nbytes)
+
+
 def _stats(keys: np.ndarray, size: int, ctas, tiles, mx) -> TileStats:
     """Sum CTAs and tiles and max the largest CTA per key; (size,) float64 arrays.
 
@@ -140,6 +153,63 @@ def _stats(keys: np.ndarray, size: int, ctas, tiles, mx) -> TileStats:
         dense[keys[head]] = red.reduceat(arr, head)
         out.append(dense)
     return TileStats(*out)
+
+
+def _alltoall_phases(
+    hw: HardwareProfile, shape: AttnShape, train: bool, degree: int, t, fwd_k, bwd_k
+) -> dict:
+    """:meth:`PlanCost._alltoall_phases` with T = ``t`` rows per rank and kernel times ``fwd_k``,
+    ``bwd_k`` µs: scalars, or (S,) arrays for S plans (phase times in ms, ``total_ms`` left
+    out)."""
+    from flashcp.head_parallel import ulysses_heads
+
+    u = degree
+    heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, u)
+    e, d = shape.dtype_bytes, shape.head_dim
+    r = heads.kv_replication
+    qkv = t * (shape.num_heads + 2 * r * shape.num_kv_heads) * d * e  # send buffer, bytes
+    o = t * shape.num_heads * d * e
+    frac = (u - 1) / u
+
+    def a2a(nbytes):
+        if u == 1:
+            return 0.0
+        if np.ndim(nbytes) == 0:
+            return hw.alltoall_us(frac * nbytes, nbytes)
+        return _collective_us_v(hw, frac * nbytes, nbytes, hw.allgather_busbw_gbps)
+
+    colls = hw.collective_host_us if u > 1 else 0.0
+    rep = _op_us(hw, 2, 2 * t * shape.num_kv_heads * d * e * (1 + r)) if r > 1 else 0.0
+    copies_f = rep + _op_us(hw, 3, 2 * qkv) + _op_us(hw, 2, 2 * o)
+    comm_f = a2a(qkv) + a2a(o)
+    host_f = (7 + (2 if r > 1 else 0)) * hw.host_op_us + 2 * colls
+    dev_f = copies_f + comm_f + fwd_k
+    out = {
+        "allgather_ms": 0.0,
+        "attn_fwd_ms": fwd_k / 1e3,
+        "attn_bwd_ms": 0.0,
+        "reducescatter_ms": 0.0,
+        "p2p_ms": 0.0,
+        "alltoall_ms": comm_f / 1e3,
+        "others_ms": (copies_f + np.maximum(host_f - dev_f, 0.0)) / 1e3,
+    }
+    if not train:
+        return out
+    acc = grad_comm_bytes(shape)  # compute dtype: whole gradients leave the kernel in it
+    # dK/dV send buffer: model dtype, or partial sums in grad_comm_dtype when replicated
+    dkv = 2 * t * r * shape.num_kv_heads * d * (e if r == 1 else acc)
+    rows = u * t
+    pads = _op_us(hw, 2, rows * heads.heads_per_rank * d * (acc + e))
+    pads += _op_us(hw, 2, rows * 2 * heads.kv_heads_per_rank * d * acc + dkv)
+    summed = _op_us(hw, 1, 2 * dkv) if r > 1 else 0.0
+    copies_b = _op_us(hw, 1, 2 * o) + pads + _op_us(hw, 2, 2 * (o + dkv)) + summed
+    comm_b = a2a(o) + a2a(o) + a2a(dkv)
+    host_b = (9 + (1 if r > 1 else 0)) * hw.host_op_us + 3 * colls
+    dev_b = copies_b + comm_b + bwd_k
+    out["attn_bwd_ms"] = bwd_k / 1e3
+    out["alltoall_ms"] += comm_b / 1e3
+    out["others_ms"] += (copies_b + np.maximum(host_b - dev_b, 0.0)) / 1e3
+    return out
 
 
 class PlanCost:
@@ -398,52 +468,9 @@ class PlanCost:
         written bytes at ``copy_bw_gbps``; every op costs ``host_op_us`` on the host, every
         all-to-all ``collective_host_us``; T = C / N.
         """
-        from flashcp.head_parallel import ulysses_heads
-
-        hw, u = self.hw, degree
-        heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, u)
-        e, d = shape.dtype_bytes, shape.head_dim
         t = self.plan.context_len / self.plan.cp_size
-        r = heads.kv_replication
-        qkv = t * (shape.num_heads + 2 * r * shape.num_kv_heads) * d * e  # send buffer, bytes
-        o = t * shape.num_heads * d * e
-        frac = (u - 1) / u
-
-        def a2a(nbytes):
-            return hw.alltoall_us(frac * nbytes, nbytes) if u > 1 else 0.0
-
-        colls = hw.collective_host_us if u > 1 else 0.0
-        rep = self._op_us(2, 2 * t * shape.num_kv_heads * d * e * (1 + r)) if r > 1 else 0.0
-        copies_f = rep + self._op_us(3, 2 * qkv) + self._op_us(2, 2 * o)
-        comm_f = a2a(qkv) + a2a(o)
-        host_f = (7 + (2 if r > 1 else 0)) * hw.host_op_us + 2 * colls
-        dev_f = copies_f + comm_f + fwd_k
-        out = {
-            "allgather_ms": 0.0,
-            "attn_fwd_ms": fwd_k / 1e3,
-            "attn_bwd_ms": 0.0,
-            "reducescatter_ms": 0.0,
-            "p2p_ms": 0.0,
-            "alltoall_ms": comm_f / 1e3,
-            "others_ms": (copies_f + max(host_f - dev_f, 0.0)) / 1e3,
-        }
-        if not train:
-            return out
-        acc = grad_comm_bytes(shape)  # compute dtype: whole gradients leave the kernel in it
-        # dK/dV send buffer: model dtype, or partial sums in grad_comm_dtype when replicated
-        dkv = 2 * t * r * shape.num_kv_heads * d * (e if r == 1 else acc)
-        rows = u * t
-        pads = self._op_us(2, rows * heads.heads_per_rank * d * (acc + e))
-        pads += self._op_us(2, rows * 2 * heads.kv_heads_per_rank * d * acc + dkv)
-        summed = self._op_us(1, 2 * dkv) if r > 1 else 0.0
-        copies_b = self._op_us(1, 2 * o) + pads + self._op_us(2, 2 * (o + dkv)) + summed
-        comm_b = a2a(o) + a2a(o) + a2a(dkv)
-        host_b = (9 + (1 if r > 1 else 0)) * hw.host_op_us + 3 * colls
-        dev_b = copies_b + comm_b + bwd_k
-        out["attn_bwd_ms"] = bwd_k / 1e3
-        out["alltoall_ms"] += comm_b / 1e3
-        out["others_ms"] += (copies_b + max(host_b - dev_b, 0.0)) / 1e3
-        return out
+        out = _alltoall_phases(self.hw, shape, train, degree, t, fwd_k, bwd_k)
+        return {k: float(v) for k, v in out.items()}
 
     # ---- ring family -------------------------------------------------------------------------
     def _init_ring(self) -> None:
@@ -538,7 +565,7 @@ class PlanCost:
 
     def _op_us(self, count, nbytes):
         """Device µs of ``count`` memory-bound launches moving ``nbytes`` (read + write)."""
-        return count * self.hw.launch_us + self.hw.copy_us(nbytes)
+        return _op_us(self.hw, count, nbytes)
 
     def _ring_fwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Forward of the ring: (N, N) ``[t, r]`` device µs of attention, device µs of the other
@@ -752,35 +779,64 @@ class _PlanCostStack(PlanCost):
         self._fwd_memo = {}
 
 
+def _stack_from_arrays(hw, comm_kind, impl, n, ops, num_docs, fwd, bwd, q_rows, kv_rows):
+    """A :class:`_PlanCostStack` of already stacked (S, N, N) ring statistics."""
+    stack = object.__new__(_PlanCostStack)
+    stack.plan = None
+    stack.hw, stack.comm_kind, stack.impl, stack.n, stack.ops = hw, comm_kind, impl, n, ops
+    stack.num_docs = num_docs
+    stack.fwd, stack.bwd, stack.q_rows, stack.kv_rows = fwd, bwd, q_rows, kv_rows
+    stack._masks = None
+    stack._fwd_memo = {}
+    return stack
+
+
 def _step_ring_batch(
     costs: Sequence[PlanCost], shape: AttnShape, mode: str
 ) -> dict[str, np.ndarray]:
     """:meth:`PlanCost._step_ring` of S plans at once (:class:`_PlanCostStack`)."""
     first = costs[0]
-    hw, n, kind = first.hw, first.n, first.comm_kind
+    hw, kind = first.hw, first.comm_kind
     train = mode == "train"
-    stack = _PlanCostStack(costs)
     vols = [comm_volume(c.plan, kind, shape, mode) for c in costs]
     fwd_p2p = [
         comm_volume(c.plan, kind, shape, "infer")["p2p_bytes"] if train else v["p2p_bytes"]
         for c, v in zip(costs, vols, strict=True)
     ]
+    p2p = np.array([v["p2p_bytes"] for v in vols])
+
+    def p2p_us(nbytes):  # one plan at a time, as HardwareProfile prices it
+        return np.array([hw.p2p_us(b) for b in nbytes])
+
+    out = _ring_phases(_PlanCostStack(costs), shape, mode, p2p, np.array(fwd_p2p), p2p_us)
+    phases = [out[c] for c in PHASE_COLUMNS if c != "total_ms"]
+    out["total_ms"] = np.array([math.fsum(x) for x in zip(*phases, strict=True)])
+    out.update({k: np.array([v[k] for v in vols], dtype=np.int64) for k in COMM_COLUMNS})
+    return out
+
+
+def _ring_phases(stack, shape: AttnShape, mode: str, p2p_bytes, fwd_p2p, p2p_us) -> dict:
+    """Phase times (ms; (S,) arrays, ``total_ms`` left out) of S stacked ring plans (a
+    :class:`_PlanCostStack`): ``p2p_bytes`` / ``fwd_p2p`` (S,) bytes of the step and of its forward,
+    ``p2p_us`` :meth:`HardwareProfile.p2p_us` over an array."""
+    n = stack.n
+    train = mode == "train"
     steps = max(n - 1, 1)
-    fwd_hop = np.array([hw.p2p_us(f / steps) if n > 1 else 0.0 for f in fwd_p2p])
-    fa, fo, fp = stack._ring_pass(*stack._ring_fwd_compute(shape), fwd_hop, 0.0)
-    zero = np.zeros(len(costs))
+    fwd_p2p = np.asarray(fwd_p2p, dtype=np.float64)
+    s = fwd_p2p.size
+    fwd_hop = p2p_us(fwd_p2p / steps) if n > 1 else np.zeros(s)
+    fwd = stack._fwd_memo.get(shape)
+    if fwd is None:  # training and inference of one shape share the forward
+        fwd = stack._fwd_memo[shape] = stack._ring_fwd_compute(shape)
+    fa, fo, fp = stack._ring_pass(*fwd, fwd_hop, 0.0)
+    zero = np.zeros(s)
     ba = bo = bp = zero
     if train and n > 1:
-        grad_hop = np.array(
-            [
-                hw.p2p_us((v["p2p_bytes"] - 2 * f) / steps)
-                for v, f in zip(vols, fwd_p2p, strict=True)
-            ]
-        )
+        grad_hop = p2p_us((np.asarray(p2p_bytes, dtype=np.float64) - 2 * fwd_p2p) / steps)
         ba, bo, bp = stack._ring_pass(*stack._ring_bwd_compute(shape), fwd_hop + grad_hop, grad_hop)
     elif train:
         ba, bo, bp = stack._ring_pass(*stack._ring_bwd_compute(shape), 0.0, 0.0)
-    out = {
+    return {
         "allgather_ms": zero,
         "attn_fwd_ms": fa / 1e3,
         "attn_bwd_ms": ba / 1e3,
@@ -789,10 +845,6 @@ def _step_ring_batch(
         "alltoall_ms": zero,
         "others_ms": (fo + bo) / 1e3,
     }
-    phases = [out[c] for c in PHASE_COLUMNS if c != "total_ms"]
-    out["total_ms"] = np.array([math.fsum(x) for x in zip(*phases, strict=True)])
-    out.update({k: np.array([v[k] for v in vols], dtype=np.int64) for k in COMM_COLUMNS})
-    return out
 
 
 def _step_allgather_batch(
@@ -802,17 +854,35 @@ def _step_allgather_batch(
     plans on (S, N) arrays (``c_(x)`` marks a per-plan value broadcast over ranks)."""
     first = costs[0]
     hw, n, kind = first.hw, first.n, first.comm_kind
-    train = mode == "train"
-    h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
     vols = [comm_volume(c.plan, kind, shape, mode) for c in costs]
     vol = {k: np.array([v[k] for v in vols], dtype=np.int64) for k in COMM_COLUMNS}
     local = np.stack([c.q_rows for c in costs])  # (S, N)
     kv_rows = np.stack([c.kv_rows for c in costs])
     send_max = np.stack([c.send_rows for c in costs]).max(axis=1)  # (S,)
     fwd = TileStats(*(np.stack([getattr(c.fwd, f) for c in costs]) for f in TileStats._fields))
+    bwd = TileStats(*(np.stack([getattr(c.bwd, f) for c in costs]) for f in TileStats._fields))
+
+    def coll(nbytes, total, busbw):  # one plan at a time, as HardwareProfile prices it
+        return np.array([hw.collective_us(b, t, busbw) for b, t in zip(nbytes, total, strict=True)])
+
+    out = _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vol, coll)
+    phases = [out[c] for c in PHASE_COLUMNS if c != "total_ms"]
+    out["total_ms"] = np.array([math.fsum(x) for x in zip(*phases, strict=True)])
+    out.update(vol)
+    return out
+
+
+def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vol, coll):
+    """Phase times (ms; (S,) arrays, ``total_ms`` left out) of the project's all-gather op for S
+    plans from their (S, N) statistics: ``local`` / ``kv_rows`` query and key rows per rank,
+    ``send_max`` (S,) the largest rank's send rows, ``vol`` their communication bytes, ``coll``
+    :meth:`HardwareProfile.collective_us` over arrays ``(recv_bytes, total_bytes, busbw)``."""
+    train = mode == "train"
+    h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
+    op_us = functools.partial(_op_us, hw)
     rows = local.max(axis=1) + n * send_max
     per_head = rows * 2 * d * 4
-    hg = np.ones(len(costs), dtype=np.int64)
+    hg = np.ones(len(send_max), dtype=np.int64)
     for k in range(1, hkv + 1):  # the largest divisor of hkv whose buffer fits (else 1)
         if hkv % k == 0:
             hg = np.where(k * per_head <= AG_GROUP_BUDGET_BYTES, k, hg)
@@ -821,16 +891,14 @@ def _step_allgather_batch(
     total_scale = n / (n - 1) if n > 1 else 1.0
     n_ag = 2 if train else 1
     ag_bytes = vol["allgather_bytes"] / n_ag / groups
-    ag = np.array([hw.collective_us(b, b * total_scale, hw.allgather_busbw_gbps) for b in ag_bytes])
+    ag = coll(ag_bytes, ag_bytes * total_scale, hw.allgather_busbw_gbps)
     c_ = lambda a: a[:, None]  # noqa: E731  (S,) -> (S, 1)
     kv_el = 2.0 * hg * d
-    build = first._op_us(4, local * c_(kv_el) * e * 2 + c_(send_max * kv_el * e * 3))
-    keys = first._op_us(1, kv_rows * c_(kv_el) * e * 2)
+    build = op_us(4, local * c_(kv_el) * e * 2 + c_(send_max * kv_el * e * 3))
+    keys = op_us(1, kv_rows * c_(kv_el) * e * 2)
     split = groups > 1
     fwd_k = kernel_us(fwd, c_(qh), d, hw, False)
-    fwd_copies = (
-        build + keys + np.where(c_(split), first._op_us(3, local * c_(qh) * d * e * 4), 0.0)
-    )
+    fwd_copies = build + keys + np.where(c_(split), op_us(3, local * c_(qh) * d * e * 4), 0.0)
     fwd_ops = 6 + np.where(split, 3, 0)
     coll_host = np.where(ag_bytes > 0, hw.collective_host_us, 0.0)
     dev_f = c_(groups) * (c_(ag) + fwd_copies + fwd_k)
@@ -838,19 +906,16 @@ def _step_allgather_batch(
     out = {
         "allgather_ms": groups * ag / 1e3,
         "attn_fwd_ms": (c_(groups) * fwd_k).max(axis=1) / 1e3,
-        "attn_bwd_ms": np.zeros(len(costs)),
-        "reducescatter_ms": np.zeros(len(costs)),
-        "p2p_ms": np.zeros(len(costs)),
-        "alltoall_ms": np.zeros(len(costs)),
+        "attn_bwd_ms": np.zeros(len(send_max)),
+        "reducescatter_ms": np.zeros(len(send_max)),
+        "p2p_ms": np.zeros(len(send_max)),
+        "alltoall_ms": np.zeros(len(send_max)),
         "others_ms": (c_(groups) * fwd_copies + np.maximum(c_(host_f) - dev_f, 0.0)).max(axis=1)
         / 1e3,
     }
     if train:
-        bwd = TileStats(*(np.stack([getattr(c.bwd, f) for c in costs]) for f in TileStats._fields))
         rs_bytes = vol["reducescatter_bytes"] / groups
-        rs = np.array(
-            [hw.collective_us(b, b * total_scale, hw.reducescatter_busbw_gbps) for b in rs_bytes]
-        )
+        rs = coll(rs_bytes, rs_bytes * total_scale, hw.reducescatter_busbw_gbps)
         # bwd_extra_us for the group shape (qh query heads, hg KV heads), per plan
         nbytes = local * c_(qh) * (d * (3 * e + 8) + 4)
         gqa = c_(qh != hg)
@@ -858,7 +923,7 @@ def _step_allgather_batch(
         launches = hw.bwd_extra_kernels + np.where(gqa, 1, 0)
         extra = np.where(local > 0, launches * hw.launch_us + hw.copy_us(nbytes), 0.0)
         bwd_k = kernel_us(bwd, c_(qh), d, hw, True) + extra
-        grads = first._op_us(
+        grads = op_us(
             6,
             local * c_(qh) * d * e * 2
             + c_(rows * kv_el * 4)
@@ -867,10 +932,7 @@ def _step_allgather_batch(
             + local * c_(kv_el) * (4 + e),
         )
         bwd_copies = (
-            build
-            + keys
-            + grads
-            + np.where(c_(split), first._op_us(3, local * c_(qh) * d * e * 2), 0.0)
+            build + keys + grads + np.where(c_(split), op_us(3, local * c_(qh) * d * e * 2), 0.0)
         )
         bwd_ops = 11 + np.where(split, 3, 0)
         dev_b = c_(groups) * (c_(ag) + bwd_copies + bwd_k + c_(rs))
@@ -882,9 +944,6 @@ def _step_allgather_batch(
             out["others_ms"]
             + (c_(groups) * bwd_copies + np.maximum(c_(host_b) - dev_b, 0.0)).max(axis=1) / 1e3
         )
-    phases = [out[c] for c in PHASE_COLUMNS if c != "total_ms"]
-    out["total_ms"] = np.array([math.fsum(x) for x in zip(*phases, strict=True)])
-    out.update(vol)
     return out
 
 
@@ -939,3 +998,443 @@ def simulate_many(
         check_mode(m)
     cost = PlanCost(plan, load_hardware(hw), _check_comm_kind(plan, comm_kind), impl)
     return [cost.step(s, m) for s in shapes for m in modes]
+
+
+# ---- batched pricing: many plans x hardware profiles x shapes x modes in one call ------------
+def _excl_cumsum(a: np.ndarray) -> np.ndarray:
+    out = np.zeros(a.size, dtype=np.int64)
+    np.cumsum(a[:-1], out=out[1:])
+    return out
+
+
+def _busbw_fraction_v(hw: HardwareProfile, total_bytes) -> np.ndarray:
+    """:meth:`HardwareProfile.busbw_fraction` of every entry of ``total_bytes`` (the same
+    interpolation, elementwise)."""
+    xs = np.asarray(hw._falloff[0])
+    ys = np.asarray(hw._falloff[1])
+    tb = np.asarray(total_bytes, dtype=np.float64)
+    pos = tb > 0
+    x = np.log(np.where(pos, tb, 1.0))
+    i = np.searchsorted(xs, x, side="right")
+    j = np.clip(i, 1, xs.size - 1)
+    w = (x - xs[j - 1]) / (xs[j] - xs[j - 1])
+    y = ys[j - 1] + w * (ys[j] - ys[j - 1])
+    y = np.where(i == 0, ys[0], np.where(i == xs.size, ys[-1], y))
+    return np.exp(np.where(pos, y, ys[0]))
+
+
+def _collective_us_v(hw: HardwareProfile, recv_bytes, total_bytes, busbw_gbps: float):
+    """:meth:`HardwareProfile.collective_us` elementwise (float64 arrays)."""
+    recv = np.asarray(recv_bytes, dtype=np.float64)
+    bw = busbw_gbps * 1e3 * _busbw_fraction_v(hw, total_bytes)
+    return np.where(recv <= 0, 0.0, hw.collective_latency_us + recv / bw)
+
+
+def _p2p_us_v(hw: HardwareProfile, nbytes):
+    """:meth:`HardwareProfile.p2p_us` elementwise (float64 arrays)."""
+    nb = np.asarray(nbytes, dtype=np.float64)
+    bw = hw.p2p_bw_gbps * 1e3 * _busbw_fraction_v(hw, nb)
+    return np.where(nb <= 0, 0.0, hw.p2p_latency_us + nb / bw)
+
+
+class PlanBatch:
+    """S plans of one cp_size N as flat arrays, for :func:`price_plans`.
+
+    Attributes:
+        plans: the S plans, in order.
+        rank, doc, start, length: (n_shards_total,) int64, every plan's shards concatenated;
+            ``pid`` the plan of each, ``gdoc`` its document's index in ``doc_lens``.
+        doc_lens: (n_docs_total,) int64, every plan's documents; ``ndocs`` (S,) per plan,
+            ``doc_off`` (S,) the first of each.
+        q_rows, send_rows: (S, N) float64, tokens per rank and its non-last shards' tokens.
+        tokens_full, tokens_sharded: (S,) int64, Eq. 4 and Eq. 5 tokens per plan.
+        context_len: (S,) float64, C of each plan (documents + pad).
+
+    Tile statistics are built per tile shape on demand (:meth:`allgather`, :meth:`ring`,
+    :meth:`alltoall`), all plans at once, and kept: price every run of one set of plans from
+    one batch.
+
+    Raises:
+        ValueError: no plans, or plans of several cp_sizes.
+    """
+
+    def __init__(self, plans: Sequence[Plan]) -> None:
+        if not plans:
+            raise ValueError("PlanBatch needs at least one plan")
+        s, n = len(plans), plans[0].cp_size
+        if any(p.cp_size != n for p in plans):
+            raise ValueError(
+                f"PlanBatch holds plans of one cp_size; got {sorted({p.cp_size for p in plans})}"
+            )
+        self.plans = list(plans)
+        self.s, self.n = s, n
+        self._inner: PlanBatch | None = None
+        counts = np.fromiter((p.rank.size for p in plans), np.int64, s)
+        self.ndocs = np.fromiter((p.doc_lens.size for p in plans), np.int64, s)
+        cat = np.concatenate
+        self.rank = cat([p.rank for p in plans]).astype(np.int64, copy=False)
+        self.doc = cat([p.doc for p in plans]).astype(np.int64, copy=False)
+        self.start = cat([p.start for p in plans]).astype(np.int64, copy=False)
+        self.length = cat([p.length for p in plans]).astype(np.int64, copy=False)
+        self.doc_lens = cat([p.doc_lens for p in plans]).astype(np.int64, copy=False)
+        self.pid = np.repeat(np.arange(s), counts)
+        self.doc_off = _excl_cumsum(self.ndocs)
+        self.gdoc = self.doc + self.doc_off[self.pid]
+        self.key = self.pid * n + self.rank  # (plan, rank), non-decreasing
+        pad = np.stack([p.pad for p in plans]).sum(axis=1)
+        doc_pid = np.repeat(np.arange(s), self.ndocs)
+        self.context_len = np.bincount(doc_pid, weights=self.doc_lens, minlength=s) + pad
+        self.q_rows = np.bincount(self.key, weights=self.length, minlength=s * n).reshape(s, n)
+        self.is_last = self.start + self.length == self.doc_lens[self.gdoc]
+        send = np.where(self.is_last, 0, self.length)
+        self.send_rows = np.bincount(self.key, weights=send, minlength=s * n).reshape(s, n)
+        # Eq. 4 and Eq. 5 tokens (ints): (N - 1) x the largest rank's document / send tokens
+        self.tokens_full = (n - 1) * self.q_rows.max(axis=1).astype(np.int64)
+        self.tokens_sharded = (n - 1) * self.send_rows.max(axis=1).astype(np.int64)
+        self._stats: dict[tuple, object] = {}
+
+    def _cached(self, kind: str, hw: HardwareProfile, build):
+        k = (kind, hw.fwd_block_q, hw.fwd_block_k, hw.bwd_block_q, hw.bwd_block_k)
+        if k not in self._stats:
+            self._stats[k] = build(hw)
+        return self._stats[k]
+
+    # all-gather family: one varlen call per rank over its shards
+    def allgather(self, hw: HardwareProfile) -> tuple[TileStats, TileStats, np.ndarray]:
+        """(fwd, bwd, kv_rows): (S, N) arrays of every plan's per-rank call."""
+
+        def build(hw):
+            s, n = self.s, self.n
+            kv = self.start + self.length
+            causal = np.ones(kv.size, dtype=bool)
+            fc = fwd_tile_counts(self.length, kv, causal, hw.fwd_block_q, hw.fwd_block_k)
+            bc = bwd_tile_counts(self.length, kv, causal, hw.bwd_block_q, hw.bwd_block_k)
+            fwd = TileStats(*(x.reshape(s, n) for x in _stats(self.key, s * n, *fc)))
+            bwd = TileStats(*(x.reshape(s, n) for x in _stats(self.key, s * n, *bc)))
+            kv_rows = np.bincount(self.key, weights=kv, minlength=s * n).reshape(s, n)
+            return fwd, bwd, kv_rows
+
+        return self._cached("allgather", hw, build)
+
+    def alltoall(self, hw: HardwareProfile) -> tuple[TileStats, TileStats, np.ndarray]:
+        """(fwd, bwd, rows): (S,) statistics of every plan's one call over its whole non-empty
+        documents (Ulysses) and its query rows."""
+
+        def build(hw):
+            keep = self.doc_lens > 0
+            d = self.doc_lens[keep]
+            key = np.repeat(np.arange(self.s), self.ndocs)[keep]
+            causal = np.ones(d.size, dtype=bool)
+            fc = fwd_tile_counts(d, d, causal, hw.fwd_block_q, hw.fwd_block_k)
+            bc = bwd_tile_counts(d, d, causal, hw.bwd_block_q, hw.bwd_block_k)
+            rows = np.bincount(key, weights=d, minlength=self.s)
+            return _stats(key, self.s, *fc), _stats(key, self.s, *bc), rows
+
+        return self._cached("alltoall", hw, build)
+
+    def ring(self, hw: HardwareProfile) -> tuple[TileStats, TileStats, np.ndarray, np.ndarray]:
+        """(fwd, bwd, q_rows, kv_rows): (S, N, N) arrays ``[plan, t, r]`` of every plan's ring
+        steps (:meth:`PlanCost._init_ring`'s segments, all plans at once)."""
+
+        def build(hw):
+            return self._ring_stats(hw)
+
+        return self._cached("ring", hw, build)
+
+    def _ring_stats(self, hw: HardwareProfile):
+        s, n = self.s, self.n
+        rank, doc, start, length, pid = self.rank, self.doc, self.start, self.length, self.pid
+        nd = self.ndocs
+        # step 0: one causal segment per (plan, rank, document) over the rank's own tokens
+        idx0 = _excl_cumsum(n * nd)[pid] + rank * nd[pid] + doc
+        own = np.bincount(idx0, weights=length, minlength=int(n * nd.sum()))
+        key0 = np.flatnonzero(own)
+        q0 = own[key0]
+        r0 = np.repeat(np.arange(s * n), np.repeat(nd, n))[key0]  # plan * N + rank, sorted
+        causal = np.ones(q0.size, dtype=bool)
+        f0 = _stats(r0, s * n, *fwd_tile_counts(q0, q0, causal, hw.fwd_block_q, hw.fwd_block_k))
+        b0 = _stats(r0, s * n, *bwd_tile_counts(q0, q0, causal, hw.bwd_block_q, hw.bwd_block_k))
+        fwd = [np.zeros((s, n, n)) for _ in range(3)]
+        bwd = [np.zeros((s, n, n)) for _ in range(3)]
+        for k in range(3):
+            fwd[k][:, 0] = f0[k].reshape(s, n)
+            bwd[k][:, 0] = b0[k].reshape(s, n)
+        q_rows = np.zeros((s, n, n))
+        kv_rows = np.zeros((s, n, n))
+        q_rows[:, 0] = kv_rows[:, 0] = self.q_rows
+        if n > 1:
+            # first and last piece start of every (document, rank)
+            i32 = np.int32 if n * n * int(nd.sum()) < 2**31 else np.int64
+            dr = (self.gdoc * n + rank).astype(i32)
+            size_dr = int(nd.sum()) * n
+            min_start = np.full(size_dr, np.iinfo(np.int64).max)
+            max_start = np.full(size_dr, -1, dtype=np.int64)
+            np.minimum.at(min_start, dr, start)
+            np.maximum.at(max_start, dr, start)
+            # step t >= 1: the source rank (r - t) mod N and the rank (r + t) mod N that sees r
+            r_t = np.arange(n, dtype=i32)[:, None] + np.arange(1, n, dtype=i32)[None, :]
+            src_of = (r_t - 2 * np.arange(1, n, dtype=i32)[None, :]) % n  # (N, N-1) [r, t-1]
+            dst_of = r_t % n
+            rank32 = rank.astype(i32)
+            gd = (dr - rank32)[:, None]  # gdoc * N
+            st = start[:, None]
+            q_vis = min_start[gd + src_of[rank32]] < st
+            k_vis = max_start[gd + dst_of[rank32]] > st
+            # rectangle [plan, t, r, doc]: plan p's block holds N * N * nd[p] entries, at key
+            # base + (t * N + r) * nd[p] + doc
+            ndp = nd[pid].astype(i32)
+            base = (_excl_cumsum(n * n * nd)[pid] + doc).astype(i32)
+            tn = np.arange(1, n, dtype=i32) * n
+            q_key = (base + rank32 * ndp)[:, None] + (ndp[:, None] * tn[None, :])
+            k_key = base[:, None] + (tn[None, :] + dst_of[rank32]) * ndp[:, None]
+            size = int(n * n * nd.sum())
+            m = s * n * n
+            len_f = length.astype(np.float64)[:, None]
+            if 4 * q_vis.size >= size and (nd > 0).all():
+                # dense: most rectangles hold work; (plan, t, r) is a run of nd[p] documents
+                qs = np.bincount(q_key.ravel(), weights=(len_f * q_vis).ravel(), minlength=size)
+                ks = np.bincount(k_key.ravel(), weights=(len_f * k_vis).ravel(), minlength=size)
+                head = _excl_cumsum(np.repeat(nd, n * n))
+                at = None
+            else:
+                q_key, k_key = q_key[q_vis], k_key[k_vis]
+                lq = np.broadcast_to(len_f, q_vis.shape)[q_vis]
+                lk = np.broadcast_to(len_f, k_vis.shape)[k_vis]
+                keys, inv = np.unique(np.concatenate([q_key, k_key]), return_inverse=True)
+                qs = np.bincount(inv[: q_key.size], weights=lq, minlength=keys.size)
+                ks = np.bincount(inv[q_key.size :], weights=lk, minlength=keys.size)
+                # the (plan, t, r) of each rectangle, sorted
+                seg = np.repeat(np.arange(m, dtype=i32), np.repeat(nd, n * n))[keys]
+                head = np.flatnonzero(np.concatenate([[True], seg[1:] != seg[:-1]]))
+                at = seg[head]
+            # sums and maxima over each (plan, t, r)'s documents
+            fq, fk = np.ceil(qs / hw.fwd_block_q), np.ceil(ks / hw.fwd_block_k)
+            bq, bk = np.ceil(qs / hw.bwd_block_q), np.ceil(ks / hw.bwd_block_k)
+            cols = (
+                (fwd[0], fq, np.add), (fwd[1], fq * fk, np.add), (fwd[2], fk, np.maximum),
+                (bwd[0], bk, np.add), (bwd[1], bq * bk, np.add), (bwd[2], bq, np.maximum),
+                (q_rows, qs, np.add), (kv_rows, ks, np.add),
+            )  # fmt: skip
+            for dense, values, red in cols:
+                if at is None:
+                    flat = red.reduceat(values, head)
+                else:
+                    flat = np.zeros(m)
+                    if head.size:
+                        flat[at] = red.reduceat(values, head)
+                dense[:, 1:] = flat.reshape(s, n, n)[:, 1:]
+        return TileStats(*fwd), TileStats(*bwd), q_rows, kv_rows
+
+    # ---- pricing -----------------------------------------------------------------------------
+    def volumes(self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int):
+        """:func:`flashcp.comm.comm_volume` of every plan: (S,) int64 per column of
+        ``COMM_COLUMNS``. This batch holds the plans across head-parallel groups (the group plans
+        when ``u`` > 1, ``cp_size`` the original plans' N)."""
+        from flashcp.comm import alltoall_bytes
+        from flashcp.head_parallel import ulysses_heads
+        from flashcp.plan import kv_bytes
+
+        train = mode == "train"
+        grad_elem = grad_comm_bytes(shape)
+        d, e = shape.head_dim, shape.dtype_bytes
+        zero = np.zeros(self.s, dtype=np.int64)
+        a2a, kv_heads = zero, shape.num_kv_heads
+        if u > 1:
+            heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, u)
+            kv_heads = heads.kv_heads_per_rank
+            t = self.context_len.astype(np.int64) // cp_size
+            q_or_o = alltoall_bytes(t, shape.num_heads, d, e, u)
+            kv = alltoall_bytes(t, heads.kv_replication * shape.num_kv_heads, d, e, u)
+            a2a = 2 * q_or_o + 2 * kv
+            if train:
+                dkv_elem = e if heads.kv_replication == 1 else grad_elem
+                a2a = a2a + 2 * q_or_o + 2 * kv // e * dkv_elem
+        ag = rs = p2p = zero
+        if comm_kind in ("allgather_full", "allgather_sharded"):
+            tokens = self.tokens_full if comm_kind == "allgather_full" else self.tokens_sharded
+            one = kv_bytes(tokens, kv_heads, d, e)
+            ag = 2 * one if train else one
+            rs = kv_bytes(tokens, kv_heads, d, grad_elem) if train else zero
+        elif comm_kind == "p2p_ring":
+            one = kv_bytes(self.tokens_full, kv_heads, d, e)
+            grad = kv_bytes(self.tokens_full, kv_heads, d, grad_elem)
+            p2p = 2 * one + grad if train else one
+        vol = {
+            "allgather_bytes": ag, "reducescatter_bytes": rs, "p2p_bytes": p2p,
+            "alltoall_bytes": a2a,
+        }  # fmt: skip
+        vol = {k: np.asarray(v, dtype=np.int64) for k, v in vol.items()}
+        vol["comm_bytes"] = ag + rs + p2p + a2a
+        return vol
+
+    def phases(
+        self, hw: HardwareProfile, comm_kind: str, impl: str, method: str, shape: AttnShape,
+        mode: str, vol: dict[str, np.ndarray],
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        """Phase times (ms, (S,) arrays, ``total_ms`` left out) of every plan of this batch, no
+        head parallelism around them (:meth:`PlanCost.step`'s model)."""
+        n = self.n
+        if comm_kind == "p2p_ring":
+            fwd, bwd, q_rows, kv_rows = self.ring(hw)
+            key = ("stack", impl, method, id(hw))
+            stack = self._stats.get(key)
+            if stack is None:
+                ops = impl_ops(impl, method)
+                stack = self._stats[key] = _stack_from_arrays(
+                    hw, comm_kind, impl, n, ops, self.ndocs, fwd, bwd, q_rows, kv_rows
+                )
+            fwd_p2p = vol["p2p_bytes"]
+            if mode == "train":
+                fwd_p2p = self.volumes(comm_kind, shape, "infer", 1, n)["p2p_bytes"]
+            p2p_us = functools.partial(_p2p_us_v, hw)
+            return _ring_phases(stack, shape, mode, vol["p2p_bytes"], fwd_p2p, p2p_us)
+        if comm_kind == "alltoall":
+            from flashcp.head_parallel import ulysses_heads
+
+            fwd, bwd, rows = self.alltoall(hw)
+            heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, n)
+            local = AttnShape(heads.heads_per_rank, heads.kv_heads_per_rank, shape.head_dim,
+                              shape.dtype)  # fmt: skip
+            d = shape.head_dim
+            fwd_k = kernel_us(fwd, local.num_heads, d, hw, False)
+            bwd_k = 0.0
+            if mode == "train":
+                bwd_k = kernel_us(bwd, local.num_heads, d, hw, True) + bwd_extra_us(
+                    rows, rows, local, hw
+                )
+            t = self.context_len / n
+            return _alltoall_phases(hw, shape, mode == "train", n, t, fwd_k, bwd_k)
+        fwd, bwd, kv_rows = self.allgather(hw)
+        send = self.q_rows if comm_kind == "allgather_full" else self.send_rows
+        coll = functools.partial(_collective_us_v, hw)
+        return _allgather_phases(
+            hw, n, self.q_rows, kv_rows, send.max(axis=1), fwd, bwd, shape, mode, vol, coll
+        )
+
+
+def _as_profiles(hardware) -> list[HardwareProfile]:
+    if isinstance(hardware, (HardwareProfile, str, dict)):
+        hardware = [hardware]
+    return [load_hardware(h) for h in hardware]
+
+
+def price_plans(
+    plans: Sequence[Plan],
+    shapes: Sequence[AttnShape],
+    modes: Sequence[str],
+    hardware,
+    comm_kind: str | None = None,
+    impl: str = "ours",
+) -> dict[str, np.ndarray]:
+    """:func:`simulate` of every plan x hardware profile x shape x mode in one call, from the
+    plans' arrays: each plan group (same cp_size, method and head-parallel degree) is priced with
+    one set of numpy operations per (profile, shape, mode) over all its plans and ranks; equal (to
+    rounding, 1e-12 relative) to ``simulate(plan, shape, hw, mode, comm_kind, impl)`` one by one.
+
+    Args:
+        plans: S valid plans (any methods and cp_sizes; for ``impl="ring_flash_attn"`` the plans of
+            :func:`flashcp.sim.impl.impl_plan`), or a :class:`PlanBatch` of them (its statistics
+            are kept in it for the next call: price the runs of one set of plans from one batch).
+        shapes: K attention shapes (heads, KV heads, head_dim, dtype).
+        modes: M modes, ``train`` / ``infer``.
+        hardware: one profile (a :class:`HardwareProfile`, name or mapping for
+            :func:`load_hardware`) or a sequence of P of them.
+        comm_kind: as in :func:`simulate` (default: each plan's method's).
+        impl: ``ours`` or ``ring_flash_attn``.
+    Returns:
+        Every column of ``PHASE_COLUMNS`` (ms, float64) and ``COMM_COLUMNS`` (bytes, int64) as a
+        (P, K, M, S) array indexed ``[profile, shape, mode, plan]``.
+    Raises:
+        ValueError: as :func:`simulate` (unknown mode, comm_kind, impl or profile, an impl that does
+            not run a plan's method, heads a plan's Ulysses degree does not allow).
+    """
+    for m in modes:
+        check_mode(m)
+    batch = plans if isinstance(plans, PlanBatch) else None
+    plans = batch.plans if batch is not None else plans
+    hws = _as_profiles(hardware)
+    dims = (len(hws), len(shapes), len(modes), len(plans))
+    out = {c: np.zeros(dims) for c in PHASE_COLUMNS}
+    out.update({c: np.zeros(dims, dtype=np.int64) for c in COMM_COLUMNS})
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(plans):
+        kind = _check_comm_kind(p, comm_kind)
+        u = p.ulysses_degree if kind != "alltoall" else 1
+        groups.setdefault((kind, p.method, p.cp_size, u), []).append(i)
+    for (kind, method, _, u), idx in groups.items():
+        check_impl(method, impl)
+        members = [plans[i] for i in idx]
+        if kind in ("allgather_full", "allgather_sharded") and impl != "ours" and u == 1:
+            # ring-flash-attn's llama3: one plan at a time
+            for k, p in zip(idx, members, strict=True):
+                cost = PlanCost(p, hws[0], kind, impl)
+                for a, hw in enumerate(hws):
+                    c = cost if a == 0 else cost.with_hardware(hw)
+                    for b, shape in enumerate(shapes):
+                        for m, mode in enumerate(modes):
+                            row = c.step(shape, mode)
+                            for col in out:
+                                out[col][a, b, m, k] = row[col]
+            continue
+        whole = batch if batch is not None and len(idx) == len(plans) else None
+        part = _price_group(members, kind, impl, method, u, hws, shapes, modes, whole)
+        for col in out:
+            out[col][..., idx] = part[col]
+    return out
+
+
+def _price_group(
+    plans, kind, impl, method, u, hws, shapes, modes, batch=None
+) -> dict[str, np.ndarray]:
+    """:func:`price_plans` of plans sharing (comm_kind, method, cp_size, Ulysses degree u), from
+    ``batch`` (a :class:`PlanBatch` of exactly these plans, statistics kept) when given."""
+    from flashcp.head_parallel import ulysses_heads
+
+    n = plans[0].cp_size
+    inner_method = method
+    if kind == "alltoall" and any(p.ulysses_degree not in (1, n) for p in plans):
+        bad = next(p.ulysses_degree for p in plans if p.ulysses_degree not in (1, n))
+        raise ValueError(
+            f"comm_kind alltoall is Ulysses over all {n} ranks, but the plan's ulysses_degree is "
+            f"{bad}"
+        )
+    if u > 1:  # the inner method's cost on the group plans, for H/u heads (PlanCost._step_hybrid)
+        inner_method = "zigzag" if kind == "p2p_ring" else "flashcp"
+        outer = batch
+        batch = outer._inner if outer is not None else None
+        if batch is None:
+            batch = PlanBatch(
+                [dataclasses.replace(p.group_plan(), method=inner_method) for p in plans]
+            )
+            if outer is not None:
+                outer._inner = batch
+    elif batch is None:
+        batch = PlanBatch(plans)
+    dims = (len(hws), len(shapes), len(modes), len(plans))
+    out = {c: np.zeros(dims) for c in PHASE_COLUMNS}
+    out.update({c: np.zeros(dims, dtype=np.int64) for c in COMM_COLUMNS})
+    a2a_u = n if kind == "alltoall" else u
+    for b, shape in enumerate(shapes):
+        inner_shape = shape
+        if u > 1:
+            heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, u)
+            inner_shape = AttnShape(
+                heads.heads_per_rank, heads.kv_heads_per_rank, shape.head_dim, shape.dtype
+            )
+        for m, mode in enumerate(modes):
+            vol = batch.volumes(kind, shape, mode, a2a_u, n)
+            for a, hw in enumerate(hws):
+                ph = batch.phases(hw, kind, impl, inner_method, inner_shape, mode, vol)
+                if u > 1:
+                    t = batch.context_len / n
+                    a2a = _alltoall_phases(hw, shape, mode == "train", u, t, 0.0, 0.0)
+                    ph = {c: ph[c] + a2a[c] for c in ph}
+                total = 0.0
+                for c in PHASE_COLUMNS:
+                    if c != "total_ms":
+                        out[c][a, b, m] = ph[c]
+                        total = total + ph[c]
+                out["total_ms"][a, b, m] = total
+                for c in COMM_COLUMNS:
+                    out[c][a, b, m] = vol[c]
+    return out

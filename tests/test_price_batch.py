@@ -1,0 +1,90 @@
+"""Batched pricing (flashcp.sim.cost_model.price_plans) against the per-plan step model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flashcp.comm import AttnShape
+from flashcp.registry import make_plan_for, method_names
+from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
+from flashcp.sim import load_hardware, simulate
+from flashcp.sim.cost_model import price_plans
+from flashcp.sim.impl import impl_plan
+
+HWS = [load_hardware("h100_sxm"), load_hardware("a100_sxm")]
+SHAPES = [AttnShape(16, 16, 128, "bfloat16"), AttnShape(32, 8, 128, "bfloat16")]
+MODES = ["train", "infer"]
+#: every registered method but the ILP (slow; it is priced as any all-gather plan)
+METHODS = [m for m in method_names() if m != "ilp"]
+
+
+def _doc_lens(rng: np.random.Generator, context_len: int) -> np.ndarray:
+    """Packed documents: short ones, some long ones, now and then one huge or a zero-length one."""
+    out, left = [], context_len
+    while left > 0:
+        r = rng.random()
+        d = int(rng.integers(1, context_len)) if r < 0.1 else int(rng.integers(0, 3000))
+        d = min(d, left)
+        out.append(d)
+        left -= d
+    return np.array(out)
+
+
+def _plans(method: str, cp_size: int, count: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    plans = []
+    for k in range(count):
+        c = int(rng.choice([16384, 32768]))
+        d = _doc_lens(rng, c)
+        opts = {}
+        if k % 3 == 2:  # pad tokens after the last document
+            d = d.copy()
+            d[-1] = max(d[-1] - 64, 0)
+            opts["num_pad"] = c - int(d.sum())
+        plans.append(make_plan_for(method, d, cp_size, **opts))
+    return plans
+
+
+def _check(plans, impl="ours"):
+    got = price_plans(plans, SHAPES, MODES, HWS, impl=impl)
+    for a, hw in enumerate(HWS):
+        for b, shape in enumerate(SHAPES):
+            for m, mode in enumerate(MODES):
+                for k, plan in enumerate(plans):
+                    ref = simulate(plan, shape, hw, mode, impl=impl)
+                    for col in PHASE_COLUMNS:
+                        np.testing.assert_allclose(
+                            got[col][a, b, m, k], ref[col], rtol=1e-12, atol=0,
+                            err_msg=f"{plan.method} {hw.name} {shape} {mode} plan {k} {col}",
+                        )  # fmt: skip
+                    for col in COMM_COLUMNS:
+                        assert got[col][a, b, m, k] == ref[col], (plan.method, col)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("cp_size", [4, 8])
+def test_price_plans_equals_per_plan(method, cp_size):
+    _check(_plans(method, cp_size, 6, seed=cp_size))
+
+
+def test_price_plans_mixed_methods_and_cp_sizes():
+    plans = [p for cp in (2, 4) for m in METHODS for p in _plans(m, cp, 1, seed=cp)]
+    _check(plans)
+
+
+@pytest.mark.parametrize("method", ["ring", "zigzag", "llama3"])
+def test_price_plans_ring_flash_attn(method):
+    rng = np.random.default_rng(3)
+    plans = [impl_plan(method, "ring_flash_attn", _doc_lens(rng, 16384), 4)[0] for _ in range(3)]
+    _check(plans, impl="ring_flash_attn")
+
+
+def test_price_plans_errors():
+    plan = make_plan_for("flashcp", [1000, 3000], 2)
+    with pytest.raises(ValueError, match="mode"):
+        price_plans([plan], SHAPES, ["bogus"], HWS)
+    with pytest.raises(ValueError, match="comm_kind"):
+        price_plans([plan], SHAPES, MODES, HWS, comm_kind="bogus")
+    empty = price_plans([], SHAPES, MODES, HWS)
+    assert empty["total_ms"].shape == (2, 2, 2, 0)

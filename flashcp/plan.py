@@ -214,6 +214,10 @@ def kv_bytes(tokens: Any, num_kv_heads: int, head_dim: int, dtype_bytes: int) ->
     return tokens * 2 * num_kv_heads * head_dim * dtype_bytes
 
 
+#: types :func:`json_value` returns as they are
+_JSON_SCALARS = frozenset({type(None), bool, int, float, str})
+
+
 def json_value(value: Any, where: str = "value") -> Any:
     """``value`` as plain JSON types, so that ``json.loads(json.dumps(v)) == v``.
 
@@ -232,6 +236,11 @@ def json_value(value: Any, where: str = "value") -> Any:
         ValueError: a dict key that is not a string, or a value of another type (names
             ``where`` and the type).
     """
+    kind = type(value)
+    if kind in _JSON_SCALARS:  # the common cases first: plans are built in hot loops
+        return value
+    if kind is list and all(type(v) in _JSON_SCALARS for v in value):
+        return list(value)
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, np.generic | np.ndarray):
@@ -829,6 +838,11 @@ def planner_entry(method: str, *, chunks_per_rank: int = 1):
             if pad_to_multiple:
                 num_pad += -(int(d.sum()) + num_pad) % (chunks_per_rank * int(cp_size))
             check_cp_args(int(d.sum()) + num_pad, cp_size, chunks_per_rank)
+            if d.size and d.all():  # no zero-length document: nothing to restore
+                if native_pad:
+                    return func(d, cp_size, num_pad=num_pad, **options)
+                if not num_pad:
+                    return func(d, cp_size, **options)
             kept = np.flatnonzero(d)
             if kept.size == 0:
                 pad = np.full(int(cp_size), num_pad // int(cp_size), dtype=np.int64)

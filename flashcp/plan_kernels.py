@@ -11,7 +11,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["merge_pieces", "plan_ok", "rank_sums"]
+__all__ = [
+    "merge_pieces",
+    "per_doc_layout",
+    "per_doc_sizes",
+    "plan_ok",
+    "rank_sums",
+    "split_packed",
+]
 
 
 @njit(cache=True)
@@ -77,12 +84,11 @@ def plan_ok(cp_size, doc_lens, rank, doc, start, length, pad):
     if pad.ndim != 1 or pad.size != n:
         return False
     num_docs = doc_lens.size
-    cu = np.zeros(num_docs + 1, np.int64)
+    total = 0
     for i in range(num_docs):
         if doc_lens[i] < 0:
             return False
-        cu[i + 1] = cu[i] + doc_lens[i]
-    total = cu[num_docs]
+        total += doc_lens[i]
     tokens = np.zeros(n, np.int64)
     for q in range(n):
         if pad[q] < 0:
@@ -90,27 +96,48 @@ def plan_ok(cp_size, doc_lens, rank, doc, start, length, pad):
         tokens[q] = pad[q]
         total += pad[q]
     m = rank.size
-    key = np.empty(m, np.int64)
+    per_doc = np.zeros(num_docs + 1, np.int64)
     for i in range(m):
         q, x = rank[i], doc[i]
         if length[i] <= 0 or q < 0 or q >= n or (i and q < rank[i - 1]):
             return False
         if x < 0 or x >= num_docs or start[i] < 0 or start[i] + length[i] > doc_lens[x]:
             return False
-        key[i] = cu[x] + start[i]  # the shard's first row in the packed sequence
         tokens[q] += length[i]
-    # each shard lies inside its document: they tile the documents exactly when, in packed
-    # order, they tile the document tokens [0, cu[-1])
-    order = np.argsort(key)
-    pos = 0
-    for i in range(m):
-        if key[order[i]] != pos:
-            return False
-        pos += length[order[i]]
-    if pos != cu[num_docs] or total % n:
+        per_doc[x + 1] += 1
+    if total % n:
         return False
     for q in range(n):
         if tokens[q] != total // n:
+            return False
+    # exact coverage: each document's shards, by start, tile it (a counting sort by document,
+    # then each document's few shards by start)
+    for x in range(num_docs):
+        per_doc[x + 1] += per_doc[x]
+    fill = per_doc[:-1].copy()
+    by_doc = np.empty(m, np.int64)
+    for i in range(m):
+        by_doc[fill[doc[i]]] = i
+        fill[doc[i]] += 1
+    for x in range(num_docs):
+        lo, hi = per_doc[x], per_doc[x + 1]
+        if hi - lo > 32:
+            seg = by_doc[lo:hi]
+            by_doc[lo:hi] = seg[np.argsort(start[seg])]
+        else:
+            for t in range(lo + 1, hi):  # insertion sort by start
+                i = by_doc[t]
+                u = t
+                while u > lo and start[by_doc[u - 1]] > start[i]:
+                    by_doc[u] = by_doc[u - 1]
+                    u -= 1
+                by_doc[u] = i
+        pos = 0
+        for t in range(lo, hi):
+            if start[by_doc[t]] != pos:
+                return False
+            pos += length[by_doc[t]]
+        if pos != doc_lens[x]:
             return False
     return True
 
@@ -143,3 +170,93 @@ def rank_sums(cp_size, doc_lens, rank, doc, start, length):
         if p + s != doc_lens[doc[i]]:
             send[q] += s
     return True, tokens, work, send, shards
+
+
+@njit(cache=True)
+def per_doc_sizes(doc_lens, n, cursor):
+    """:func:`flashcp.layout.per_doc_chunk_sizes` (its docstring says the rule) in one pass:
+    ``(sizes, cursor)``, sizes (n_docs, 2N) int64."""
+    m = doc_lens.size
+    sizes = np.empty((m, 2 * n), np.int64)
+    parity = np.zeros(n, np.int64)  # extra tokens each rank got from the documents before
+    first = cursor % n
+    for i in range(m):
+        d = doc_lens[i]
+        base, rem = d // (2 * n), d % (2 * n)
+        for r in range(n):
+            extra = rem // n + (1 if (r - first) % n < rem % n else 0)
+            front = (extra + (1 if parity[r] % 2 == 0 else 0)) // 2
+            sizes[i, r] = base + front
+            sizes[i, 2 * n - 1 - r] = base + extra - front
+            parity[r] += extra
+        first = (first + rem) % n
+    return sizes, first if m else cursor
+
+
+@njit(cache=True)
+def split_packed(doc_lens, num_chunks, num_pad):
+    """:func:`flashcp.layout.split_packed` (its docstring says what it returns) in one pass, for
+    a chunk size ``(sum(doc_lens) + num_pad) // num_chunks`` >= 1."""
+    m = doc_lens.size
+    cu = np.zeros(m + 1, np.int64)
+    for i in range(m):
+        cu[i + 1] = cu[i] + doc_lens[i]
+    real = cu[m]
+    size = (real + num_pad) // num_chunks
+    cap = m + num_chunks + 1
+    chunk = np.empty(cap, np.int64)
+    doc = np.empty(cap, np.int64)
+    start = np.empty(cap, np.int64)
+    length = np.empty(cap, np.int64)
+    # walk the cuts: document starts and chunk bounds inside the documents, sorted, unique
+    k = 0
+    d = 0
+    pos = 0
+    while pos < real:
+        while cu[d + 1] <= pos:  # the document holding pos (the last of equal starts)
+            d += 1
+        end = min(cu[d + 1], (pos // size + 1) * size)
+        chunk[k], doc[k], start[k], length[k] = pos // size, d, pos - cu[d], end - pos
+        k += 1
+        pos = end
+    chunk_pad = np.zeros(num_chunks, np.int64)
+    for c in range(num_chunks):
+        lo = max(c * size, real)
+        if (c + 1) * size > lo:
+            chunk_pad[c] = (c + 1) * size - lo
+    return chunk[:k].copy(), doc[:k].copy(), start[:k].copy(), length[:k].copy(), chunk_pad
+
+
+@njit(cache=True)
+def per_doc_layout(doc_lens, n, num_pad):
+    """The Per-Doc layout of :func:`baselines.per_doc.per_doc_layout` in one pass: shard columns
+    ``(rank, doc, start, length)`` rank-major, per document chunk r then chunk 2N-1-r, empty
+    chunks left out (:func:`flashcp.layout.per_doc_columns` keeps them for ``make_plan`` to
+    drop), and (N,) pad tokens per rank."""
+    m = doc_lens.size
+    sizes, _ = per_doc_sizes(doc_lens, n, 0)
+    starts = np.empty_like(sizes)
+    for i in range(m):
+        p = 0
+        for j in range(2 * n):
+            starts[i, j] = p
+            p += sizes[i, j]
+    total = num_pad
+    for i in range(m):
+        total += doc_lens[i]
+    cap = 2 * n * m
+    rank = np.empty(cap, np.int64)
+    doc = np.empty(cap, np.int64)
+    start = np.empty(cap, np.int64)
+    length = np.empty(cap, np.int64)
+    pad = np.full(n, total // n, np.int64)
+    k = 0
+    for r in range(n):
+        for i in range(m):
+            for j in (r, 2 * n - 1 - r):
+                s = sizes[i, j]
+                pad[r] -= s
+                if s:
+                    rank[k], doc[k], start[k], length[k] = r, i, starts[i, j], s
+                    k += 1
+    return rank[:k].copy(), doc[:k].copy(), start[:k].copy(), length[:k].copy(), pad

@@ -25,7 +25,7 @@ def per_doc_layout(doc_lens, cp_size: int, method: str, num_pad: int, validate: 
     check_cp_args(int(d.sum()) + num_pad, cp_size)
     kernels = compiled.load("plan")
     if kernels is not None:
-        *cols, pad = kernels.per_doc_layout(d, int(cp_size), int(num_pad))
+        cols, pad = kernels.per_doc_layout(d, int(cp_size), int(num_pad))
         return make_plan(method, cp_size, d, *cols, pad=pad, validate=validate)
     sizes, _ = per_doc_chunk_sizes(d, cp_size)
     cols = per_doc_columns(np.arange(d.size), sizes, cp_size)

@@ -4,7 +4,7 @@ The planners and :class:`~flashcp.plan.Plan` have two implementations of their h
 readable NumPy / pure-Python one (the reference: the paper's Algorithm 1 in
 :mod:`flashcp.heuristic`, the checks in :meth:`flashcp.plan.Plan.validate`), and numba kernels
 that compute the same plans, bit for bit, in microseconds (:mod:`flashcp.plan_kernels`,
-:mod:`flashcp.heuristic_compiled`). The kernels are used when numba can be imported; without it
+:mod:`flashcp.heuristic_compiled`, :mod:`flashcp.refined_compiled`). The kernels are used when numba can be imported; without it
 (e.g. on an image that lacks numba) or with ``FLASHCP_COMPILED=0`` in the environment, every
 caller falls back to the reference, with identical results.
 
@@ -24,7 +24,11 @@ from types import ModuleType
 __all__ = ["enabled", "load"]
 
 #: modules of kernels, by the name callers ask for
-_MODULES = {"plan": "flashcp.plan_kernels", "heuristic": "flashcp.heuristic_compiled"}
+_MODULES = {
+    "plan": "flashcp.plan_kernels",
+    "heuristic": "flashcp.heuristic_compiled",
+    "refined": "flashcp.refined_compiled",
+}
 
 
 @functools.cache
@@ -42,7 +46,7 @@ def enabled() -> bool:
 
 @functools.cache
 def load(name: str) -> ModuleType | None:
-    """The kernels module ``name`` (``"plan"`` or ``"heuristic"``), or None when compiled kernels
+    """The kernels module ``name`` (``"plan"``, ``"heuristic"`` or ``"refined"``), or None when compiled kernels
     are off (:func:`enabled`): the caller then runs its reference implementation.
 
     Raises:

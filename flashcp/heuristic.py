@@ -280,7 +280,7 @@ def _plan(
     tpr = (int(d.sum()) + num_pad) // n
     kernels = compiled.load("heuristic") if compiled_ok else None
     if kernels is not None:
-        ratio, per_doc, *cols, pad = kernels.algorithm1(d, int(n), tpr, float(target_imbalance))
+        ratio, per_doc, cols, pad = kernels.algorithm1(d, int(n), tpr, float(target_imbalance))
         per_doc = per_doc.tolist()
     else:
         ratio, per_doc, cols, pad = _search(d, n, tpr, target_imbalance)

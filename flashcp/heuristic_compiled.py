@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from flashcp.plan_kernels import per_doc_sizes
+from flashcp.plan_kernels import _stack, per_doc_sizes
 
 __all__ = ["algorithm1"]
 
@@ -51,8 +51,11 @@ def _greedy(whole, lens, base_tokens, base_work, n, cap):
 
 
 @njit(cache=True)
-def _has_bit(bits, t):
-    return (bits[t >> 6] >> np.uint64(t & 63)) & np.uint64(1)
+def _has_bit(bits, top, t):
+    """Bit t of a bitset whose words above ``top >> 6`` are not written (all zero)."""
+    if t > top:
+        return False
+    return (bits[t >> 6] >> np.uint64(t & 63)) & np.uint64(1) != 0
 
 
 @njit(cache=True)
@@ -77,35 +80,37 @@ def _exact_subset(own, plen_row, need):
         if total == need:
             return small[:m].copy()
         return np.empty(0, np.int64)
-    # subset sum on bitsets: bit t of reach[i] says t tokens are reachable with small[:i]
+    # subset sum on bitsets: bit t of reach[i] says t tokens are reachable with small[:i]; only
+    # the words up to top[i] (no bit is set above it) are written
     words = (need >> 6) + 1
-    reach = np.zeros((m + 1, words), np.uint64)
+    reach = np.empty((m + 1, words), np.uint64)
+    top = np.zeros(m + 1, np.int64)
     reach[0, 0] = np.uint64(1)
     rows = m
-    reached = 0  # no bit above this is set yet
     for i in range(m):
         s = plen_row[small[i]]
         ws, bs = s >> 6, s & 63
         prev, cur = reach[i], reach[i + 1]
-        reached = min(reached + s, need)
-        for w in range((reached >> 6) + 1):
-            v = prev[w]
+        pw = top[i] >> 6  # prev's last written word
+        top[i + 1] = min(top[i] + s, need)
+        for w in range((top[i + 1] >> 6) + 1):
+            v = prev[w] if w <= pw else np.uint64(0)
             src = w - ws
-            if src >= 0:
+            if 0 <= src <= pw:
                 v |= prev[src] << np.uint64(bs)
-                if bs and src >= 1:
-                    v |= prev[src - 1] >> np.uint64(64 - bs)
+            if bs and 1 <= src <= pw + 1:
+                v |= prev[src - 1] >> np.uint64(64 - bs)
             cur[w] = v
-        if _has_bit(cur, need):
+        if _has_bit(cur, top[i + 1], need):
             rows = i + 1
             break
-    if not _has_bit(reach[rows], need):
+    if not _has_bit(reach[rows], top[rows], need):
         return np.empty(0, np.int64)
     chosen = np.empty(rows, np.int64)
     c = 0
     rem = need
     for i in range(rows, 0, -1):
-        if rem and not _has_bit(reach[i - 1], rem):  # rem needs piece i-1
+        if rem and not _has_bit(reach[i - 1], top[i - 1], rem):  # rem needs piece i-1
             chosen[c] = small[i - 1]
             c += 1
             rem -= plen_row[small[i - 1]]
@@ -261,9 +266,9 @@ def algorithm1(lens, n, tpr, target):
         tpr: C / N.
         target: R.
     Returns:
-        ``(ratio, per_doc, rank, doc, start, length, pad)``: the kept plan's imbalance ratio, its
-        Per-Doc documents (sorted), its shard columns sorted by (rank, doc, start) and (N,) pad
-        tokens per rank.
+        ``(ratio, per_doc, cols, pad)``: the kept plan's imbalance ratio, its Per-Doc documents
+        (sorted), its shard columns (4, n_shards) int64 rank, doc, start, length sorted by (rank,
+        doc, start) and (N,) pad tokens per rank.
     """
     m = lens.size
     order = np.argsort(-lens, kind="mergesort")  # longest first, stable
@@ -328,4 +333,4 @@ def algorithm1(lens, n, tpr, target):
     pad = np.full(n, tpr, np.int64)
     for j in range(i):
         pad[rank[j]] -= length[j]
-    return best_ratio, np.sort(order[:k]), rank, doc, start, length, pad
+    return best_ratio, np.sort(order[:k]), _stack(rank, doc, start, length, i), pad

@@ -31,7 +31,8 @@ def split_packed(doc_lens: np.ndarray, num_chunks: int, num_pad: int = 0) -> tup
     if kernels is not None and type(doc_lens) is np.ndarray and doc_lens.dtype == np.int64:
         total = int(doc_lens.sum()) + int(num_pad)
         if total >= num_chunks and total % num_chunks == 0:  # the planners' case
-            return kernels.split_packed(doc_lens, int(num_chunks), int(num_pad))
+            cols, chunk_pad = kernels.split_packed(doc_lens, int(num_chunks), int(num_pad))
+            return (*cols, chunk_pad)
     cu = cu_seqlens(doc_lens)
     real = int(cu[-1])
     size = (real + int(num_pad)) // num_chunks

@@ -356,10 +356,13 @@ class Plan:
         kernels = compiled.load("plan")
         if kernels is None or not _int64_arrays(self.doc_lens, *self._columns()[1:5]):
             return None
-        ok, *sums = kernels.rank_sums(
+        ok, sums = kernels.rank_sums(
             self.cp_size, self.doc_lens, self.rank, self.doc, self.start, self.length
         )
-        return tuple(sums) if ok else None
+        if not ok:
+            return None
+        ints = sums.astype(np.int64)
+        return ints[0], sums[1], ints[2], ints[3]
 
     @property
     def doc_tokens_per_rank(self) -> np.ndarray:
@@ -404,7 +407,8 @@ class Plan:
         """max over ranks of workload / mean over ranks of workload (1.0 is perfect; 1.0 also
         when there is no work at all)."""
         w = self.workload_per_rank
-        return float(w.max() / w.mean()) if w.any() else 1.0
+        # w.sum() / w.size is w.mean() (the same sum, then the same division), without its wrapper
+        return float(w.max() / (w.sum() / w.size)) if w.any() else 1.0
 
     # ---- head parallelism (docs/design.md §3; flashcp.head_parallel) ---------------------------
     @property
@@ -505,7 +509,9 @@ class Plan:
         h = hashlib.sha256()
         h.update(np.int64(self.cp_size).tobytes())
         for a in (self.doc_lens, self.rank, self.doc, self.start, self.length, self.pad):
-            h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+            if not (a.dtype == np.int64 and a.flags.c_contiguous):
+                a = np.ascontiguousarray(a, dtype=np.int64)
+            h.update(a)  # the buffer itself: its bytes, not a copy
         return h.hexdigest()[:16]
 
     def validate(self) -> None:
@@ -733,7 +739,8 @@ def make_plan(
         and rank.ndim == doc.ndim == start.ndim == length.ndim == 1
         and rank.size == doc.size == start.size == length.size
     ):
-        merged, rank, doc, start, length = kernels.merge_pieces(rank, doc, start, length)
+        merged, cols = kernels.merge_pieces(rank, doc, start, length)
+        rank, doc, start, length = cols
     else:
         keep = length != 0
         if not keep.all():

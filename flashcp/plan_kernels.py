@@ -22,6 +22,15 @@ __all__ = [
 
 
 @njit(cache=True)
+def _stack(a, b, c, d, m):
+    """(4, m) int64 of the first m entries of four columns."""
+    out = np.empty((4, m), np.int64)
+    for i in range(m):
+        out[0, i], out[1, i], out[2, i], out[3, i] = a[i], b[i], c[i], d[i]
+    return out
+
+
+@njit(cache=True)
 def merge_pieces(rank, doc, start, length):
     """The first steps of :func:`flashcp.plan.make_plan`: drop empty pieces, sort the rows stably
     by rank and, when each rank's rows are then in (doc, start) order, merge the pieces of a rank
@@ -30,7 +39,8 @@ def merge_pieces(rank, doc, start, length):
     Args:
         rank, doc, start, length: (n,) int64, one entry per piece in each rank's local order.
     Returns:
-        ``(merged, rank, doc, start, length)``: new (m,) int64 columns; ``merged`` False when some
+        ``(merged, cols)``: cols (4, m) int64, the new columns rank, doc, start, length (one
+        array: each array handed back to Python costs a microsecond); ``merged`` False when some
         rank's rows are not in (doc, start) order, and the columns are then only filtered and
         sorted by rank (the caller merges them in general).
     """
@@ -56,7 +66,7 @@ def merge_pieces(rank, doc, start, length):
         r, d, s, ln = r[order], d[order], s[order], ln[order]
     for i in range(1, keep):
         if r[i] == r[i - 1] and (d[i] < d[i - 1] or (d[i] == d[i - 1] and s[i] < s[i - 1])):
-            return False, r, d, s, ln
+            return False, _stack(r, d, s, ln, keep)
     m = 0
     for i in range(keep):
         if m and r[i] == r[m - 1] and d[i] == d[m - 1] and s[i] == s[m - 1] + ln[m - 1]:
@@ -64,7 +74,7 @@ def merge_pieces(rank, doc, start, length):
         else:
             r[m], d[m], s[m], ln[m] = r[i], d[i], s[i], ln[i]
             m += 1
-    return True, r[:m].copy(), d[:m].copy(), s[:m].copy(), ln[:m].copy()
+    return True, _stack(r, d, s, ln, m)
 
 
 @njit(cache=True)
@@ -151,25 +161,23 @@ def rank_sums(cp_size, doc_lens, rank, doc, start, length):
         doc_lens: (n_docs,) int64.
         rank, doc, start, length: (n_shards,) int64 (ranks in [0, N)).
     Returns:
-        ``(ok, tokens, work, send, shards)``: ``ok`` False (and the sums not computed) when a rank
-        or a document index is out of range; (N,) int64 document tokens, (N,) float64 query-key
-        pairs per head (summed in row order, as ``np.bincount`` with weights does), (N,) int64
-        tokens of shards that do not end their document, (N,) int64 shards.
+        ``(ok, sums)``: ``ok`` False (and the sums not computed) when a rank or a document index
+        is out of range; sums (4, N) float64: document tokens, query-key pairs per head (summed in
+        row order, as ``np.bincount`` with weights does), tokens of shards that do not end their
+        document, shards (integers, exact in float64).
     """
-    tokens = np.zeros(cp_size, np.int64)
-    work = np.zeros(cp_size, np.float64)
-    send = np.zeros(cp_size, np.int64)
-    shards = np.zeros(cp_size, np.int64)
+    sums = np.zeros((4, cp_size), np.float64)
+    tokens, work, send, shards = sums[0], sums[1], sums[2], sums[3]
     for i in range(rank.size):
         q, p, s = rank[i], start[i], length[i]
         if q < 0 or q >= cp_size or doc[i] < 0 or doc[i] >= doc_lens.size:
-            return False, tokens, work, send, shards
+            return False, sums
         tokens[q] += s
         work[q] += float((2 * p + s + 1) * s // 2)
         shards[q] += 1
         if p + s != doc_lens[doc[i]]:
             send[q] += s
-    return True, tokens, work, send, shards
+    return True, sums
 
 
 @njit(cache=True)
@@ -195,8 +203,9 @@ def per_doc_sizes(doc_lens, n, cursor):
 
 @njit(cache=True)
 def split_packed(doc_lens, num_chunks, num_pad):
-    """:func:`flashcp.layout.split_packed` (its docstring says what it returns) in one pass, for
-    a chunk size ``(sum(doc_lens) + num_pad) // num_chunks`` >= 1."""
+    """:func:`flashcp.layout.split_packed` in one pass, for a chunk size ``(sum(doc_lens) +
+    num_pad) // num_chunks`` >= 1: ``(cols, chunk_pad)``, cols (4, n_pieces) int64 the columns
+    chunk, doc, start, length."""
     m = doc_lens.size
     cu = np.zeros(m + 1, np.int64)
     for i in range(m):
@@ -224,13 +233,13 @@ def split_packed(doc_lens, num_chunks, num_pad):
         lo = max(c * size, real)
         if (c + 1) * size > lo:
             chunk_pad[c] = (c + 1) * size - lo
-    return chunk[:k].copy(), doc[:k].copy(), start[:k].copy(), length[:k].copy(), chunk_pad
+    return _stack(chunk, doc, start, length, k), chunk_pad
 
 
 @njit(cache=True)
 def per_doc_layout(doc_lens, n, num_pad):
-    """The Per-Doc layout of :func:`baselines.per_doc.per_doc_layout` in one pass: shard columns
-    ``(rank, doc, start, length)`` rank-major, per document chunk r then chunk 2N-1-r, empty
+    """The Per-Doc layout of :func:`baselines.per_doc.per_doc_layout` in one pass: ``(cols, pad)``,
+    cols (4, n_shards) int64 the shard columns rank, doc, start, length, rank-major, per document chunk r then chunk 2N-1-r, empty
     chunks left out (:func:`flashcp.layout.per_doc_columns` keeps them for ``make_plan`` to
     drop), and (N,) pad tokens per rank."""
     m = doc_lens.size
@@ -259,4 +268,4 @@ def per_doc_layout(doc_lens, n, num_pad):
                 if s:
                     rank[k], doc[k], start[k], length[k] = r, i, starts[i, j], s
                     k += 1
-    return rank[:k].copy(), doc[:k].copy(), start[:k].copy(), length[:k].copy(), pad
+    return _stack(rank, doc, start, length, k), pad

@@ -3,8 +3,9 @@ references: identical plans (digest, status, info, metrics) on sampled and adver
 
 * ``flashcp``: the compiled Algorithm 1 (:mod:`flashcp.heuristic_compiled`) against
   :func:`flashcp.heuristic.plan_flashcp_reference` (the paper's heuristic in plain Python) on
-  10,000+ sequences sampled from the three datasets at 8K-128K, CP 2-16, several targets, and on
-  adversarial inputs.
+  10,000+ sequences sampled from the three datasets at 4K-128K, CP 2-16, several targets, and on
+  adversarial inputs; ``flashcp_refined`` (:mod:`flashcp.refined_compiled`) against
+  :func:`flashcp.refined.plan_flashcp_refined_reference` likewise on 2,010 sequences (2K-128K).
 * every planner: the plan built with every kernel (layouts, ``make_plan``'s merge, the checks,
   the per-rank sums) against the one built with none (NumPy, as without numba).
 * ``Plan.validate``: the compiled check rejects every broken plan the NumPy one rejects.
@@ -26,6 +27,7 @@ from flashcp import compiled
 from flashcp.data import load_distribution, sample_sequences
 from flashcp.heuristic import plan_flashcp, plan_flashcp_reference
 from flashcp.plan import Plan, make_plan
+from flashcp.refined import plan_flashcp_refined, plan_flashcp_refined_reference
 from flashcp.registry import FAST_METHODS, get_planner
 
 pytestmark = pytest.mark.skipif(not compiled.enabled(), reason="numba is not installed")
@@ -35,6 +37,9 @@ DATASETS = ("wlb_llm", "pile", "redpajama")
 #: (context length, sequences per dataset): 10,050 sequences, most of them short (the reference
 #: costs about a millisecond per 128K sequence at CP 8, the compiled planner ~1/20 of that)
 SIZES = ((4096, 2000), (8192, 800), (16384, 400), (32768, 100), (65536, 25), (131072, 25))
+#: the same for flashcp_refined, whose reference (up to 16 packing passes in Python and the
+#: reference Algorithm 1) is ~10x slower: 2,010 sequences, to keep the test within its budget
+SIZES_REFINED = ((2048, 400), (4096, 150), (8192, 80), (32768, 25), (131072, 15))
 CP_SIZES = (2, 3, 4, 6, 8, 12, 16)
 TARGETS = (1.0, 1.02, 1.05, 1.1, 1.3)
 
@@ -69,32 +74,49 @@ def adversarial() -> list[tuple[np.ndarray, int, int]]:
     return cases
 
 
-def test_flashcp_compiled_equals_reference_on_sampled_sequences():
-    """10,050 sampled sequences x (CP, target) drawn per sequence: identical plans."""
+@pytest.mark.parametrize(
+    ("fast_planner", "ref_planner", "sizes"),
+    [
+        (plan_flashcp, plan_flashcp_reference, SIZES),
+        (plan_flashcp_refined, plan_flashcp_refined_reference, SIZES_REFINED),
+    ],
+    ids=["flashcp", "flashcp_refined"],
+)
+def test_compiled_equals_reference_on_sampled_sequences(fast_planner, ref_planner, sizes):
+    """10,050 (flashcp) / 2,010 (flashcp_refined) sampled sequences x (CP, target) drawn per
+    sequence: identical plans."""
     rng = np.random.default_rng(17)
     checked = 0
-    for context_len, count in SIZES:
+    for context_len, count in sizes:
         for ds in DATASETS:
             dist = load_distribution(ds, context_len=context_len)
             for d in sample_sequences(dist, count, context_len, seed=context_len + len(ds)):
                 n = int(rng.choice(CP_SIZES))
                 target = float(rng.choice(TARGETS))
                 pad = -int(d.sum()) % n
-                fast = plan_flashcp(d, n, target_imbalance=target, num_pad=pad)
-                ref = plan_flashcp_reference(d, n, target_imbalance=target, num_pad=pad)
+                fast = fast_planner(d, n, target_imbalance=target, num_pad=pad)
+                ref = ref_planner(d, n, target_imbalance=target, num_pad=pad)
                 assert key(fast, False) == key(ref, False), (ds, context_len, n, target, d.tolist())
                 checked += 1
-    assert checked >= 10_000
+    assert checked == 3 * sum(count for _, count in sizes)
 
 
-def test_flashcp_compiled_equals_reference_on_adversarial_inputs():
+@pytest.mark.parametrize(
+    ("fast_planner", "ref_planner"),
+    [
+        (plan_flashcp, plan_flashcp_reference),
+        (plan_flashcp_refined, plan_flashcp_refined_reference),
+    ],
+    ids=["flashcp", "flashcp_refined"],
+)
+def test_compiled_equals_reference_on_adversarial_inputs(fast_planner, ref_planner):
     for d, n, pad in adversarial():
         for target in (1.0, 1.05, 2.0):
-            fast = plan_flashcp(d, n, target_imbalance=target, num_pad=pad)
-            ref = plan_flashcp_reference(d, n, target_imbalance=target, num_pad=pad)
+            fast = fast_planner(d, n, target_imbalance=target, num_pad=pad)
+            ref = ref_planner(d, n, target_imbalance=target, num_pad=pad)
             assert key(fast) == key(ref), (d.tolist(), n, pad, target)
-        fast = plan_flashcp(d, n, pad_to_multiple=True)
-        assert key(fast) == key(plan_flashcp_reference(d, n, pad_to_multiple=True))
+        fast = fast_planner(d, n, pad_to_multiple=True)
+        assert key(fast) == key(ref_planner(d, n, pad_to_multiple=True))
 
 
 def plan_all(method: str, cases) -> list[tuple]:

@@ -32,6 +32,13 @@ from flashcp.registry import FAST_METHODS, get_planner
 
 pytestmark = pytest.mark.skipif(not compiled.enabled(), reason="numba is not installed")
 
+
+@pytest.fixture(autouse=True)
+def _kernels_from_the_first_call(monkeypatch):
+    """The kernels from the first call (not after the warm-up of ``FLASHCP_COMPILED=auto``)."""
+    monkeypatch.setenv("FLASHCP_COMPILED", "1")
+
+
 REPO = Path(__file__).resolve().parents[1]
 DATASETS = ("wlb_llm", "pile", "redpajama")
 #: (context length, sequences per dataset): 10,050 sequences, most of them short (the reference
@@ -212,6 +219,22 @@ def test_compiled_validate_rejects_every_broken_plan():
         with pytest.raises(ValueError):
             plan.validate()
         assert not compiled.load("plan").plan_ok(plan.cp_size, *plan._columns()), i
+
+
+def test_auto_mode_warms_up_on_the_reference(monkeypatch):
+    """``auto``: the first requests run the reference, later ones the kernels, same plans."""
+    monkeypatch.setenv("FLASHCP_COMPILED", "auto")
+    monkeypatch.setattr(compiled, "_REQUESTS", iter(range(10**9)))
+    d = np.array([900, 300, 40, 8])
+    first = [compiled.load("plan") for _ in range(compiled.WARMUP_CALLS)]
+    assert first == [None] * compiled.WARMUP_CALLS
+    assert compiled.load("plan") is not None
+    monkeypatch.setenv("FLASHCP_COMPILED", "0")
+    assert compiled.load("plan") is None and not compiled.enabled()
+    assert key(plan_flashcp(d, 4)) == key(plan_flashcp_reference(d, 4))
+    monkeypatch.setenv("FLASHCP_COMPILED", "sometimes")
+    with pytest.raises(ValueError, match="FLASHCP_COMPILED"):
+        compiled.load("plan")
 
 
 def test_planners_fall_back_without_numba():

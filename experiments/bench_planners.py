@@ -46,7 +46,7 @@ DATASETS = ("wlb_llm", "pile", "redpajama")
 #: the methods of the paper's Fig. 5 comparison, simulated in the timed sweep
 METHODS = method_names(paper=True)
 #: planners timed per sequence: every fast one, i.e. the Fig. 5 methods and flashcp_refined (speed
-#: goal: <= 2 ms median per 128K sequence at CP 8)
+#: goals: GOALS_MS)
 PLANNERS = method_names(fast=True)
 C = 131072
 #: speed goals, ms median per 128K sequence at CP 8, plan and its metrics included

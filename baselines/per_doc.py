@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashcp import compiled
 from flashcp.kinds import CommKind, OpFamily
 from flashcp.layout import per_doc_chunk_sizes, per_doc_columns
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
@@ -24,6 +25,10 @@ def per_doc_layout(doc_lens, cp_size: int, method: str, num_pad: int, validate: 
     """
     d = check_doc_lens(doc_lens)
     check_cp_args(int(d.sum()) + num_pad, cp_size)
+    kernels = compiled.load("plan")
+    if kernels is not None:
+        cols, pad = kernels.per_doc_layout(d, int(cp_size), int(num_pad))
+        return make_plan(method, cp_size, d, *cols, pad=pad, validate=validate)
     sizes, _ = per_doc_chunk_sizes(d, cp_size)
     cols = per_doc_columns(np.arange(d.size), sizes, cp_size)
     real = sizes[:, :cp_size].sum(axis=0) + sizes[:, cp_size:][:, ::-1].sum(axis=0)  # (N,)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashcp import compiled
 from flashcp.kinds import CommKind, OpFamily
 from flashcp.layout import per_doc_chunk_sizes
 from flashcp.plan import (
@@ -53,7 +54,7 @@ from flashcp.plan import (
 )
 from flashcp.registry import MethodSpec
 
-__all__ = ["plan_flashcp"]
+__all__ = ["plan_flashcp", "plan_flashcp_reference"]
 
 
 def _later_needs(deficits: list[int], surplus: int) -> set[int]:
@@ -264,34 +265,11 @@ def _fewest_cuts_pass(
     return ratio, pieces
 
 
-@planner_entry("flashcp")
-def plan_flashcp(
-    doc_lens,
-    cp_size: int,
-    *,
-    target_imbalance: float = 1.05,
-    num_pad: int = 0,
-    validate: bool = True,
+def _plan(
+    doc_lens, cp_size: int, target_imbalance: float, num_pad: int, validate: bool, compiled_ok: bool
 ) -> Plan:
-    """Plan FlashCP's hybrid Whole-Doc / Per-Doc layout with the paper's heuristic.
-
-    Args:
-        doc_lens: (n_docs,) int, document lengths in packed order (zero-length ones skipped,
-            :func:`~flashcp.plan.planner_entry`).
-        cp_size: N >= 1.
-        target_imbalance: R >= 1, the imbalance ratio to reach (paper default 1.05).
-        num_pad: pad tokens after the last document; C = sum(doc_lens) + num_pad must divide by
-            N. Step 2b fills every rank up to C/N document tokens at most, and the ranks left
-            short hold the pad (no workload, no communication).
-        validate: check the plan's invariants.
-    Returns:
-        A :class:`~flashcp.plan.Plan` with ``method="flashcp"``; ``info`` holds ``per_doc_docs``
-        (indices of Per-Doc documents), ``iterations`` and ``target_imbalance``. ``status`` is
-        ``"ok"`` when the target was met, else ``"target_not_met"`` (then the plan is the best
-        balanced of those tried, normally the all-Per-Doc one).
-    Raises:
-        ValueError: bad lengths, ``cp_size`` < 1, C not divisible by N, or ``target_imbalance`` < 1.
-    """
+    """:func:`plan_flashcp` with the compiled search (:mod:`flashcp.heuristic_compiled`) when
+    ``compiled_ok`` and it is available, else the reference search below."""
     d = check_doc_lens(doc_lens)
     n = cp_size
     check_cp_args(int(d.sum()) + num_pad, n)
@@ -301,16 +279,38 @@ def plan_flashcp(
         ok = False
     if not ok:
         raise ValueError(f"target_imbalance must be a number >= 1, got {target_imbalance!r}")
-    context_len = int(d.sum()) + num_pad
-    tpr = context_len // n
+    tpr = (int(d.sum()) + num_pad) // n
+    kernels = compiled.load("heuristic") if compiled_ok else None
+    if kernels is not None:
+        ratio, per_doc, cols, pad = kernels.algorithm1(d, int(n), tpr, float(target_imbalance))
+        per_doc = per_doc.tolist()
+    else:
+        ratio, per_doc, cols, pad = _search(d, n, tpr, target_imbalance)
+    status = "ok" if ratio <= target_imbalance else "target_not_met"
+    info = {
+        "per_doc_docs": per_doc,
+        "iterations": len(per_doc) + 1,
+        "target_imbalance": float(target_imbalance),
+    }
+    return make_plan("flashcp", n, d, *cols, status=status, info=info, pad=pad, validate=validate)
+
+
+def _search(
+    d: np.ndarray, n: int, tpr: int, target_imbalance: float
+) -> tuple[float, list[int], np.ndarray, np.ndarray]:
+    """Steps 1-2c of Algorithm 1 (module docstring), the reference implementation.
+
+    Returns:
+        ``(ratio, per_doc, cols, pad)``: the kept plan's imbalance ratio, its Per-Doc documents
+        (sorted), its shard columns ``(4, n_shards)`` int64 (rank, doc, start, length) sorted by
+        rank, document and start, and (N,) int64 pad tokens per rank.
+    """
     lens = d.tolist()
     order = np.argsort(-d, kind="stable").tolist()
     mean_work = float(doc_workload(d).sum()) / n
-
     # Per-Doc chunk sizes of every document, in the order documents join the Per-Doc set
     sizes_sorted, _ = per_doc_chunk_sizes(d[order], n)
     size_rows = sizes_sorted.tolist()
-
     base_tokens = [0] * n
     base_work = [0] * n
     best = None
@@ -347,13 +347,61 @@ def plan_flashcp(
     rows.sort()
     cols = np.array(rows, dtype=np.int64).T
     pad = tpr - np.bincount(cols[0], weights=cols[3], minlength=n).astype(np.int64)
-    status = "ok" if ratio <= target_imbalance else "target_not_met"
-    info = {
-        "per_doc_docs": sorted(per_doc_ids),
-        "iterations": k + 1,
-        "target_imbalance": float(target_imbalance),
-    }
-    return make_plan("flashcp", n, d, *cols, status=status, info=info, pad=pad, validate=validate)
+    return ratio, sorted(per_doc_ids), cols, pad
+
+
+_DOC = """Plan FlashCP's hybrid Whole-Doc / Per-Doc layout with the paper's heuristic{which}.
+
+    Args:
+        doc_lens: (n_docs,) int, document lengths in packed order (zero-length ones skipped,
+            :func:`~flashcp.plan.planner_entry`).
+        cp_size: N >= 1.
+        target_imbalance: R >= 1, the imbalance ratio to reach (paper default 1.05).
+        num_pad: pad tokens after the last document; C = sum(doc_lens) + num_pad must divide by
+            N. Step 2b fills every rank up to C/N document tokens at most, and the ranks left
+            short hold the pad (no workload, no communication).
+        validate: check the plan's invariants.
+    Returns:
+        A :class:`~flashcp.plan.Plan` with ``method="flashcp"``; ``info`` holds ``per_doc_docs``
+        (indices of Per-Doc documents), ``iterations`` and ``target_imbalance``. ``status`` is
+        ``"ok"`` when the target was met, else ``"target_not_met"`` (then the plan is the best
+        balanced of those tried, normally the all-Per-Doc one).
+    Raises:
+        ValueError: bad lengths, ``cp_size`` < 1, C not divisible by N, or ``target_imbalance`` < 1.
+    """
+
+
+@planner_entry("flashcp")
+def plan_flashcp(
+    doc_lens,
+    cp_size: int,
+    *,
+    target_imbalance: float = 1.05,
+    num_pad: int = 0,
+    validate: bool = True,
+) -> Plan:
+    return _plan(doc_lens, cp_size, target_imbalance, num_pad, validate, compiled_ok=True)
+
+
+@planner_entry("flashcp")
+def plan_flashcp_reference(
+    doc_lens,
+    cp_size: int,
+    *,
+    target_imbalance: float = 1.05,
+    num_pad: int = 0,
+    validate: bool = True,
+) -> Plan:
+    return _plan(doc_lens, cp_size, target_imbalance, num_pad, validate, compiled_ok=False)
+
+
+plan_flashcp.__doc__ = _DOC.format(
+    which=" (compiled, :mod:`flashcp.heuristic_compiled`, when numba is available; else "
+    ":func:`plan_flashcp_reference`, with the same plans)"
+)
+plan_flashcp_reference.__doc__ = _DOC.format(
+    which=": the readable reference implementation (pure Python), the oracle of the compiled one"
+)
 
 
 #: the method's entry in the registry (declared in pyproject.toml's ``flashcp.methods`` entry points)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flashcp import compiled
 from flashcp.plan import cu_seqlens
 
 __all__ = ["per_doc_chunk_sizes", "per_doc_columns", "split_packed"]
@@ -26,6 +27,12 @@ def split_packed(doc_lens: np.ndarray, num_chunks: int, num_pad: int = 0) -> tup
         in packed order, a piece being the intersection of one chunk with one document;
         ``chunk_pad`` (num_chunks,) int64, pad tokens of each chunk (the last chunks hold them).
     """
+    kernels = compiled.load("plan")
+    if kernels is not None and type(doc_lens) is np.ndarray and doc_lens.dtype == np.int64:
+        total = int(doc_lens.sum()) + int(num_pad)
+        if total >= num_chunks and total % num_chunks == 0:  # the planners' case
+            cols, chunk_pad = kernels.split_packed(doc_lens, int(num_chunks), int(num_pad))
+            return (*cols, chunk_pad)
     cu = cu_seqlens(doc_lens)
     real = int(cu[-1])
     size = (real + int(num_pad)) // num_chunks
@@ -62,6 +69,9 @@ def per_doc_chunk_sizes(
     """
     n = cp_size
     d = np.asarray(doc_lens, dtype=np.int64)
+    kernels = compiled.load("plan")
+    if kernels is not None and d.ndim == 1 and n >= 1:
+        return kernels.per_doc_sizes(d, int(n), int(cursor))
     base, rem = d // (2 * n), d % (2 * n)
     first = (cursor + cu_seqlens(rem)[:-1]) % n  # (n_docs,) rank of each first extra token
     r = np.arange(n)

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from flashcp import compiled
 from flashcp.kinds import CommKind
 
 __all__ = [
@@ -139,6 +140,17 @@ def check_doc_lens(doc_lens: Any, context_len: int | None = None) -> np.ndarray:
         ValueError: non-integer values, a negative length, or (when ``context_len`` is given)
             lengths that do not sum to ``context_len``. The message names the bad value.
     """
+    if type(doc_lens) is np.ndarray and doc_lens.dtype == np.int64 and doc_lens.ndim == 1:
+        arr = doc_lens.copy()  # the common case (a copy, as below): one check
+        if arr.size and arr.min() < 0:
+            i = int(np.argmax(arr < 0))
+            raise ValueError(f"doc_lens must be >= 0, got doc_lens[{i}] = {int(arr[i])}")
+        if context_len is not None and int(arr.sum()) != int(context_len):
+            raise ValueError(
+                f"doc_lens sum to {int(arr.sum())} but context_len = {context_len}; "
+                "pack or cut the documents to context_len first"
+            )
+        return arr
     if isinstance(doc_lens, str | bytes):
         raise ValueError(f"doc_lens must be a sequence of integers, got the string {doc_lens!r}")
     arr = np.asarray(doc_lens)
@@ -202,6 +214,10 @@ def kv_bytes(tokens: Any, num_kv_heads: int, head_dim: int, dtype_bytes: int) ->
     return tokens * 2 * num_kv_heads * head_dim * dtype_bytes
 
 
+#: types :func:`json_value` returns as they are
+_JSON_SCALARS = frozenset({type(None), bool, int, float, str})
+
+
 def json_value(value: Any, where: str = "value") -> Any:
     """``value`` as plain JSON types, so that ``json.loads(json.dumps(v)) == v``.
 
@@ -220,6 +236,11 @@ def json_value(value: Any, where: str = "value") -> Any:
         ValueError: a dict key that is not a string, or a value of another type (names
             ``where`` and the type).
     """
+    kind = type(value)
+    if kind in _JSON_SCALARS:  # the common cases first: plans are built in hot loops
+        return value
+    if kind is list and all(type(v) in _JSON_SCALARS for v in value):
+        return list(value)
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, np.generic | np.ndarray):
@@ -328,9 +349,26 @@ class Plan:
         piece's KV is sent to the ranks holding later ones)."""
         return self.num_shards
 
+    @functools.cached_property
+    def _rank_sums(self) -> tuple[np.ndarray, ...] | None:
+        """``(doc tokens, workload, send tokens, shards)`` per rank from one compiled pass
+        (:func:`flashcp.plan_kernels.rank_sums`), or None: the properties then use NumPy."""
+        kernels = compiled.load("plan")
+        if kernels is None or not _int64_arrays(self.doc_lens, *self._columns()[1:5]):
+            return None
+        ok, sums = kernels.rank_sums(
+            self.cp_size, self.doc_lens, self.rank, self.doc, self.start, self.length
+        )
+        if not ok:
+            return None
+        ints = sums.astype(np.int64)
+        return ints[0], sums[1], ints[2], ints[3]
+
     @property
     def doc_tokens_per_rank(self) -> np.ndarray:
         """(cp_size,) int64, document (non-pad) tokens held by each rank."""
+        if self._rank_sums is not None:
+            return self._rank_sums[0].copy()
         return np.bincount(self.rank, weights=self.length, minlength=self.cp_size).astype(np.int64)
 
     @property
@@ -355,7 +393,10 @@ class Plan:
         """(cp_size,) float64, query-key pairs per head each rank computes: the sum of Eq. 3 over
         its shards; in a head-parallel plan (:attr:`ulysses_degree` u > 1) every rank of a group
         attends over all of its group's tokens for 1/u of the heads, so the group's sum / u."""
-        w = np.bincount(self.rank, weights=self.shard_workload, minlength=self.cp_size)
+        if self._rank_sums is not None:
+            w = self._rank_sums[1].copy()
+        else:
+            w = np.bincount(self.rank, weights=self.shard_workload, minlength=self.cp_size)
         u = self.ulysses_degree
         if u == 1:
             return w
@@ -366,7 +407,8 @@ class Plan:
         """max over ranks of workload / mean over ranks of workload (1.0 is perfect; 1.0 also
         when there is no work at all)."""
         w = self.workload_per_rank
-        return float(w.max() / w.mean()) if w.any() else 1.0
+        # w.sum() / w.size is w.mean() (the same sum, then the same division), without its wrapper
+        return float(w.max() / (w.sum() / w.size)) if w.any() else 1.0
 
     # ---- head parallelism (docs/design.md §3; flashcp.head_parallel) ---------------------------
     @property
@@ -401,6 +443,8 @@ class Plan:
     def send_tokens_per_rank(self) -> np.ndarray:
         """(cp_size,) int64, tokens of each rank's non-last shards: its share of the compact
         sharding-aware all-gather buffer (Eq. 5)."""
+        if self._rank_sums is not None:
+            return self._rank_sums[2].copy()
         w = np.where(self.is_last, 0, self.length)
         return np.bincount(self.rank, weights=w, minlength=self.cp_size).astype(np.int64)
 
@@ -430,6 +474,8 @@ class Plan:
     @property
     def shards_per_rank(self) -> np.ndarray:
         """(cp_size,) int64, shards (= attention segments, one per shard) each rank holds."""
+        if self._rank_sums is not None:
+            return self._rank_sums[3].copy()
         return np.bincount(self.rank, minlength=self.cp_size).astype(np.int64)
 
     @property
@@ -463,7 +509,9 @@ class Plan:
         h = hashlib.sha256()
         h.update(np.int64(self.cp_size).tobytes())
         for a in (self.doc_lens, self.rank, self.doc, self.start, self.length, self.pad):
-            h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+            if not (a.dtype == np.int64 and a.flags.c_contiguous):
+                a = np.ascontiguousarray(a, dtype=np.int64)
+            h.update(a)  # the buffer itself: its bytes, not a copy
         return h.hexdigest()[:16]
 
     def validate(self) -> None:
@@ -476,6 +524,16 @@ class Plan:
         Raises:
             ValueError: naming the first violated invariant.
         """
+        kernels = compiled.load("plan")
+        fast = kernels is not None and _int64_arrays(self.doc_lens, *self._columns()[1:])
+        if fast and kernels.plan_ok(self.cp_size, *self._columns()):
+            return
+        self._validate_reference()
+        if fast:  # the compiled check and this one disagree: a bug in one of them
+            raise RuntimeError(f"plan_ok rejected a plan Plan.validate accepts: {self.to_dict()}")
+
+    def _validate_reference(self) -> None:
+        """:meth:`validate` in NumPy, naming the first violated invariant (ValueError)."""
         n = self.cp_size
         if self.pad.shape != (n,) or (self.pad < 0).any():
             raise ValueError(f"pad must be {n} counts >= 0 (one per rank), got {self.pad.tolist()}")
@@ -641,6 +699,11 @@ class Plan:
         return plan
 
 
+def _int64_arrays(*arrays: Any) -> bool:
+    """True when every argument is a 1-D int64 ndarray (what the compiled kernels take)."""
+    return all(type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == 1 for a in arrays)
+
+
 def make_plan(
     method: str,
     cp_size: int,
@@ -678,13 +741,23 @@ def make_plan(
     doc = np.asarray(doc, dtype=np.int64)
     start = np.asarray(start, dtype=np.int64)
     length = np.asarray(length, dtype=np.int64)
-    keep = length != 0
-    if not keep.all():
-        rank, doc, start, length = rank[keep], doc[keep], start[keep], length[keep]
-    if rank.size > 1 and (np.diff(rank) < 0).any():
-        order = np.argsort(rank, kind="stable")
-        rank, doc, start, length = rank[order], doc[order], start[order], length[order]
-    if rank.size > 1:
+    kernels = compiled.load("plan")
+    merged = False
+    if (
+        kernels is not None
+        and rank.ndim == doc.ndim == start.ndim == length.ndim == 1
+        and rank.size == doc.size == start.size == length.size
+    ):
+        merged, cols = kernels.merge_pieces(rank, doc, start, length)
+        rank, doc, start, length = cols
+    else:
+        keep = length != 0
+        if not keep.all():
+            rank, doc, start, length = rank[keep], doc[keep], start[keep], length[keep]
+        if rank.size > 1 and (np.diff(rank) < 0).any():
+            order = np.argsort(rank, kind="stable")
+            rank, doc, start, length = rank[order], doc[order], start[order], length[order]
+    if rank.size > 1 and not merged:
         # merge pieces of one rank that continue each other inside a document, wherever they sit
         # in the rank's order: the merged shard takes the place of its first piece
         by = np.lexsort((start, doc, rank))
@@ -781,6 +854,11 @@ def planner_entry(method: str, *, chunks_per_rank: int = 1):
             if pad_to_multiple:
                 num_pad += -(int(d.sum()) + num_pad) % (chunks_per_rank * int(cp_size))
             check_cp_args(int(d.sum()) + num_pad, cp_size, chunks_per_rank)
+            if d.size and d.all():  # no zero-length document: nothing to restore
+                if native_pad:
+                    return func(d, cp_size, num_pad=num_pad, **options)
+                if not num_pad:
+                    return func(d, cp_size, **options)
             kept = np.flatnonzero(d)
             if kept.size == 0:
                 pad = np.full(int(cp_size), num_pad // int(cp_size), dtype=np.int64)

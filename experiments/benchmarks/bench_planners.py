@@ -3,11 +3,16 @@
     python experiments/benchmarks/bench_planners.py                       # quick: ~2 minutes
     python experiments/benchmarks/bench_planners.py --sweep-sequences 100000   # the paper's scale
 
-Prints, per method (and ``flashcp_refined``), the median / p90 planning time per 128K sequence at
-CP 4 and 8 (plans per second = 1000 / median ms) and the simulator's time per (plan, shape, mode);
-then the pricing time per plan for both modes and both head counts, the per-plan step model against
-one batched call over all the sampled plans (:func:`flashcp.sim.cost_model.price_plans`; goal
-<= 20 µs per plan).
+Prints, per method (and ``flashcp_refined``) and CP 4 / 8, the median / p90 time to plan a 128K
+sequence and read the plan's metrics (``imbalance_ratio``, ``comm_tokens``, workload per rank,
+``digest``) with the reference implementation (pure Python / NumPy: ``flashcp.compiled`` off, as
+without numba) and with the compiled one, measured in the same run on the same sequences, with
+their ratio and the speed goals at CP 8 met or missed. Then the median / p90 planning time with
+the default implementation (plans per second = 1000 / median ms) and the simulator's time per
+(plan, shape, mode).
+Then the pricing time per plan for both modes and both head counts, the per-plan step model
+against one batched call over all the sampled plans (:func:`flashcp.sim.cost_model.price_plans`;
+goal <= 20 µs per plan).
 Then runs the Fig. 5 sweep exactly as a user does (``flashcp-run -m experiment=fig5
 num_sequences=<n>`` in a subprocess, into a temporary folder: 3 datasets x 5 methods x CP 4/8 x
 16/32 heads x train/infer) and prints its wall time with the breakdown the jobs log: sampling,
@@ -31,9 +36,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
+from flashcp import compiled
 from flashcp.comm import AttnShape
 from flashcp.data import load_distribution, sample_sequences
 from flashcp.registry import get_planner, method_names
@@ -44,13 +51,18 @@ DATASETS = ("wlb_llm", "pile", "redpajama")
 #: the methods of the paper's Fig. 5 comparison, simulated in the timed sweep
 METHODS = method_names(paper=True)
 #: planners timed per sequence: every fast one, i.e. the Fig. 5 methods and flashcp_refined (speed
-#: goal: <= 2 ms median per 128K sequence at CP 8)
+#: goals: GOALS_MS)
 PLANNERS = method_names(fast=True)
 C = 131072
 #: goals: pricing per plan (both modes, both head counts), the paper-scale and the default Fig. 5
 PRICE_GOAL_US = 20.0
 SWEEP_GOAL_S = 300.0
 DEFAULT_SWEEP_GOAL_S = 15.0
+#: speed goals, ms median per 128K sequence at CP 8, plan and its metrics included
+GOALS_MS = {
+    "flashcp": 0.1, "flashcp_refined": 1.0, "llama3": 0.05, "per_doc": 0.05, "ring": 0.05,
+    "zigzag": 0.05,
+}  # fmt: skip
 REPO = Path(__file__).resolve().parents[2]
 #: what a job of ``experiments.run`` logs when it finishes, and what the merge logs
 _JOB = re.compile(
@@ -113,9 +125,52 @@ def main() -> None:
     )
     args = ap.parse_args()
     if not args.sweep_only:
+        compare_planners(args)
         time_planners(args)
         time_pricing(args)
     time_fig5(args)
+
+
+def plan_and_read(planner, d: np.ndarray, cp: int) -> float:
+    """Seconds to plan ``d`` at ``cp`` (validated) and read the metrics a sweep reads."""
+    t0 = time.perf_counter()
+    plan = planner(d, cp)
+    _ = plan.imbalance_ratio, plan.comm_tokens, plan.workload_per_rank, plan.digest()
+    return time.perf_counter() - t0
+
+
+def compare_planners(args: argparse.Namespace) -> None:
+    """Reference vs compiled planning time per sequence, side by side (module docstring)."""
+    os.environ["FLASHCP_COMPILED"] = "1"  # the kernels from the first call, no warm-up
+    print(f"planning + metrics per {C // 1024}K sequence, reference (NumPy / pure Python) vs "
+          f"compiled (numba: {'on' if compiled.enabled() else 'NOT AVAILABLE'}), "
+          f"{args.sequences} sequences x {len(DATASETS)} datasets")  # fmt: skip
+    seqs = [
+        d
+        for ds in DATASETS
+        for d in sample_sequences(
+            load_distribution(ds, context_len=C), args.sequences, C, seed=args.seed
+        )
+    ]
+    t0 = time.perf_counter()
+    for method in PLANNERS:  # compile (first process on this machine) or load the kernels
+        get_planner(method)(seqs[0], 8)
+    print(f"kernels compiled or loaded in {time.perf_counter() - t0:.1f} s")
+    print(f"{'method':<16} {'cp':>3} {'ref_median_ms':>13} {'ref_p90_ms':>10} "
+          f"{'fast_median_ms':>14} {'fast_p90_ms':>11} {'speedup':>8}  goal (CP 8)")  # fmt: skip
+    for method, cp in itertools.product(PLANNERS, (4, 8)):
+        planner = get_planner(method)
+        # one implementation over all sequences, then the other (as a sweep plans: one planner
+        # many times, warm), both within seconds of each other
+        fast = [plan_and_read(planner, d, cp) * 1e3 for d in seqs]
+        with mock.patch.dict(os.environ, {"FLASHCP_COMPILED": "0"}):
+            ref = [plan_and_read(planner, d, cp) * 1e3 for d in seqs]
+        rm, fm = float(np.median(ref)), float(np.median(fast))
+        goal = GOALS_MS.get(method)
+        verdict = f"<= {goal:g} ms: {'met' if fm <= goal else 'MISSED'}" if goal and cp == 8 else ""
+        print(f"{method:<16} {cp:>3} {rm:>13.3f} {np.percentile(ref, 90):>10.3f} {fm:>14.3f} "
+              f"{np.percentile(fast, 90):>11.3f} {rm / fm:>7.1f}x  {verdict}")  # fmt: skip
+    print()
 
 
 def time_planners(args: argparse.Namespace) -> None:

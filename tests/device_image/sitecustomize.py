@@ -1,7 +1,7 @@
 """Loaded at interpreter start-up when this folder leads ``PYTHONPATH``
 (``tests/device_image/as-device-image``): the interpreter then sees the packages of the lent GPU
 machine's image only. Hydra, OmegaConf (and its parser runtime), PuLP, HiGHS, submitit,
-flash-attn and ring-flash-attn fail to import, and an editable install of this project is taken
+flash-attn, ring-flash-attn and numba (so the planners run their reference code) fail to import, and an editable install of this project is taken
 off ``sys.path``, so ``python -m ...`` from the checkout's root imports the checkout, uninstalled,
 as on that machine."""
 
@@ -11,7 +11,7 @@ import sys
 #: top-level packages the GPU machine's image does not have
 ABSENT = frozenset(
     {"hydra", "hydra_plugins", "omegaconf", "antlr4", "pulp", "highspy", "submitit",
-     "flash_attn", "ring_flash_attn"}
+     "flash_attn", "ring_flash_attn", "numba", "llvmlite"}
 )  # fmt: skip
 
 

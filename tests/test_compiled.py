@@ -1,0 +1,266 @@
+"""The compiled planners and plan kernels (numba, :mod:`flashcp.compiled`) against their readable
+references: identical plans (digest, status, info, metrics) on sampled and adversarial inputs.
+
+* ``flashcp``: the compiled Algorithm 1 (:mod:`flashcp.heuristic_compiled`) against
+  :func:`flashcp.heuristic.plan_flashcp_reference` (the paper's heuristic in plain Python) on
+  10,000+ sequences sampled from the three datasets at 4K-128K, CP 2-16, several targets, and on
+  adversarial inputs; ``flashcp_refined`` (:mod:`flashcp.refined_compiled`) against
+  :func:`flashcp.refined.plan_flashcp_refined_reference` likewise on 2,010 sequences (2K-128K).
+* every planner: the plan built with every kernel (layouts, ``make_plan``'s merge, the checks,
+  the per-rank sums) against the one built with none (NumPy, as without numba).
+* ``Plan.validate``: the compiled check rejects every broken plan the NumPy one rejects.
+* without numba (the GPU image, ``tests/device_image``) the planners fall back to the same plans.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flashcp import compiled
+from flashcp.data import load_distribution, sample_sequences
+from flashcp.heuristic import plan_flashcp, plan_flashcp_reference
+from flashcp.plan import Plan, make_plan
+from flashcp.refined import plan_flashcp_refined, plan_flashcp_refined_reference
+from flashcp.registry import FAST_METHODS, get_planner
+
+pytestmark = pytest.mark.skipif(not compiled.enabled(), reason="numba is not installed")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_from_the_first_call(monkeypatch):
+    """The kernels from the first call (not after the warm-up of ``FLASHCP_COMPILED=auto``)."""
+    monkeypatch.setenv("FLASHCP_COMPILED", "1")
+
+
+REPO = Path(__file__).resolve().parents[1]
+DATASETS = ("wlb_llm", "pile", "redpajama")
+#: (context length, sequences per dataset): 10,050 sequences, most of them short (the reference
+#: costs about a millisecond per 128K sequence at CP 8, the compiled planner ~1/20 of that)
+SIZES = ((4096, 2000), (8192, 800), (16384, 400), (32768, 100), (65536, 25), (131072, 25))
+#: the same for flashcp_refined, whose reference (up to 16 packing passes in Python and the
+#: reference Algorithm 1) is ~10x slower: 2,010 sequences, to keep the test within its budget
+SIZES_REFINED = ((2048, 400), (4096, 150), (8192, 80), (32768, 25), (131072, 15))
+CP_SIZES = (2, 3, 4, 6, 8, 12, 16)
+TARGETS = (1.0, 1.02, 1.05, 1.1, 1.3)
+
+
+def key(plan: Plan, summary: bool = True) -> tuple:
+    """What two implementations must agree on (the summary derives from the rest)."""
+    out = plan.digest(), plan.status, json.dumps(plan.info, sort_keys=True)
+    return (*out, plan.summary()) if summary else out
+
+
+def adversarial() -> list[tuple[np.ndarray, int, int]]:
+    """``(doc_lens, cp_size, num_pad)``: one huge document, all tiny ones, documents shorter than
+    2N, zero-length documents, pad, and mixtures."""
+    rng = np.random.default_rng(5)
+    cases = []
+    for n in (1, 2, 3, 4, 8, 16):
+        c = 64 * n
+        cases += [
+            (np.array([c]), n, 0),  # one document
+            (np.ones(c, np.int64), n, 0),  # all tiny
+            (np.array([c - n, *[1] * n]), n, 0),  # one huge, a few tiny
+            (np.array([0, c // 2, 0, 0, c // 2, 0]), n, 0),  # zero-length documents
+            (np.array([c - 3 * n + 1, 1, 2]), n, 3 * n - 4 if n > 1 else 0),  # pad
+            (np.array([2 * n - 1] * 4 + [c - 4 * (2 * n - 1)]), n, 0),  # shorter than 2N
+            (np.array([0] * 3), n, n),  # only pad
+        ]
+        for _ in range(20):
+            k = int(rng.integers(1, 40))
+            lens = rng.integers(0, 3 * c // k + 2, k)
+            pad = int(-lens.sum() % n) + n * int(rng.integers(0, 3))
+            cases.append((lens, n, pad))
+    return cases
+
+
+@pytest.mark.parametrize(
+    ("fast_planner", "ref_planner", "sizes"),
+    [
+        (plan_flashcp, plan_flashcp_reference, SIZES),
+        (plan_flashcp_refined, plan_flashcp_refined_reference, SIZES_REFINED),
+    ],
+    ids=["flashcp", "flashcp_refined"],
+)
+def test_compiled_equals_reference_on_sampled_sequences(fast_planner, ref_planner, sizes):
+    """10,050 (flashcp) / 2,010 (flashcp_refined) sampled sequences x (CP, target) drawn per
+    sequence: identical plans."""
+    rng = np.random.default_rng(17)
+    checked = 0
+    for context_len, count in sizes:
+        for ds in DATASETS:
+            dist = load_distribution(ds, context_len=context_len)
+            for d in sample_sequences(dist, count, context_len, seed=context_len + len(ds)):
+                n = int(rng.choice(CP_SIZES))
+                target = float(rng.choice(TARGETS))
+                pad = -int(d.sum()) % n
+                fast = fast_planner(d, n, target_imbalance=target, num_pad=pad)
+                ref = ref_planner(d, n, target_imbalance=target, num_pad=pad)
+                assert key(fast, False) == key(ref, False), (ds, context_len, n, target, d.tolist())
+                checked += 1
+    assert checked == 3 * sum(count for _, count in sizes)
+
+
+@pytest.mark.parametrize(
+    ("fast_planner", "ref_planner"),
+    [
+        (plan_flashcp, plan_flashcp_reference),
+        (plan_flashcp_refined, plan_flashcp_refined_reference),
+    ],
+    ids=["flashcp", "flashcp_refined"],
+)
+def test_compiled_equals_reference_on_adversarial_inputs(fast_planner, ref_planner):
+    for d, n, pad in adversarial():
+        for target in (1.0, 1.05, 2.0):
+            fast = fast_planner(d, n, target_imbalance=target, num_pad=pad)
+            ref = ref_planner(d, n, target_imbalance=target, num_pad=pad)
+            assert key(fast) == key(ref), (d.tolist(), n, pad, target)
+        fast = fast_planner(d, n, pad_to_multiple=True)
+        assert key(fast) == key(ref_planner(d, n, pad_to_multiple=True))
+
+
+def plan_all(method: str, cases) -> list[tuple]:
+    planner = get_planner(method)
+    return [key(planner(d, n, num_pad=pad, pad_to_multiple=True)) for d, n, pad in cases]
+
+
+def mixed_cases() -> list[tuple[np.ndarray, int, int]]:
+    cases = []
+    for context_len, ds in ((16384, "pile"), (65536, "wlb_llm"), (131072, "redpajama")):
+        seqs = sample_sequences(
+            load_distribution(ds, context_len=context_len), 8, context_len, seed=3
+        )
+        for i, d in enumerate(seqs):
+            n = CP_SIZES[i % len(CP_SIZES)]
+            d = np.insert(d, 1, 0) if i % 3 == 0 else d
+            cases.append((d, n, -int(d.sum()) % (2 * n)))
+    return cases + adversarial()[::3]
+
+
+@pytest.mark.parametrize("method", FAST_METHODS)
+def test_every_planner_same_plans_without_kernels(method, monkeypatch):
+    """Layout kernels, make_plan's merge, the checks and the per-rank sums: the plans (and their
+    metrics) equal those built with NumPy alone, as on a machine without numba."""
+    cases = mixed_cases()
+    fast = plan_all(method, cases)
+    monkeypatch.setattr(compiled, "load", lambda name: None)
+    assert plan_all(method, cases) == fast
+
+
+def test_make_plan_merges_as_numpy_does(monkeypatch):
+    """Pieces out of rank order, out of (doc, start) order, empty, continuing each other."""
+    rng = np.random.default_rng(2)
+    cases = []
+    for _ in range(300):
+        k = int(rng.integers(0, 12))
+        cases.append(
+            (
+                rng.integers(0, 3, k),
+                rng.integers(0, 3, k),
+                rng.integers(0, 4, k) * 2,
+                rng.integers(0, 3, k),
+            )
+        )
+    cases.append(([0, 0, 1, 0], [0, 0, 0, 0], [0, 2, 4, 4], [2, 2, 3, 1]))
+
+    def build():
+        out = []
+        for r, d, s, ln in cases:
+            p = make_plan("x", 3, np.array([20, 20, 20]), r, d, s, ln, validate=False)
+            out.append((p.rank.tolist(), p.doc.tolist(), p.start.tolist(), p.length.tolist()))
+        return out
+
+    fast = build()
+    monkeypatch.setattr(compiled, "load", lambda name: None)
+    assert build() == fast
+
+
+def broken_plans() -> list[Plan]:
+    """Plans that each violate one invariant of Plan.validate."""
+    good = plan_flashcp(np.array([700, 300, 20, 4]), 4)
+    cols = dict(rank=good.rank, doc=good.doc, start=good.start, length=good.length)
+
+    def with_(**change):
+        c = {k: v.copy() for k, v in cols.items()}
+        pad = change.pop("pad", good.pad)
+        for k, (i, v) in change.items():
+            c[k][i] = v
+        return Plan("flashcp", 4, good.doc_lens, **c, pad=np.asarray(pad, np.int64))
+
+    last = good.num_shards - 1
+    return [
+        with_(length=(0, 0)),
+        with_(length=(0, int(good.length[0]) - 1)),
+        with_(start=(last, int(good.start[last]) + 1)),
+        with_(start=(0, -1)),
+        with_(rank=(0, 4)),
+        with_(rank=(last, 0)),
+        with_(doc=(0, 9)),
+        with_(doc=(0, -1)),
+        with_(pad=[1, 0, 0, 0]),
+        with_(pad=[-1, 0, 0, 1]),
+        with_(pad=[0, 0, 0]),
+        with_(pad=[1, 0, 0, 1]),
+    ]  # fmt: skip
+
+
+def test_compiled_validate_rejects_every_broken_plan():
+    assert compiled.load("plan").plan_ok(
+        4, *plan_flashcp(np.array([700, 300, 20, 4]), 4)._columns()
+    )
+    for i, plan in enumerate(broken_plans()):
+        with pytest.raises(ValueError):
+            plan.validate()
+        assert not compiled.load("plan").plan_ok(plan.cp_size, *plan._columns()), i
+
+
+def test_auto_mode_warms_up_on_the_reference(monkeypatch):
+    """``auto``: the first requests run the reference, later ones the kernels, same plans."""
+    monkeypatch.setenv("FLASHCP_COMPILED", "auto")
+    monkeypatch.setattr(compiled, "_REQUESTS", iter(range(10**9)))
+    d = np.array([900, 300, 40, 8])
+    first = [compiled.load("plan") for _ in range(compiled.WARMUP_CALLS)]
+    assert first == [None] * compiled.WARMUP_CALLS
+    assert compiled.load("plan") is not None
+    monkeypatch.setenv("FLASHCP_COMPILED", "0")
+    assert compiled.load("plan") is None and not compiled.enabled()
+    assert key(plan_flashcp(d, 4)) == key(plan_flashcp_reference(d, 4))
+    monkeypatch.setenv("FLASHCP_COMPILED", "sometimes")
+    with pytest.raises(ValueError, match="FLASHCP_COMPILED"):
+        compiled.load("plan")
+
+
+def test_planners_fall_back_without_numba():
+    """On the GPU machine's image (no numba) the planners run the reference code: same plans."""
+    cases = adversarial()[::7]
+    code = (
+        "import json, sys, numpy as np\n"
+        "from flashcp import compiled\n"
+        "from flashcp.registry import get_planner\n"
+        "assert not compiled.enabled(), 'numba was importable'\n"
+        "out = []\n"
+        "for m, d, n, pad in json.load(sys.stdin):\n"
+        "    p = get_planner(m)(np.array(d, dtype=np.int64), n, num_pad=pad, pad_to_multiple=True)\n"
+        "    out.append([p.digest(), p.status, p.info])\n"
+        "print(json.dumps(out))\n"
+    )
+    todo = [[m, d.tolist(), n, pad] for m in FAST_METHODS for d, n, pad in cases]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [str(REPO / "tests/device_image/as-device-image"), sys.executable, "-c", code],
+        input=json.dumps(todo), capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    want = []
+    for m, d, n, pad in todo:
+        p = get_planner(m)(np.array(d, dtype=np.int64), n, num_pad=pad, pad_to_multiple=True)
+        want.append([p.digest(), p.status, p.info])
+    assert got == want

@@ -85,9 +85,13 @@ exactly C / N tokens, an equality knapsack that rounding and diving rarely satis
 large-neighbourhood search over pairs of ranks (:func:`~flashcp.ilp.worker.pair_lns`): keep
 every rank's variables but two ranks' fixed at the incumbent, solve that sub-MIP (the two ranks
 may exchange tails and head pieces and cut documents differently while keeping C / N tokens
-each), and go round the N (N - 1) / 2 pairs until a round brings nothing or half the time limit
-has passed. Every step is a solution of the full model, so the result is a valid MIP start
-and the bound, gap and status keep their meaning.
+each), and go round the N (N - 1) / 2 pairs until a round brings nothing. At CP 8 two or
+three ranks often tie at the maximum communication, and no pair can lower a maximum held by a
+rank outside it; so from a local optimum of pairs the search frees three ranks, then four
+(``lns_max_size``), each set holding the incumbent's rank of highest communication or of highest
+workload, and returns to pairs after any improvement, until half the time limit has passed.
+Every step is a solution of the full model, so the result is a valid MIP start and the bound,
+gap and status keep their meaning.
 
 Solving honestly
 ----------------

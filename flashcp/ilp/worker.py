@@ -271,7 +271,9 @@ def pair_lns(
     to ``max_size``: the objective can only fall when every rank at the maximum communication,
     or every rank at the maximum workload, changes, and at CP 8 such ties between two or three
     ranks are common, so each larger set holds the incumbent's rank of highest communication or
-    of highest workload and ``size - 1`` others. Any improvement returns to pairs. The search
+    of highest workload and ``size - 1`` others (at most N - 1 ranks: all N is the full MIP);
+    each larger size gets one round, at twice ``sub_time_s`` per set, so that at CP 4 the
+    search leaves the branch and bound its time. Any improvement returns to pairs. The search
     stops after the last size's local optimum or at ``deadline`` (``time.perf_counter()``
     seconds). Every incumbent is a solution of the full model, so the result stays a valid MIP
     start; it is written back into ``model.start_vals``.
@@ -342,7 +344,9 @@ def pair_lns(
 
     limit = sub_time_s
     size = 2
-    while time.perf_counter() < deadline and size <= min(max_size, n):
+    # freeing every rank would be the full MIP: at most N - 1 ranks (and pairs even at N = 2)
+    top_size = max(2, min(max_size, n - 1))
+    while time.perf_counter() < deadline and size <= top_size:
         improved, exhausted = False, True
         for free in neighbourhoods(size):
             left = deadline - time.perf_counter()
@@ -372,12 +376,15 @@ def pair_lns(
             h.clearSolver()
         if improved:
             limit, size = sub_time_s, 2
-        elif exhausted or limit >= _LNS_SUB_MAX * sub_time_s:
-            # a local optimum of this size (or no time for it): try larger neighbourhoods
-            limit, size = sub_time_s, size + 1
-        else:  # some set ran out of time: give each set longer
+        elif size > 2 or exhausted or limit >= _LNS_SUB_MAX * sub_time_s:
+            # a local optimum of pairs (or no time for them), or one round of a larger size
+            # (each set twice the pairs' first limit, so the round's cost stays bounded): try
+            # the next size
+            size += 1
+            limit = 2 * sub_time_s
+        else:  # some pair ran out of time: give each pair longer
             limit = min(2 * limit, _LNS_SUB_MAX * sub_time_s)
-    out["max_size"] = min(size, max_size, n)  # the largest neighbourhood tried
+    out["max_size"] = min(size, top_size)  # the largest neighbourhood tried
     h.changeColsCost(ncol, cols, cost)
     out["objective"] = obj
     out["time_s"] = time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """Benchmark of the exact and heuristic FlashCP planners.
 
-Four sweeps, each a list of result rows (written to CSV, then printed as a table):
+Five sweeps, each a list of result rows (written to CSV, then printed as a table):
 
 * ILP time to a proven gap (the Table 2 setup: Pile, N = 4, 128K, 1K-token blocks, imbalance cap
   1.02, warm start ``best``): per sequence, per solver and formulation, the wall time until the

@@ -225,7 +225,7 @@ def bench_wlb_cp8(
     num_sequences: int = 5,
     time_limit_s: float = 60.0,
     gap: float = 0.01,
-    lns_max_sizes=(4,),
+    lns_max_sizes=(2, 4),
     seed: int = 0,
 ) -> list[dict]:
     """The ILP on the CP 8 Table 2 runs (WLB-LLM, N = 8, sampled as flashcp-table2 samples them),
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     )
     ap.add_argument(
         "--lns-max-size",
-        default="4",
+        default="2,4",
         help="cp8 sweep: plan_ilp's lns_max_size values, comma-separated (2: pairs only)",
     )
     ap.add_argument("--sequences", type=int, default=10)

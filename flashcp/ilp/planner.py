@@ -98,7 +98,7 @@ def plan_ilp(
     validate: bool = True,
     lp_rounding: bool = True,
     lns: bool | None = None,
-    lns_max_size: int = 4,
+    lns_max_size: int = 2,
 ) -> Plan:
     """Plan FlashCP's layout by solving the ILP of :mod:`flashcp.ilp`.
 
@@ -155,9 +155,9 @@ def plan_ilp(
             ranks (:func:`flashcp.ilp.worker.pair_lns`: free two ranks, fix the others, solve
             the sub-MIP with HiGHS) until half of ``time_limit_s``; needs a ``warm_start`` and
             ``highspy`` (whatever ``solver`` finishes the solve). None: on when ``highspy`` is
-            installed. After a round of pairs brings nothing, the search frees three ranks, then
-            up to ``lns_max_size`` (>= 2; 2: pairs only), each set holding the rank of highest
-            communication or workload. ``info``: ``lns``, ``lns_start_objective``, ``lns_objective``,
+            installed. ``lns_max_size`` (>= 2; default 2: pairs only): after a round of pairs
+            brings nothing, free three ranks, then up to ``lns_max_size``, each set holding the
+            rank of highest communication or workload (:func:`flashcp.ilp.worker.pair_lns`). ``info``: ``lns``, ``lns_start_objective``, ``lns_objective``,
             ``lns_solves``, ``lns_time_s``, ``lns_max_size`` (the
             largest neighbourhood, in ranks, the search reached).
     Returns:

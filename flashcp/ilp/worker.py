@@ -241,7 +241,7 @@ _LNS_SHARE = 0.5
 #: neighbourhood's objective: a tie-breaker that adds at most 2e-4
 _LNS_TIE = 1e-4
 #: the largest set of ranks a neighbourhood of :func:`pair_lns` frees
-_LNS_MAX_SIZE = 4
+_LNS_MAX_SIZE = 2
 
 
 def _constraint(prob, name: str):
@@ -267,8 +267,8 @@ def pair_lns(
     (never one that makes the objective worse). Pairs are visited in turn (01, 02, ..., 23);
     after a round without improving the objective, each pair gets twice as long (up to
     :data:`_LNS_SUB_MAX` times ``sub_time_s``). When a round of pairs is a local optimum (every
-    pair solved to optimality) or had the longest time, the search frees three ranks, then up
-    to ``max_size``: the objective can only fall when every rank at the maximum communication,
+    pair solved to optimality) or had the longest time, the search stops, or with ``max_size``
+    >= 3 (default 2) frees three ranks, then up to ``max_size``: the objective can only fall when every rank at the maximum communication,
     or every rank at the maximum workload, changes, and at CP 8 such ties between two or three
     ranks are common, so each larger set holds the incumbent's rank of highest communication or
     of highest workload and ``size - 1`` others (at most N - 1 ranks: all N is the full MIP);

@@ -522,3 +522,52 @@ def test_ilp_with_lns_keeps_the_optimum_and_records_it():
         doc_lens, n, block_size=block, max_imbalance=cap, warm_start="flashcp", lns=False
     )
     assert off.info["lns"] is False and off.info["lns_objective"] is None
+
+
+#: an instance (N = 4, 4-token blocks, cap 1.1, seeded by flashcp) where the neighbourhood search
+#: over pairs stops at a local optimum that freeing three ranks improves (found by a search over
+#: random instances)
+LNS_TRIPLE_DOCS = [25, 20, 11, 13, 2, 3, 2]
+
+
+@pytest.mark.skipif("highs" not in _solvers(), reason="needs highspy")
+def test_lns_beyond_pairs_escapes_a_local_optimum_of_pairs():
+    """From the pairs' local optimum, freeing three ranks (one of them a bottleneck) finds a
+    better solution of the model on this instance; every step stays a solution of the model."""
+    from flashcp.ilp.model import Instance, build_model, piece_ranks
+    from flashcp.ilp.worker import pair_lns
+
+    d, n, block, cap = np.array(LNS_TRIPLE_DOCS), 4, 4, 1.1
+    seed = plan_flashcp(d, n, target_imbalance=cap)
+    pdoc, pstart, plen = block_pieces(d, block, (seed.doc, seed.start))
+    inst = Instance(d, n, pdoc, pstart, plen, 1.0, cap)
+    ranks = piece_ranks(seed.rank, seed.doc, seed.start, pdoc, pstart, int(d.sum()))
+    res = {}
+    for size in (2, 3):
+        model = build_model("patterns", inst, ranks)
+        res[size] = pair_lns(model, time.perf_counter() + 60.0, sub_time_s=1.0, max_size=size)
+        assert res[size]["max_size"] == size
+        for v, val in zip(model.start_vars, model.start_vals, strict=True):
+            v.varValue = val
+        assign = model.read()
+        order = np.lexsort((pstart, pdoc, assign))
+        plan = make_plan(
+            "ilp", n, d, assign[order], pdoc[order], pstart[order], plen[order], validate=True
+        )
+        assert plan.imbalance_ratio <= cap * (1 + 1e-9)
+        assert plan_objective(plan, 1.0) <= res[size]["objective"] + 1e-6
+    assert res[3]["objective"] < res[2]["objective"] - 1e-6
+
+
+def test_lns_max_size_is_checked():
+    with pytest.raises(ValueError, match="lns_max_size"):
+        plan_ilp([4, 4], 2, lns_max_size=1)
+
+
+@pytest.mark.skipif("highs" not in _solvers(), reason="needs highspy")
+def test_highs_solves_report_their_nodes_and_iterations():
+    plan = plan_ilp([6, 5, 3, 2], 2, block_size=2, solver="highs", time_limit_s=30, gap=0.0)
+    assert isinstance(plan.info["mip_nodes"], int) and plan.info["mip_nodes"] >= 0
+    assert isinstance(plan.info["lp_iterations"], int) and plan.info["lp_iterations"] >= 0
+    cbc = plan_ilp([6, 5, 3, 2], 2, block_size=2, solver="cbc", time_limit_s=30, lns=False)
+    assert cbc.info["mip_nodes"] is None

@@ -1,11 +1,18 @@
 """Benchmark of the exact and heuristic FlashCP planners.
 
-Four sweeps, each a list of result rows (written to CSV, then printed as a table):
+Five sweeps, each a list of result rows (written to CSV, then printed as a table):
 
 * ILP time to a proven gap (the Table 2 setup: Pile, N = 4, 128K, 1K-token blocks, imbalance cap
   1.02, warm start ``best``): per sequence, per solver and formulation, the wall time until the
   solver proves a relative gap <= ``gap`` (1%), or the time limit; with the final gap, bound and
   whether the warm start was accepted and improved on. Goal: <= 60 s for >= 9 of 10 sequences.
+
+* ILP at CP 8 (the Table 2 runs on WLB-LLM at N = 8: 64K, 96K and 128K, 5 sequences each,
+  flashcp-table2's defaults): per sequence whether the ILP proved a 1% gap within the limit,
+  the gap at the limit, the time to the proof, HiGHS's nodes and simplex iterations (a measure
+  of the work that does not depend on the load) and the load average; per value of
+  ``lns_max_size`` (2: the pair-only neighbourhood search, for comparison). Goal at 128K: a
+  proven 1% gap within 60 s on >= 4 of 5 sequences.
 
 * ILP solve time vs granularity (N = 4): one Pile 128K sequence (warm start ``flashcp``) and one
   8K sequence of 12 random documents (from scratch), over block sizes; model size (pieces,
@@ -16,14 +23,17 @@ Four sweeps, each a list of result rows (written to CSV, then printed as a table
   sequences at 128K with N = 4 and 8; per sequence the median of ``repeats`` runs, then the median
   and p90 over sequences.
 
-Run: ``python -m experiments.benchmarks.bench_ilp`` (the time-to-gap sweep: up to ``sequences x solvers x
-formulations x time_limit_s`` seconds); ``--sweeps all`` adds the other three. Times are wall
+Run: ``python -m experiments.benchmarks.bench_ilp`` (the time-to-gap sweep: up to ``sequences x
+solvers x formulations x time_limit_s`` seconds); ``--sweeps cp8`` runs the CP 8 sweep alone (up
+to ``3 x 5 x time_limit_s`` seconds per ``--lns-max-size`` value); ``--sweeps all`` adds the
+others. Times are wall
 clock with one solver thread; on a shared machine they depend on the load, so say so with them.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import warnings
 from pathlib import Path
@@ -36,6 +46,7 @@ __all__ = [
     "bench_ilp_docs",
     "bench_ilp_granularity",
     "bench_time_to_gap",
+    "bench_wlb_cp8",
     "main",
 ]
 
@@ -85,6 +96,9 @@ def _ilp_row(sweep: str, doc_lens: np.ndarray, cp_size: int, **opts) -> dict:
         "lns_start_objective": info.get("lns_start_objective"),
         "lns_objective": info.get("lns_objective"),
         "lns_time_s": info.get("lns_time_s"),
+        "lns_max_size": info.get("lns_max_size"),
+        "mip_nodes": info.get("mip_nodes"),
+        "lp_iterations": info.get("lp_iterations"),
     }
 
 
@@ -199,6 +213,56 @@ def bench_time_to_gap(
     return rows
 
 
+def _loadavg() -> float | None:
+    """The 1-minute load average (None where the OS does not say)."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return None
+
+
+def bench_wlb_cp8(
+    context_lens=(65536, 98304, 131072),
+    num_sequences: int = 5,
+    time_limit_s: float = 60.0,
+    gap: float = 0.01,
+    lns_max_sizes=(2, 4),
+    seed: int = 0,
+) -> list[dict]:
+    """The ILP on the CP 8 Table 2 runs (WLB-LLM, N = 8, sampled as flashcp-table2 samples them),
+    with flashcp-table2's ILP options (HiGHS, 1K blocks, cap 1.02, warm start ``best``, LP
+    rounding and neighbourhood search, one thread). Per sequence and ``lns_max_size``: proven
+    within ``gap`` (status ``ok``), the gap at the limit, the solve's time (the time to the proof
+    when proven), nodes, simplex iterations and the load average before and after."""
+    from flashcp.config import DEFAULT_HIGHS_OPTIONS
+    from flashcp.data import sample_dataset
+
+    rows = []
+    for context_len in context_lens:
+        seqs, _ = sample_dataset("wlb_llm", num_sequences, context_len, seed=seed)
+        for i, d in enumerate(seqs):
+            for size in lns_max_sizes:
+                load0 = _loadavg()
+                row = _ilp_row(
+                    "wlb_cp8", np.asarray(d), 8, block_size=1024, time_limit_s=time_limit_s,
+                    gap=gap, solver="highs", max_imbalance=1.02, warm_start="best", threads=1,
+                    highs_options=dict(DEFAULT_HIGHS_OPTIONS), lns_max_size=size,
+                    heuristic_target_imbalance=1.02,
+                )  # fmt: skip
+                row.update(seq=i, lns_max_size_option=size, proven=row["status"] == "ok")
+                row.update(loadavg_start=load0, loadavg_end=_loadavg())
+                rows.append(row)
+                print(
+                    f"{context_len // 1024}K seq {i} lns_max_size={size} {row['status']:<10} "
+                    f"gap {row['gap']} wall {row['wall_s']:5.1f} s cpu {row['total_cpu_s'] or 0:5.1f}"
+                    f" s nodes {row['mip_nodes']} lp_iter {row['lp_iterations']} "
+                    f"objective {row['objective']:.5f} bound {row['best_bound']} "
+                    f"load {load0}->{row['loadavg_end']}",
+                    flush=True,
+                )
+    return rows
+
+
 def bench_heuristics(num_sequences: int = 20, repeats: int = 5, seed: int = 0) -> list[dict]:
     """Per-sequence planning time of ``flashcp`` and ``flashcp_refined`` at 128K, N = 4 and 8."""
     from flashcp.data import load_distribution, sample_sequences
@@ -244,7 +308,15 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     from flashcp.results import provenance, write_csv_atomic
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sweeps", default="time_to_gap", help="time_to_gap | all")
+    ap.add_argument("--sweeps", default="time_to_gap", help="time_to_gap | cp8 | all")
+    ap.add_argument(
+        "--contexts", default="65536,98304,131072", help="cp8 sweep: context lengths, tokens"
+    )
+    ap.add_argument(
+        "--lns-max-size",
+        default="2,4",
+        help="cp8 sweep: plan_ilp's lns_max_size values, comma-separated (2: pairs only)",
+    )
     ap.add_argument("--sequences", type=int, default=10)
     ap.add_argument("--solvers", default="highs,cbc")
     ap.add_argument("--formulations", default="patterns", help="patterns,pieces")
@@ -260,16 +332,24 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     )
     ap.add_argument("--out-dir", default="results/bench_ilp")
     args = ap.parse_args(argv)
-    rows = bench_time_to_gap(
-        args.sequences,
-        tuple(args.solvers.split(",")),
-        tuple(args.formulations.split(",")),
-        time_limit_s=args.time_limit,
-        lp_rounding={"on": (True,), "off": (False,), "both": (False, True)}[args.lp_rounding],
-        heuristic_efforts=tuple(
-            None if e == "default" else float(e) for e in args.heuristic_efforts.split(",")
-        ),
+    rows = (
+        []
+        if args.sweeps == "cp8"
+        else bench_time_to_gap(
+            args.sequences,
+            tuple(args.solvers.split(",")),
+            tuple(args.formulations.split(",")),
+            time_limit_s=args.time_limit,
+            lp_rounding={"on": (True,), "off": (False,), "both": (False, True)}[args.lp_rounding],
+            heuristic_efforts=tuple(
+                None if e == "default" else float(e) for e in args.heuristic_efforts.split(",")
+            ),
+        )
     )
+    if args.sweeps in ("cp8", "all"):
+        sizes = tuple(int(v) for v in args.lns_max_size.split(","))
+        contexts = tuple(int(v) for v in args.contexts.split(","))
+        rows += bench_wlb_cp8(contexts, time_limit_s=args.time_limit, lns_max_sizes=sizes)
     if args.sweeps == "all":
         rows += bench_heuristics()
         rows += bench_ilp_granularity(time_limit_s=args.time_limit)
@@ -278,24 +358,38 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     for k, v in provenance().items():
         df[k] = v
     write_csv_atomic(df, Path(args.out_dir) / "bench_ilp.csv")
-    ttg = df[df["sweep"] == "time_to_gap"]
-    print("\n== time to a proven gap <= 1% (Table 2 setup) ==")
-    keys = ["formulation", "solver", "lp_rounding", "heuristic_effort"]
-    for (form, solver, rounding, effort), g in ttg.groupby(keys, sort=False, dropna=False):
-        ok = g[g["proven"]]
-        in_cpu = int((ok["total_cpu_s"] <= args.cpu_goal).sum())
-        print(
-            f"{form:<8} {solver:<5} lp_rounding={rounding!s:<5} effort={effort!s:<5}: "
-            f"proven {len(ok)}/{len(g)} within {args.time_limit:g} s wall, "
-            f"{in_cpu} within {args.cpu_goal:g} CPU-s; median wall / CPU of proven "
-            f"{ok['wall_s'].median():.1f} / {ok['total_cpu_s'].median():.1f} s; "
-            f"mean final gap {pd.to_numeric(g['gap'], errors='coerce').mean():.4f}; "
-            f"mean saving {g['comm_saving'].mean():.4f} <= proven bound "
-            f"{pd.to_numeric(g['saving_upper_bound'], errors='coerce').mean():.4f} "
-            f"(mean saving gap {pd.to_numeric(g['saving_gap'], errors='coerce').mean():.4f}); "
-            f"improved on seed {int(g['improved_on_seed'].sum())}; "
-            f"warm start accepted {int((g['warm_start_accepted'] == True).sum())}"  # noqa: E712
-        )
+    cp8 = df[df["sweep"] == "wlb_cp8"] if "sweep" in df else df.iloc[:0]
+    if len(cp8):
+        print("\n== ILP at CP 8 (WLB-LLM, Table 2 setup): proven within 1% ==")
+        for (ctx, size), g in cp8.groupby(["context_len", "lns_max_size_option"], sort=False):
+            ok = g[g["proven"]]
+            print(
+                f"{ctx // 1024}K lns_max_size={size}: proven {len(ok)}/{len(g)} within "
+                f"{args.time_limit:g} s; gaps {' '.join(f'{v:.4f}' for v in g['gap'])} "
+                f"(mean {pd.to_numeric(g['gap'], errors='coerce').mean():.4f}); time to proof "
+                f"{' '.join(f'{v:.1f}' for v in ok['wall_s'])} s; nodes "
+                f"{' '.join(str(v) for v in g['mip_nodes'])}; load "
+                f"{g['loadavg_start'].min()}-{g['loadavg_end'].max()}"
+            )
+    ttg = df[df["sweep"] == "time_to_gap"] if "sweep" in df else df.iloc[:0]
+    if len(ttg):
+        print("\n== time to a proven gap <= 1% (Table 2 setup) ==")
+        keys = ["formulation", "solver", "lp_rounding", "heuristic_effort"]
+        for (form, solver, rounding, effort), g in ttg.groupby(keys, sort=False, dropna=False):
+            ok = g[g["proven"]]
+            in_cpu = int((ok["total_cpu_s"] <= args.cpu_goal).sum())
+            print(
+                f"{form:<8} {solver:<5} lp_rounding={rounding!s:<5} effort={effort!s:<5}: "
+                f"proven {len(ok)}/{len(g)} within {args.time_limit:g} s wall, "
+                f"{in_cpu} within {args.cpu_goal:g} CPU-s; median wall / CPU of proven "
+                f"{ok['wall_s'].median():.1f} / {ok['total_cpu_s'].median():.1f} s; "
+                f"mean final gap {pd.to_numeric(g['gap'], errors='coerce').mean():.4f}; "
+                f"mean saving {g['comm_saving'].mean():.4f} <= proven bound "
+                f"{pd.to_numeric(g['saving_upper_bound'], errors='coerce').mean():.4f} "
+                f"(mean saving gap {pd.to_numeric(g['saving_gap'], errors='coerce').mean():.4f}); "
+                f"improved on seed {int(g['improved_on_seed'].sum())}; "
+                f"warm start accepted {int((g['warm_start_accepted'] == True).sum())}"  # noqa: E712
+            )
     for sweep, g in df.groupby("sweep", sort=False):
         print(f"\n== {sweep} ==")
         print(

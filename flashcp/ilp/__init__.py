@@ -85,9 +85,16 @@ exactly C / N tokens, an equality knapsack that rounding and diving rarely satis
 large-neighbourhood search over pairs of ranks (:func:`~flashcp.ilp.worker.pair_lns`): keep
 every rank's variables but two ranks' fixed at the incumbent, solve that sub-MIP (the two ranks
 may exchange tails and head pieces and cut documents differently while keeping C / N tokens
-each), and go round the N (N - 1) / 2 pairs until a round brings nothing or half the time limit
-has passed. Every step is a solution of the full model, so the result is a valid MIP start
-and the bound, gap and status keep their meaning.
+each), and go round the N (N - 1) / 2 pairs until a round brings nothing or half the time
+limit has passed. At CP 8 two or three ranks often tie at the maximum communication, and no pair
+can lower a maximum held by a rank outside it; with ``lns_max_size`` 3 or more (default 2:
+pairs only), from a local optimum of pairs the search frees three ranks, then up to
+``lns_max_size``, each set holding the incumbent's rank of highest communication or of highest
+workload, one round per size, and returns to pairs after any improvement. On the WLB-LLM CP 8
+128K runs that was no clear gain at 60 s (better plans on 3 of 5 sequences, worse on 2, whose
+pair-only runs left the branch and bound more time), so it stays off by default.
+Every step is a solution of the full model, so the result is a valid MIP start and the bound,
+gap and status keep their meaning.
 
 Solving honestly
 ----------------

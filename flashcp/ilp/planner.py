@@ -100,6 +100,7 @@ def plan_ilp(
     validate: bool = True,
     lp_rounding: bool = True,
     lns: bool | None = None,
+    lns_max_size: int = 2,
 ) -> Plan:
     """Plan FlashCP's layout by solving the ILP of :mod:`flashcp.ilp`.
 
@@ -156,8 +157,11 @@ def plan_ilp(
             ranks (:func:`flashcp.ilp.worker.pair_lns`: free two ranks, fix the others, solve
             the sub-MIP with HiGHS) until half of ``time_limit_s``; needs a ``warm_start`` and
             ``highspy`` (whatever ``solver`` finishes the solve). None: on when ``highspy`` is
-            installed. ``info``: ``lns``, ``lns_start_objective``, ``lns_objective``,
-            ``lns_solves``, ``lns_time_s``.
+            installed. ``lns_max_size`` (>= 2; default 2: pairs only): after a round of pairs
+            brings nothing, free three ranks, then up to ``lns_max_size``, each set holding the
+            rank of highest communication or workload (:func:`flashcp.ilp.worker.pair_lns`). ``info``: ``lns``, ``lns_start_objective``, ``lns_objective``,
+            ``lns_solves``, ``lns_time_s``, ``lns_max_size`` (the
+            largest neighbourhood, in ranks, the search reached).
     Returns:
         A :class:`~flashcp.plan.Plan` with ``method="ilp"`` and status ``"ok"`` (proven optimal
         within ``gap``), ``"time_limit"`` (incumbent without proof) or ``"fallback"``. ``info``:
@@ -167,7 +171,8 @@ def plan_ilp(
         unknown), ``saving_upper_bound`` (:func:`saving_bound`), ``seed_objective``,
         ``seed_method``, ``warm_start_given``, ``warm_start_accepted``, ``warm_start_source``,
         ``lp_rounding``, ``lp_bound`` (the root LP relaxation), ``lp_rounded_objective``,
-        ``threads``, ``fallback_method`` (after a fallback), ``block_size``,
+        ``threads``, ``mip_nodes`` and ``lp_iterations`` (HiGHS's
+        branch-and-bound nodes and simplex iterations of the MIP; None under CBC), ``fallback_method`` (after a fallback), ``block_size``,
         ``num_grid_pieces`` (pieces of the grid, not of the plan: :attr:`Plan.num_pieces`), ``num_binaries``, ``num_integers``, ``build_time_s``, ``solve_time_s``,
         ``solve_cpu_s`` (the MIP alone), ``total_cpu_s`` (the worker: build, LP rounding, LNS
         and MIP), ``wall_time_s``, ``time_limit_s``, ``comm_weight``, ``max_imbalance``, ``warm_start``.
@@ -208,6 +213,8 @@ def plan_ilp(
         lns = _have_highs()
     elif lns and not _have_highs():
         raise ValueError("lns=True needs the highspy package: pip install 'flashcp[highs]'")
+    if isinstance(lns_max_size, bool) or not isinstance(lns_max_size, int) or lns_max_size < 2:
+        raise ValueError(f"lns_max_size must be an integer >= 2, got {lns_max_size!r}")
     highs_options = dict(highs_options or {})
     if highs_options:
         if solver != "highs":
@@ -237,6 +244,7 @@ def plan_ilp(
         "highs_options": highs_options,
         "lp_rounding": bool(lp_rounding) and seed is not None,
         "lns": bool(lns) and seed is not None,
+        "lns_max_size": int(lns_max_size),
         "seed_objective": None if seed is None else plan_objective(seed, comm_weight),
     }
     res = run_job(job, time_limit_s, watchdog_grace_s)
@@ -276,6 +284,9 @@ def plan_ilp(
         "lns_time_s": res.get("lns_time_s"),
         "lp_bound": res.get("lp_bound"),
         "lp_rounded_objective": res.get("lp_rounded_objective"),
+        "lns_max_size": res.get("lns_max_size"),
+        "mip_nodes": res.get("mip_nodes"),
+        "lp_iterations": res.get("lp_iterations"),
     }
     error = res.get("error")
     if res["sol"] in ("optimal", "feasible"):

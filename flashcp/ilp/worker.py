@@ -240,6 +240,8 @@ _LNS_SHARE = 0.5
 #: weight of the two freed ranks' own communication (head tokens over C / N) in a
 #: neighbourhood's objective: a tie-breaker that adds at most 2e-4
 _LNS_TIE = 1e-4
+#: the largest set of ranks a neighbourhood of :func:`pair_lns` frees
+_LNS_MAX_SIZE = 2
 
 
 def _constraint(prob, name: str):
@@ -248,7 +250,9 @@ def _constraint(prob, name: str):
     return get(name) if get is not None else prob.constraints[name]
 
 
-def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str, Any]:
+def pair_lns(
+    model, deadline: float, sub_time_s: float = _LNS_SUB_S, max_size: int = _LNS_MAX_SIZE
+) -> dict[str, Any]:
     """Improve ``model``'s MIP start by large-neighbourhood search over pairs of ranks.
 
     The objective is a max over ranks (imbalance, Eq. 3; communication, Eq. 5), and the MIP's own
@@ -262,14 +266,21 @@ def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str
     move that keeps the objective and sends fewer head tokens from the pair is taken too
     (never one that makes the objective worse). Pairs are visited in turn (01, 02, ..., 23);
     after a round without improving the objective, each pair gets twice as long (up to
-    :data:`_LNS_SUB_MAX` times ``sub_time_s``), and the search stops when such a round solved
-    every pair to optimality (a local optimum) or had the longest time, or at ``deadline`` (``time.perf_counter()``
-    seconds). Every
-    incumbent is a solution of the full model, so the result stays a valid MIP start; it is
-    written back into ``model.start_vals``.
+    :data:`_LNS_SUB_MAX` times ``sub_time_s``). When a round of pairs is a local optimum (every
+    pair solved to optimality) or had the longest time, the search stops, or with ``max_size``
+    >= 3 (default 2) frees three ranks, then up to ``max_size``: the objective can only fall when every rank at the maximum communication,
+    or every rank at the maximum workload, changes, and at CP 8 such ties between two or three
+    ranks are common, so each larger set holds the incumbent's rank of highest communication or
+    of highest workload and ``size - 1`` others (at most N - 1 ranks: all N is the full MIP);
+    each larger size gets one round, at twice ``sub_time_s`` per set, so that at CP 4 the
+    search leaves the branch and bound its time. Any improvement returns to pairs. The search
+    stops after the last size's local optimum or at ``deadline`` (``time.perf_counter()``
+    seconds). Every incumbent is a solution of the full model, so the result stays a valid MIP
+    start; it is written back into ``model.start_vals``.
 
-    Returns ``{"start_objective", "objective", "solves", "time_s"}`` (objectives of the model's
-    objective; equal when nothing improved or the model has no start or no ``rank_vars``).
+    Returns ``{"start_objective", "objective", "solves", "time_s", "max_size"}`` (objectives of
+    the model's objective, equal when nothing improved or the model has no start or no
+    ``rank_vars``; ``max_size``: the largest set of ranks freed).
     """
     import itertools
 
@@ -277,7 +288,7 @@ def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str
     import pulp
 
     t0 = time.perf_counter()
-    out = {"start_objective": None, "objective": None, "solves": 0, "time_s": 0.0}
+    out = {"start_objective": None, "objective": None, "solves": 0, "time_s": 0.0, "max_size": None}
     if not model.start_vars or model.rank_vars is None:
         return out
     slv = pulp.HiGHS(msg=False, threads=1)
@@ -305,20 +316,45 @@ def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str
     # without the maximum: a tie-breaker in each neighbourhood, so that freeing two ranks can
     # also move head tokens off them while the maximum stays on a rank outside the pair
     comm = np.zeros((n, ncol))
+    work = np.zeros((n, ncol))
     for r in range(n):
         for v, c in _constraint(model.prob, f"comm_{r}").items():
             if v.index is not None and rank[v.index] >= 0:
                 comm[r, v.index] = c
+        for v, c in _constraint(model.prob, f"work_{r}").items():
+            if v.index is not None and rank[v.index] >= 0:
+                work[r, v.index] = c
+
+    def neighbourhoods(size: int) -> list[tuple[int, ...]]:
+        """Pairs in turn; larger sets only around the bottleneck ranks of the incumbent (the
+        objective can only fall when every rank at the maximum workload, or every rank at the
+        maximum communication, changes): each such set holds the rank of highest communication
+        or of highest workload, and ``size - 1`` others."""
+        if size == 2:
+            return list(itertools.combinations(range(n), 2))
+        sets: list[tuple[int, ...]] = []
+        for key in (comm @ cur, work @ cur):
+            top = int(np.argmax(key))
+            rest = [r for r in range(n) if r != top]
+            for others in itertools.combinations(rest, size - 1):
+                s = tuple(sorted((top, *others)))
+                if s not in sets:
+                    sets.append(s)
+        return sets
+
     limit = sub_time_s
-    while time.perf_counter() < deadline:
+    size = 2
+    # freeing every rank would be the full MIP: at most N - 1 ranks (and pairs even at N = 2)
+    top_size = max(2, min(max_size, n - 1))
+    while time.perf_counter() < deadline and size <= top_size:
         improved, exhausted = False, True
-        for a, b in itertools.combinations(range(n), 2):
+        for free in neighbourhoods(size):
             left = deadline - time.perf_counter()
             if left <= 0.1:
                 break
-            fix = (rank >= 0) & (rank != a) & (rank != b)
+            fix = (rank >= 0) & ~np.isin(rank, free)
             h.changeColsBounds(ncol, cols, np.where(fix, cur, lower), np.where(fix, cur, upper))
-            tie = _LNS_TIE * (comm[a] + comm[b])
+            tie = _LNS_TIE * comm[list(free)].sum(axis=0)
             h.changeColsCost(ncol, cols, cost + tie)
             h.setOptionValue("time_limit", min(limit, left))
             start = highspy.HighsSolution()
@@ -339,11 +375,16 @@ def pair_lns(model, deadline: float, sub_time_s: float = _LNS_SUB_S) -> dict[str
                     obj, cur = min(obj, new), sol
             h.clearSolver()
         if improved:
-            limit = sub_time_s
-        elif exhausted or limit >= _LNS_SUB_MAX * sub_time_s:  # a local optimum, or no time
-            break
+            limit, size = sub_time_s, 2
+        elif size > 2 or exhausted or limit >= _LNS_SUB_MAX * sub_time_s:
+            # a local optimum of pairs (or no time for them), or one round of a larger size
+            # (each set twice the pairs' first limit, so the round's cost stays bounded): try
+            # the next size
+            size += 1
+            limit = 2 * sub_time_s
         else:  # some pair ran out of time: give each pair longer
             limit = min(2 * limit, _LNS_SUB_MAX * sub_time_s)
+    out["max_size"] = min(size, top_size)  # the largest neighbourhood tried
     h.changeColsCost(ncol, cols, cost)
     out["objective"] = obj
     out["time_s"] = time.perf_counter() - t0
@@ -386,7 +427,10 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     ``solve_cpu_s`` (CPU seconds of the solve: on a loaded machine, what the solver really got),
     ``total_cpu_s`` (CPU seconds of the whole job: build, LP rounding, LNS and solve),
     ``lp_bound`` (the root LP relaxation's objective), ``lp_rounded_objective``,
-    ``warm_start_source`` (``heuristic`` / ``lp_rounding`` / None) and ``instance`` (the refined
+    ``warm_start_source`` (``heuristic`` / ``lp_rounding`` / None), ``mip_nodes`` and
+    ``lp_iterations`` (HiGHS's branch-and-bound nodes and simplex iterations of the MIP, None
+    under CBC: deterministic measures of the work done, unlike times on a loaded machine),
+    ``lns_max_size`` and ``instance`` (the refined
     instance whose pieces ``assign`` refers to, when the rounded start refined the grid; else None).
     """
     import pulp
@@ -417,6 +461,9 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
         "lns_objective": None,
         "lns_solves": None,
         "lns_time_s": None,
+        "lns_max_size": None,
+        "mip_nodes": None,
+        "lp_iterations": None,
     }
     inst, seed_rank = job["instance"], job["seed_rank"]
     try:
@@ -436,12 +483,13 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     if job.get("lns") and model.start_vars:
         limit = job["time_limit_s"]
         deadline = t0 + _LNS_SHARE * limit if limit is not None else float("inf")
-        lns = pair_lns(model, deadline)
+        lns = pair_lns(model, deadline, max_size=job.get("lns_max_size", _LNS_MAX_SIZE))
         out.update(
             lns_start_objective=lns["start_objective"],
             lns_objective=lns["objective"],
             lns_solves=lns["solves"],
             lns_time_s=lns["time_s"],
+            lns_max_size=lns.get("max_size"),
         )
     prob = model.prob
     start = bool(model.start_vars)
@@ -504,7 +552,12 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
             slv.callSolver(prob)
             status, sol = slv.findSolutionValues(prob)
             prob.assignStatus(status, sol)
-            bound = float(h.getInfo().mip_dual_bound)
+            hinfo = h.getInfo()
+            bound = float(hinfo.mip_dual_bound)
+            out.update(
+                mip_nodes=int(hinfo.mip_node_count),
+                lp_iterations=int(hinfo.simplex_iteration_count),
+            )
             accepted = _highs_start_accepted(log_path) if start else None
     except pulp.PulpSolverError as exc:  # the solver crashed or wrote no solution
         out.update(error=str(exc), solve_time_s=time.perf_counter() - t1)

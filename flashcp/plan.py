@@ -141,31 +141,27 @@ def check_doc_lens(doc_lens: Any, context_len: int | None = None) -> np.ndarray:
             lengths that do not sum to ``context_len``. The message names the bad value.
     """
     if type(doc_lens) is np.ndarray and doc_lens.dtype == np.int64 and doc_lens.ndim == 1:
-        arr = doc_lens.copy()  # the common case (a copy, as below): one check
-        if arr.size and arr.min() < 0:
-            i = int(np.argmax(arr < 0))
-            raise ValueError(f"doc_lens must be >= 0, got doc_lens[{i}] = {int(arr[i])}")
-        if context_len is not None and int(arr.sum()) != int(context_len):
+        arr = doc_lens.copy()  # the common case: nothing to convert
+    else:
+        if isinstance(doc_lens, str | bytes):
             raise ValueError(
-                f"doc_lens sum to {int(arr.sum())} but context_len = {context_len}; "
-                "pack or cut the documents to context_len first"
+                f"doc_lens must be a sequence of integers, got the string {doc_lens!r}"
             )
-        return arr
-    if isinstance(doc_lens, str | bytes):
-        raise ValueError(f"doc_lens must be a sequence of integers, got the string {doc_lens!r}")
-    arr = np.asarray(doc_lens)
-    if arr.ndim != 1:
-        raise ValueError(f"doc_lens must be one-dimensional, got shape {arr.shape}")
-    if arr.size == 0:
+        arr = np.asarray(doc_lens)
+        if arr.ndim != 1:
+            raise ValueError(f"doc_lens must be one-dimensional, got shape {arr.shape}")
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.dtype.kind == "f":
+            bad = arr[~np.isfinite(arr) | (arr != np.round(arr))]
+            if bad.size:
+                raise ValueError(f"doc_lens must be integers, got {bad[0]!r}")
+        elif arr.dtype.kind not in "iu":
+            raise ValueError(
+                f"doc_lens must be integers, got dtype {arr.dtype} (e.g. {arr.flat[0]!r})"
+            )
         arr = arr.astype(np.int64)
-    if arr.dtype.kind == "f":
-        bad = arr[~np.isfinite(arr) | (arr != np.round(arr))]
-        if bad.size:
-            raise ValueError(f"doc_lens must be integers, got {bad[0]!r}")
-    elif arr.dtype.kind not in "iu":
-        raise ValueError(f"doc_lens must be integers, got dtype {arr.dtype} (e.g. {arr.flat[0]!r})")
-    arr = arr.astype(np.int64)
-    if (arr < 0).any():
+    if arr.size and arr.min() < 0:
         i = int(np.argmax(arr < 0))
         raise ValueError(f"doc_lens must be >= 0, got doc_lens[{i}] = {int(arr[i])}")
     if context_len is not None and int(arr.sum()) != int(context_len):

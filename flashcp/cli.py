@@ -273,7 +273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 on success, 2 on bad input (one line on stderr).
     """
-    parser = build_parser()
+    try:
+        parser = build_parser()  # lists the registered methods: a bad declaration raises here
+    except ValueError as exc:
+        print(f"flashcp: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # usage errors (status 2) and --help (status 0)

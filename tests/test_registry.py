@@ -230,6 +230,25 @@ def test_bad_declarations_are_named(monkeypatch):
     assert method_names() == ("ring",)  # discovered once, on first use
 
 
+def test_a_bad_declaration_is_one_line_before_any_work(monkeypatch, capsys):
+    """``flashcp plan`` (whose parser lists the methods) and the launch checks of every Hydra
+    command report a declaration that does not load as one line, before any job."""
+    from experiments.common.launch import launch_problem
+    from flashcp.cli import main
+
+    eps = [
+        (metadata.EntryPoint("spiral", "no_such_pkg.spiral:METHOD", ENTRY_POINT_GROUP), "a test")
+    ]
+    for key, value in (("_declared", lambda: eps), ("_REGISTRY", {}), ("_SOURCES", {}),
+                       ("_discovered", [])):  # fmt: skip
+        monkeypatch.setattr(registry, key, value)
+    assert main(["plan", "--method", "llama3", "--cp-size", "2", "--doc-lens", "4,4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'spiral'" in err[0] and "does not load" in err[0], err
+    problem = launch_problem(None, multirun=False)
+    assert problem is not None and "does not load" in problem
+
+
 def test_the_core_imports_neither_baselines_nor_torch():
     code = (
         "import sys, flashcp, flashcp.registry, flashcp.plan\n"

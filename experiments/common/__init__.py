@@ -69,7 +69,9 @@ Adding an experiment with its own command ``flashcp-<name>``:
        if __name__ == "__main__":
            cli()
 
-3. its console script in ``pyproject.toml``: ``flashcp-<name> = "experiments.<name>:cli"``.
+3. its console script in ``pyproject.toml``: ``flashcp-<name> = "experiments.<name>:cli"``
+   (the script exists once the project is installed again, ``pip install -e .``;
+   ``python -m experiments.<name>`` runs at once).
 
 Nothing else changes: ``flashcp-run experiment=<name>`` names the new command, its ``--help``
 lists its fields, and the tests of every experiment's config and command pick it up from

@@ -296,6 +296,12 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
     callback receives it at ``on_run_start`` / ``on_multirun_start``; ``prog`` the command that
     composed it (``flashcp-run`` or an experiment's command,
     :func:`experiments.common.entry.experiment_commands`)."""
+    from flashcp.registry import method_names
+
+    try:
+        method_names()  # the registry's declarations load (a bad one would fail every job)
+    except ValueError as exc:
+        return str(exc)
     choices = config.hydra.runtime.choices
     experiment = choices.get("experiment")
     if prog != PROG and multirun:

@@ -342,7 +342,9 @@ def check_config(cfg: Any) -> None:
     from flashcp.registry import get_method
 
     if cfg.dataset.name == "file" and cfg.dataset.path is None:
-        raise ValueError("dataset=file needs dataset.path=<a .txt, .csv or .npy file of lengths>")
+        raise ValueError(
+            "dataset=file needs dataset.path=<a file of lengths: text, CSV, Parquet, JSON or .npy>"
+        )
     get_method(cfg.method.name)  # ValueError naming the known methods
     if cfg.cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cfg.cp_size}")

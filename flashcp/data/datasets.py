@@ -83,7 +83,9 @@ def load_distribution(
         return StressNormal(context_len)
     if name == "file":
         if path is None:
-            raise ValueError("dataset 'file' needs path (a .txt, .csv or .npy file of lengths)")
+            raise ValueError(
+                "dataset 'file' needs path (a file of lengths: text, CSV, Parquet, JSON or .npy)"
+            )
         return EmpiricalDistribution(read_lengths_file(path), name="file", source=str(path))
     table = Path(data_dir) if data_dir is not None else default_data_dir()
     table = table / _TABLE_FILES[name]

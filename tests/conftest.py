@@ -7,6 +7,11 @@ forked gloo ranks of ``mp_utils.run_ranks`` set the same.
 Hypothesis runs derandomised (profile ``ci``, the default): every run of the suite tries the same
 examples, so a failure reproduces and a pass means the same thing on every machine.
 ``HYPOTHESIS_PROFILE=explore`` draws fresh random examples (to look for new failures locally).
+
+The compiled (numba) planner kernels are compiled once, in this process, before any test: the
+multi-rank tests fork their ranks from it (they inherit the loaded kernels) and later processes
+load them from the cache, instead of several processes compiling them at once on a fresh checkout
+(a minute each on two busy cores).
 """
 
 from __future__ import annotations
@@ -28,3 +33,24 @@ def _one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _compiled_kernels_once():
+    from flashcp import compiled
+
+    old = os.environ.get("FLASHCP_COMPILED")
+    if old != "0":
+        os.environ["FLASHCP_COMPILED"] = "1"  # kernels from the first call
+        try:
+            if compiled.enabled():
+                from flashcp.registry import make_plan_for
+
+                for method in ("llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined"):
+                    make_plan_for(method, [3000, 1000, 64, 32], 4)
+        finally:
+            if old is None:
+                del os.environ["FLASHCP_COMPILED"]
+            else:
+                os.environ["FLASHCP_COMPILED"] = old
+    yield

@@ -50,7 +50,7 @@ from flashcp.ops.collectives import (
 from flashcp.ops.ring_attn import RingMeta, prepare_ring_meta, ring_backward, ring_forward
 from flashcp.ops.ring_comm import RingComm
 from flashcp.ops.timing import as_timer
-from flashcp.ops.ulysses_attn import gather_heads, scatter_heads
+from flashcp.ops.ulysses_attn import fold_kv_grads, gather_heads, scatter_heads
 from flashcp.plan import Plan
 
 __all__ = [
@@ -262,14 +262,9 @@ def hybrid_backward(dout, saved, meta: HybridMeta, heads: UlyssesHeads, groups: 
         dkv_h = _pad_rows(torch.cat([dk_h, dv_h], 1).to(kv_dtype), u * t)
     dq = gather_heads(dq_h, u, groups.intra, counter, timer)
     dkv = gather_heads(dkv_h, u, groups.intra, counter, timer)  # (T, 2 u h_kv, D)
-    with timer.phase("others"):
-        hd = q_h.shape[2]
-        dkv = dkv.reshape(t, u, 2, heads.kv_heads_per_rank, hd).transpose(1, 2)
-        dkv = dkv.reshape(t, 2, r * heads.num_kv_heads, hd)
-        if r > 1:  # replicas of a KV head are adjacent: sum them in float32 or wider
-            acc = torch.promote_types(kv_dtype, torch.float32)
-            dkv = dkv.to(acc).reshape(t, 2, heads.num_kv_heads, r, hd).sum(3)
-        dk, dv = dkv.to(k_h.dtype).unbind(1)
+    with timer.phase("others"):  # replicas of a KV head summed in float32 or wider
+        acc = torch.promote_types(kv_dtype, torch.float32)
+        dk, dv = fold_kv_grads(dkv, heads, acc, k_h.dtype)
     return dq, dk, dv
 
 

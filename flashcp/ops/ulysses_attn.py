@@ -45,6 +45,7 @@ from flashcp.plan import Plan, cu_seqlens
 __all__ = [
     "UlyssesAttnFunction",
     "UlyssesMeta",
+    "fold_kv_grads",
     "gather_heads",
     "prepare_ulysses",
     "scatter_heads",
@@ -238,14 +239,31 @@ def ulysses_backward(dout, saved, meta: UlyssesMeta, heads: UlyssesHeads, group,
     dq = gather_heads(dq_h, u, group, counter, timer)
     dkv = gather_heads(dkv_h, u, group, counter, timer)  # (T, 2 u h_kv, D): dk heads, dv heads
     with timer.phase("others"):
-        # the u blocks of (h_kv dk heads, h_kv dv heads) back to (T, 2, r Hkv, D)
-        hd = q_h.shape[2]
-        dkv = dkv.reshape(t, u, 2, heads.kv_heads_per_rank, hd).transpose(1, 2)
-        dkv = dkv.reshape(t, 2, r * heads.num_kv_heads, hd)
-        if r > 1:  # replicas of a KV head are adjacent: sum them, round once
-            dkv = dkv.to(acc).reshape(t, 2, heads.num_kv_heads, r, hd).sum(3)
-        dk, dv = dkv.to(k_h.dtype).unbind(1)
+        dk, dv = fold_kv_grads(dkv, heads, acc, k_h.dtype)
     return dq, dk, dv
+
+
+def fold_kv_grads(
+    dkv: torch.Tensor, heads: UlyssesHeads, acc: torch.dtype, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered K and V gradients of a Ulysses group back to the KV heads' layout.
+
+    Args:
+        dkv: (T, 2 u h_kv, D), the u ranks' blocks of (h_kv dk heads, h_kv dv heads) as
+            :func:`gather_heads` returns them (h_kv = ``heads.kv_heads_per_rank``).
+        heads: the head split; with ``kv_replication`` r > 1 the r replicas of a KV head are
+            adjacent and summed in ``acc``, rounded once to ``dtype``.
+        acc: the accumulation dtype of that sum; dtype: of the returned gradients.
+    Returns:
+        dk, dv: (T, Hkv, D) each, in ``dtype``.
+    """
+    t, hd, u, r = dkv.shape[0], dkv.shape[2], heads.degree, heads.kv_replication
+    dkv = dkv.reshape(t, u, 2, heads.kv_heads_per_rank, hd).transpose(1, 2)
+    dkv = dkv.reshape(t, 2, r * heads.num_kv_heads, hd)
+    if r > 1:
+        dkv = dkv.to(acc).reshape(t, 2, heads.num_kv_heads, r, hd).sum(3)
+    dk, dv = dkv.to(dtype).unbind(1)
+    return dk, dv
 
 
 class UlyssesAttnFunction(torch.autograd.Function):

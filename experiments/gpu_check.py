@@ -542,9 +542,10 @@ def main(argv=None) -> int:
                 rows.extend(got[0])
                 replays.extend(got[1])
                 bad = [r["status"] for r in rows if r["status"] != "ok"]
-                if not replays or bad:  # the rows that are ok still go to the fit and the tables
-                    first = bad[0] if bad else "no unit started"
-                    raise RuntimeError(f"{len(bad)} of {len(rows)} units failed; first: {first}")
+                if bad:  # the rows that are ok still go to the fit and the tables
+                    raise RuntimeError(f"{len(bad)} of {len(rows)} units failed; first: {bad[0]}")
+                if not replays:
+                    raise RuntimeError(f"no unit replayed ({len(rows)} rows)")
 
             budget.run("emulate", emulate, 10.0 if args.quick else 30.0)
         fit_res = consts = None
@@ -599,10 +600,12 @@ def main(argv=None) -> int:
                     raise RuntimeError(f"executor=dist exited with {code}; see dist_log.txt")
                 rows_d = pd.read_csv(out / "dist.csv")
                 bad = rows_d[rows_d["status"] != "ok"]
-                if rows_d.empty or len(bad):
-                    first = bad["status"].iloc[0] if len(bad) else "no row"
+                if rows_d.empty:
+                    raise RuntimeError("executor=dist wrote no row; see dist_log.txt")
+                if len(bad):
                     raise RuntimeError(
-                        f"executor=dist: {len(bad)} of {len(rows_d)} rows failed: {first}"
+                        f"executor=dist: {len(bad)} of {len(rows_d)} rows failed: "
+                        f"{bad['status'].iloc[0]}"
                     )
                 cols = ["method", "mode", "attn_fwd_ms", "attn_bwd_ms", "total_ms"]
                 print(rows_d[cols].to_string(), flush=True)

@@ -435,10 +435,14 @@ def check_method_options(method: str, options: Any, context_len: int, cp_size: i
         method,
         OmegaConf.to_container(options, resolve=True) if OmegaConf.is_config(options) else options,
     )
-    if not get_method(method).fast:  # a trial solve is too slow to run here (the ILP)
+    spec = get_method(method)
+    if not spec.fast:  # a trial solve is too slow to run here (the ILP): its own value checks
         from flashcp.plan import check_cp_args
+        from flashcp.registry import load_target
 
         check_cp_args(context_len, cp_size)
+        if spec.check_options is not None:
+            load_target(spec.check_options)(**opts)
         return
     try:
         get_planner(method)([context_len], cp_size, **opts)

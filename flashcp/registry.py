@@ -134,6 +134,10 @@ class MethodSpec:
         paper: one of the five methods the paper compares (its Fig. 5).
         reports_solve: its plans carry a solver's outcome in ``Plan.info`` (the keys of
             :data:`flashcp.results.ILP_INFO_COLUMNS`), which rows report as ``ilp_<key>``.
+        check_options: ``"module:function"`` (or the function) ``check(**options)`` raising
+            ``ValueError`` on a bad option value without planning: what the harness runs before
+            any work for a method that is not ``fast`` (a fast one is checked by planning one
+            trial sequence instead). None: names and types only.
     Raises:
         ValueError: (at construction) a malformed name, target, kind or family, a family that
             does not run the comm kind, or only one of ``prepare`` and ``attn``.
@@ -152,11 +156,12 @@ class MethodSpec:
     fast: bool = True
     paper: bool = False
     reports_solve: bool = False
+    check_options: str | Callable | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise ValueError(f"method name must match [a-z][a-z0-9_]*, got {self.name!r}")
-        for key in ("planner", "prepare", "attn"):
+        for key in ("planner", "prepare", "attn", "check_options"):
             target = getattr(self, key)
             if key != "planner" and target is None:
                 continue

@@ -32,7 +32,7 @@ def test_quick_check_runs_every_step_as_on_the_gpu_machine(tmp_path):
     skipped without CUDA), rows in every table, the checkout's own code imported."""
     out = tmp_path / "gq"
     cmd = [str(TOOL), sys.executable, "experiments/gpu_check.py", "--quick", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     summary = (out / "summary.md").read_text()
@@ -58,6 +58,34 @@ def test_a_step_that_did_nothing_fails_the_check(tmp_path, monkeypatch):
     summary = (tmp_path / "gq" / "summary.md").read_text()
     assert "| kernels | failed: RuntimeError: no kernel measured |" in summary
     assert "The check failed" in summary
+
+
+def test_an_emulate_step_that_replayed_nothing_fails_the_check(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "emulate_rows", lambda *a, **k: ([], []))
+    code = gpu_check.main(
+        ["--quick", "--skip", "fit,pytest,dist,kernels", "--out", str(tmp_path / "gq")]
+    )
+    assert code == 1
+    summary = (tmp_path / "gq" / "summary.md").read_text()
+    assert "| emulate | failed: RuntimeError: no unit replayed (0 rows) |" in summary
+
+
+def test_a_dist_step_that_wrote_no_row_fails_the_check(tmp_path, monkeypatch):
+    def no_rows(cmd, timeout_s, log_path):  # torchrun "succeeded" and wrote an empty table
+        out = Path(cmd[cmd.index("--out") + 1])
+        pd.DataFrame(columns=["method", "mode", "status"]).to_csv(out, index=False)
+        Path(log_path).write_text("")
+        return 0, ""
+
+    monkeypatch.setattr(gpu_check, "run_bounded", no_rows)
+    code = gpu_check.main(
+        ["--quick", "--skip", "emulate,fit,pytest,kernels", "--out", str(tmp_path / "gq")]
+    )
+    assert code == 1
+    summary = (tmp_path / "gq" / "summary.md").read_text()
+    assert (
+        "| dist | failed: RuntimeError: executor=dist wrote no row; see dist_log.txt |" in summary
+    )
 
 
 def test_pytest_step_verdicts():

@@ -34,13 +34,14 @@ from flashcp.ops.backends import (
 from flashcp.ops.backends import cuda as cuda_backends
 from flashcp.ops.reference import document_mask, reference_attention
 from flashcp.ops.sharding import shard_tensor, unshard
-from flashcp.registry import make_plan_for
+from flashcp.registry import make_plan_for, method_names
 
 NAMESPACE = "flashcp_gpu_contracts"  # torch.library namespace of this module's stand-ins
 FA_VERSIONS = ("2.5.9", "2.6.3", "2.7.4", "2.8.3")
 ATEN_ERAS = ("2.3", "current")
 KERNELS = [f"flash_attn-{v}" for v in FA_VERSIONS] + [f"torch_cuda-{e}" for e in ATEN_ERAS]
-METHODS = ("llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "ilp")
+#: every registered method (a new one is covered without editing this file)
+METHODS = tuple(method_names())
 BF16 = torch.bfloat16
 
 
@@ -370,6 +371,43 @@ def test_every_method_matches_the_reference_on_the_adapter(kernel, case, monkeyp
 
 
 # ---- backend=auto on CUDA: dtype, head_dim, GPU and an unimportable flash-attn -----------------
+
+
+def test_every_op_tells_auto_the_inputs_dtype_and_head_dim(monkeypatch):
+    """``backend="auto"`` can only fall back past a kernel that refuses the inputs (fp32, a
+    head_dim over 256) when the op passes them: every method's op does, forward and backward."""
+    import pkgutil
+
+    import flashcp.ops as ops_pkg
+
+    calls = []
+    for info in pkgutil.walk_packages(ops_pkg.__path__, ops_pkg.__name__ + "."):
+        name = info.name
+        mod = importlib.import_module(name)
+        real = getattr(mod, "get_backend", None)
+        if real is not get_backend:
+            continue
+
+        def spy(backend, device=None, *, _mod=name, **kw):
+            calls.append((_mod, backend, kw))
+            return get_backend(backend, device, **kw)
+
+        monkeypatch.setattr(mod, "get_backend", spy)
+    assert calls == [] and "flashcp.ops.ulysses_attn" in sys.modules
+    full = [torch.randn(_plan("per_doc", "mix").context_len, h, 12) for h in (4, 2, 2, 4)]  # fp32
+    for m in METHODS:
+        try:
+            plan = _plan(m, "mix")
+        except ImportError as e:
+            warnings.warn(f"{m}: {e}", stacklevel=1)
+            continue
+        inputs = [tuple(shard_tensor(x, plan, r) for x in full) for r in range(2)]
+        del calls[:]
+        record(plan, "train", inputs, backend="auto", keep_outputs=False, timeout_s=30)
+        assert calls, f"{m}: no op asked get_backend (the spy is not on its path)"
+        for mod, name, kw in calls:
+            assert name == "auto" and kw.get("dtype") == torch.float32, (m, mod, kw)
+            assert kw.get("head_dim") == 12, (m, mod, kw)
 
 
 @pytest.fixture

@@ -339,6 +339,8 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
         )
     if prog == PROG:
         problem = grid_override_problem(config) or dataset_path_problem(config)
+        if problem is None and not multirun:
+            problem = run_values_problem(config)
         if problem is not None:
             return problem
     ranks = _submitit_ranks(config)
@@ -354,6 +356,20 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
             )
     added = added_unknown_keys(config)
     return added[0] if added else None
+
+
+def run_values_problem(config: Any) -> str | None:
+    """The first bad value of a single ``flashcp-run`` (every run of its grid checked as the job
+    checks it: :func:`experiments.run._checked_runs`), or None: refused before the job starts, so
+    a bad ``cp_size``, ``modes`` or method option writes no error rows. A sweep's jobs are checked
+    each by the job (a swept key's values are not in ``config`` yet), and a bad one is a row."""
+    from experiments.run import _checked_runs
+
+    try:
+        _checked_runs(config)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 #: keys a ``flashcp-run`` grid varies (experiments.run.GRID_KEYS): groups and cp_size

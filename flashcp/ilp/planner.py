@@ -78,6 +78,78 @@ def _heuristic(
     )
 
 
+def check_ilp_options(
+    *,
+    block_size: int = 1024,
+    time_limit_s: float | None = 60.0,
+    gap: float | None = 1e-4,
+    solver: str = "cbc",
+    formulation: str = "patterns",
+    comm_weight: float = 1.0,
+    max_imbalance: float | None = 1.05,
+    warm_start: str | None = "best",
+    highs_options: dict[str, Any] | None = None,
+    on_failure: str = "fallback",
+    watchdog_grace_s: float = 10.0,
+    lns: bool | None = None,
+    lns_max_size: int = 2,
+    **_: Any,
+) -> tuple[bool, dict[str, Any]]:
+    """Check the option values of :func:`plan_ilp` without solving anything (the harness runs it
+    before any work, where the ILP is too slow for a trial plan). Options not named here are
+    checked by type only.
+
+    Returns:
+        ``(lns, highs_options)``: ``lns`` resolved (None: whether ``highspy`` is installed) and
+        the HiGHS options as a dict.
+    Raises:
+        ValueError: naming the bad option and value, or HiGHS asked for but not installed.
+    """
+    if solver not in _SOLVERS:
+        raise ValueError(f"solver must be one of {_SOLVERS}, got {solver!r}")
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    if on_failure not in _FAILURES:
+        raise ValueError(f"on_failure must be one of {_FAILURES}, got {on_failure!r}")
+    if warm_start not in _WARM_STARTS:
+        raise ValueError(f"warm_start must be one of {_WARM_STARTS}, got {warm_start!r}")
+    if not np.isfinite(comm_weight) or comm_weight < 0:
+        raise ValueError(f"comm_weight must be a finite number >= 0, got {comm_weight!r}")
+    if max_imbalance is not None and not max_imbalance >= 1.0:
+        raise ValueError(f"max_imbalance must be >= 1 or None, got {max_imbalance!r}")
+    if time_limit_s is not None and not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be > 0 or None, got {time_limit_s!r}")
+    if gap is not None and not gap >= 0:
+        raise ValueError(f"gap must be >= 0 or None, got {gap!r}")
+    if not watchdog_grace_s >= 0:
+        raise ValueError(f"watchdog_grace_s must be >= 0, got {watchdog_grace_s!r}")
+    if solver == "highs":
+        try:
+            import highspy  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "solver='highs' needs the highspy package: pip install 'flashcp[highs]'"
+            ) from None
+    if lns is None:
+        lns = _have_highs()
+    elif lns and not _have_highs():
+        raise ValueError("lns=True needs the highspy package: pip install 'flashcp[highs]'")
+    if isinstance(lns_max_size, bool) or not isinstance(lns_max_size, int) or lns_max_size < 2:
+        raise ValueError(f"lns_max_size must be an integer >= 2, got {lns_max_size!r}")
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, int | np.integer)
+        or block_size < 1
+    ):
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    highs_options = dict(highs_options or {})
+    if highs_options:
+        if solver != "highs":
+            raise ValueError(f"highs_options need solver='highs', got solver={solver!r}")
+        check_highs_options(highs_options)
+    return bool(lns), highs_options
+
+
 @planner_entry("ilp")
 def plan_ilp(
     doc_lens,
@@ -184,42 +256,12 @@ def plan_ilp(
     context_len = int(d.sum())
     check_cp_args(context_len, cp_size)
     n = int(cp_size)
-    if solver not in _SOLVERS:
-        raise ValueError(f"solver must be one of {_SOLVERS}, got {solver!r}")
-    if formulation not in FORMULATIONS:
-        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
-    if on_failure not in _FAILURES:
-        raise ValueError(f"on_failure must be one of {_FAILURES}, got {on_failure!r}")
-    if warm_start not in _WARM_STARTS:
-        raise ValueError(f"warm_start must be one of {_WARM_STARTS}, got {warm_start!r}")
-    if not np.isfinite(comm_weight) or comm_weight < 0:
-        raise ValueError(f"comm_weight must be a finite number >= 0, got {comm_weight!r}")
-    if max_imbalance is not None and not max_imbalance >= 1.0:
-        raise ValueError(f"max_imbalance must be >= 1 or None, got {max_imbalance!r}")
-    if time_limit_s is not None and not time_limit_s > 0:
-        raise ValueError(f"time_limit_s must be > 0 or None, got {time_limit_s!r}")
-    if gap is not None and not gap >= 0:
-        raise ValueError(f"gap must be >= 0 or None, got {gap!r}")
-    if not watchdog_grace_s >= 0:
-        raise ValueError(f"watchdog_grace_s must be >= 0, got {watchdog_grace_s!r}")
-    if solver == "highs":
-        try:
-            import highspy  # noqa: F401
-        except ImportError:
-            raise ValueError(
-                "solver='highs' needs the highspy package: pip install 'flashcp[highs]'"
-            ) from None
-    if lns is None:
-        lns = _have_highs()
-    elif lns and not _have_highs():
-        raise ValueError("lns=True needs the highspy package: pip install 'flashcp[highs]'")
-    if isinstance(lns_max_size, bool) or not isinstance(lns_max_size, int) or lns_max_size < 2:
-        raise ValueError(f"lns_max_size must be an integer >= 2, got {lns_max_size!r}")
-    highs_options = dict(highs_options or {})
-    if highs_options:
-        if solver != "highs":
-            raise ValueError(f"highs_options need solver='highs', got solver={solver!r}")
-        check_highs_options(highs_options)
+    lns, highs_options = check_ilp_options(
+        block_size=block_size, time_limit_s=time_limit_s, gap=gap, solver=solver,
+        formulation=formulation, comm_weight=comm_weight, max_imbalance=max_imbalance,
+        warm_start=warm_start, highs_options=highs_options, on_failure=on_failure,
+        watchdog_grace_s=watchdog_grace_s, lns=lns, lns_max_size=lns_max_size,
+    )  # fmt: skip
     target = float(max_imbalance) if max_imbalance is not None else heuristic_target_imbalance
 
     t0 = time.perf_counter()
@@ -372,4 +414,5 @@ def plan_ilp(
 METHOD = MethodSpec(
     name="ilp", display_name="ILP", order=70, planner=plan_ilp,
     comm_kind=CommKind.ALLGATHER_SHARDED, op=OpFamily.ALLGATHER, color="#8c564b", fast=False, reports_solve=True,
+    check_options=check_ilp_options,
 )  # fmt: skip

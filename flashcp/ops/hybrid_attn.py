@@ -332,7 +332,11 @@ def hybrid_attention(q, k, v, meta: HybridMeta, group=None, *, method: str, soft
     """
     heads = _check_inputs(q, k, v, meta, method, group, grad_comm_dtype)
     scale = resolve_softmax_scale(softmax_scale, q.shape[2])
-    be = backend if isinstance(backend, VarlenBackend) else get_backend(backend, q.device)
+    be = (
+        backend
+        if isinstance(backend, VarlenBackend)
+        else get_backend(backend, q.device, dtype=q.dtype, head_dim=q.shape[2])
+    )
     if isinstance(group, HybridGroups):
         groups, parent = group, group.parent
     else:

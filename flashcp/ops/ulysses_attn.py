@@ -335,7 +335,11 @@ def ulysses_attn(
     """
     heads = _check_inputs(q, k, v, meta, method, group, grad_comm_dtype)
     scale = resolve_softmax_scale(softmax_scale, q.shape[2])
-    be = backend if isinstance(backend, VarlenBackend) else get_backend(backend, q.device)
+    be = (
+        backend
+        if isinstance(backend, VarlenBackend)
+        else get_backend(backend, q.device, dtype=q.dtype, head_dim=q.shape[2])
+    )
     if meta.cp_size > 1:
         meta.verify(group)
     return UlyssesAttnFunction.apply(

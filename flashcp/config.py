@@ -169,7 +169,8 @@ def _hardware_schema() -> type:
     """``HardwareConfig``: the typed schema of the ``hardware`` group, one field per constant of
     :class:`flashcp.sim.hardware.HardwareProfile` (whose docstring gives each unit and meaning)
     plus ``calibration``, so the two cannot drift apart. Every constant is mandatory (a profile
-    sets it or extends one that does); curves are lists (message sizes in whole KiB)."""
+    sets it or extends one that does) but for those with a default (the per-size collective
+    tables, none by default); curves are lists (message sizes in whole KiB)."""
     hints = typing.get_type_hints(HardwareProfile)
     fields: list[tuple] = []
     for f in dataclasses.fields(HardwareProfile):
@@ -180,7 +181,8 @@ def _hardware_schema() -> type:
             hint = list[int]
         elif typing.get_origin(hint) is tuple:
             hint = list[float]
-        fields.append((f.name, hint, field(default=MISSING)))
+        default = MISSING if f.default is dataclasses.MISSING else f.default
+        fields.append((f.name, hint, field(default=default)))
     #: sections of results/calibration/fitted_constants.yaml loaded over the constants
     fields.append(("calibration", list[str], field(default_factory=list)))
     return dataclasses.make_dataclass(

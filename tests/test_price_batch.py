@@ -46,9 +46,9 @@ def _plans(method: str, cp_size: int, count: int, seed: int) -> list:
     return plans
 
 
-def _check(plans, impl="ours"):
-    got = price_plans(plans, SHAPES, MODES, HWS, impl=impl)
-    for a, hw in enumerate(HWS):
+def _check(plans, impl="ours", hws=HWS):
+    got = price_plans(plans, SHAPES, MODES, hws, impl=impl)
+    for a, hw in enumerate(hws):
         for b, shape in enumerate(SHAPES):
             for m, mode in enumerate(MODES):
                 for k, plan in enumerate(plans):
@@ -71,6 +71,15 @@ def test_price_plans_equals_per_plan(method, cp_size):
 def test_price_plans_mixed_methods_and_cp_sizes():
     plans = [p for cp in (2, 4) for m in METHODS for p in _plans(m, cp, 1, seed=cp)]
     _check(plans)
+
+
+def test_price_plans_per_size_collective_tables():
+    """A profile pricing its all-gather and reduce-scatter from per-size tables (h200_sxm): the
+    batched path reads the same tables (every method whose plans use a collective, one CP size)."""
+    hw = load_hardware("h200_sxm")
+    assert hw.falloff_table("all_gather") != hw.falloff_table(None)
+    for method in METHODS:
+        _check(_plans(method, 8, 2, seed=11), hws=[hw])
 
 
 @pytest.mark.parametrize("method", ["ring", "zigzag", "llama3"])

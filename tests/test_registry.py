@@ -379,7 +379,7 @@ def _compose(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
-@pytest.mark.parametrize("name", ["h100_sxm", "h100_ib", "h800_sxm", "a100_sxm"])
+@pytest.mark.parametrize("name", ["h100_sxm", "h100_ib", "h800_sxm", "a100_sxm", "h200_sxm"])
 def test_hardware_profiles_extend_h100_sxm_through_hydra_defaults(name):
     from omegaconf import OmegaConf
 

@@ -309,6 +309,136 @@ def test_collective_model():
     assert HW.collective_us(0, 0, HW.allgather_busbw_gbps) == 0.0
 
 
+# ---- per-size collective tables (conf/hardware/nccl/) ---------------------------------------------
+H200_TABLES = {  # collective: (table name, profile's pricing method name)
+    "all_gather": ("h200_8x_all_gather_half", "allgather_us"),
+    "reduce_scatter": ("h200_8x_reduce_scatter_half", "reducescatter_us"),
+}
+
+
+def _busbw(hw, op, size):
+    """Modelled bus bandwidth of one 8-rank collective over a ``size``-byte buffer, GB/s."""
+    recv = size * 7 / 8
+    return recv / getattr(hw, H200_TABLES[op][1])(recv, size) / 1e3
+
+
+@pytest.mark.parametrize("op", sorted(H200_TABLES))
+def test_collective_table_exact_at_its_points_and_monotone_between(op):
+    from flashcp.sim.hardware import read_collective_table
+
+    table = read_collective_table(H200_TABLES[op][0])
+    assert table.collective == op and table.ranks == 8 and len(table.size_bytes) == 11
+    for hw in (
+        load_hardware("h200_sxm"),
+        load_hardware("h200_sxm", calibrated=False),
+        load_hardware({**load_hardware("h200_sxm").to_dict(), "collective_latency_us": 18.5}),
+    ):
+        # every published point: its bus bandwidth and time, whatever the latency
+        for size, bw, t in zip(table.size_bytes, table.busbw_gbps, table.times_us(), strict=True):
+            assert _busbw(hw, op, size) == pytest.approx(bw, rel=1e-12)
+            assert getattr(hw, H200_TABLES[op][1])(size * 7 / 8, size) == pytest.approx(
+                t, rel=1e-12
+            )
+        # between the points (log-spaced), bus bandwidth and time never fall as the size grows
+        sizes = np.geomspace(table.size_bytes[0], table.size_bytes[-1], 200)
+        bws = [_busbw(hw, op, s) for s in sizes]
+        times = [s / b for s, b in zip(sizes, bws, strict=True)]
+        assert all(b2 >= b1 for b1, b2 in pairwise(bws))
+        assert all(t2 > t1 for t1, t2 in pairwise(times))
+        # below the table: the falloff curve's shape, scaled to meet the table's smallest point
+        s0 = table.size_bytes[0]
+        for s in (2**15, 2**20, 2**22):
+            want = hw.busbw_fraction(s) / hw.busbw_fraction(s0)
+            assert hw.busbw_fraction(s, op) / hw.busbw_fraction(s0, op) == pytest.approx(
+                want, rel=1e-12
+            )
+            assert _busbw(hw, op, s) < _busbw(hw, op, s0)
+        # beyond it: constant fraction (bandwidth only creeps up as the latency's share falls)
+        assert hw.busbw_fraction(2**36, op) == hw.busbw_fraction(table.size_bytes[-1], op)
+    # the bus bandwidth scales the whole table (what the sensitivity study varies)
+    hw = load_hardware("h200_sxm")
+    key = f"{op.replace('_', '')}_busbw_gbps"
+    half = load_hardware({**hw.to_dict(), key: getattr(hw, key) / 2})
+    assert half.busbw_fraction(2**25, op) == hw.busbw_fraction(2**25, op)
+    lat = hw.collective_latency_us
+    slow, fast = (getattr(p, H200_TABLES[op][1])(2**25 * 7 / 8, 2**25) - lat for p in (half, hw))
+    assert slow == pytest.approx(2 * fast, rel=1e-12)
+
+
+def _write_table(path, rows, collective="all_gather", ranks="8"):
+    head = (
+        f"# source: a test\n# collective: {collective}\n# ranks: {ranks}\nsize_bytes,busbw_gbps\n"
+    )
+    path.write_text(head + "".join(f"{s},{b}\n" for s, b in rows))
+    return str(path)
+
+
+def test_bad_collective_table_is_a_value_error_naming_it(tmp_path):
+    from flashcp.sim.hardware import CollectiveTable, read_collective_table
+
+    d = load_hardware("h200_sxm").to_dict()
+    good = [(2**23, 97.0), (2**24, 167.0), (2**25, 236.0)]
+    table = _write_table(tmp_path / "ok.csv", good)
+    ok = load_hardware({**d, "allgather_table": table, "allgather_busbw_gbps": 236.0})
+    assert _busbw(ok, "all_gather", 2**24) == pytest.approx(167.0, rel=1e-12)
+    cases = {
+        "shrinking.csv": ([(2**23, 97.0), (2**23, 167.0), (2**25, 236.0)], "strictly increase"),
+        "descending.csv": ([(2**24, 97.0), (2**23, 167.0)], "strictly increase"),
+        "zero_bw.csv": ([(2**23, 97.0), (2**24, 0.0)], "positive"),
+        "negative_bw.csv": ([(2**23, -1.0)], "positive"),
+        "negative_size.csv": ([(-5, 97.0)], "positive"),
+        "empty.csv": ([], "at least one point"),
+        "text.csv": ([(2**23, "fast")], "not a number"),
+    }
+    for name, (rows, what) in cases.items():
+        path = _write_table(tmp_path / name, rows)
+        with pytest.raises(ValueError, match=what) as err:
+            load_hardware({**d, "allgather_table": path})
+        assert name in str(err.value)
+    with pytest.raises(ValueError, match="ranks"):
+        read_collective_table(_write_table(tmp_path / "one_rank.csv", good, ranks="1"))
+    with pytest.raises(ValueError, match="not a all_gather one"):
+        load_hardware({**d, "allgather_table": "h200_8x_reduce_scatter_half"})
+    with pytest.raises(
+        ValueError, match=r"unknown collective table 'h999'.*h200_8x_all_gather_half"
+    ):
+        load_hardware({**d, "allgather_table": "h999"})
+    # the latency must stay below the table's smallest time (75.7 us at 8 MiB), as for the curve
+    with pytest.raises(ValueError, match=r"collective_latency_us = 80.*h200_8x_all_gather_half"):
+        load_hardware({**d, "collective_latency_us": 80.0, "busbw_curve_gbps": [0.1] * 4})
+    with pytest.raises(ValueError, match=r"'t'.*strictly increase"):
+        CollectiveTable("t", "all_gather", 8, (2.0, 1.0), (1.0, 1.0))
+    with pytest.raises(ValueError, match=r"'t'.*collective"):
+        CollectiveTable("t", "all_reduce", 8, (1.0,), (1.0,))
+    with pytest.raises(ValueError, match="unknown collective"):
+        ok.busbw_fraction(2**24, "all_reduce")
+
+
+def test_h200_profile_loads_and_prices():
+    h200 = load_hardware("h200_sxm")
+    assert (h200.peak_tflops, h200.num_sms) == (989.0, 132)
+    assert h200.allgather_table and h200.reducescatter_table
+    assert not HW.allgather_table and HW.falloff_table("all_gather") == HW.falloff_table()
+    # the kernel and host constants are the H100's (same GPU), the network's its own tables
+    for key in ("fwd_tile_tflops", "bwd_tile_tflops", "host_op_us", "collective_latency_us"):
+        assert getattr(h200, key) == getattr(HW, key)
+    shape = AttnShape(num_heads=32, num_kv_heads=8, head_dim=128)
+    plan = make_plan_for("llama3", _doc_lens(0), 8)
+    a, b = simulate(plan, shape, h200, "train"), simulate(plan, shape, HW, "train")
+    assert a["allgather_ms"] > 0 and a["reducescatter_ms"] > 0
+    assert a["allgather_ms"] != b["allgather_ms"]
+    assert a["comm_bytes"] == b["comm_bytes"]
+    # a profile without a table: the curve-based formula of before
+    for s in (2**16, 2**23, 2**27, 2**31):
+        old = HW.collective_latency_us + s * 7 / 8 / (
+            HW.allgather_busbw_gbps * 1e3 * HW.busbw_fraction(s)
+        )
+        assert HW.allgather_us(s * 7 / 8, s) == old
+        assert HW.reducescatter_us(s * 7 / 8, s) == HW.collective_us(
+            s * 7 / 8, s, HW.reducescatter_busbw_gbps
+        )
+
+
 def _ring_reference(plan):
     """Per (step, rank) query rows, key rows, forward and backward tiles, by brute force."""
     n = plan.cp_size

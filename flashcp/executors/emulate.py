@@ -24,8 +24,8 @@ group is replaced, by an in-process :class:`~flashcp.ops.collectives.LocalGroup`
 is cut out of the rank's timeline and replaced by the simulator's model on the hardware profile
 (:mod:`flashcp.sim.hardware`), on a virtual timeline (:func:`compose_comm`):
 
-* all-gather / reduce-scatter / all-to-all: blocking, ``HardwareProfile.collective_us(recv,
-  total, busbw)`` (``alltoall_us`` for the all-to-all), the same formula and bytes as
+* all-gather / reduce-scatter / all-to-all: blocking, ``HardwareProfile.allgather_us(recv,
+  total)`` (``reducescatter_us``, ``alltoall_us``), the same formula and bytes as
   :mod:`flashcp.sim.cost_model`;
 * ring exchange: the transfer starts when it is posted (or when the link frees up: transfers of
   one rank are serialised on its link) and takes ``HardwareProfile.p2p_us(bytes)``; a wait that
@@ -485,8 +485,8 @@ def compose_comm(
     """Replace the measured time of emulated communication by the simulator's model.
 
     Walks the calls in order on a virtual timeline that starts equal to the measured one. A
-    collective's measured span becomes its modelled time ``collective_us(recv, recv * n / (n-1),
-    busbw)``, n the ranks of its group (``CommCall.group_size``, N by default). A ring ``post``'s span is cut; its transfer starts at the post (or when the previous
+    collective's measured span becomes its modelled time ``allgather_us(recv, recv * n / (n-1))``
+    (``reducescatter_us``, ``alltoall_us``), n the ranks of its group (``CommCall.group_size``, N by default). A ring ``post``'s span is cut; its transfer starts at the post (or when the previous
     transfer of this rank ends) and lasts ``p2p_us(recv_bytes)``; the matching ``wait``'s span is
     replaced by the time still left on that transfer (0 when compute hid it).
 
@@ -513,8 +513,8 @@ def compose_comm(
         scale = n / (n - 1) if n > 1 else 1.0
         at = c.begin_ms + shift
         if c.kind in ("allgather", "reducescatter"):
-            bw = hw.allgather_busbw_gbps if c.kind == "allgather" else hw.reducescatter_busbw_gbps
-            model = hw.collective_us(c.recv_bytes, c.recv_bytes * scale, bw) / 1e3
+            price = hw.allgather_us if c.kind == "allgather" else hw.reducescatter_us
+            model = price(c.recv_bytes, c.recv_bytes * scale) / 1e3
             out[f"{c.kind}_ms"] += model
             shift += model - span
         elif c.kind == "alltoall":

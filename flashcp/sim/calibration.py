@@ -31,6 +31,12 @@ Targets (all from docs/design.md §8 and the original source named there):
   NCCL send/recv bandwidth between two H100s (nccl-tests issue #268: 80-180 GB/s); the time of
   one all-to-all of a 500 MiB buffer on 4x H100 in one node (``nccl_alltoall_*``, NVIDIA/nccl
   issue #2169), *reported, not fitted* (below).
+* ``nccl_{allgather,reducescatter}_busbw_8xh200_*``: the bus bandwidth of both collectives at a
+  few message sizes on 8x H200 (nccl-tests tables published in hao-ai-lab/DistCA, stored in
+  ``conf/hardware/nccl/`` with their source and commit), predicted on ``h200_sxm`` with the
+  candidate's kernel, software and latency constants; *reported, not fitted*: that profile prices
+  both collectives from these very tables, so the rows check that it reproduces them (at any
+  latency) and cannot inform a fit.
 
 **Reported-only targets** (``CalibTarget.fitted = False``) are predicted and listed with the
 others but left out of the least-squares fit. The all-to-all point is one: the simulator prices an
@@ -56,7 +62,7 @@ import pandas as pd
 
 from flashcp.comm import AttnShape
 from flashcp.plan import doc_workload
-from flashcp.sim.hardware import HardwareProfile, load_hardware
+from flashcp.sim.hardware import HardwareProfile, load_hardware, read_collective_table
 
 __all__ = [
     "REPLAY_BOUNDS",
@@ -262,6 +268,19 @@ _SRC_A2A = (
     "500 MiB out of place: busbw 334.9 GB/s); reported, not fitted"
 )
 _SRC_FIG3 = "FlashCP paper (arXiv 2606.08476) Fig. 3, read from the figure (±0.02)"
+#: 8x H200 per-size tables (conf/hardware/nccl/<name>.csv) and the sizes reported from each, MiB
+H200_TABLES = {
+    "allgather": ("h200_8x_all_gather_half", "allgather_us"),
+    "reducescatter": ("h200_8x_reduce_scatter_half", "reducescatter_us"),
+}
+H200_TABLE_MIB = (8, 32, 128, 512)
+_SRC_H200 = (
+    "docs/design.md §8; hao-ai-lab/DistCA distca/profiling/data/network-prof-nccl/"
+    "{op}-8-half.perf.txt @ 2afd2192 (nccl-tests, 8x H200, fp16, out of place); reported, not "
+    "fitted (h200_sxm prices from this table)"
+)
+#: constants h200_sxm takes from the candidate (calibrated together with h100_sxm's)
+H200_FROM_CANDIDATE = (*KERNEL_FIELDS, *SHARED_FIELDS, "collective_latency_us", "p2p_latency_us")
 
 
 def _fa2_tflops(hw: HardwareProfile, seqlen: int, backward: bool, cache) -> float:
@@ -424,7 +443,7 @@ def public_targets(gpu: str = "h100") -> list[CalibTarget]:
                 ))  # fmt: skip
         targets.append(CalibTarget(
             "nccl_allgather_busbw_8xh100_1gib",
-            lambda hw: (2**30 * 7 / 8) / hw.collective_us(2**30 * 7 / 8, 2**30, hw.allgather_busbw_gbps) / 1e3,
+            lambda hw: (2**30 * 7 / 8) / hw.allgather_us(2**30 * 7 / 8, 2**30) / 1e3,
             365.0, "GB/s", ("rel", 0.10),
             "docs/design.md §8; NCCL maintainers (nccl-tests #212/#326), stas00/ml-engineering",
         ))  # fmt: skip
@@ -447,6 +466,22 @@ def public_targets(gpu: str = "h100") -> list[CalibTarget]:
                 lambda hw, lens=lens, layout=layout, costs=costs: fig3_latency_ratio(hw, lens, layout, costs=costs),
                 pub, "fraction", ("abs", 0.05), _SRC_FIG3,
             ))  # fmt: skip
+        h200 = load_hardware("h200_sxm", calibrated=False)
+        for op, (table_name, price) in H200_TABLES.items():
+            table = read_collective_table(table_name)
+            published = dict(zip(table.size_bytes, table.busbw_gbps, strict=True))
+            for mib in H200_TABLE_MIB:
+                size = float(mib * 2**20)
+                targets.append(CalibTarget(
+                    f"nccl_{op}_busbw_8xh200_{mib}mib",
+                    lambda hw, size=size, price=price: (
+                        size * 7 / 8
+                        / getattr(derive(hw, h200, H200_FROM_CANDIDATE), price)(size * 7 / 8, size)
+                        / 1e3
+                    ),
+                    published[size], "GB/s", ("rel", 0.10),
+                    _SRC_H200.format(op=table.collective), fitted=False,
+                ))  # fmt: skip
         h800 = load_hardware("h800_sxm", calibrated=False)
         profiles = {"h800_sxm": lambda hw: derive(hw, h800, (*KERNEL_FIELDS, *SHARED_FIELDS))}
     elif gpu == "a100":

@@ -27,8 +27,9 @@ fp32 gradient buffer fits ``AG_GROUP_BUDGET_BYTES``).
 * forward, per group: the source buffer (local K/V copied in, send rows packed by index), an
   all-gather (``allgather_full``: every local row; ``allgather_sharded``: the rows of non-last
   shards), one index gather of every segment's keys, the kernel, the outputs copied into place.
-  A collective costs ``latency + recv_bytes / (busbw * falloff)``
-  (:meth:`HardwareProfile.collective_us`).
+  A collective costs ``latency + recv_bytes / (busbw * falloff)``, the falloff the
+  collective's own per-size table where the profile has one
+  (:meth:`HardwareProfile.allgather_us`, :meth:`HardwareProfile.reducescatter_us`).
 * backward, per group: the same gather, the kernel backward, dK/dV scatter-added into a zeroed
   fp32 buffer, reduce-scattered (``comm_volume``'s bytes) and added to the local rows.
 * memory-bound ops (``others_ms``) cost ``launch_us`` + bytes read + written over
@@ -176,7 +177,7 @@ def _alltoall_phases(
             return 0.0
         if np.ndim(nbytes) == 0:
             return hw.alltoall_us(frac * nbytes, nbytes)
-        return _collective_us_v(hw, frac * nbytes, nbytes, hw.allgather_busbw_gbps)
+        return _collective_us_v(hw, frac * nbytes, nbytes, hw.allgather_busbw_gbps, "all_gather")
 
     colls = hw.collective_host_us if u > 1 else 0.0
     rep = _op_us(hw, 2, 2 * t * shape.num_kv_heads * d * e * (1 + r)) if r > 1 else 0.0
@@ -334,9 +335,7 @@ class PlanCost:
         total_scale = n / (n - 1) if n > 1 else 1.0
         # one all-gather call carries K (or V) of one head group
         ag_call_bytes = vol["allgather_bytes"] / (2 if train else 1) / (2 * groups)
-        ag_call = hw.collective_us(
-            ag_call_bytes, ag_call_bytes * total_scale, hw.allgather_busbw_gbps
-        )
+        ag_call = hw.allgather_us(ag_call_bytes, ag_call_bytes * total_scale)
         ag_group = 2 * ag_call
         local = self.q_rows  # (N,) tokens per rank
         slice_copy = 2 * (hw.launch_us + hw.copy_us(2.0 * local * stride * d * e))  # .contiguous()
@@ -366,9 +365,7 @@ class PlanCost:
             return out
         # its dK/dV buffers are in the model dtype: the same bytes as one all-gather pass
         rs_call_bytes = vol["allgather_bytes"] / 2 / (2 * groups)
-        rs_call = hw.collective_us(
-            rs_call_bytes, rs_call_bytes * total_scale, hw.reducescatter_busbw_gbps
-        )
+        rs_call = hw.reducescatter_us(rs_call_bytes, rs_call_bytes * total_scale)
         gathered = n * local.max()
         zero = hw.launch_us + hw.copy_us(2.0 * gathered * stride * d * e)  # dkv_buffer.zero_()
         place = 2 * (hw.launch_us + hw.copy_us(2.0 * local * stride * d * e))  # dk[:, i:i+s] = dk_i
@@ -862,8 +859,10 @@ def _step_allgather_batch(
     fwd = TileStats(*(np.stack([getattr(c.fwd, f) for c in costs]) for f in TileStats._fields))
     bwd = TileStats(*(np.stack([getattr(c.bwd, f) for c in costs]) for f in TileStats._fields))
 
-    def coll(nbytes, total, busbw):  # one plan at a time, as HardwareProfile prices it
-        return np.array([hw.collective_us(b, t, busbw) for b, t in zip(nbytes, total, strict=True)])
+    def coll(nbytes, total, busbw, op):  # one plan at a time, as HardwareProfile prices it
+        return np.array(
+            [hw.collective_us(b, t, busbw, op) for b, t in zip(nbytes, total, strict=True)]
+        )
 
     out = _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vol, coll)
     phases = [out[c] for c in PHASE_COLUMNS if c != "total_ms"]
@@ -876,7 +875,7 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
     """Phase times (ms; (S,) arrays, ``total_ms`` left out) of the project's all-gather op for S
     plans from their (S, N) statistics: ``local`` / ``kv_rows`` query and key rows per rank,
     ``send_max`` (S,) the largest rank's send rows, ``vol`` their communication bytes, ``coll``
-    :meth:`HardwareProfile.collective_us` over arrays ``(recv_bytes, total_bytes, busbw)``."""
+    :meth:`HardwareProfile.collective_us` over arrays ``(recv_bytes, total_bytes, busbw, op)``."""
     train = mode == "train"
     h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
     op_us = functools.partial(_op_us, hw)
@@ -891,7 +890,7 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
     total_scale = n / (n - 1) if n > 1 else 1.0
     n_ag = 2 if train else 1
     ag_bytes = vol["allgather_bytes"] / n_ag / groups
-    ag = coll(ag_bytes, ag_bytes * total_scale, hw.allgather_busbw_gbps)
+    ag = coll(ag_bytes, ag_bytes * total_scale, hw.allgather_busbw_gbps, "all_gather")
     c_ = lambda a: a[:, None]  # noqa: E731  (S,) -> (S, 1)
     kv_el = 2.0 * hg * d
     build = op_us(4, local * c_(kv_el) * e * 2 + c_(send_max * kv_el * e * 3))
@@ -915,7 +914,7 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
     }
     if train:
         rs_bytes = vol["reducescatter_bytes"] / groups
-        rs = coll(rs_bytes, rs_bytes * total_scale, hw.reducescatter_busbw_gbps)
+        rs = coll(rs_bytes, rs_bytes * total_scale, hw.reducescatter_busbw_gbps, "reduce_scatter")
         # bwd_extra_us for the group shape (qh query heads, hg KV heads), per plan
         nbytes = local * c_(qh) * (d * (3 * e + 8) + 4)
         gqa = c_(qh != hg)
@@ -1007,11 +1006,10 @@ def _excl_cumsum(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def _busbw_fraction_v(hw: HardwareProfile, total_bytes) -> np.ndarray:
+def _busbw_fraction_v(hw: HardwareProfile, total_bytes, op: str | None = None) -> np.ndarray:
     """:meth:`HardwareProfile.busbw_fraction` of every entry of ``total_bytes`` (the same
-    interpolation, elementwise)."""
-    xs = np.asarray(hw._falloff[0])
-    ys = np.asarray(hw._falloff[1])
+    table, :meth:`HardwareProfile.falloff_table`, and interpolation, elementwise)."""
+    xs, ys = (np.asarray(a) for a in hw.falloff_table(op))
     tb = np.asarray(total_bytes, dtype=np.float64)
     pos = tb > 0
     x = np.log(np.where(pos, tb, 1.0))
@@ -1023,10 +1021,12 @@ def _busbw_fraction_v(hw: HardwareProfile, total_bytes) -> np.ndarray:
     return np.exp(np.where(pos, y, ys[0]))
 
 
-def _collective_us_v(hw: HardwareProfile, recv_bytes, total_bytes, busbw_gbps: float):
+def _collective_us_v(
+    hw: HardwareProfile, recv_bytes, total_bytes, busbw_gbps: float, op: str | None = None
+):
     """:meth:`HardwareProfile.collective_us` elementwise (float64 arrays)."""
     recv = np.asarray(recv_bytes, dtype=np.float64)
-    bw = busbw_gbps * 1e3 * _busbw_fraction_v(hw, total_bytes)
+    bw = busbw_gbps * 1e3 * _busbw_fraction_v(hw, total_bytes, op)
     return np.where(recv <= 0, 0.0, hw.collective_latency_us + recv / bw)
 
 

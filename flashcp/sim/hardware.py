@@ -15,14 +15,28 @@ because bus bandwidth is ``algbw * (n - 1) / n`` and a rank of an all-gather or 
 a total buffer of S bytes receives ``(n - 1) / n * S``. ``falloff`` is the small-message fraction of
 peak bus bandwidth, taken from a published bus-bandwidth-vs-size curve after removing the latency
 term (see :meth:`HardwareProfile.busbw_fraction`).
+
+Per-size tables: a profile may name, for the all-gather and the reduce-scatter, a published
+nccl-tests table of that very collective (``allgather_table`` / ``reducescatter_table``: a CSV in
+``conf/hardware/nccl/``, :func:`read_collective_table`). That collective's falloff is then its own
+table's: each published point (size S_i, bus bandwidth b_i, n ranks) takes
+``t_i = (n - 1) / n * S_i / b_i``; removing the latency leaves ``B'_i = (n - 1) / n * S_i /
+(t_i - collective_latency_us)``, and the fraction is ``B'_i / b_last`` (b_last: the published bus
+bandwidth at the table's largest size), interpolated in log size and log fraction. With the
+profile's bus bandwidth equal to b_last the table's times are reproduced exactly at its points;
+another bus bandwidth scales the whole table. Below the table's smallest size the profile's
+falloff curve continues it (scaled to meet the table there), and beyond its largest size the
+fraction stays constant. A profile without a table prices both collectives as before.
 """
 
 from __future__ import annotations
 
+import csv
+import functools
 import math
 from bisect import bisect_right
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -32,15 +46,175 @@ import numpy as np
 from flashcp.resources import resource_path
 
 __all__ = [
+    "TABLE_OPS",
+    "CollectiveTable",
     "HardwareProfile",
+    "collective_table_dir",
     "fitted_path",
     "hardware_dir",
     "list_hardware",
     "load_hardware",
     "profile_changes",
+    "read_collective_table",
     "read_fitted",
     "read_profile",
 ]
+
+#: collectives a profile may price from a per-size table -> the profile field naming the table
+TABLE_OPS = {"all_gather": "allgather_table", "reduce_scatter": "reducescatter_table"}
+
+
+@dataclass(frozen=True)
+class CollectiveTable:
+    """A published nccl-tests table of one collective: bus bandwidth by message size.
+
+    Attributes:
+        name: where it was read from (a file name); errors name it.
+        collective: ``all_gather`` or ``reduce_scatter`` (a key of :data:`TABLE_OPS`).
+        ranks: GPUs of the measured run (>= 2).
+        size_bytes: (k,) strictly increasing whole-buffer sizes, bytes (nccl-tests' ``size``: the
+            gathered output of an all-gather, the input of a reduce-scatter).
+        busbw_gbps: (k,) positive out-of-place bus bandwidth, GB/s (1e9 B/s).
+    Raises:
+        ValueError: (at construction) an unknown collective, fewer than 2 ranks, an empty table,
+            columns of different lengths, sizes that do not strictly increase or are not
+            positive, or a non-positive or non-finite bandwidth; the message names the table.
+    """
+
+    name: str
+    collective: str
+    ranks: int
+    size_bytes: tuple[float, ...]
+    busbw_gbps: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        where = f"collective table {self.name!r}"
+        if self.collective not in TABLE_OPS:
+            raise ValueError(
+                f"{where}: collective must be one of {', '.join(TABLE_OPS)}, got {self.collective!r}"
+            )
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 2:
+            raise ValueError(f"{where}: ranks must be an integer >= 2, got {self.ranks!r}")
+        try:
+            size = tuple(float(x) for x in self.size_bytes)
+            bw = tuple(float(x) for x in self.busbw_gbps)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: sizes and bandwidths must be numbers") from None
+        if not size or len(size) != len(bw):
+            raise ValueError(
+                f"{where}: needs at least one point and as many sizes ({len(size)}) as "
+                f"bandwidths ({len(bw)})"
+            )
+        if not all(math.isfinite(x) and x > 0 for x in size):
+            raise ValueError(f"{where}: sizes must be positive, got {list(size)}")
+        bad = [(a, b) for a, b in pairwise(size) if not b > a]
+        if bad:
+            raise ValueError(
+                f"{where}: sizes must strictly increase, but {bad[0][1]:.0f} B follows "
+                f"{bad[0][0]:.0f} B"
+            )
+        if not all(math.isfinite(x) and x > 0 for x in bw):
+            raise ValueError(f"{where}: bus bandwidths must be positive and finite, got {list(bw)}")
+        object.__setattr__(self, "size_bytes", size)
+        object.__setattr__(self, "busbw_gbps", bw)
+
+    def times_us(self) -> np.ndarray:
+        """The published times implied by the table, (k,) float64 µs: a rank receives
+        ``(n - 1) / n`` of the buffer at the bus bandwidth (nccl-tests doc/PERFORMANCE.md)."""
+        recv = np.asarray(self.size_bytes) * (self.ranks - 1) / self.ranks
+        return recv / (np.asarray(self.busbw_gbps) * 1e3)
+
+
+def collective_table_dir() -> Path:
+    """``conf/hardware/nccl``: the per-size collective tables the profiles name."""
+    return hardware_dir() / "nccl"
+
+
+def _table_path(ref: str) -> Path:
+    if not isinstance(ref, str) or not ref:
+        raise ValueError(f"a collective table must be named by a non-empty string, got {ref!r}")
+    own = Path(ref)
+    if own.suffix == ".csv" and own.is_file():
+        return own
+    path = collective_table_dir() / (ref if ref.endswith(".csv") else f"{ref}.csv")
+    if "/" in ref or not path.is_file():
+        known = sorted(p.stem for p in collective_table_dir().glob("*.csv"))
+        raise ValueError(
+            f"unknown collective table {ref!r}: not a CSV file, nor one of {', '.join(known)} "
+            "(conf/hardware/nccl/)"
+        )
+    return path
+
+
+def read_collective_table(ref: str) -> CollectiveTable:
+    """Read a per-size collective table: the name of a CSV in :func:`collective_table_dir`
+    (without ``.csv``, e.g. ``h200_8x_all_gather_half``) or a path to a CSV file.
+
+    The file holds ``# key: value`` comment lines naming at least ``collective`` and ``ranks``
+    (its other comments cite the source), then a header row and one row per message size with
+    at least the columns ``size_bytes`` and ``busbw_gbps`` (nccl-tests' out-of-place bus
+    bandwidth). Read once per file version (cached on path and modification time).
+
+    Raises:
+        ValueError: an unknown name, a missing key or column, an unreadable number, or a bad
+            table (:class:`CollectiveTable`); the message names the file.
+    """
+    path = _table_path(ref)
+    return _read_table(str(path), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _read_table(path: str, mtime_ns: int) -> CollectiveTable:
+    name = Path(path).name
+    meta: dict[str, str] = {}
+    rows: list[str] = []
+    with open(path, newline="") as fh:
+        for line in fh:
+            if line.startswith("#"):
+                key, sep, value = line[1:].partition(":")
+                if sep and key.strip().isidentifier():
+                    meta.setdefault(key.strip(), value.strip())
+            elif line.strip():
+                rows.append(line)
+    for key in ("collective", "ranks"):
+        if key not in meta:
+            raise ValueError(f"collective table {name!r} has no '# {key}: ...' line")
+    reader = csv.DictReader(rows)
+    for col in ("size_bytes", "busbw_gbps"):
+        if col not in (reader.fieldnames or []):
+            raise ValueError(f"collective table {name!r} has no column {col!r}")
+    size, bw = [], []
+    for i, row in enumerate(reader, start=1):
+        try:
+            size.append(float(row["size_bytes"]))
+            bw.append(float(row["busbw_gbps"]))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"collective table {name!r}, data row {i}: size_bytes {row['size_bytes']!r} or "
+                f"busbw_gbps {row['busbw_gbps']!r} is not a number"
+            ) from None
+    try:
+        ranks = int(meta["ranks"])
+    except ValueError:
+        raise ValueError(
+            f"collective table {name!r}: ranks {meta['ranks']!r} is not an integer"
+        ) from None
+    return CollectiveTable(name, meta["collective"], ranks, tuple(size), tuple(bw))
+
+
+def _interp_loglog(xs: list[float], ys: list[float], value: float) -> float:
+    """``exp`` of the piecewise-linear interpolation of ``ys`` over ``xs`` at ``log(value)``,
+    constant beyond the ends (and for ``value <= 0``)."""
+    if value <= 0:
+        return math.exp(ys[0])
+    x = math.log(value)
+    i = bisect_right(xs, x)
+    if i == 0:
+        return math.exp(ys[0])
+    if i == len(xs):
+        return math.exp(ys[-1])
+    w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return math.exp(ys[i - 1] + w * (ys[i] - ys[i - 1]))
 
 
 @dataclass(frozen=True)
@@ -65,7 +239,9 @@ class HardwareProfile:
         bwd_extra_kernels: memory-bound kernels a FlashAttention-2 backward launches besides the
             main one (dot(dO, O) with dQ-accumulator clearing; dQ conversion).
         collective_latency_us: fixed latency of one all-gather / reduce-scatter, µs.
-        allgather_busbw_gbps, reducescatter_busbw_gbps: large-message bus bandwidth, GB/s.
+        allgather_busbw_gbps, reducescatter_busbw_gbps: large-message bus bandwidth, GB/s; with
+            a per-size table for that collective, the bus bandwidth at the table's largest size
+            (the table is scaled by this value over its own; equal, it is reproduced exactly).
         busbw_curve_size_kib, busbw_curve_gbps: a published bus-bandwidth-vs-message-size curve
             (increasing sizes); only its shape is used, as the small-message falloff.
         busbw_curve_ranks: ranks of the published curve's run.
@@ -92,9 +268,14 @@ class HardwareProfile:
             beside it (SMs and HBM bandwidth taken by NCCL); 1 means no contention.
         overlap_fraction: share of a communication meant to hide behind compute that really
             overlaps it; the rest is exposed (1 means perfect overlap).
+        allgather_table, reducescatter_table: a published per-size nccl-tests table of that
+            collective (:func:`read_collective_table`: a name in ``conf/hardware/nccl/`` or a CSV
+            path), priced in place of the falloff curve (module docstring); ``""``: none.
     Raises:
         ValueError: (at construction) a non-positive or non-finite constant, block sizes that do
-            not divide, a fitted rate above ``peak_tflops``, or a malformed bandwidth curve.
+            not divide, a fitted rate above ``peak_tflops``, a malformed bandwidth curve, a bad
+            or unknown collective table (named), a table of the other collective, or a
+            ``collective_latency_us`` not below the smallest time of the curve or of a table.
     """
 
     name: str
@@ -132,15 +313,25 @@ class HardwareProfile:
     accum_bytes_eager: float
     nccl_slowdown: float
     overlap_fraction: float
+    allgather_table: str = ""
+    reducescatter_table: str = ""
     #: (log sizes, log fractions) of the falloff table, derived at construction
     _falloff: tuple = field(init=False, repr=False, compare=False, default=())
+    #: collective (a key of TABLE_OPS) -> (log sizes, log fractions) from its own table
+    _tables: dict = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"hardware name must be a non-empty string, got {self.name!r}")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("name", "_falloff"):
+            if f.name == "name" or not f.init:
+                continue
+            if f.name in TABLE_OPS.values():
+                if not isinstance(v, str):
+                    raise ValueError(
+                        f"{f.name} must name a collective table (or be empty), got {v!r}"
+                    )
                 continue
             if f.name.startswith("busbw_curve_") and f.type.startswith("tuple"):
                 try:
@@ -208,6 +399,54 @@ class HardwareProfile:
             )
         sizes, frac = self.busbw_fraction_table()
         object.__setattr__(self, "_falloff", (np.log(sizes).tolist(), np.log(frac).tolist()))
+        tables = {}
+        for op, key in TABLE_OPS.items():
+            ref = getattr(self, key)
+            if not ref:
+                continue
+            table = read_collective_table(ref)
+            if table.collective != op:
+                raise ValueError(
+                    f"{key} = {ref!r} holds a {table.collective} table, not a {op} one"
+                )
+            tables[op] = self._table_falloff(table)
+        object.__setattr__(self, "_tables", tables)
+
+    def _table_falloff(self, table: CollectiveTable) -> tuple[list[float], list[float]]:
+        """(log sizes, log fractions) of one collective from its own table (module docstring),
+        the profile's falloff curve continuing it below the table's smallest size."""
+        t = table.times_us()
+        lat = self.collective_latency_us
+        if t.min() <= lat:
+            i = int(t.argmin())
+            raise ValueError(
+                f"collective_latency_us = {lat} is not below the smallest time of collective "
+                f"table {table.name!r} ({t[i]:.2f} us at {table.size_bytes[i]:.0f} B, which "
+                "includes NCCL's latency); put host-side call overhead in collective_host_us"
+            )
+        size = np.asarray(table.size_bytes)
+        recv = size * (table.ranks - 1) / table.ranks
+        bw = recv / (t - lat)  # latency-free bandwidth, bytes per µs
+        x = np.log(size).tolist()
+        y = np.log(bw / (table.busbw_gbps[-1] * 1e3)).tolist()
+        xf, yf = self._falloff
+        shift = y[0] - math.log(_interp_loglog(xf, yf, size[0]))
+        below = [(a, b + shift) for a, b in zip(xf, yf, strict=True) if a < x[0]]
+        return [a for a, _ in below] + x, [b for _, b in below] + y
+
+    def falloff_table(self, op: str | None = None) -> tuple[list[float], list[float]]:
+        """``(log sizes in bytes, log fractions)`` interpolated by :meth:`busbw_fraction`: the
+        table of collective ``op`` (a key of :data:`TABLE_OPS`) where the profile has one, else
+        the falloff curve's (``op`` None: always the curve's; p2p and curve-priced calls).
+
+        Raises:
+            ValueError: an unknown ``op``.
+        """
+        if op is None:
+            return self._falloff
+        if op not in TABLE_OPS:
+            raise ValueError(f"unknown collective {op!r}; choose one of {', '.join(TABLE_OPS)}")
+        return self._tables.get(op, self._falloff)
 
     # ---- collectives -------------------------------------------------------------------------
     def _curve_seconds(self) -> list[float]:
@@ -230,29 +469,47 @@ class HardwareProfile:
         bw = self.busbw_curve_algbw_factor * sizes / t
         return sizes, np.minimum(bw / bw[-1], 1.0)
 
-    def busbw_fraction(self, total_bytes: float) -> float:
+    def busbw_fraction(self, total_bytes: float, op: str | None = None) -> float:
         """Fraction of peak bus bandwidth reached by a collective over ``total_bytes`` bytes:
-        log-log interpolation of :meth:`busbw_fraction_table`, constant beyond its ends."""
-        xs, ys = self._falloff
-        if total_bytes <= 0:
-            return math.exp(ys[0])
-        x = math.log(total_bytes)
-        i = bisect_right(xs, x)
-        if i == 0:
-            return math.exp(ys[0])
-        if i == len(xs):
-            return math.exp(ys[-1])
-        w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return math.exp(ys[i - 1] + w * (ys[i] - ys[i - 1]))
+        log-log interpolation of :meth:`falloff_table` (collective ``op``'s own table where the
+        profile has one, else :meth:`busbw_fraction_table`), constant beyond its ends.
 
-    def collective_us(self, recv_bytes: float, total_bytes: float, busbw_gbps: float) -> float:
+        Raises:
+            ValueError: an unknown ``op``.
+        """
+        xs, ys = self.falloff_table(op)
+        return _interp_loglog(xs, ys, total_bytes)
+
+    def collective_us(
+        self, recv_bytes: float, total_bytes: float, busbw_gbps: float, op: str | None = None
+    ) -> float:
         """Time of one all-gather / reduce-scatter in which a rank receives ``recv_bytes`` out of a
-        ``total_bytes`` buffer: ``latency + recv_bytes / (busbw * falloff(total_bytes))``, µs.
-        Zero bytes cost nothing (the call is skipped)."""
+        ``total_bytes`` buffer: ``latency + recv_bytes / (busbw * falloff(total_bytes))``, µs,
+        the falloff of collective ``op`` (:meth:`busbw_fraction`; None: the profile's curve).
+        Zero bytes cost nothing (the call is skipped). :meth:`allgather_us` and
+        :meth:`reducescatter_us` name the collective and its bus bandwidth.
+
+        Raises:
+            ValueError: an unknown ``op``.
+        """
         if recv_bytes <= 0:
             return 0.0
-        bw = busbw_gbps * 1e3 * self.busbw_fraction(total_bytes)  # bytes per µs
+        bw = busbw_gbps * 1e3 * self.busbw_fraction(total_bytes, op)  # bytes per µs
         return self.collective_latency_us + recv_bytes / bw
+
+    def allgather_us(self, recv_bytes: float, total_bytes: float) -> float:
+        """One all-gather (:meth:`collective_us` at ``allgather_busbw_gbps``, its own table where
+        the profile has one): a rank receives ``recv_bytes`` of the ``total_bytes`` gathered
+        buffer, µs."""
+        return self.collective_us(recv_bytes, total_bytes, self.allgather_busbw_gbps, "all_gather")
+
+    def reducescatter_us(self, recv_bytes: float, total_bytes: float) -> float:
+        """One reduce-scatter (:meth:`collective_us` at ``reducescatter_busbw_gbps``, its own
+        table where the profile has one): a rank receives ``recv_bytes`` of the ``total_bytes``
+        input buffer, µs."""
+        return self.collective_us(
+            recv_bytes, total_bytes, self.reducescatter_busbw_gbps, "reduce_scatter"
+        )
 
     def alltoall_us(self, recv_bytes: float, total_bytes: float) -> float:
         """Time of one all-to-all in which a rank receives ``recv_bytes`` (``(n - 1) / n`` of its
@@ -264,9 +521,10 @@ class HardwareProfile:
         335 GB/s at 500 MiB (NVIDIA/nccl issue #2169), 8% below the 365 GB/s of ``h100_sxm``'s
         all-gather; with one GPU per node an all-to-all runs at the NIC's rate (nccl-tests issues
         #130, #267). No 8-rank H100 all-to-all table is public, so the profile's all-gather bus
-        bandwidth, latency and falloff are used (docs/design.md §8; optimistic by up to ~8%).
+        bandwidth, latency and falloff are used (docs/design.md §8; optimistic by up to ~8%):
+        :meth:`allgather_us`, with the all-gather's own per-size table where the profile has one.
         """
-        return self.collective_us(recv_bytes, total_bytes, self.allgather_busbw_gbps)
+        return self.allgather_us(recv_bytes, total_bytes)
 
     def p2p_us(self, nbytes: float) -> float:
         """Time of one send/recv step moving ``nbytes`` each way, µs (falloff as for collectives)."""
@@ -298,7 +556,8 @@ def list_hardware() -> list[str]:
 
 def read_profile(name: str) -> dict[str, Any]:
     """The constants of ``conf/hardware/<name>.yaml`` as Hydra composes them (its ``calibration``
-    key included), fitted values not applied.
+    key included, and the defaults of the constants it may leave out, e.g. no collective table),
+    fitted values not applied.
 
     A profile may extend another one through Hydra's defaults list (``defaults: [h100_sxm,
     _self_]`` in ``h100_ib.yaml``): the profiles it names are read first, in order, and its own
@@ -334,7 +593,10 @@ def read_profile(name: str) -> dict[str, Any]:
                 out.update(read(entry, (*seen, name)))
         return out
 
-    return read(name, ())
+    defaults = {
+        f.name: f.default for f in fields(HardwareProfile) if f.init and f.default is not MISSING
+    }
+    return {**defaults, **read(name, ())}
 
 
 def fitted_path() -> Path:
@@ -437,7 +699,8 @@ def load_hardware(
             raise ValueError(
                 f"unknown hardware key {key!r}; valid keys: {', '.join(sorted(known))}"
             )
-    missing = sorted(known - set(data))
+    optional = {f.name for f in fields(HardwareProfile) if f.init and f.default is not MISSING}
+    missing = sorted(known - optional - set(data))
     if missing:
         raise ValueError(f"hardware profile is missing key(s): {', '.join(missing)}")
     return HardwareProfile(**data)

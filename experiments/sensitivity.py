@@ -56,6 +56,7 @@ __all__ = [
     "SensitivityConfig",
     "check_sensitivity_config",
     "cli",
+    "joint_factors",
     "main",
     "perturb",
     "plot_tornado",
@@ -175,6 +176,25 @@ def perturb(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
     return dataclasses.replace(hw, **vals)
 
 
+def joint_factors(num_draws: int, factor: float, seed: int) -> list[dict[str, float]]:
+    """The joint study's draws: ``num_draws`` points of a Latin hypercube
+    (``scipy.stats.qmc.LatinHypercube``, seeded) of log-uniform factors in ``[1/factor, factor]``,
+    one per constant of :data:`VARIED` (give each to :func:`perturb`).
+
+    Raises:
+        ValueError: ``num_draws`` < 1 or ``factor`` <= 1.
+    """
+    from scipy.stats import qmc
+
+    if int(num_draws) < 1 or not float(factor) > 1.0:
+        raise ValueError(
+            f"joint draws need num_draws >= 1 and factor > 1, got {num_draws}, {factor}"
+        )
+    lhs = qmc.LatinHypercube(d=len(VARIED), seed=int(seed)).random(int(num_draws))
+    logf = (2.0 * lhs - 1.0) * math.log(float(factor))
+    return [dict(zip(VARIED, row.tolist(), strict=True)) for row in np.exp(logf)]
+
+
 def _speedups(costs, hw: HardwareProfile, shape: AttnShape, modes) -> list[dict]:
     """Per (dataset, method, mode): mean total_ms over the sequences, and speedup over llama3."""
     out = []
@@ -206,8 +226,6 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     Raises:
         ValueError: a bad option (factor <= 1, num_draws < 2, no llama3 among the methods).
     """
-    from scipy.stats import qmc
-
     from experiments.common.overrides import load_job_hardware
     from flashcp.data import sample_dataset
     from flashcp.registry import COMM_KIND, get_planner
@@ -241,10 +259,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
         for f in (1.0 / factor, factor):
             rows += [{**r, "kind": "one_at_a_time", "draw": 0, "constant": k, "factor": f}
                      for r in _speedups(costs, perturb(hw, {k: f}), shape, modes)]  # fmt: skip
-    lhs = qmc.LatinHypercube(d=len(VARIED), seed=int(cfg.seed)).random(draws)
-    logf = (2.0 * lhs - 1.0) * math.log(factor)
-    for i, row in enumerate(np.exp(logf)):
-        fac = dict(zip(VARIED, row.tolist(), strict=True))
+    for i, fac in enumerate(joint_factors(draws, factor, int(cfg.seed))):
         rows += [{**r, "kind": "joint", "draw": i + 1, "constant": "", "factor": float("nan"), **{f"f_{k}": v for k, v in fac.items()}}
                  for r in _speedups(costs, perturb(hw, fac), shape, modes)]  # fmt: skip
     df = pd.DataFrame(rows)

@@ -1,4 +1,5 @@
-"""Command-line tools outside the Hydra app: ``flashcp plan`` inspects one plan.
+"""Command-line tools outside the Hydra app: ``flashcp plan`` inspects one plan, ``flashcp
+advise`` compares every method on a user's document lengths (:mod:`flashcp.advise`).
 
 Examples::
 
@@ -10,6 +11,8 @@ Examples::
     flashcp plan --method ring --cp-size 4 --doc-lens 16,24,0,0 --num-pad 24
     flashcp plan --method flashcp_refined --cp-size 4 --doc-lens 9000,3000,500,4000 \\
         --option num_candidates=4
+    flashcp advise --lengths lens.txt --cp-size 8 --model h32kv8 --hardware h100_sxm
+    flashcp advise --dataset pile --cp-size 4 --mode infer --methods flashcp,zigzag --out adv/
 
 ``--context-len C`` packs the lengths the way the sampler does (documents appended in order until
 C tokens are full, the last one cut; fewer than C tokens in all is an error). Without it the
@@ -206,8 +209,76 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _advise_command(args: argparse.Namespace) -> int:
+    """``flashcp advise``: every method's predicted step time on the given lengths; one table
+    printed, the table, rows and breakdown figure written to ``--out``."""
+    from flashcp.advise import advise, format_report, load_model, write_outputs
+
+    shape = load_model(
+        args.model, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+    )  # fmt: skip
+    methods = None
+    if args.methods is not None:
+        methods = [m for m in re.split(r"[,\s]+", args.methods.strip()) if m]
+        if not methods:
+            raise ValueError("--methods: give at least one method")
+    df = advise(
+        cp_size=args.cp_size, lengths=args.lengths, dataset=args.dataset,
+        context_len=args.context_len, num_sequences=args.num_sequences, seed=args.seed,
+        model=shape, hardware=args.hardware, mode=args.mode, methods=methods,
+        num_draws=args.draws, draw_sequences=args.draw_sequences,
+    )  # fmt: skip
+    paths = write_outputs(df, args.out)
+    print(format_report(df))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _add_advise_parser(sub) -> None:
+    """The ``advise`` subcommand's options."""
+    a = sub.add_parser(
+        "advise",
+        help="predict every method's step time on your document lengths (one table, one figure)",
+        description="Sample packed sequences from a length file or a dataset, plan them with "
+        "every method and price them with the simulator: step time, speedup over llama3 with "
+        "its range over the hardware constants' uncertainty, imbalance, bytes per rank, and a "
+        "figure of where the time goes (docs/advise.md).",
+    )
+    src = a.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--lengths",
+        metavar="PATH",
+        help="file of document lengths (as dataset=file reads: text, CSV, Parquet, JSON, .npy)",
+    )
+    src.add_argument("--dataset", metavar="NAME", help="a named dataset: wlb_llm, pile, redpajama")
+    a.add_argument("--cp-size", type=int, required=True, help="number of CP ranks N (>= 1)")
+    a.add_argument("--context-len", type=int, default=131072, help="tokens per packed sequence")
+    a.add_argument("--num-sequences", type=int, default=1000, help="sequences sampled")
+    a.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the draws")
+    a.add_argument("--model", default="h32", help="model config (conf/model: h16, h32, h32kv8)")
+    a.add_argument("--num-heads", type=int, help="query heads (replaces the model's)")
+    a.add_argument("--num-kv-heads", type=int, help="KV heads (replaces the model's)")
+    a.add_argument("--head-dim", type=int, help="head dimension (replaces the model's)")
+    a.add_argument(
+        "--hardware", default="h100_sxm", help="hardware profile (conf/hardware), calibrated"
+    )
+    a.add_argument("--mode", choices=("train", "infer"), default="train", help="default train")
+    a.add_argument(
+        "--methods",
+        help="comma-separated methods (llama3 is always added); default: every registered "
+        "method that applies at this cp_size, the ILP excepted (too slow)",
+    )
+    a.add_argument("--draws", type=int, default=16, help="joint draws of the hardware constants")
+    a.add_argument(
+        "--draw-sequences", type=int, default=64, help="sequences priced per draw (the first ones)"
+    )
+    a.add_argument("--out", default="advise", metavar="DIR", help="output folder (default advise/)")
+    a.set_defaults(func=_advise_command)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``flashcp`` argument parser (subcommand ``plan``)."""
+    """The ``flashcp`` argument parser (subcommands ``plan`` and ``advise``)."""
     parser = _Parser(prog="flashcp", description="FlashCP harness tools.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser(
@@ -264,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan_command)
+    _add_advise_parser(sub)
     return parser
 
 

@@ -97,8 +97,8 @@ from flashcp.sim.impl import AG_GROUP_BUDGET_BYTES, RFA_HEADS_K_STRIDE, check_im
 from flashcp.sim.kernel import TileStats, bwd_extra_us, bwd_tile_counts, fwd_tile_counts, kernel_us
 
 __all__ = [
-    "COMM_KINDS", "PlanBatch", "PlanCost", "overlap_us", "price_plans", "simulate", "simulate_many",
-    "step_many",
+    "COMM_KINDS", "PlanBatch", "PlanCost", "attention_balance", "overlap_us", "price_plans",
+    "simulate", "simulate_many", "step_many",
 ]  # fmt: skip
 
 COMM_KINDS = ("allgather_full", "allgather_sharded", "p2p_ring", "alltoall")
@@ -871,6 +871,19 @@ def _step_allgather_batch(
     return out
 
 
+def _ag_head_groups(n, local, send_max, hkv: int, d: int):
+    """KV-head groups of the project's all-gather op for S plans: ``(rows, hg, groups)``, (S,)
+    each: gathered rows of one head, KV heads per group (the largest divisor of ``hkv`` whose fp32
+    gradient buffer fits ``AG_GROUP_BUDGET_BYTES``, else 1) and the groups run one after another."""
+    rows = local.max(axis=1) + n * send_max
+    per_head = rows * 2 * d * 4
+    hg = np.ones(len(send_max), dtype=np.int64)
+    for k in range(1, hkv + 1):  # the largest divisor of hkv whose buffer fits (else 1)
+        if hkv % k == 0:
+            hg = np.where(k * per_head <= AG_GROUP_BUDGET_BYTES, k, hg)
+    return rows, hg, hkv // hg
+
+
 def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vol, coll):
     """Phase times (ms; (S,) arrays, ``total_ms`` left out) of the project's all-gather op for S
     plans from their (S, N) statistics: ``local`` / ``kv_rows`` query and key rows per rank,
@@ -879,13 +892,7 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
     train = mode == "train"
     h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
     op_us = functools.partial(_op_us, hw)
-    rows = local.max(axis=1) + n * send_max
-    per_head = rows * 2 * d * 4
-    hg = np.ones(len(send_max), dtype=np.int64)
-    for k in range(1, hkv + 1):  # the largest divisor of hkv whose buffer fits (else 1)
-        if hkv % k == 0:
-            hg = np.where(k * per_head <= AG_GROUP_BUDGET_BYTES, k, hg)
-    groups = hkv // hg
+    rows, hg, groups = _ag_head_groups(n, local, send_max, hkv, d)
     qh = h // groups
     total_scale = n / (n - 1) if n > 1 else 1.0
     n_ag = 2 if train else 1
@@ -1381,6 +1388,107 @@ def price_plans(
         for col in out:
             out[col][..., idx] = part[col]
     return out
+
+
+def attention_balance(
+    plans: Sequence[Plan] | PlanBatch,
+    shape: AttnShape,
+    mode: str,
+    hardware,
+    comm_kind: str | None = None,
+) -> dict[str, np.ndarray]:
+    """Read-only account of every plan's attention kernels, per rank, as the step model adds them
+    before it takes the slowest rank (the project's ops, ``impl="ours"``; no contention).
+
+    A step's attention phases (``attn_fwd_ms + attn_bwd_ms``) are, per pass, the sum over its
+    steps (one for the all-gather and all-to-all families, N for the ring) of the slowest rank's
+    kernel time; on a profile with ``nccl_slowdown = 1`` they equal ``slowest_us`` below.
+
+    Args:
+        plans: S valid plans, or a :class:`PlanBatch` of them (its statistics are reused).
+        shape: the attention shape; mode: ``train`` or ``infer``.
+        hardware: one profile (a :class:`HardwareProfile`, name or mapping).
+        comm_kind: as in :func:`price_plans` (default: each plan's method's).
+    Returns:
+        ``slowest_us``: (S,) float64, sum over passes and steps of the slowest rank's kernel µs;
+        ``mean_us``: (S,) float64, the same with the mean over ranks in place of the slowest.
+    Raises:
+        ValueError: as :func:`price_plans`.
+    """
+    from flashcp.head_parallel import ulysses_heads
+
+    check_mode(mode)
+    train = mode == "train"
+    batch = plans if isinstance(plans, PlanBatch) else None
+    plans = batch.plans if batch is not None else list(plans)
+    hw = _as_profiles(hardware)[0]
+    out = {"slowest_us": np.zeros(len(plans)), "mean_us": np.zeros(len(plans))}
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(plans):
+        kind = _check_comm_kind(p, comm_kind)
+        u = p.ulysses_degree if kind != "alltoall" else 1
+        groups.setdefault((kind, p.method, p.cp_size, u), []).append(i)
+    for (kind, method, _, u), idx in groups.items():
+        b = (
+            batch
+            if batch is not None and len(idx) == len(plans)
+            else PlanBatch([plans[i] for i in idx])
+        )
+        inner_shape = shape
+        if u > 1:  # the inner method on the group plans, for H/u heads (PlanCost._step_hybrid)
+            method = "zigzag" if kind == "p2p_ring" else "flashcp"
+            if b._inner is None:
+                b._inner = PlanBatch(
+                    [dataclasses.replace(p.group_plan(), method=method) for p in b.plans]
+                )
+            b = b._inner
+            heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, u)
+            inner_shape = AttnShape(
+                heads.heads_per_rank, heads.kv_heads_per_rank, shape.head_dim, shape.dtype
+            )
+        passes = _attention_passes(b, hw, kind, method, inner_shape, train)
+        out["slowest_us"][idx] = sum(a.max(axis=-1).sum(axis=-1) for a in passes)
+        out["mean_us"][idx] = sum(a.mean(axis=-1).sum(axis=-1) for a in passes)
+    return out
+
+
+def _attention_passes(batch, hw, kind, method, shape, train) -> list[np.ndarray]:
+    """Kernel µs per (plan, step, rank) of each pass of :func:`attention_balance`: (S, steps, N)
+    arrays, as :meth:`PlanBatch.phases` composes them before the slowest rank is taken."""
+    h, d, n = shape.num_heads, shape.head_dim, batch.n
+    if kind == "p2p_ring":
+        stack = _stack_from_arrays(hw, kind, "ours", n, impl_ops("ours", method), batch.ndocs,
+                                   *batch.ring(hw))  # fmt: skip
+        passes = [stack._ring_fwd_compute(shape)[0]]
+        if train:
+            passes.append(stack._ring_bwd_compute(shape)[0])
+        return passes
+    if kind == "alltoall":
+        from flashcp.head_parallel import ulysses_heads
+
+        fwd, bwd, rows = batch.alltoall(hw)
+        heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, n)
+        local = AttnShape(heads.heads_per_rank, heads.kv_heads_per_rank, d, shape.dtype)
+        passes = [kernel_us(fwd, local.num_heads, d, hw, False)]
+        if train:
+            passes.append(
+                kernel_us(bwd, local.num_heads, d, hw, True) + bwd_extra_us(rows, rows, local, hw)
+            )
+        return [np.repeat(p[:, None, None], n, axis=2) for p in passes]
+    fwd, bwd, kv_rows = batch.allgather(hw)
+    local = batch.q_rows
+    send = local if kind == "allgather_full" else batch.send_rows
+    groups = _ag_head_groups(n, local, send.max(axis=1), shape.num_kv_heads, d)[2]
+    qh = (h // groups)[:, None]
+    passes = [groups[:, None] * kernel_us(fwd, qh, d, hw, False)]
+    if train:
+        extra = np.zeros_like(local)
+        for g in np.unique(groups):  # the backward's pre/post kernels of the group shape
+            sel = groups == g
+            gshape = AttnShape(h // int(g), shape.num_kv_heads // int(g), d, shape.dtype)
+            extra[sel] = bwd_extra_us(local[sel], kv_rows[sel], gshape, hw)
+        passes.append(groups[:, None] * (kernel_us(bwd, qh, d, hw, True) + extra))
+    return [p[:, None, :] for p in passes]
 
 
 def _price_group(

@@ -1,0 +1,141 @@
+"""``flashcp advise`` (:mod:`flashcp.advise`): its table, its breakdown of the step time, and its
+one-line errors; and the cost model's per-rank attention account it reads
+(:func:`flashcp.sim.cost_model.attention_balance`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from flashcp.advise import HOST_CONSTANTS, PARTS, TABLE_COLUMNS, advise
+from flashcp.cli import main
+from flashcp.comm import AttnShape
+from flashcp.registry import get_planner, method_names
+from flashcp.sim.cost_model import PlanBatch, attention_balance, price_plans
+from flashcp.sim.hardware import load_hardware
+
+CONTEXT = 16384
+SMALL = dict(context_len=CONTEXT, num_sequences=20, num_draws=4, draw_sequences=6)
+
+
+@pytest.fixture(scope="module")
+def lengths_file(tmp_path_factory):
+    """A text file of 400 document lengths: many short documents, a few long ones."""
+    rng = np.random.default_rng(7)
+    d = np.concatenate([rng.integers(1, 2000, 380), rng.integers(4000, CONTEXT, 20)])
+    path = tmp_path_factory.mktemp("advise") / "lens.txt"
+    np.savetxt(path, rng.permutation(d), fmt="%d")
+    return path
+
+
+@pytest.fixture(scope="module")
+def table(lengths_file):
+    return advise(lengths=lengths_file, cp_size=4, mode="train", **SMALL)
+
+
+def test_table_has_every_applicable_method_and_its_columns(table):
+    assert set(TABLE_COLUMNS) <= set(table.columns)
+    # every fast registered method applies at cp_size 4 with 32 heads; the ILP is left out
+    assert list(table["method"]) == list(method_names(fast=True))
+    assert "ilp" not in set(table["method"])
+    assert table.attrs["skipped"] == {}
+    assert (table["num_sequences"] == 20).all()
+    assert (table["step_ms_p90"] >= table["step_ms_p50"]).all()
+    assert (table["speedup_min"] <= table["speedup_max"]).all()
+    assert (table["imbalance_ratio"] >= 1.0).all()
+    assert (table["comm_mib_per_rank"] > 0).all()
+
+
+def test_speedup_of_llama3_is_one(table):
+    ref = table.set_index("method").loc["llama3"]
+    assert ref["speedup_vs_llama3"] == 1.0
+    assert ref["speedup_min"] == ref["speedup_max"] == 1.0
+    rows = table.attrs["rows"]
+    assert (rows[rows.method == "llama3"]["speedup_vs_llama3"] == 1.0).all()
+
+
+def test_breakdown_sums_to_total(table):
+    rows = table.attrs["rows"]
+    assert len(rows) == 20 * len(table)
+    parts = rows["ideal_ms"] + sum(rows[p] for p in PARTS)
+    np.testing.assert_allclose(parts, rows["total_ms"], rtol=1e-9, atol=0)
+    # every part is a share of the time, none negative (to rounding)
+    for p in ("ideal_ms", *PARTS):
+        assert (rows[p] >= -1e-9 * rows["total_ms"]).all(), p
+    means = table["ideal_ms"] + sum(table[p] for p in PARTS)
+    np.testing.assert_allclose(means, table["total_ms_mean"], rtol=1e-9, atol=0)
+    by = table.set_index("method")
+    assert by.loc["ulysses", "imbalance_ms"] == pytest.approx(0.0, abs=1e-12)  # same work per rank
+    assert by.loc["ring", "imbalance_ms"] > by.loc["zigzag", "imbalance_ms"]  # causal ring skew
+    assert (by["ideal_ms"] == by.loc["llama3", "ideal_ms"]).all()  # one ideal per sequence set
+
+
+@pytest.mark.parametrize(
+    ("shape", "context"),
+    [(AttnShape(32, 8, 128), 8192), (AttnShape(128, 128, 128), 8192)],  # 2nd: 2 head groups
+)
+def test_attention_balance_is_the_step_models_attention(shape, context):
+    """The accessor's slowest rank is the step's attention phases when no kernel is slowed by
+    communication; zero host constants change neither attention nor communication phases (so
+    the host part lies in ``others_ms``)."""
+    from flashcp.data import sample_dataset
+
+    seqs, _ = sample_dataset("pile", 3, context, seed=3)
+    hw = load_hardware("h100_sxm")
+    flat = dataclasses.replace(hw, nccl_slowdown=1.0)
+    nohost = dataclasses.replace(hw, **dict.fromkeys(HOST_CONSTANTS, 0.0))
+    for method in method_names(fast=True):
+        batch = PlanBatch([get_planner(method)(d, 4) for d in seqs])
+        for mode in ("train", "infer"):
+            out = price_plans(batch, [shape], [mode], [flat, hw, nohost])
+            attn = (out["attn_fwd_ms"] + out["attn_bwd_ms"])[:, 0, 0] * 1e3
+            bal = attention_balance(batch, shape, mode, hw)
+            np.testing.assert_allclose(bal["slowest_us"], attn[0], rtol=1e-12, err_msg=method)
+            assert (bal["mean_us"] <= bal["slowest_us"] * (1 + 1e-12)).all()
+            for col in ("attn_fwd_ms", "attn_bwd_ms", "allgather_ms", "reducescatter_ms",
+                        "p2p_ms", "alltoall_ms"):  # fmt: skip
+                np.testing.assert_array_equal(out[col][1], out[col][2], err_msg=f"{method} {col}")
+
+
+def test_cli_prints_one_table_and_writes_outputs(capsys, lengths_file, tmp_path):
+    out_dir = tmp_path / "adv"
+    args = ["advise", "--lengths", str(lengths_file), "--cp-size", "2", "--context-len",
+            str(CONTEXT), "--num-sequences", "4", "--draws", "2", "--draw-sequences", "2",
+            "--mode", "infer", "--methods", "flashcp,zigzag", "--out", str(out_dir)]  # fmt: skip
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    header = "| " + " | ".join(TABLE_COLUMNS) + " |"
+    assert out.count(header) == 1
+    body = [ln for ln in out.splitlines() if ln.startswith("| ") and ln != header]
+    assert [ln.split(" | ")[0][2:] for ln in body] == ["llama3", "zigzag", "flashcp"]
+    for name in ("advise.csv", "rows.csv", "breakdown.png"):
+        assert (out_dir / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("content", "extra", "needle"),
+    [
+        ("12\nabc\n", [], "'abc' is not an integer"),
+        (None, [], "not found"),
+        ("100\n99999\n", [], "longer than context_len"),
+        ("100\n", ["--methods", "nope"], "unknown method 'nope'"),
+        ("100\n", ["--model", "nope"], "unknown model 'nope'"),
+        ("100\n", ["--hardware", "nope"], "unknown hardware profile 'nope'"),
+        ("100\n", ["--cp-size", "0"], "cp_size must be an integer >= 1"),
+    ],
+)
+def test_bad_input_is_one_line(capsys, tmp_path, content, extra, needle):
+    path = tmp_path / "lens.txt"
+    if content is not None:
+        path.write_text(content)
+    args = ["advise", "--lengths", str(path), "--cp-size", "4", "--context-len", str(CONTEXT),
+            "--out", str(tmp_path / "out"), *extra]  # fmt: skip
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("flashcp advise: error: "), err
+    assert needle in err
+    assert not (tmp_path / "out").exists()

@@ -51,7 +51,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.common.callbacks import is_rank0, read_lock
 from experiments.common.entry import CONF_DIR
-from experiments.common.launch import PROG, launch
+from experiments.common.launch import PROG, launch, register_value_check
 from experiments.common.overrides import (
     explicit_hardware_keys,
     explicit_keys,
@@ -673,6 +673,7 @@ def write_error_rows(cfg: DictConfig, exc: BaseException) -> Path | None:
 
 
 register_configs()
+register_value_check(PROG, _checked_runs)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

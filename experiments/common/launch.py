@@ -340,7 +340,7 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
     if prog == PROG:
         problem = grid_override_problem(config) or dataset_path_problem(config)
         if problem is None and not multirun:
-            problem = run_values_problem(config)
+            problem = run_values_problem(config, prog)
         if problem is not None:
             return problem
     ranks = _submitit_ranks(config)
@@ -358,15 +358,28 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
     return added[0] if added else None
 
 
-def run_values_problem(config: Any) -> str | None:
-    """The first bad value of a single ``flashcp-run`` (every run of its grid checked as the job
-    checks it: :func:`experiments.run._checked_runs`), or None: refused before the job starts, so
-    a bad ``cp_size``, ``modes`` or method option writes no error rows. A sweep's jobs are checked
-    each by the job (a swept key's values are not in ``config`` yet), and a bad one is a row."""
-    from experiments.run import _checked_runs
+#: per command, the check of a single run's values (registered by the command's module)
+_VALUE_CHECKS: dict[str, Any] = {}
 
+
+def register_value_check(prog: str, check: Any) -> None:
+    """Have :func:`launch_problem` run ``check(config)`` (raising ``ValueError`` naming the bad
+    value) on a single run of ``prog`` before its job starts; the command's module registers it
+    (so this module imports no command)."""
+    _VALUE_CHECKS[prog] = check
+
+
+def run_values_problem(config: Any, prog: str = PROG) -> str | None:
+    """The first bad value of a single run of ``prog`` (its registered check: for
+    ``flashcp-run`` every run of its grid checked as the job checks it), or None: refused
+    before the job starts, so a bad ``cp_size``, ``modes`` or method option writes no error
+    rows. A sweep's jobs are checked each by the job (a swept key's values are not in ``config``
+    yet), and a bad one is a row."""
+    check = _VALUE_CHECKS.get(prog)
+    if check is None:
+        return None
     try:
-        _checked_runs(config)
+        check(config)
     except ValueError as exc:
         return str(exc)
     return None

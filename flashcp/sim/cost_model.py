@@ -288,17 +288,18 @@ class PlanCost:
         """Per-rank device µs of the attention kernels alone (no communication, no copies, no
         contention), forward and backward: (N,) arrays for the all-gather family, (N_steps, N)
         for the ring family (plus its merges and accumulations, which the ring issues between
-        kernels). The one model of each layout's compute, used by the step model and by Fig. 3.
+        kernels; not the device's idle waits after stream syncs, which the step adds). The one
+        model of each layout's compute, used by the step model and by Fig. 3.
         """
         if self.inner is not None:
             return self.inner.attention_us(self._hybrid_shape(shape), train)
         if self.comm_kind == "alltoall":
             return self._alltoall_kernels_us(shape, train)
         if self.comm_kind == "p2p_ring":
-            f, fo, _ = self._ring_fwd_compute(shape)
+            f, fo, *_ = self._ring_fwd_compute(shape)
             if not train:
                 return f + fo, np.zeros_like(f)
-            b, bo, _ = self._ring_bwd_compute(shape)
+            b, bo, *_ = self._ring_bwd_compute(shape)
             return f + fo, b + bo
         h, d = shape.num_heads, shape.head_dim
         fwd = kernel_us(self.fwd, h, d, self.hw, False)
@@ -576,9 +577,10 @@ class PlanCost:
             return np.zeros((1, 1), dtype=bool)
         return (np.asarray(self.num_docs) == 1)[..., None, None]
 
-    def _ring_fwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _ring_fwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, ...]:
         """Forward of the ring: (N, N) ``[t, r]`` device µs of attention, device µs of the other
-        ops (merges, gathers, casts), host µs (ops, kernel calls, per-step and per-document work)."""
+        ops (merges, gathers, casts), host µs (ops, kernel calls, per-step and per-document work),
+        and µs the device idles after stream syncs (``ImplOps.mask_syncs``; 0.0 without)."""
         hw, ops = self.hw, self.ops
         h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
         launched, part_q, part_k = self._ring_masks()
@@ -611,6 +613,7 @@ class PlanCost:
         nbytes[..., -1, :] += local_el * (4 + e)
         other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
         host = hw.ring_step_fwd_us + hw.host_op_us * (launched + n_ops)
+        idle = 0.0
         if ops.per_doc_host:  # get_half_index twice, q[half_index1] once per call
             docs = np.asarray(self.num_docs)[..., None]
             host[..., 0, :] += 2 * docs * hw.doc_host_us + hw.host_op_us
@@ -619,10 +622,10 @@ class PlanCost:
             syncs = np.where(gather_k, ops.half_gather_ops, 0) + np.where(part_q & ~views, 4, 0)
             syncs = syncs + np.zeros(other.shape)
             syncs[..., 0, :] += np.where(views[..., 0, :], 0, 1) if ops.per_doc_host else 0
-            other = other + syncs * hw.host_op_us
-        return attn, other, host
+            idle = syncs * hw.host_op_us
+        return attn, other, host, idle
 
-    def _ring_bwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _ring_bwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, ...]:
         """Backward of the ring, as :meth:`_ring_fwd_compute` (attention backward kernels,
         accumulations, gathers, casts)."""
         hw, ops = self.hw, self.ops
@@ -662,6 +665,7 @@ class PlanCost:
         nbytes[..., -1, :] += (local_q + local_kv) * (4 + e)
         other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
         host = hw.ring_step_bwd_us + hw.host_op_us * (launched + n_ops)
+        idle = 0.0
         if ops.per_doc_host:  # get_half_lse: a Python loop over documents; dout/q/out halves
             docs = np.asarray(self.num_docs)[..., None]
             host[..., 0, :] += docs * hw.doc_host_us + 3 * hw.host_op_us
@@ -673,13 +677,14 @@ class PlanCost:
             syncs = np.where(gather_k, per_k, 0) + np.where(gather_q, ops.indexed_accum_ops, 0)
             syncs = syncs + np.zeros(other.shape)
             syncs[..., 0, :] += np.where(views[..., 0, :], 0, 3) if ops.per_doc_host else 0
-            other = other + syncs * hw.host_op_us
-        return attn, other, host
+            idle = syncs * hw.host_op_us
+        return attn, other, host, idle
 
-    def _ring_pass(self, attn, other, host, hop_us, tail_us):
+    def _ring_pass(self, attn, other, host, idle, hop_us, tail_us):
         """Compose one ring pass from (..., N, N) ``[t, r]`` device and host µs (module
         docstring): every step but the last overlaps one hop of ``hop_us``; ``tail_us`` is exposed
-        at the end (scalars, or (S,) arrays for S plans).
+        at the end (scalars, or (S,) arrays for S plans); ``idle`` (µs the device waits for the
+        host after a stream sync) adds to the step's device time and is charged to others.
 
         Returns ``(attention, others, exposed_p2p)`` in µs summing to the pass time, shaped
         ``attn.shape[:-2]``.
@@ -692,7 +697,7 @@ class PlanCost:
         attn_t = (attn * scale).max(axis=-1)
         comp_t = slowed.max(axis=-1)
         gpu_t = device.max(axis=-1)
-        total_t = np.maximum(device, host).max(axis=-1)
+        total_t = np.maximum(device + idle, host).max(axis=-1)
         p2p = (gpu_t - comp_t).sum(axis=-1) + tail_us
         a = attn_t.sum(axis=-1)
         return a, total_t.sum(axis=-1) + tail_us - a - p2p, p2p

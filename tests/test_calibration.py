@@ -15,7 +15,7 @@ from flashcp.comm import AttnShape
 from flashcp.registry import make_plan_for
 from flashcp.sim import load_hardware, simulate
 from flashcp.sim.calibration import CalibTarget, fit_constants, public_targets
-from flashcp.sim.cost_model import overlap_us
+from flashcp.sim.cost_model import PlanCost, overlap_us
 from flashcp.sim.hardware import fitted_path, read_fitted
 from flashcp.sim.impl import impl_plan
 
@@ -165,3 +165,42 @@ def test_allgather_head_group_budget_matches_the_op():
     from flashcp.sim.impl import AG_GROUP_BUDGET_BYTES
 
     assert AG_GROUP_BUDGET_BYTES == HEAD_GROUP_BUDGET_BYTES
+
+
+@pytest.mark.parametrize("docs", [[4096], [2048, 2048]])
+def test_ring_flash_attn_zigzag_step_ops_are_its_source(docs):
+    """Device µs of ring-flash-attn's zigzag ops between kernels at a middle ring step, counted by
+    hand from ``zigzag_ring_flash_attn_varlen.py`` / ``utils.py``: one document's halves are
+    slices (views: no gathers, in-place accumulation, the back-half merge copied into out[half]);
+    several documents' halves are CPU-mask gathers and scatters, each a stream sync."""
+    hw, n = load_hardware("h100_sxm"), 4
+    plan, _ = impl_plan("zigzag", "ring_flash_attn", docs, n)
+    cost = PlanCost(plan, hw, "p2p_ring", "ring_flash_attn")
+    h, hkv, d, e = SHAPE.num_heads, SHAPE.num_kv_heads, SHAPE.head_dim, SHAPE.dtype_bytes
+    t_rows = sum(docs) // n
+    q_el, half_kv = t_rows * h * d, t_rows // 2 * hkv * d  # local out; one of k0 / v0
+
+    def op(count, nbytes, syncs=0):
+        return count * hw.launch_us + nbytes / (hw.copy_bw_gbps * 1e3) + syncs * hw.host_op_us
+
+    many, step = len(docs) > 1, 1
+    merge = hw.merge_bytes_scripted
+    # rank 2 (step <= rank): whole q against the source's front halves k0 = k[half_index0]
+    fwd_front = op(2, q_el * merge) + (op(2, 2 * half_kv * 2 * e, 2) if many else 0.0)
+    # rank 0 (step > rank): back-half queries, out[half_index1] merged and written back
+    fwd_back = op(2, q_el / 2 * merge) + (op(4, q_el / 2 * 16, 4) if many else op(2, q_el / 2 * 8))
+    _, other, _, idle = cost._ring_fwd_compute(SHAPE)
+    other = other + idle  # device ops and the device's idle wait after their syncs
+    assert other[step, 2] == pytest.approx(fwd_front, rel=1e-12)
+    assert other[step, 0] == pytest.approx(fwd_back, rel=1e-12)
+    # backward: dq += (whole), dk[half_index0] += / dv[...] += (gather, add, scatter per mask)
+    acc = hw.accum_bytes_eager
+    bwd_front = op(3, (q_el + 2 * half_kv) * acc)
+    bwd_back = op(3, (q_el / 2 + 4 * half_kv) * acc)
+    if many:
+        bwd_front += op(2, 2 * half_kv * 2 * e, 2) + op(4, 16 * 2 * half_kv, 4)
+        bwd_back += op(2, 16 * q_el / 2, 2)
+    _, other, _, idle = cost._ring_bwd_compute(SHAPE)
+    other = other + idle
+    assert other[step, 2] == pytest.approx(bwd_front, rel=1e-12)
+    assert other[step, 0] == pytest.approx(bwd_back, rel=1e-12)

@@ -48,7 +48,9 @@ layouts). ``ours`` launches a kernel unless the whole source block lies after th
 ring-flash-attn's ring skips t > rank, its zigzag never skips. After each kernel the partial
 output is merged by LSE (``merge_bytes_eager`` or ``_fused`` per element of out, one op per
 ``ImplOps.merge_ops``); a step that uses part of a block gathers it by index (and scatters the
-merged rows back); the backward accumulates dQ, dK, dV. Per step t the device time of rank r is
+merged rows back; ring-flash-attn's zigzag takes slices instead when there is one document, and
+its gathers by a host-side mask each synchronise the stream, leaving the device idle for one
+``host_op_us``); the backward accumulates dQ, dK, dV. Per step t the device time of rank r is
 ``overlap_us(attention + merges, p2p_step)`` and the step takes
 ``max_r max(device, host)``; the backward's last dK/dV hop is exposed after its last step.
 
@@ -287,17 +289,18 @@ class PlanCost:
         """Per-rank device µs of the attention kernels alone (no communication, no copies, no
         contention), forward and backward: (N,) arrays for the all-gather family, (N_steps, N)
         for the ring family (plus its merges and accumulations, which the ring issues between
-        kernels). The one model of each layout's compute, used by the step model and by Fig. 3.
+        kernels; not the device's idle waits after stream syncs, which the step adds). The one
+        model of each layout's compute, used by the step model and by Fig. 3.
         """
         if self.inner is not None:
             return self.inner.attention_us(self._hybrid_shape(shape), train)
         if self.comm_kind == "alltoall":
             return self._alltoall_kernels_us(shape, train)
         if self.comm_kind == "p2p_ring":
-            f, fo, _ = self._ring_fwd_compute(shape)
+            f, fo, *_ = self._ring_fwd_compute(shape)
             if not train:
                 return f + fo, np.zeros_like(f)
-            b, bo, _ = self._ring_bwd_compute(shape)
+            b, bo, *_ = self._ring_bwd_compute(shape)
             return f + fo, b + bo
         h, d = shape.num_heads, shape.head_dim
         fwd = kernel_us(self.fwd, h, d, self.hw, False)
@@ -564,9 +567,17 @@ class PlanCost:
         """Device µs of ``count`` memory-bound launches moving ``nbytes`` (read + write)."""
         return _op_us(self.hw, count, nbytes)
 
-    def _ring_fwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _half_views(self) -> np.ndarray:
+        """Bool, broadcastable to ``[..., t, r]``: the halves of a block are views, not index
+        gathers (``ImplOps.one_doc_views`` and a plan of one document)."""
+        if not self.ops.one_doc_views:
+            return np.zeros((1, 1), dtype=bool)
+        return (np.asarray(self.num_docs) == 1)[..., None, None]
+
+    def _ring_fwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, ...]:
         """Forward of the ring: (N, N) ``[t, r]`` device µs of attention, device µs of the other
-        ops (merges, gathers, casts), host µs (ops, kernel calls, per-step and per-document work)."""
+        ops (merges, gathers, casts), host µs (ops, kernel calls, per-step and per-document work),
+        and µs the device idles after stream syncs (``ImplOps.mask_syncs``; 0.0 without)."""
         hw, ops = self.hw, self.ops
         h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
         launched, part_q, part_k = self._ring_masks()
@@ -575,13 +586,19 @@ class PlanCost:
         work = self.q_rows > 0
         out_el = self.q_rows * h * d  # elements of the merged rows' output
         merge_b = getattr(hw, ops.merge_bytes)
+        views = self._half_views()
+        gather_k = part_k & ~views
+        # a merge into half of out: gather out and lse, merge, scatter both back (4 ops, 16 bytes
+        # per fp32 element); on a view only the result is copied back (2 ops, 8 bytes)
         n_ops = (
             np.where(work, ops.merge_ops, 0)
-            + np.where(part_q, 4, 0)
-            + np.where(part_k, ops.half_gather_ops, 0)
+            + np.where(part_q, np.where(views, 2, 4), 0)
+            + np.where(gather_k, ops.half_gather_ops, 0)
         )
-        nbytes = np.where(work, out_el * merge_b, 0.0) + np.where(part_q, 16.0 * out_el, 0.0)
-        nbytes = nbytes + np.where(part_k, 2.0 * self.kv_rows * hkv * d * 2 * e, 0.0)
+        nbytes = np.where(work, out_el * merge_b, 0.0) + np.where(
+            part_q, np.where(views, 8.0, 16.0) * out_el, 0.0
+        )
+        nbytes = nbytes + np.where(gather_k, 2.0 * self.kv_rows * hkv * d * 2 * e, 0.0)
         if self.impl == "ours":  # the query rows of a partial step are gathered per step
             n_ops = n_ops + part_q
             nbytes = nbytes + np.where(part_q, out_el * 2 * e, 0.0)
@@ -593,13 +610,19 @@ class PlanCost:
         nbytes[..., -1, :] += local_el * (4 + e)
         other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
         host = hw.ring_step_fwd_us + hw.host_op_us * (launched + n_ops)
+        idle = 0.0
         if ops.per_doc_host:  # get_half_index twice, q[half_index1] once per call
             docs = np.asarray(self.num_docs)[..., None]
             host[..., 0, :] += 2 * docs * hw.doc_host_us + hw.host_op_us
-            other[..., 0, :] += self._op_us(1, local_el * e)
-        return attn, other, host
+            other[..., 0, :] += np.where(views[..., 0, :], 0.0, self._op_us(1, local_el * e))
+        if ops.mask_syncs:  # k0, v0 gathers; out/lse gathered and scattered back; q[half_index1]
+            syncs = np.where(gather_k, ops.half_gather_ops, 0) + np.where(part_q & ~views, 4, 0)
+            syncs = syncs + np.zeros(other.shape)
+            syncs[..., 0, :] += np.where(views[..., 0, :], 0, 1) if ops.per_doc_host else 0
+            idle = syncs * hw.host_op_us
+        return attn, other, host, idle
 
-    def _ring_bwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _ring_bwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, ...]:
         """Backward of the ring, as :meth:`_ring_fwd_compute` (attention backward kernels,
         accumulations, gathers, casts)."""
         hw, ops = self.hw, self.ops
@@ -616,13 +639,17 @@ class PlanCost:
         kv_el = 2.0 * self.kv_rows * hkv * d
         local_q = self.q_rows[..., 0, :] * h * d
         local_kv = 2.0 * self.q_rows[..., 0, :] * hkv * d
-        n_ops = np.where(work, ops.accum_ops, 0) + np.where(part_k, ops.half_gather_ops, 0)
+        views = self._half_views()
+        gather_q, gather_k = part_q & ~views, part_k & ~views
+        n_ops = np.where(work, ops.accum_ops, 0) + np.where(gather_k, ops.half_gather_ops, 0)
         nbytes = np.where(work, (q_el + kv_el) * hw.accum_bytes_eager, 0.0)
-        nbytes = nbytes + np.where(part_k, kv_el * 2 * e, 0.0)
+        nbytes = nbytes + np.where(gather_k, kv_el * 2 * e, 0.0)
         if ops.indexed_accum_ops:  # dq[half] += ..., dk[half] += ...: gather + scatter (fp32)
-            n_ops = n_ops + ops.indexed_accum_ops * (part_q + 2 * part_k)
+            n_ops = n_ops + ops.indexed_accum_ops * (gather_q + 2 * gather_k)
             nbytes = (
-                nbytes + np.where(part_q, 16.0 * q_el, 0.0) + np.where(part_k, 16.0 * kv_el, 0.0)
+                nbytes
+                + np.where(gather_q, 16.0 * q_el, 0.0)
+                + np.where(gather_k, 16.0 * kv_el, 0.0)
             )
         if self.impl == "ours":  # per step: zero this step's dK/dV, combine with the incoming sum
             n_ops = n_ops + part_q + np.where(work, 3, 0)
@@ -635,16 +662,26 @@ class PlanCost:
         nbytes[..., -1, :] += (local_q + local_kv) * (4 + e)
         other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
         host = hw.ring_step_bwd_us + hw.host_op_us * (launched + n_ops)
+        idle = 0.0
         if ops.per_doc_host:  # get_half_lse: a Python loop over documents; dout/q/out halves
             docs = np.asarray(self.num_docs)[..., None]
             host[..., 0, :] += docs * hw.doc_host_us + 3 * hw.host_op_us
-            other[..., 0, :] += docs * hw.launch_us + self._op_us(3, 1.5 * local_q * 2 * e)
-        return attn, other, host
+            other[..., 0, :] += docs * hw.launch_us + np.where(
+                views[..., 0, :], 0.0, self._op_us(3, 1.5 * local_q * 2 * e)
+            )
+        if ops.mask_syncs:  # k0, v0 gathers; dk/dv[half] and dq[half] gathered and scattered
+            per_k = ops.half_gather_ops + 2 * ops.indexed_accum_ops
+            syncs = np.where(gather_k, per_k, 0) + np.where(gather_q, ops.indexed_accum_ops, 0)
+            syncs = syncs + np.zeros(other.shape)
+            syncs[..., 0, :] += np.where(views[..., 0, :], 0, 3) if ops.per_doc_host else 0
+            idle = syncs * hw.host_op_us
+        return attn, other, host, idle
 
-    def _ring_pass(self, attn, other, host, hop_us, tail_us):
+    def _ring_pass(self, attn, other, host, idle, hop_us, tail_us):
         """Compose one ring pass from (..., N, N) ``[t, r]`` device and host µs (module
         docstring): every step but the last overlaps one hop of ``hop_us``; ``tail_us`` is exposed
-        at the end (scalars, or (S,) arrays for S plans).
+        at the end (scalars, or (S,) arrays for S plans); ``idle`` (µs the device waits for the
+        host after a stream sync) adds to the step's device time and is charged to others.
 
         Returns ``(attention, others, exposed_p2p)`` in µs summing to the pass time, shaped
         ``attn.shape[:-2]``.
@@ -657,7 +694,7 @@ class PlanCost:
         attn_t = (attn * scale).max(axis=-1)
         comp_t = slowed.max(axis=-1)
         gpu_t = device.max(axis=-1)
-        total_t = np.maximum(device, host).max(axis=-1)
+        total_t = np.maximum(device + idle, host).max(axis=-1)
         p2p = (gpu_t - comp_t).sum(axis=-1) + tail_us
         a = attn_t.sum(axis=-1)
         return a, total_t.sum(axis=-1) + tail_us - a - p2p, p2p

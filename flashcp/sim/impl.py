@@ -18,7 +18,12 @@ prices each from the ops it issues, read from its source:
   source block, merged into ``out[half_index1]`` (gather, merge, scatter). Its backward builds the
   back-half LSE with a Python loop over documents (``get_half_lse``, two ``.item()`` per document),
   accumulates ``dq[half_index1] +=`` / ``dk[half_index0] +=`` (gather, add, scatter), and sends
-  dK/dV partial sums in fp32.
+  dK/dV partial sums in fp32. Its masks live on the host (``get_half_index`` builds them with
+  ``torch.zeros`` and no device), so every gather or scatter by a mask copies indices to the device
+  and synchronises the stream. With *one* document its ``get_half_index`` returns slices instead of
+  masks: the halves of q, k, v, dout and out are views (no gather), the accumulations into half a
+  buffer run in place on the view, and a back-half merge only copies its result into
+  ``out[half]`` (no gather of out).
 * ``llama3`` = ``llama3_flash_attn_varlen_func``: the packed sequence in N contiguous chunks (not
   the paper's 2N); KV all-gathered ``heads_k_stride`` KV heads at a time (K and V separately,
   the next group's gather overlapping this group's attention), outputs concatenated; backward
@@ -82,6 +87,13 @@ class ImplOps:
         indexed_accum_ops: extra gather + scatter per accumulation into part of a buffer.
         per_doc_host: the implementation loops over documents in Python once per backward call.
         skip_after_rank: no kernel at ring step ``t > rank`` (ring-flash-attn's ring).
+        one_doc_views: with a single document the halves of a block are slices (views), not
+            index gathers: no gather of a half, accumulations into half a buffer in place, and a
+            merge into half of out writes its result back with one copy (ring-flash-attn's zigzag).
+        mask_syncs: its half-block gathers and scatters index a CUDA tensor with a *CPU* boolean
+            mask: PyTorch turns the mask into indices on the host and copies them to the device
+            from pageable memory, a blocking copy that waits for the stream; the device then idles
+            while the host dispatches the next op (one ``host_op_us`` per such gather or scatter).
     """
 
     merge_ops: int
@@ -91,6 +103,8 @@ class ImplOps:
     indexed_accum_ops: int
     per_doc_host: bool
     skip_after_rank: bool
+    one_doc_views: bool = False
+    mask_syncs: bool = False
 
 
 #: ring-flash-attn's ``_update_out_and_lse`` is ``@torch.jit.script``: TorchScript's fuser joins
@@ -101,7 +115,9 @@ class ImplOps:
 _OPS = MappingProxyType(
     {
         ("ring_flash_attn", "ring"): ImplOps(2, "merge_bytes_scripted", 0, 3, 0, False, True),
-        ("ring_flash_attn", "zigzag"): ImplOps(2, "merge_bytes_scripted", 2, 3, 2, True, False),
+        ("ring_flash_attn", "zigzag"): ImplOps(
+            2, "merge_bytes_scripted", 2, 3, 2, True, False, True, True
+        ),
     }
 )
 #: the project's ring op family (:mod:`flashcp.ops.ring_attn`): the same code for every layout

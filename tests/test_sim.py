@@ -418,7 +418,9 @@ def test_h200_profile_loads_and_prices():
     h200 = load_hardware("h200_sxm")
     assert (h200.peak_tflops, h200.num_sms) == (989.0, 132)
     assert h200.allgather_table and h200.reducescatter_table
-    assert not HW.allgather_table and HW.falloff_table("all_gather") == HW.falloff_table()
+    a100 = load_hardware("a100_sxm")  # a profile without tables: the curve's falloff
+    assert not a100.allgather_table and a100.falloff_table("all_gather") == a100.falloff_table()
+    assert HW.allgather_table == h200.allgather_table  # h100_sxm: the same NVLink4 tables
     # the kernel and host constants are the H100's (same GPU), the network's its own tables
     for key in ("fwd_tile_tflops", "bwd_tile_tflops", "host_op_us", "collective_latency_us"):
         assert getattr(h200, key) == getattr(HW, key)
@@ -430,12 +432,12 @@ def test_h200_profile_loads_and_prices():
     assert a["comm_bytes"] == b["comm_bytes"]
     # a profile without a table: the curve-based formula of before
     for s in (2**16, 2**23, 2**27, 2**31):
-        old = HW.collective_latency_us + s * 7 / 8 / (
-            HW.allgather_busbw_gbps * 1e3 * HW.busbw_fraction(s)
+        old = a100.collective_latency_us + s * 7 / 8 / (
+            a100.allgather_busbw_gbps * 1e3 * a100.busbw_fraction(s)
         )
-        assert HW.allgather_us(s * 7 / 8, s) == old
-        assert HW.reducescatter_us(s * 7 / 8, s) == HW.collective_us(
-            s * 7 / 8, s, HW.reducescatter_busbw_gbps
+        assert a100.allgather_us(s * 7 / 8, s) == old
+        assert a100.reducescatter_us(s * 7 / 8, s) == a100.collective_us(
+            s * 7 / 8, s, a100.reducescatter_busbw_gbps
         )
 
 

@@ -88,7 +88,7 @@ OVERLONG = tuple(Overlong)
 class DatasetConfig:
     """Where document lengths come from (docs/design.md §5)."""
 
-    #: wlb_llm | pile | redpajama | stress | file (:class:`flashcp.data.DatasetName`)
+    #: wlb_llm | pile | redpajama | wlb_llm_synthetic | stress | file (:class:`flashcp.data.DatasetName`)
     name: DatasetName = MISSING
     #: for name=file: a text/CSV/.npy file of document lengths (tokens), one per document. Other
     #: datasets do not read it; flashcp-run refuses it on a command line that selects no

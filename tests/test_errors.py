@@ -120,6 +120,7 @@ def test_help_describes_every_group_and_the_main_fields(capsys, monkeypatch):
         ("table2", ["-m", "context_len=65536,131072"], "this sweep runs 2 jobs (over context_len) that would all write"),
         ("sensitivity", ["datasets=[pile,wlb]"], "datasets[1] takes one of wlb_llm, pile, redpajama, wlb_llm_synthetic, stress, file, got 'wlb'"),
         ("calibration", ["hydra/launcher=joblib"], "flashcp-calibration -m hydra/launcher=joblib"),
+        ("sensitivity", ["dataset.path=x.txt"], "dataset.path=x.txt: the study samples a dataset config only when the command line selects one; add dataset=<name>"),
     ],
 )  # fmt: skip
 def test_experiment_entry_mistake_is_one_line_exit_2(
@@ -141,6 +142,10 @@ def test_experiment_entry_mistake_is_one_line_exit_2(
         ("table2", ["num_sequences=0"], "num_sequences must be >= 1, got 0"),
         ("table2", ["dataset.cap=4096"], "dataset.cap = 4096: this experiment samples dataset.name only"),
         ("sensitivity", ["methods=[zigzag]"], "must include llama3"),
+        ("sensitivity", ["dataset=file"], "dataset=file needs dataset.path="),
+        ("sensitivity", ["weightings=[bytes]"], "weightings: unknown weighting 'bytes'; valid: documents, tokens"),
+        ("sensitivity", ["datasets=[file]"], "file needs a path; select it with dataset=file dataset.path="),
+        ("sensitivity", ["datasets=[]"], "no data variant"),
     ],
 )  # fmt: skip
 def test_experiment_entry_bad_value_is_one_line_exit_2(

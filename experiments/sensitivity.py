@@ -60,7 +60,7 @@ from experiments.common.entry import (
 )
 from experiments.common.launch import launch
 from flashcp.comm import AttnShape
-from flashcp.config import DatasetConfig, HardwareConfig, ModelConfig
+from flashcp.config import DatasetConfig, HardwareConfig, ModelConfig, Weighting
 from flashcp.data.datasets import DatasetName
 from flashcp.data.distributions import WEIGHTINGS
 from flashcp.results import markdown_table
@@ -119,7 +119,9 @@ class SensitivityConfig(ExperimentConfig):
         ]
     )  # fmt: skip
     #: weightings the datasets are studied under: documents | tokens (datasets/README.md)
-    weightings: list[str] = field(default_factory=lambda: ["documents", "tokens"])
+    weightings: list[Weighting] = field(
+        default_factory=lambda: [Weighting.documents, Weighting.tokens]
+    )
     #: one more data variant, sampled as flashcp-run samples this dataset config (its name, path,
     #: weighting, cap, overlong): e.g. dataset=file dataset.path=lengths.txt (conf/dataset/)
     dataset: DatasetConfig | None = None

@@ -1,5 +1,6 @@
-"""How robust is each conclusion of the simulator? ``flashcp-sensitivity`` (or ``python -m
-experiments.sensitivity``; conf/sensitivity.yaml, :class:`SensitivityConfig`).
+"""How robust is each conclusion of the simulator, to its constants and to the data?
+``flashcp-sensitivity`` (or ``python -m experiments.sensitivity``; conf/sensitivity.yaml,
+:class:`SensitivityConfig`).
 
 Every overhead constant of the hardware profile (:data:`VARIED`) is varied over a plausible range,
 a factor of ``1/2`` to ``2`` of its calibrated value (``factor``; for
@@ -10,16 +11,29 @@ not overlapped; values stay within what the profile accepts):
 * jointly: a Latin hypercube (``scipy.stats.qmc.LatinHypercube``) of ``num_draws``
   draws of log-uniform factors.
 
-For each draw the same sampled sequences (``num_sequences`` per dataset, sampled as
-``flashcp-run`` samples them by default, :func:`flashcp.data.sample_dataset`, so they are the
-sequences of Fig. 5 / 7; CP ``cp_size``, the run's model) are priced for every method; the statistic is the method's speedup
-over ``llama3`` (ratio of mean ``total_ms``, as in ``summary.csv``). Plans and tile counts are
-computed once; only the profile changes between draws.
+The data is the study's other dimension: each *data variant* (:func:`data_variants`) is a dataset
+under a weighting, ``<dataset>/<weighting>``: every dataset of ``datasets`` under each of
+``weightings`` (documents: a draw is a document; tokens: length-biased, datasets/README.md), except
+the generators (``wlb_llm_synthetic``, ``stress``), whose rules draw documents (documents only);
+and, when the command line selects a dataset (``dataset=file dataset.path=lengths.txt``), that
+dataset config as one more variant, with its own weighting, cap and overlong policy.
 
-Writes ``<results_dir>/<name>/``: ``sensitivity.csv`` (one row per draw, dataset, method, mode),
-``speedup_range.csv`` / ``.md`` (per dataset and method: calibrated speedup, one-at-a-time and
-joint ranges), ``ordering.csv`` / ``.md`` (share of joint draws in which method A is faster than
-method B, per dataset) and ``tornado.png``.
+For each variant, ``num_sequences`` sequences are sampled as ``flashcp-run`` samples that
+dataset config (:func:`flashcp.data.sample_dataset`: the listed variants with its defaults,
+cap 4 x C and overlong split, so ``<dataset>/documents`` are the sequences of Fig. 5 / 7), planned
+once per method (CP ``cp_size``, the run's model) and priced on every profile of the study in
+one call (:func:`flashcp.sim.cost_model.price_plans`, equal to pricing each plan on each profile);
+the statistic is the method's speedup over ``llama3`` (ratio of mean ``total_ms``, as in
+``summary.csv``).
+
+Writes ``<results_dir>/<name>/``: ``sensitivity.csv`` (one row per draw, data variant, method, mode,
+with the variant's provenance: ``dataset_variant``, ``dataset``, ``weighting``, ``dataset_path``,
+``dataset_sha256``, ``dataset_cap``, ``overlong``), ``speedup_range.csv`` / ``.md`` (per variant and
+method: calibrated speedup, one-at-a-time and joint ranges), ``ordering.csv`` / ``.md`` (per
+variant, the share of joint draws in which method A is faster than method B, and whether the
+ordering holds in at least 95% of them, ``at_95pct``), ``data_variants.csv`` / ``.md`` (per variant:
+each method's speedup range over the joint draws and the orderings that hold in >= 95% of them)
+and ``tornado.png``.
 """
 
 from __future__ import annotations
@@ -46,16 +60,21 @@ from experiments.common.entry import (
 )
 from experiments.common.launch import launch
 from flashcp.comm import AttnShape
-from flashcp.config import HardwareConfig, ModelConfig
+from flashcp.config import DatasetConfig, HardwareConfig, ModelConfig, Weighting
 from flashcp.data.datasets import DatasetName
+from flashcp.data.distributions import WEIGHTINGS
 from flashcp.results import markdown_table
 from flashcp.sim.hardware import HardwareProfile
 
 __all__ = [
+    "GENERATORS",
     "VARIED",
+    "DataVariant",
     "SensitivityConfig",
     "check_sensitivity_config",
     "cli",
+    "data_variants",
+    "dataset_override_problem",
     "joint_factors",
     "main",
     "perturb",
@@ -91,20 +110,90 @@ class SensitivityConfig(ExperimentConfig):
     num_draws: int = 256
     #: each constant from value / factor to value * factor (> 1)
     factor: float = 2.0
-    #: datasets studied
+    #: datasets studied, each under every weighting of ``weightings`` (the generators
+    #: wlb_llm_synthetic and stress under documents only); not file (select it with
+    #: dataset=file dataset.path=...)
     datasets: list[DatasetName] = field(
-        default_factory=lambda: [DatasetName.wlb_llm, DatasetName.pile, DatasetName.redpajama]
+        default_factory=lambda: [
+            DatasetName.wlb_llm, DatasetName.pile, DatasetName.redpajama,
+            DatasetName.wlb_llm_synthetic,
+        ]
+    )  # fmt: skip
+    #: weightings the datasets are studied under: documents | tokens (datasets/README.md)
+    weightings: list[Weighting] = field(
+        default_factory=lambda: [Weighting.documents, Weighting.tokens]
     )
+    #: one more data variant, sampled as flashcp-run samples this dataset config (its name, path,
+    #: weighting, cap, overlong): e.g. dataset=file dataset.path=lengths.txt (conf/dataset/)
+    dataset: DatasetConfig | None = None
     #: methods compared (llama3, the reference of every speedup, among them)
     methods: list[str] = field(
         default_factory=lambda: ["llama3", "per_doc", "ring", "zigzag", "flashcp"]
     )
 
 
+#: datasets whose law is a generator's rule that draws documents: studied under documents only
+GENERATORS = (DatasetName.wlb_llm_synthetic, DatasetName.stress)
+
+
+@dataclass(frozen=True)
+class DataVariant:
+    """One data variant of the study: a dataset config, sampled as ``flashcp-run`` samples it.
+
+    Attributes:
+        label: ``<dataset>/<weighting>`` (then ``/cap<cap>`` and ``/<overlong>`` when not the
+            defaults), the ``dataset_variant`` column.
+        dataset: a :class:`flashcp.data.DatasetName` value.
+        weighting: ``documents`` or ``tokens``.
+        path: the lengths file (``file`` only), else None.
+        cap: largest draw in tokens (None: 4 x context_len).
+        overlong: ``split`` | ``cut`` | ``error`` (:class:`flashcp.data.OverlongDocs`).
+    """
+
+    label: str
+    dataset: str
+    weighting: str = "documents"
+    path: str | None = None
+    cap: int | None = None
+    overlong: str = "split"
+
+
+def _variant(dataset: str, weighting: str, path=None, cap=None, overlong="split") -> DataVariant:
+    label = f"{dataset}/{weighting}"
+    if cap is not None:
+        label += f"/cap{int(cap)}"
+    if overlong != "split":
+        label += f"/{overlong}"
+    cap = None if cap is None else int(cap)
+    path = None if path is None else str(path)
+    return DataVariant(label, str(dataset), str(weighting), path, cap, str(overlong))
+
+
+def data_variants(cfg: Any) -> list[DataVariant]:
+    """The data variants of a :class:`SensitivityConfig` (module docstring), in order: each of
+    ``datasets`` under each of ``weightings`` (generators under documents only), then
+    ``dataset`` if set (left out when it equals a listed variant)."""
+    weightings = [str(w) for w in cfg.weightings]
+    out = []
+    for d in cfg.datasets:
+        for w in ["documents"] if d in GENERATORS else weightings:
+            out.append(_variant(str(d), w))
+    ds = cfg.get("dataset")
+    if ds is not None:
+        v = _variant(
+            str(ds.name), str(ds.weighting), ds.path if str(ds.name) == "file" else None,
+            ds.cap, str(ds.overlong),
+        )  # fmt: skip
+        if v not in out:
+            out.append(v)
+    return out
+
+
 def check_sensitivity_config(cfg: Any) -> None:
     """Check a :class:`SensitivityConfig` before any work: the checks every experiment gets
     (:func:`experiments.common.entry.check_experiment_config`), then the draws, the factor, the
-    methods (registered, llama3 among them) and the datasets (at least one, not ``file``).
+    methods (registered, llama3 among them), the weightings and the data variants (at least one;
+    ``file`` only through ``dataset``, with its path).
 
     Raises:
         ValueError: naming the bad value.
@@ -120,10 +209,33 @@ def check_sensitivity_config(cfg: Any) -> None:
         raise ValueError(
             f"methods = {list(cfg.methods)} must include llama3, the reference of every speedup"
         )
-    if not cfg.datasets or DatasetName.file in cfg.datasets:
+    if DatasetName.file in cfg.datasets:
         raise ValueError(
-            f"datasets = {[str(d) for d in cfg.datasets]}: list at least one, and not file "
-            "(it needs a path, which this experiment does not take)"
+            f"datasets = {[str(d) for d in cfg.datasets]}: file needs a path; select it with "
+            "dataset=file dataset.path=<a file of lengths> (one more data variant)"
+        )
+    for w in cfg.weightings:
+        if w not in WEIGHTINGS:
+            raise ValueError(f"weightings: unknown weighting {w!r}; valid: {', '.join(WEIGHTINGS)}")
+    if not cfg.weightings and any(d not in GENERATORS for d in cfg.datasets):
+        raise ValueError(
+            f"weightings = []: list at least one of {', '.join(WEIGHTINGS)} for the datasets"
+        )
+    ds = cfg.get("dataset")
+    if ds is not None:
+        if ds.name == "file" and ds.path is None:
+            raise ValueError(
+                "dataset=file needs dataset.path=<a file of lengths: text, CSV, Parquet, JSON or "
+                ".npy>"
+            )
+        if ds.weighting not in WEIGHTINGS:
+            raise ValueError(
+                f"dataset.weighting = {ds.weighting!r}; valid: {', '.join(WEIGHTINGS)}"
+            )
+    if not data_variants(cfg):
+        raise ValueError(
+            "no data variant: list datasets (datasets=[pile]) or select one (dataset=file "
+            "dataset.path=lengths.txt)"
         )
 
 
@@ -176,6 +288,28 @@ def perturb(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
     return dataclasses.replace(hw, **vals)
 
 
+#: the provenance columns of a data variant in every output row (as flashcp-run records them)
+VARIANT_COLUMNS = (
+    "dataset_variant", "dataset", "weighting", "dataset_path", "dataset_sha256", "dataset_cap",
+    "overlong",
+)  # fmt: skip
+
+
+def _variant_columns(v: DataVariant, context_len: int) -> dict[str, Any]:
+    """The :data:`VARIANT_COLUMNS` of ``v`` (``dataset_sha256``: the file's hash, or ``-``)."""
+    from experiments.run import file_sha256
+
+    return {
+        "dataset_variant": v.label,
+        "dataset": v.dataset,
+        "weighting": v.weighting,
+        "dataset_path": v.path if v.path is not None else "-",
+        "dataset_sha256": file_sha256(v.path) if v.path is not None else "-",
+        "dataset_cap": v.cap if v.cap is not None else 4 * int(context_len),
+        "overlong": v.overlong,
+    }
+
+
 def joint_factors(num_draws: int, factor: float, seed: int) -> list[dict[str, float]]:
     """The joint study's draws: ``num_draws`` points of a Latin hypercube
     (``scipy.stats.qmc.LatinHypercube``, seeded) of log-uniform factors in ``[1/factor, factor]``,
@@ -195,24 +329,20 @@ def joint_factors(num_draws: int, factor: float, seed: int) -> list[dict[str, fl
     return [dict(zip(VARIED, row.tolist(), strict=True)) for row in np.exp(logf)]
 
 
-def _speedups(costs, hw: HardwareProfile, shape: AttnShape, modes) -> list[dict]:
-    """Per (dataset, method, mode): mean total_ms over the sequences, and speedup over llama3."""
-    out = []
-    for (dataset, mode), by_method in _group(costs, hw, shape, modes).items():
-        ref = by_method["llama3"]
-        for method, mean_ms in by_method.items():
-            out.append({"dataset": dataset, "method": method, "mode": mode, "total_ms_mean": mean_ms,
-                        "speedup_vs_llama3": ref / mean_ms})  # fmt: skip
+def _profiles(hw: HardwareProfile, factor: float, draws: int, seed: int) -> list[dict]:
+    """Every profile of the study, in order: the calibrated one, each constant at its low and
+    high end, then the joint Latin-hypercube draws. Each: ``{"hw", "fields"}`` (the row fields
+    ``kind``, ``draw``, ``constant``, ``factor`` and, for joint draws, ``f_<constant>``)."""
+    out = [{"hw": hw, "fields": {"kind": "calibrated", "draw": 0, "constant": "", "factor": 1.0}}]
+    for k in VARIED:
+        for f in (1.0 / factor, factor):
+            out.append({"hw": perturb(hw, {k: f}),
+                        "fields": {"kind": "one_at_a_time", "draw": 0, "constant": k, "factor": f}})  # fmt: skip
+    for i, fac in enumerate(joint_factors(draws, factor, seed)):
+        out.append({"hw": perturb(hw, fac),
+                    "fields": {"kind": "joint", "draw": i + 1, "constant": "", "factor": float("nan"),
+                               **{f"f_{k}": v for k, v in fac.items()}}})  # fmt: skip
     return out
-
-
-def _group(costs, hw, shape, modes) -> dict:
-    res: dict = {}
-    for (dataset, method), plan_costs in costs.items():
-        for mode in modes:
-            tot = [c.with_hardware(hw).step(shape, mode)["total_ms"] for c in plan_costs]
-            res.setdefault((dataset, mode), {})[method] = float(np.mean(tot))
-    return res
 
 
 def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
@@ -221,58 +351,71 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     Args:
         cfg: the fields of :class:`SensitivityConfig` (``hardware``, ``model``,
             ``cp_size``, ``context_len``, ``modes``, ``seed``, ``num_sequences``, ``num_draws``,
-            ``factor``, ``datasets``, ``methods``).
+            ``factor``, ``datasets``, ``weightings`` (default both), ``dataset`` (optional),
+            ``methods``).
         out_dir: folder of the outputs (created).
+    Returns:
+        The rows of ``sensitivity.csv``: per profile x data variant x mode x method,
+        ``total_ms_mean`` and ``speedup_vs_llama3`` with the profile's and the variant's columns.
     Raises:
-        ValueError: a bad option (factor <= 1, num_draws < 2, no llama3 among the methods).
+        ValueError: a bad option (factor <= 1, num_draws < 2, no llama3 among the methods, no
+            data variant, a bad dataset or weighting).
     """
     from experiments.common.overrides import load_job_hardware
     from flashcp.data import sample_dataset
     from flashcp.registry import COMM_KIND, get_planner
-    from flashcp.sim.cost_model import PlanCost
+    from flashcp.sim.cost_model import PlanBatch, price_plans
 
     factor, draws = float(cfg.factor), int(cfg.num_draws)
-    methods, datasets, modes = list(cfg.methods), [str(d) for d in cfg.datasets], list(cfg.modes)
-    if factor <= 1 or draws < 2 or "llama3" not in methods:
+    methods, modes = list(cfg.methods), list(cfg.modes)
+    if "weightings" not in cfg:
+        cfg = OmegaConf.merge(cfg, {"weightings": list(WEIGHTINGS)})
+    variants = data_variants(cfg)
+    if factor <= 1 or draws < 2 or "llama3" not in methods or not variants:
         raise ValueError(
-            f"sensitivity needs factor > 1 (got {factor}), num_draws >= 2 (got {draws}) and llama3 "
-            f"among the methods (got {methods})"
+            f"sensitivity needs factor > 1 (got {factor}), num_draws >= 2 (got {draws}), llama3 "
+            f"among the methods (got {methods}) and a data variant (got none)"
         )
     # explicit constants win over the fitted ones
     hw, hw_columns = load_job_hardware(OmegaConf.to_container(cfg.hardware, resolve=True))
     m = cfg.model
     shape = AttnShape(int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype))
     n, c = int(cfg.cp_size), int(cfg.context_len)
-    costs = {}
-    for dataset in datasets:
-        # flashcp-run's sampler and defaults: the sequences of Fig. 5 / 7 (overlong split)
-        seqs, _ = sample_dataset(dataset, int(cfg.num_sequences), c, seed=int(cfg.seed))
+    profiles = _profiles(hw, factor, draws, int(cfg.seed))
+    hws = [p["hw"] for p in profiles]
+    rows = []
+    for v in variants:
+        # flashcp-run's sampler, with this dataset config (listed variants: its defaults, cap
+        # 4 x C and overlong split: <dataset>/documents are the sequences of Fig. 5 / 7)
+        seqs, _ = sample_dataset(
+            v.dataset, int(cfg.num_sequences), c, seed=int(cfg.seed), weighting=v.weighting,
+            cap=v.cap, overlong=v.overlong, path=v.path,
+        )  # fmt: skip
+        prov = _variant_columns(v, c)
+        mean_ms = {}  # method -> (P, M) mean total_ms over the sequences
         for method in methods:
             planner = get_planner(method)
-            costs[(dataset, method)] = [
-                PlanCost(planner(d, n), hw, COMM_KIND[method]) for d in seqs
-            ]
-
-    rows = [{**r, "kind": "calibrated", "draw": 0, "constant": "", "factor": 1.0}
-            for r in _speedups(costs, hw, shape, modes)]  # fmt: skip
-    for k in VARIED:
-        for f in (1.0 / factor, factor):
-            rows += [{**r, "kind": "one_at_a_time", "draw": 0, "constant": k, "factor": f}
-                     for r in _speedups(costs, perturb(hw, {k: f}), shape, modes)]  # fmt: skip
-    for i, fac in enumerate(joint_factors(draws, factor, int(cfg.seed))):
-        rows += [{**r, "kind": "joint", "draw": i + 1, "constant": "", "factor": float("nan"), **{f"f_{k}": v for k, v in fac.items()}}
-                 for r in _speedups(costs, perturb(hw, fac), shape, modes)]  # fmt: skip
+            batch = PlanBatch([planner(d, n) for d in seqs])
+            tot = price_plans(batch, [shape], modes, hws, comm_kind=COMM_KIND[method])["total_ms"]
+            mean_ms[method] = tot[:, 0].mean(axis=-1)
+        for i, prof in enumerate(profiles):
+            for j, mode in enumerate(modes):
+                ref = mean_ms["llama3"][i, j]
+                for method in methods:
+                    ms = float(mean_ms[method][i, j])
+                    rows.append({**prov, "method": method, "mode": mode, "total_ms_mean": ms,
+                                 "speedup_vs_llama3": float(ref) / ms, **prof["fields"]})  # fmt: skip
     df = pd.DataFrame(rows)
-    for k, v in hw_columns.items():  # the profile varied, as flashcp-run records it
-        df[k] = v
+    for k, val in hw_columns.items():  # the profile varied, as flashcp-run records it
+        df[k] = val
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "sensitivity.csv", index=False)
 
-    keys = ["dataset", "mode", "method"]
+    keys = [*VARIANT_COLUMNS, "mode", "method"]
     base = df[df.kind == "calibrated"].set_index(keys)["speedup_vs_llama3"]
-    oat = df[df.kind == "one_at_a_time"].groupby(keys)["speedup_vs_llama3"]
-    joint = df[df.kind == "joint"].groupby(keys)["speedup_vs_llama3"]
+    oat = df[df.kind == "one_at_a_time"].groupby(keys, sort=False)["speedup_vs_llama3"]
+    joint = df[df.kind == "joint"].groupby(keys, sort=False)["speedup_vs_llama3"]
     rng = pd.DataFrame({
         "calibrated": base, "one_at_a_time_min": oat.min(), "one_at_a_time_max": oat.max(),
         "joint_min": joint.min(), "joint_p5": joint.quantile(0.05), "joint_median": joint.median(),
@@ -280,29 +423,108 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     }).reset_index()  # fmt: skip
     rng = rng[rng.method != "llama3"]
     rng.to_csv(out / "speedup_range.csv", index=False)
-    (out / "speedup_range.md").write_text(markdown_table(rng, ".3f"))
+    (out / "speedup_range.md").write_text(markdown_table(_short(rng), ".3f"))
 
+    order_df = _orderings(df, base, methods)
+    order_df.to_csv(out / "ordering.csv", index=False)
+    (out / "ordering.md").write_text(markdown_table(_short(order_df), ".3f"))
+    summary = _variant_summary(rng, order_df, methods)
+    summary.to_csv(out / "data_variants.csv", index=False)
+    (out / "data_variants.md").write_text(_variant_markdown(summary, order_df, methods, draws))
+    plot_tornado(df, methods, [v.label for v in variants], modes[0], out / "tornado.png")
+    return df
+
+
+#: share of the joint draws at which an ordering counts as holding
+ROBUST_SHARE = 0.95
+#: relative difference of two speedups below which neither method counts as faster (a tie)
+TIE_RTOL = 1e-9
+
+
+def _orderings(df: pd.DataFrame, base: pd.Series, methods: list[str]) -> pd.DataFrame:
+    """Per (variant, mode) and pair of methods: the faster one at the calibrated constants, the
+    share of joint draws in which it is faster (``share_of_draws``; a tie within
+    :data:`TIE_RTOL` counts for neither) and ``at_95pct``: ``holds`` (share >= 0.95),
+    ``reversed`` (the slower one is faster in >= 95% of the draws) or ``uncertain``."""
+    keys = [*VARIANT_COLUMNS, "mode"]
     jt = df[df.kind == "joint"].pivot_table(
-        index=["dataset", "mode", "draw"], columns="method", values="speedup_vs_llama3"
+        index=[*keys, "draw"], columns="method", values="speedup_vs_llama3", sort=False
     )
     order = []
-    for (dataset, mode), g in jt.groupby(level=[0, 1]):
+    for key, g in jt.groupby(level=list(range(len(keys))), sort=False):
         for a, b in itertools.combinations(methods, 2):
-            share = float((g[a] > g[b]).mean())
-            base_a, base_b = base[(dataset, mode, a)], base[(dataset, mode, b)]
-            order.append({"dataset": dataset, "mode": mode, "faster": a if base_a >= base_b else b,
-                          "slower": b if base_a >= base_b else a,
-                          "share_of_draws": share if base_a >= base_b else 1.0 - share})  # fmt: skip
-    order_df = pd.DataFrame(order)
-    order_df.to_csv(out / "ordering.csv", index=False)
-    (out / "ordering.md").write_text(markdown_table(order_df, ".3f"))
-    plot_tornado(df, methods, datasets, modes[0], out / "tornado.png")
-    return df
+            # strictly faster, beyond rounding (two methods may give the same plan: a tie)
+            a_wins = float((g[a] > g[b] * (1.0 + TIE_RTOL)).mean())
+            b_wins = float((g[b] > g[a] * (1.0 + TIE_RTOL)).mean())
+            first = base[(*key, a)] >= base[(*key, b)]
+            share, other = (a_wins, b_wins) if first else (b_wins, a_wins)
+            verdict = (
+                "holds" if share >= ROBUST_SHARE
+                else "reversed" if other >= ROBUST_SHARE else "uncertain"
+            )  # fmt: skip
+            order.append({**dict(zip(keys, key, strict=True)), "faster": a if first else b,
+                          "slower": b if first else a, "share_of_draws": share,
+                          "at_95pct": verdict})  # fmt: skip
+    return pd.DataFrame(order)
+
+
+def _short(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` without the provenance columns that are the same in every row (for Markdown)."""
+    drop = [c for c in VARIANT_COLUMNS[1:] if c in df and df[c].nunique() <= 1]
+    return df.drop(columns=drop)
+
+
+def _variant_summary(rng: pd.DataFrame, order: pd.DataFrame, methods: list[str]) -> pd.DataFrame:
+    """Per (variant, mode, method other than llama3): the speedup range over the joint draws and
+    the methods it beats / loses to in >= 95% of them (``;``-separated, llama3 included)."""
+    keys = [*VARIANT_COLUMNS, "mode"]
+    rows = []
+    for _, r in rng.iterrows():
+        sel = order[(order[keys] == r[keys]).all(axis=1)]
+        held = sel[sel.at_95pct != "uncertain"]
+        wins = [(f, s) if v == "holds" else (s, f)
+                for f, s, v in zip(held.faster, held.slower, held.at_95pct, strict=True)]  # fmt: skip
+        m = r["method"]
+        rows.append({
+            **{k: r[k] for k in keys}, "method": m, "calibrated": r["calibrated"],
+            "joint_min": r["joint_min"], "joint_p5": r["joint_p5"], "joint_p95": r["joint_p95"],
+            "joint_max": r["joint_max"],
+            "beats_in_95pct": ";".join(s for f, s in wins if f == m),
+            "loses_to_in_95pct": ";".join(f for f, s in wins if s == m),
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _variant_markdown(summary: pd.DataFrame, order: pd.DataFrame, methods, draws: int) -> str:
+    """``data_variants.md``: one row per (variant, mode), per method ``calibrated (min..max)``
+    over the joint draws, and the orderings that hold in >= 95% of them."""
+    shown = [m for m in methods if m != "llama3"]
+    lines = [
+        f"Speedup over llama3: calibrated (min..max over {draws} joint draws of the constants); "
+        f"the orderings that hold in >= {ROBUST_SHARE:.0%} of the draws (`a > b`: a is faster).",
+        "",
+        "| dataset_variant | mode | " + " | ".join(shown) + " | orderings in >= 95% of draws |",
+        "|" + "---|" * (len(shown) + 3),
+    ]
+    for (variant, mode), g in summary.groupby(["dataset_variant", "mode"], sort=False):
+        by = g.set_index("method")
+        cells = [
+            f"{by.at[m, 'calibrated']:.2f} ({by.at[m, 'joint_min']:.2f}..{by.at[m, 'joint_max']:.2f})"
+            for m in shown
+        ]
+        sel = order[(order.dataset_variant == variant) & (order["mode"] == mode)]
+        pairs = [
+            f"{f} > {s}" if v == "holds" else f"{s} > {f}"
+            for f, s, v in zip(sel.faster, sel.slower, sel.at_95pct, strict=True)
+            if v != "uncertain"
+        ]
+        lines.append(f"| {variant} | {mode} | " + " | ".join(cells) + f" | {'; '.join(pairs)} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot_tornado(df: pd.DataFrame, methods, datasets, mode: str, path: Path) -> Path:
     """Draw ``path`` (a PNG) from ``df`` (the rows of ``sensitivity.csv``): one panel per (method
-    other than llama3, dataset), the speedup over llama3 at each constant's low and high end of the
+    other than llama3, data variant: ``datasets`` lists ``dataset_variant`` values), the speedup over llama3 at each constant's low and high end of the
     one-at-a-time sweep, sorted by range, with the calibrated speedup marked. Returns ``path``."""
     import matplotlib
 
@@ -315,7 +537,7 @@ def plot_tornado(df: pd.DataFrame, methods, datasets, mode: str, path: Path) -> 
     for i, method in enumerate(shown):
         for j, dataset in enumerate(datasets):
             ax = axes[i][j]
-            sel = (df.method == method) & (df.dataset == dataset) & (df["mode"] == mode)
+            sel = (df.method == method) & (df.dataset_variant == dataset) & (df["mode"] == mode)
             base = float(df[sel & (df.kind == "calibrated")]["speedup_vs_llama3"].iloc[0])
             oat = df[sel & (df.kind == "one_at_a_time")]
             lo = oat.groupby("constant")["speedup_vs_llama3"].min()
@@ -354,9 +576,31 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return run_experiment(cfg, _study, check_sensitivity_config)
 
 
+def dataset_override_problem(argv: list[str]) -> str | None:
+    """A ``dataset.<field>=...`` override without ``dataset=<name>``: the study has no dataset
+    config unless the command line selects one (its fields would land on nothing)."""
+    pairs = [(a, a.split("=", 1)[0].lstrip("+~")) for a in argv if "=" in a]
+    field_ov = next((a for a, k in pairs if k.startswith("dataset.")), None)
+    if field_ov is None or any(k == "dataset" for _, k in pairs):
+        return None
+    return (
+        f"{field_ov}: the study samples a dataset config only when the command line selects one; "
+        "add dataset=<name> (e.g. dataset=file dataset.path=lengths.txt)"
+    )
+
+
 def cli(argv: list[str] | None = None) -> None:
     """Console entry point ``flashcp-sensitivity``: :func:`main` with readable errors and clean
-    Ctrl-C (:func:`experiments.common.launch.launch`)."""
+    Ctrl-C (:func:`experiments.common.launch.launch`); a ``dataset.<field>=`` override without
+    ``dataset=<name>`` is one line (:func:`dataset_override_problem`), exit code 2."""
+    import sys
+
+    from experiments.common.launch import EXIT_USAGE
+
+    problem = dataset_override_problem(list(sys.argv[1:] if argv is None else argv))
+    if problem is not None:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
     launch(main, PROG, argv)
 
 

@@ -3,7 +3,7 @@
 Every YAML file of a group extends its group's schema (``defaults: [base_<group>]``), so a
 misspelt key or a value of the wrong type fails when Hydra composes the config, before any work.
 Names with a fixed set of values are enums (:class:`Executor`, :class:`Overlong`,
-:class:`flashcp.data.DatasetName`: a bad one fails at compose time, listing the valid ones); the
+:class:`Weighting`, :class:`flashcp.data.DatasetName`: a bad one fails at compose time, listing the valid ones); the
 ``hardware`` group is typed by :data:`HardwareConfig`, one field per simulator constant. Units are
 in field names or comments; :func:`check_config` checks what a type alone cannot pin down (method
 names and options against the method registry, divisibility, ranges).
@@ -43,6 +43,7 @@ __all__ = [
     "ModelConfig",
     "Overlong",
     "RunConfig",
+    "Weighting",
     "check_config",
     "check_modes",
     "register_configs",
@@ -68,6 +69,13 @@ class Overlong(StrEnum):
     error = "error"
 
 
+class Weighting(StrEnum):
+    """How documents are drawn (:data:`flashcp.data.WEIGHTINGS`, see :class:`DatasetConfig`)."""
+
+    documents = "documents"
+    tokens = "tokens"
+
+
 # Members are lower case, equal to their values: OmegaConf writes and reads enums by member name,
 # and rows, run folders and saved configs keep the strings they always had.
 #: executor -> its options that change a run's results (part of the run identity); a new
@@ -88,14 +96,14 @@ OVERLONG = tuple(Overlong)
 class DatasetConfig:
     """Where document lengths come from (docs/design.md §5)."""
 
-    #: wlb_llm | pile | redpajama | stress | file (:class:`flashcp.data.DatasetName`)
+    #: wlb_llm | pile | redpajama | wlb_llm_synthetic | stress | file (:class:`flashcp.data.DatasetName`)
     name: DatasetName = MISSING
     #: for name=file: a text/CSV/.npy file of document lengths (tokens), one per document. Other
     #: datasets do not read it; flashcp-run refuses it on a command line that selects no
     #: dataset=file (experiments.common.launch.dataset_path_problem)
     path: str | None = None
     #: documents (a draw is a document) | tokens (length-biased: d drawn with prob. ∝ d·p(d))
-    weighting: str = "documents"
+    weighting: Weighting = Weighting.documents
     #: cap on a single draw, tokens, applied before cutting to the context (null: 4 x context_len)
     cap: int | None = None
     #: a document longer than context_len: split (into consecutive documents of at most

@@ -168,7 +168,7 @@ def test_changed_config_is_rerun(tmp_path):
     ("override", "needle"),
     [("cp_size=3", "context_len = 16384"), ("num_sequences=0", "num_sequences"),
      ("model.num_kv_heads=5", "num_kv_heads = 5"), ("modes=[training]", "training"),
-     ("dataset.weighting=bytes", "bytes"), ("method.options.target_imbalance=0.5", "0.5"),
+     ("method.options.target_imbalance=0.5", "0.5"),
      ("dataset=file", "path"),
      ("method.options.target_imbalance=abc", "abc"), ("+method.options.bogus=1", "bogus"),
      ("method=llama3 context_len=16380", "16380")],

@@ -427,7 +427,11 @@ def test_table2_and_sensitivity_sample_the_sequences_of_flashcp_run(
                    "methods=[llama3,flashcp]", f"context_len={c}", "cp_size=4",
                    config_name="sensitivity")  # fmt: skip
     sens.run_sensitivity(cfg, tmp_path / "s")
-    assert [list(s) for s in dict.fromkeys(map(tuple, seen))] == want
+    # its data variants <dataset>/documents, then <dataset>/tokens: flashcp-run's with that weighting
+    tokens = [list(map(int, s)) for s in sample(_small(tmp_path, f"dataset={dataset}",
+              f"context_len={c}", "num_sequences=4", "dataset.weighting=tokens"))[0]]  # fmt: skip
+    # each variant's sequences are planned once per method (llama3, flashcp), in order
+    assert seen == want + want + tokens + tokens
 
 
 # ---- loud but broken -----------------------------------------------------------------------------

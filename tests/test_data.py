@@ -295,6 +295,110 @@ def test_stress_shape():
     assert abs(np.mean(xt == 1) - p1 / dist.mean()) < frac_tol(p1 / dist.mean(), N)
 
 
+# ---------------------------------------------------------------------------------------------
+# wlb_llm_synthetic: the WLB-LLM code's generator (trunc(X C), X ~ Normal(0.5, 0.5), redraw <= 0)
+
+
+def normal_partial_mean(mu: float, sd: float, a: float, b: float) -> float:
+    """E[Y; a <= Y < b] for Y ~ Normal(mu, sd), written out (not from the class under test)."""
+    za, zb = (a - mu) / sd, (b - mu) / sd
+    dens = (math.exp(-za * za / 2) - math.exp(-zb * zb / 2)) / math.sqrt(2 * math.pi)
+    return mu * (phi(zb) - phi(za)) + sd * dens
+
+
+def test_wlb_llm_synthetic_law():
+    c = 8192
+    dist = load_distribution("wlb_llm_synthetic", context_len=c)
+    mu = sd = c / 2
+    z = 1 - phi((1 - mu) / sd)  # P(X C >= 1): the draws kept
+    p_full = (1 - phi((c - mu) / sd)) / z  # a draw >= C is one whole context
+    assert p_full == pytest.approx(0.1587 / 0.8413, abs=1e-3)
+    # E[min(trunc(Y), C) | Y >= 1]: the partial mean of Y on [1, C), less 1/2 for the truncation
+    # (to O(1/C)), plus C times the mass at C
+    mean = (
+        normal_partial_mean(mu, sd, 1, c)
+        - 0.5 * (1 - phi((1 - mu) / sd) - (1 - phi((c - mu) / sd)))
+    ) / z
+    mean += c * p_full
+    assert dist.mean() == pytest.approx(mean, abs=0.05)
+    x = dist.sample(np.random.default_rng(21), N)
+    assert x.min() >= 1 and x.max() == c
+    assert abs(x.mean() - dist.mean()) < mean_tol(dist.std(), N)
+    assert abs(np.mean(x == c) - p_full) < frac_tol(p_full, N)
+    # non-positive draws are redrawn, not clipped: no mass piles up at length 1 (stress: 16%)
+    p1 = (phi((2 - mu) / sd) - phi((1 - mu) / sd)) / z
+    assert p1 < 1e-4 and np.mean(x == 1) < 1e-4
+    assert (
+        np.mean(load_distribution("stress", context_len=c).sample(np.random.default_rng(0), N) == 1)
+        > 0.15
+    )
+    # below C the law is the normal's: P(d <= C/2) = P(1 <= Y < C/2 + 1) / Z
+    q = (phi((c / 2 + 1 - mu) / sd) - phi((1 - mu) / sd)) / z
+    assert float(dist.cdf(c // 2)) == pytest.approx(q, abs=1e-9)
+    assert abs(np.mean(x <= c // 2) - q) < frac_tol(q, N)
+    xt = dist.sample(np.random.default_rng(22), N, weighting="tokens")
+    assert abs(xt.mean() - dist.mean("tokens")) < mean_tol(dist.std("tokens"), N)
+    assert abs(np.mean(xt == c) - c * p_full / dist.mean()) < frac_tol(c * p_full / dist.mean(), N)
+
+
+def test_wlb_llm_synthetic_moments_follow_the_normal():
+    """With a narrow law (no draw near 0 or C) the moments are those of Normal(m C, s C)."""
+    from flashcp.data import WlbSyntheticNormal
+
+    c = 100_000
+    dist = WlbSyntheticNormal(c, mean_frac=0.5, std_frac=0.05)
+    assert dist.mean() == pytest.approx(0.5 * c - 0.5, abs=1e-6)  # trunc: 1/2 token less
+    assert dist.std() == pytest.approx(math.sqrt((0.05 * c) ** 2 + 1 / 12), rel=1e-6)
+    x = dist.sample(np.random.default_rng(3), N)
+    assert abs(x.mean() - (0.5 * c - 0.5)) < mean_tol(0.05 * c, N)
+    assert x.std() == pytest.approx(0.05 * c, rel=0.01)
+    for kwargs, bad in [({"std_frac": 0}, "std_frac"), ({"mean_frac": float("nan")}, "nan")]:
+        with pytest.raises(ValueError, match=bad):
+            WlbSyntheticNormal(c, **kwargs)
+    with pytest.raises(ValueError, match="context_len"):
+        load_distribution("wlb_llm_synthetic")
+
+
+def generator_sequence(rng: np.random.Generator, c: int) -> list[int]:
+    """One sequence by the WLB-LLM code's rules, restated here literally (one draw at a time)."""
+    lens: list[int] = []
+    total = 0
+    while total <= c:
+        d = int(rng.normal(0.5, 0.5) * c)
+        if d <= 0:
+            continue
+        lens.append(d)
+        total += d
+    if total > c:
+        lens[-1] = c - sum(lens[:-1])
+    if lens[-1] == 0:
+        lens.pop()
+    return lens
+
+
+def test_wlb_llm_synthetic_sequences_are_the_generators():
+    """flashcp-run's sampler (overlong split) gives the generator's sequence law: the same number of
+    documents per sequence and the same first and last lengths, within sampling error."""
+    from flashcp.data import sample_dataset
+
+    c, n = 4096, 4000
+    seqs, counts = sample_dataset("wlb_llm_synthetic", n, c, seed=5)
+    assert all(int(s.sum()) == c and s.min() >= 1 for s in seqs)
+    assert not any(x["overlong_docs"] or x["overlong_tokens_cut"] for x in counts)
+    rng = np.random.default_rng(99)
+    ref = [generator_sequence(rng, c) for _ in range(n)]
+    for stat in (len, lambda s: s[0], lambda s: s[-1]):
+        a = np.array([stat(list(s)) for s in seqs], dtype=np.float64)
+        b = np.array([stat(s) for s in ref], dtype=np.float64)
+        se = math.sqrt(a.var() / n + b.var() / n)
+        assert abs(a.mean() - b.mean()) < Z * se
+    # deterministic per seed; another seed gives other sequences
+    again, _ = sample_dataset("wlb_llm_synthetic", n, c, seed=5)
+    assert all(np.array_equal(a, b) for a, b in zip(seqs, again, strict=True))
+    other, _ = sample_dataset("wlb_llm_synthetic", 50, c, seed=6)
+    assert not all(np.array_equal(a, b) for a, b in zip(seqs[:50], other, strict=True))
+
+
 def write(tmp_path: Path, name: str, text: str) -> Path:
     p = tmp_path / name
     p.write_text(text)
@@ -417,7 +521,9 @@ def test_bad_npy_files(tmp_path, arr, bad):
 
 
 def test_bad_load_arguments(tmp_path):
-    with pytest.raises(ValueError, match=r"'c4'.*wlb_llm, pile, redpajama, stress, file"):
+    with pytest.raises(
+        ValueError, match=r"'c4'.*wlb_llm, pile, redpajama, wlb_llm_synthetic, stress, file"
+    ):
         load_distribution("c4")
     with pytest.raises(ValueError, match="context_len"):
         load_distribution("stress")
@@ -429,7 +535,7 @@ def test_bad_load_arguments(tmp_path):
         load_distribution("file", path=tmp_path / "nope.txt")
     with pytest.raises(ValueError, match="not found"):
         load_distribution("pile", data_dir=tmp_path)
-    assert DATASETS == ("wlb_llm", "pile", "redpajama", "stress", "file")
+    assert DATASETS == ("wlb_llm", "pile", "redpajama", "wlb_llm_synthetic", "stress", "file")
 
 
 def test_bad_sample_arguments():
@@ -453,7 +559,7 @@ def test_bad_sample_arguments():
 # packing into sequences
 
 
-@pytest.mark.parametrize("name", ["wlb_llm", "pile", "redpajama", "stress"])
+@pytest.mark.parametrize("name", ["wlb_llm", "pile", "redpajama", "wlb_llm_synthetic", "stress"])
 @pytest.mark.parametrize("weighting", ["documents", "tokens"])
 def test_sequences_sum_to_context_len(name, weighting):
     for c in (1, 1000, 131072):

@@ -71,7 +71,8 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
         (["+model.foo=1"], "unknown key model.foo (in +model.foo=1); keys in model: name, num_heads"),
         (["cp_size=abc"], "cp_size=abc: cp_size takes int, got 'abc'"),
         (["dataset.overlong=x"], "dataset.overlong takes one of split, cut, error, got 'x'"),
-        (["dataset.name=wlb"], "dataset.name takes one of wlb_llm, pile, redpajama, stress, file, got 'wlb'"),
+        (["dataset.weighting=bytes"], "dataset.weighting takes one of documents, tokens, got 'bytes'"),
+        (["dataset.name=wlb"], "dataset.name takes one of wlb_llm, pile, redpajama, wlb_llm_synthetic, stress, file, got 'wlb'"),
         (["experiment=table2", "table2.num_sequences=2"], "experiment=table2 is its own command: flashcp-table2"),
         (["-m", "experiment=calibration"], "experiment=calibration is its own command: flashcp-calibration"),
         (["modes=[x"], "cannot parse 'modes=[x'"),
@@ -123,8 +124,10 @@ def test_help_describes_every_group_and_the_main_fields(capsys, monkeypatch):
         ("table2", ["table2.num_sequences=2"], "unknown key table2 (in table2.num_sequences=2); keys at the top level: name,"),
         ("table2", ["dataset=wlb"], "dataset=wlb: no such option; choose one of file, pile,"),
         ("table2", ["-m", "context_len=65536,131072"], "this sweep runs 2 jobs (over context_len) that would all write"),
-        ("sensitivity", ["datasets=[pile,wlb]"], "datasets[1] takes one of wlb_llm, pile, redpajama, stress, file, got 'wlb'"),
+        ("sensitivity", ["weightings=[bytes]"], "weightings[0] takes one of documents, tokens, got 'bytes'"),
+        ("sensitivity", ["datasets=[pile,wlb]"], "datasets[1] takes one of wlb_llm, pile, redpajama, wlb_llm_synthetic, stress, file, got 'wlb'"),
         ("calibration", ["hydra/launcher=joblib"], "flashcp-calibration -m hydra/launcher=joblib"),
+        ("sensitivity", ["dataset.path=x.txt"], "dataset.path=x.txt: the study samples a dataset config only when the command line selects one; add dataset=<name>"),
     ],
 )  # fmt: skip
 def test_experiment_entry_mistake_is_one_line_exit_2(
@@ -146,6 +149,9 @@ def test_experiment_entry_mistake_is_one_line_exit_2(
         ("table2", ["num_sequences=0"], "num_sequences must be >= 1, got 0"),
         ("table2", ["dataset.cap=4096"], "dataset.cap = 4096: this experiment samples dataset.name only"),
         ("sensitivity", ["methods=[zigzag]"], "must include llama3"),
+        ("sensitivity", ["dataset=file"], "dataset=file needs dataset.path="),
+        ("sensitivity", ["datasets=[file]"], "file needs a path; select it with dataset=file dataset.path="),
+        ("sensitivity", ["datasets=[]"], "no data variant"),
     ],
 )  # fmt: skip
 def test_experiment_entry_bad_value_is_one_line_exit_2(

@@ -1,15 +1,38 @@
-"""The sensitivity experiment on a tiny configuration: files, ranges and orderings."""
+"""The sensitivity experiment on a tiny configuration: files, ranges, orderings, data variants."""
 
 from __future__ import annotations
 
+import logging
+import sys
+
+import numpy as np
 import pandas as pd
 import pytest
 
 pytest.importorskip("hydra", reason="the Hydra harness needs hydra-core and omegaconf")
 from omegaconf import OmegaConf
 
-from experiments.sensitivity import VARIED, perturb, run_sensitivity
+from experiments.sensitivity import (
+    VARIED,
+    data_variants,
+    dataset_override_problem,
+    perturb,
+    run_sensitivity,
+)
 from flashcp.sim import load_hardware
+
+MODEL = {"num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "dtype": "bfloat16"}
+
+
+def tiny(**kw):
+    hw = OmegaConf.to_container(OmegaConf.load("conf/hardware/h100_sxm.yaml"))
+    base = {
+        "hardware": hw, "model": MODEL, "cp_size": 4, "context_len": 16384, "seed": 0,
+        "modes": ["train"], "num_sequences": 2, "num_draws": 4, "factor": 2.0,
+        "datasets": ["pile"], "weightings": ["documents"], "dataset": None,
+        "methods": ["llama3", "per_doc", "zigzag"],
+    }  # fmt: skip
+    return OmegaConf.create({**base, **kw})
 
 
 def test_perturb_keeps_profiles_valid():
@@ -24,18 +47,14 @@ def test_perturb_keeps_profiles_valid():
 
 
 def test_tiny_sensitivity_run(tmp_path):
-    hw = OmegaConf.to_container(OmegaConf.load("conf/hardware/h100_sxm.yaml"))
-    cfg = OmegaConf.create({
-        "hardware": hw, "model": {"num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "dtype": "bfloat16"},
-        "cp_size": 4, "context_len": 16384, "seed": 0, "modes": ["train"],
-        "num_sequences": 2, "num_draws": 4, "factor": 2.0, "datasets": ["pile"],
-        "methods": ["llama3", "per_doc", "zigzag"],
-    })  # fmt: skip
+    cfg = tiny()
     df = run_sensitivity(cfg, tmp_path)
     assert (df.kind == "one_at_a_time").sum() == 2 * len(VARIED) * 3
     assert df[df.kind == "joint"]["draw"].nunique() == 4
+    assert set(df.dataset_variant) == {"pile/documents"} and set(df.weighting) == {"documents"}
     rng = pd.read_csv(tmp_path / "speedup_range.csv")
     assert set(rng.method) == {"per_doc", "zigzag"}
+    assert {"dataset_variant", "dataset", "mode", "calibrated", "joint_p5"} <= set(rng.columns)
     assert (rng.joint_min <= rng.joint_max).all()
     assert (
         (rng.one_at_a_time_min <= rng.calibrated + 1e-12)
@@ -43,6 +62,121 @@ def test_tiny_sensitivity_run(tmp_path):
     ).all()
     order = pd.read_csv(tmp_path / "ordering.csv")
     assert len(order) == 3 and order.share_of_draws.between(0, 1).all()
+    assert {"dataset_variant", "dataset", "faster", "slower", "at_95pct"} <= set(order.columns)
+    assert (order.at_95pct == np.where(order.share_of_draws >= 0.95, "holds", order.at_95pct)).all()
     assert (tmp_path / "tornado.png").stat().st_size > 0
     with pytest.raises(ValueError, match="llama3"):
         run_sensitivity(OmegaConf.merge(cfg, {"methods": ["zigzag"]}), tmp_path)
+
+
+def test_data_variants_are_listed_in_order():
+    cfg = tiny(
+        datasets=["pile", "wlb_llm_synthetic", "stress"], weightings=["documents", "tokens"],
+        dataset={"name": "file", "path": "x.txt", "weighting": "tokens", "cap": None, "overlong": "cut"},
+    )  # fmt: skip
+    labels = [v.label for v in data_variants(cfg)]
+    assert labels == [
+        "pile/documents", "pile/tokens", "wlb_llm_synthetic/documents", "stress/documents",
+        "file/tokens/cut",
+    ]  # fmt: skip
+    # a selected dataset equal to a listed variant is not studied twice
+    same = {"name": "pile", "path": None, "weighting": "tokens", "cap": None, "overlong": "split"}
+    assert len(data_variants(OmegaConf.merge(cfg, {"dataset": same}))) == 4
+
+
+def test_data_variants_are_sampled_as_flashcp_run_samples(tmp_path):
+    """Each variant's rows are its dataset config's sequences (flashcp-run's sampler, with that
+    weighting and the file's lengths), priced on the calibrated profile: recomputed here one plan
+    at a time."""
+    from experiments.run import file_sha256
+    from flashcp.comm import AttnShape
+    from flashcp.data import sample_dataset
+    from flashcp.registry import COMM_KIND, get_planner
+    from flashcp.sim.cost_model import PlanCost
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(x) for x in (300, 5000, 12000, 700, 2500, 40000)) + "\n")
+    cfg = tiny(
+        datasets=["pile", "wlb_llm_synthetic"], weightings=["documents", "tokens"],
+        dataset={"name": "file", "path": str(lengths), "weighting": "documents", "cap": None,
+                 "overlong": "split"},
+        num_draws=20,
+    )  # fmt: skip
+    df = run_sensitivity(cfg, tmp_path / "out")
+    variants = ["pile/documents", "pile/tokens", "wlb_llm_synthetic/documents", "file/documents"]
+    assert list(dict.fromkeys(df.dataset_variant)) == variants
+    hw = load_hardware("h100_sxm")
+    shape = AttnShape(8, 8, 64, "bfloat16")
+    for label, name, w, path in [
+        ("pile/tokens", "pile", "tokens", None),
+        ("wlb_llm_synthetic/documents", "wlb_llm_synthetic", "documents", None),
+        ("file/documents", "file", "documents", str(lengths)),
+    ]:
+        seqs, _ = sample_dataset(name, 2, 16384, seed=0, weighting=w, path=path)
+        rows = df[(df.dataset_variant == label) & (df.kind == "calibrated")].set_index("method")
+        assert rows.weighting.eq(w).all() and rows.dataset.eq(name).all()
+        for method in cfg.methods:
+            plans = [get_planner(method)(d, 4) for d in seqs]
+            want = np.mean(
+                [PlanCost(p, hw, COMM_KIND[method]).step(shape, "train")["total_ms"] for p in plans]
+            )
+            assert rows.at[method, "total_ms_mean"] == pytest.approx(want, rel=1e-9)
+    file_rows = df[df.dataset == "file"]
+    assert file_rows.dataset_sha256.eq(file_sha256(lengths)).all()
+    assert file_rows.dataset_path.eq(str(lengths)).all()
+    assert df[df.dataset != "file"].dataset_sha256.eq("-").all()
+    # document and token weighting give other sequences, so other speedups
+    cal = df[df.kind == "calibrated"].set_index(["dataset_variant", "method"])["speedup_vs_llama3"]
+    assert cal[("pile/documents", "per_doc")] != cal[("pile/tokens", "per_doc")]
+
+    order = pd.read_csv(tmp_path / "out" / "ordering.csv")
+    assert list(dict.fromkeys(order.dataset_variant)) == variants
+    assert len(order) == 3 * len(variants)
+    summary = pd.read_csv(tmp_path / "out" / "data_variants.csv", keep_default_na=False)
+    assert len(summary) == 2 * len(variants)
+    for _, r in order.iterrows():  # each ordering that holds is in the summary, both sides
+        s = summary[summary.dataset_variant == r.dataset_variant].set_index("method")
+        win, lose = (r.faster, r.slower) if r.at_95pct == "holds" else (r.slower, r.faster)
+        held = r.at_95pct != "uncertain"
+        if win != "llama3":
+            assert (lose in s.at[win, "beats_in_95pct"].split(";")) == held
+        if lose != "llama3":
+            assert (win in s.at[lose, "loses_to_in_95pct"].split(";")) == held
+    md = (tmp_path / "out" / "data_variants.md").read_text()
+    assert all(f"| {v} | train |" in md for v in variants)
+
+
+def test_dataset_override_without_a_dataset_is_refused():
+    assert "add dataset=<name>" in dataset_override_problem(["dataset.path=x.txt"])
+    assert dataset_override_problem(["dataset=file", "dataset.path=x.txt"]) is None
+    assert dataset_override_problem(["num_draws=4"]) is None
+
+
+def test_command_studies_a_users_file(tmp_path, monkeypatch, capsys):
+    """flashcp-sensitivity dataset=file dataset.path=...: Hydra composes the optional dataset
+    group into the study, which adds the file as a data variant."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from experiments.sensitivity import cli
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("1000\n3000\n9000\n")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    monkeypatch.setattr(sys, "argv", ["flashcp-sensitivity"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    try:
+        cli([
+                f"results_dir={tmp_path}", "datasets=[]", "dataset=file", f"dataset.path={lengths}",
+                "dataset.weighting=tokens", "num_draws=2", "num_sequences=1", "cp_size=2",
+                "context_len=8192", "model.num_heads=4", "model.num_kv_heads=4",
+                "methods=[llama3,per_doc]",
+        ])  # fmt: skip
+    finally:
+        HydraConfig.instance().cfg = None
+        GlobalHydra.instance().clear()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    rng = pd.read_csv(tmp_path / "sensitivity" / "speedup_range.csv")
+    assert list(rng.dataset_variant) == ["file/tokens"] and list(rng.method) == ["per_doc"]

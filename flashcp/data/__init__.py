@@ -5,7 +5,8 @@ length distribution and appending them until C is full; the last one is cut to f
 (docs/design.md §5). The package has three parts:
 
 * :mod:`flashcp.data.distributions`: the length laws (:class:`BinnedDistribution`,
-  :class:`LogNormalMixture`, :class:`StressNormal`, :class:`EmpiricalDistribution`), each with
+  :class:`LogNormalMixture`, :class:`StressNormal`, :class:`WlbSyntheticNormal`,
+  :class:`EmpiricalDistribution`), each with
   both weightings (``documents``, ``tokens``), a cap, and analytic moments;
 * :mod:`flashcp.data.files`: reading the distribution tables and users' length files (pandas:
   CSV, Parquet, JSON; also ``.npy`` and plain text), and :mod:`flashcp.data.datasets`, which maps
@@ -29,6 +30,7 @@ from flashcp.data.distributions import (
     LengthDistribution,
     LogNormalMixture,
     StressNormal,
+    WlbSyntheticNormal,
 )
 from flashcp.data.files import (
     LENGTH_FILE_FORMATS,
@@ -51,6 +53,7 @@ __all__ = [
     "LogNormalMixture",
     "OverlongDocs",
     "StressNormal",
+    "WlbSyntheticNormal",
     "default_data_dir",
     "load_distribution",
     "read_lengths_file",

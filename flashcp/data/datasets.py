@@ -5,6 +5,8 @@
   DistCA simulator data).
 * ``pile``, ``redpajama``: :class:`~flashcp.data.distributions.LogNormalMixture` over the tables
   ``datasets/pile.csv`` and ``datasets/redpajama.csv``.
+* ``wlb_llm_synthetic``: :class:`~flashcp.data.distributions.WlbSyntheticNormal`, the synthetic
+  generator of the public WLB-LLM code (Normal(C/2, C/2) lengths; needs ``context_len``).
 * ``stress``: :class:`~flashcp.data.distributions.StressNormal` (needs ``context_len``).
 * ``file``: :class:`~flashcp.data.distributions.EmpiricalDistribution` over a user's file of
   lengths (:func:`~flashcp.data.files.read_lengths_file`).
@@ -24,6 +26,7 @@ from flashcp.data.distributions import (
     LengthDistribution,
     LogNormalMixture,
     StressNormal,
+    WlbSyntheticNormal,
 )
 from flashcp.data.files import default_data_dir, read_lengths_file, read_table
 
@@ -41,6 +44,8 @@ class DatasetName(StrEnum):
     pile = "pile"
     #: RedPajama (log-normal mixture)
     redpajama = "redpajama"
+    #: the WLB-LLM code's synthetic generator, trunc(Normal(C/2, C/2)), needs context_len
+    wlb_llm_synthetic = "wlb_llm_synthetic"
     #: Normal(0.5 C, 0.5 C), needs context_len
     stress = "stress"
     #: a user's file of lengths (needs a path)
@@ -66,9 +71,10 @@ def load_distribution(
     """Load one of :data:`DATASETS`.
 
     Args:
-        name: ``wlb_llm``, ``pile``, ``redpajama`` (tables under ``data_dir``), ``stress`` (needs
-            ``context_len``) or ``file`` (needs ``path``, see :func:`read_lengths_file`).
-        context_len: C in tokens, for ``stress``; ignored otherwise.
+        name: ``wlb_llm``, ``pile``, ``redpajama`` (tables under ``data_dir``),
+            ``wlb_llm_synthetic`` or ``stress`` (need ``context_len``) or ``file`` (needs
+            ``path``, see :func:`read_lengths_file`).
+        context_len: C in tokens, for ``wlb_llm_synthetic`` and ``stress``; ignored otherwise.
         path: the lengths file, for ``file``.
         data_dir: folder holding the tables; default :func:`default_data_dir`.
     Raises:
@@ -81,6 +87,12 @@ def load_distribution(
         if context_len is None:
             raise ValueError("dataset 'stress' needs context_len (Normal(0.5 C, 0.5 C))")
         return StressNormal(context_len)
+    if name == "wlb_llm_synthetic":
+        if context_len is None:
+            raise ValueError(
+                "dataset 'wlb_llm_synthetic' needs context_len (lengths trunc(Normal(C/2, C/2)))"
+            )
+        return WlbSyntheticNormal(context_len)
     if name == "file":
         if path is None:
             raise ValueError(

@@ -8,6 +8,8 @@
   to the nearest integer and raised to at least 1.
 * :class:`StressNormal` (``stress``): ``max(1, round(X))`` with ``X ~ Normal(0.5 C, 0.5 C)``
   (Normal(0.5·C, 0.5·C), cut to ≥1); about 16% of its documents have length 1.
+* :class:`WlbSyntheticNormal` (``wlb_llm_synthetic``): the synthetic generator of the public
+  WLB-LLM code, ``trunc(X·C)`` with ``X ~ Normal(0.5, 0.5)``, non-positive draws redrawn, at most C.
 * :class:`EmpiricalDistribution` (``file``): resample a user's list of document lengths uniformly.
 
 Weighting. ``weighting="documents"`` (default) draws a document as above. ``weighting="tokens"``
@@ -41,6 +43,7 @@ __all__ = [
     "LengthDistribution",
     "LogNormalMixture",
     "StressNormal",
+    "WlbSyntheticNormal",
 ]
 
 WEIGHTINGS = ("documents", "tokens")
@@ -422,6 +425,114 @@ class StressNormal(LengthDistribution):
             return np.minimum(idx, len(cum) - 1).astype(np.int64) + 1
         x = rng.normal(self.loc, self.scale, size)
         return np.clip(np.rint(x), 1, _MAX_LEN).astype(np.int64)
+
+
+class WlbSyntheticNormal(LengthDistribution):
+    """The synthetic document lengths of the public WLB-LLM code (``wlb_llm_synthetic``).
+
+    Source: ``generate_doc_lens`` in ``utils.py`` of the WLB-LLM context-parallelism repository
+    (github.com/Ash-Zheng/WLB-LLM-CP, commit 7e1d5d442710e4be91760fcf5b5fe6e33aad6550), called by
+    its ``cp_performance_compare.py`` with ``avg_doc_len = std_doc_len = 0.5`` (fractions of the
+    context). Its rules, restated for one sequence of C tokens:
+
+    1. draw ``X ~ Normal(mean_frac, std_frac)`` and take ``d = int(X · C)`` (truncated toward
+       zero, not rounded);
+    2. a draw with ``d <= 0`` is thrown away and drawn again (not clipped to 1: unlike
+       :class:`StressNormal`, the law has no mass piled up at length 1);
+    3. documents are appended while the sequence holds at most C tokens, and the last one is cut
+       so the sequence holds exactly C (a cut to zero tokens drops it); nothing carries over to the
+       next sequence. (Its optional rounding of each length down to a multiple of the CP size,
+       ``divide_cp``, is off in that script and not modelled.)
+
+    Rule 3 is the packer's own (:func:`flashcp.data.sample_packed`). A draw longer than C is always
+    the last document of its sequence and is cut there, so this law returns ``min(d, C)``: the
+    same sequences, and no draw is left for the overlong policy
+    (:class:`flashcp.data.OverlongDocs`) to split into a second sequence. The document law is
+    thus, for k = 1 .. C - 1, ``P(k) = [Φ(((k+1)/C - m)/s) - Φ((k/C - m)/s)] / Z`` and
+    ``P(C) = [1 - Φ((1 - m)/s)] / Z`` with ``Z = 1 - Φ((1/C - m)/s)`` (m = ``mean_frac``,
+    s = ``std_frac``); at the defaults about 18.9% of documents are a whole context. The generator
+    draws in float32 (its lengths move by < 0.01 token at C = 128K); this class draws in float64.
+
+    Documents weighting draws as the generator does (rule 1 and 2, the redraws from the same
+    random stream). Tokens weighting draws k with probability ∝ k·P(k) by inverse CDF over the
+    table of k = 1 .. C (exact). Moments, :meth:`cdf` and the median are those of the table.
+
+    Args:
+        context_len: C in tokens, >= 1.
+        mean_frac: mean of X, as a fraction of C (the generator's ``avg_doc_len``), > 0.
+        std_frac: standard deviation of X, as a fraction of C (``std_doc_len``), > 0.
+    Raises:
+        ValueError: a bad argument, naming it.
+    """
+
+    def __init__(self, context_len: int, mean_frac: float = 0.5, std_frac: float = 0.5):
+        self.name = "wlb_llm_synthetic"
+        self.context_len = _check_int(context_len, "context_len", 1)
+        for what, v in (("mean_frac", mean_frac), ("std_frac", std_frac)):
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int | float)
+                or not math.isfinite(v)
+                or v <= 0
+            ):
+                raise ValueError(f"{what} must be a finite number > 0, got {v!r}")
+        self.mean_frac, self.std_frac = float(mean_frac), float(std_frac)
+        # P(d >= 1) must not vanish: at least one length can be drawn
+        if float(_norm_cdf((1.0 / self.context_len - self.mean_frac) / self.std_frac)) >= 1.0:
+            raise ValueError(
+                f"mean_frac = {mean_frac}, std_frac = {std_frac}: no draw reaches one token"
+            )
+
+    @cached_property
+    def _pmf(self) -> np.ndarray:
+        """(C,) float64 probability of k = 1 .. C under documents weighting."""
+        c = self.context_len
+        k = np.arange(1, c + 2, dtype=np.float64)  # edges k/C for k = 1 .. C+1
+        tail = 0.5 * np.asarray(  # 1 - Φ(z) = erfc(z/√2)/2, accurate in the upper tail
+            _erfc((k / c - self.mean_frac) / (self.std_frac * math.sqrt(2.0))), dtype=np.float64
+        )
+        p = tail[:-1] - tail[1:]  # P(k <= X·C < k+1)
+        p[-1] = tail[-2]  # k = C: every X >= 1
+        return _readonly(p / tail[0])
+
+    @cached_property
+    def _cum(self) -> np.ndarray:
+        cum = np.cumsum(self._pmf)
+        cum[-1] = 1.0
+        return _readonly(cum)
+
+    @cached_property
+    def _tokens_cum(self) -> np.ndarray:
+        cum = np.cumsum(np.arange(1, self.context_len + 1) * self._pmf)
+        return _readonly(cum / cum[-1])
+
+    def moment(self, k: int) -> float:
+        d = np.arange(1, self.context_len + 1, dtype=np.float64)
+        return float(np.sum(self._pmf * d**k))
+
+    def cdf(self, x: Any) -> np.ndarray:
+        x = np.floor(np.asarray(x, dtype=np.float64))
+        i = np.clip(x, 0, self.context_len).astype(np.int64)  # number of lengths <= x
+        cum = np.concatenate([[0.0], self._cum])
+        return cum[i]
+
+    def _sample(self, rng: np.random.Generator, size: int, tokens: bool) -> np.ndarray:
+        c = self.context_len
+        if tokens:
+            idx = np.searchsorted(self._tokens_cum, rng.random(size), side="right")
+            return np.minimum(idx, c - 1).astype(np.int64) + 1
+        out = np.empty(size, dtype=np.int64)
+        todo = np.arange(size)
+        while todo.size:  # rule 2: redraw every d <= 0, in order, from the same stream
+            x = rng.normal(self.mean_frac, self.std_frac, todo.size) * c
+            d = np.trunc(np.clip(x, -1.0, c)).astype(np.int64)  # min(d, C) before the cast
+            ok = d >= 1
+            out[todo[ok]] = d[ok]
+            todo = todo[~ok]
+        return out
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "mean_frac": self.mean_frac, "std_frac": self.std_frac}
 
 
 class EmpiricalDistribution(LengthDistribution):

@@ -52,6 +52,7 @@ from flashcp.results import markdown_table
 from flashcp.sim.hardware import HardwareProfile
 
 __all__ = [
+    "OPTIONAL_VARIED",
     "VARIED",
     "SensitivityConfig",
     "check_sensitivity_config",
@@ -98,6 +99,9 @@ class SensitivityConfig(ExperimentConfig):
     methods: list[str] = field(
         default_factory=lambda: ["llama3", "per_doc", "ring", "zigzag", "flashcp"]
     )
+    #: the constants varied (null: VARIED); may add alltoall_busbw_gbps (OPTIONAL_VARIED), which
+    #: otherwise follows allgather_busbw_gbps (conf/study/peers*.yaml vary it)
+    constants: list[str] | None = None
 
 
 def check_sensitivity_config(cfg: Any) -> None:
@@ -119,6 +123,12 @@ def check_sensitivity_config(cfg: Any) -> None:
         raise ValueError(
             f"methods = {list(cfg.methods)} must include llama3, the reference of every speedup"
         )
+    for k in cfg.get("constants") or ():
+        if k not in (*VARIED, *OPTIONAL_VARIED):
+            raise ValueError(
+                f"constants: {k!r} is not a varied constant; choose from "
+                f"{', '.join((*VARIED, *OPTIONAL_VARIED))}"
+            )
     if not cfg.datasets or DatasetName.file in cfg.datasets:
         raise ValueError(
             f"datasets = {[str(d) for d in cfg.datasets]}: list at least one, and not file "
@@ -147,19 +157,24 @@ VARIED = (
     "nccl_slowdown",
     "overlap_fraction",
 )
+#: constants a study may add to VARIED (``constants``): the all-to-all bus bandwidth, which follows
+#: ``allgather_busbw_gbps`` when not varied itself (its profile value is derived from it)
+OPTIONAL_VARIED = ("alltoall_busbw_gbps",)
 
 
 def perturb(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
     """``hw`` with each named constant scaled by its factor (module docstring for the special
-    cases); ``reducescatter_busbw_gbps`` follows ``allgather_busbw_gbps``.
+    cases); ``reducescatter_busbw_gbps`` follows ``allgather_busbw_gbps``, and so does
+    ``alltoall_busbw_gbps`` unless it is among ``factors`` itself.
 
     Raises:
         ValueError: an unknown constant.
     """
     vals: dict[str, float] = {}
     for k, f in factors.items():
-        if k not in VARIED:
-            raise ValueError(f"{k!r} is not a varied constant; choose from {', '.join(VARIED)}")
+        if k not in (*VARIED, *OPTIONAL_VARIED):
+            known = ", ".join((*VARIED, *OPTIONAL_VARIED))
+            raise ValueError(f"{k!r} is not a varied constant; choose from {known}")
         v = float(getattr(hw, k))
         if k == "nccl_slowdown":
             vals[k] = 1.0 + (v - 1.0) * f
@@ -172,6 +187,8 @@ def perturb(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
             vals[k] = v * f
         if k == "allgather_busbw_gbps":
             vals["reducescatter_busbw_gbps"] = hw.reducescatter_busbw_gbps * f
+            if "alltoall_busbw_gbps" not in factors:
+                vals["alltoall_busbw_gbps"] = hw.alltoall_busbw_gbps * f
     return dataclasses.replace(hw, **vals)
 
 
@@ -237,14 +254,15 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
 
     rows = [{**r, "kind": "calibrated", "draw": 0, "constant": "", "factor": 1.0}
             for r in _speedups(costs, hw, shape, modes)]  # fmt: skip
-    for k in VARIED:
+    varied = tuple(cfg.get("constants") or VARIED)
+    for k in varied:
         for f in (1.0 / factor, factor):
             rows += [{**r, "kind": "one_at_a_time", "draw": 0, "constant": k, "factor": f}
                      for r in _speedups(costs, perturb(hw, {k: f}), shape, modes)]  # fmt: skip
-    lhs = qmc.LatinHypercube(d=len(VARIED), seed=int(cfg.seed)).random(draws)
+    lhs = qmc.LatinHypercube(d=len(varied), seed=int(cfg.seed)).random(draws)
     logf = (2.0 * lhs - 1.0) * math.log(factor)
     for i, row in enumerate(np.exp(logf)):
-        fac = dict(zip(VARIED, row.tolist(), strict=True))
+        fac = dict(zip(varied, row.tolist(), strict=True))
         rows += [{**r, "kind": "joint", "draw": i + 1, "constant": "", "factor": float("nan"), **{f"f_{k}": v for k, v in fac.items()}}
                  for r in _speedups(costs, perturb(hw, fac), shape, modes)]  # fmt: skip
     df = pd.DataFrame(rows)

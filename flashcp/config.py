@@ -170,7 +170,8 @@ def _hardware_schema() -> type:
     """``HardwareConfig``: the typed schema of the ``hardware`` group, one field per constant of
     :class:`flashcp.sim.hardware.HardwareProfile` (whose docstring gives each unit and meaning)
     plus ``calibration``, so the two cannot drift apart. Every constant is mandatory (a profile
-    sets it or extends one that does); curves are lists (message sizes in whole KiB)."""
+    sets it or extends one that does) except those whose default is None (``alltoall_busbw_gbps``:
+    null follows another constant); curves are lists (message sizes in whole KiB)."""
     hints = typing.get_type_hints(HardwareProfile)
     fields: list[tuple] = []
     for f in dataclasses.fields(HardwareProfile):
@@ -181,7 +182,8 @@ def _hardware_schema() -> type:
             hint = list[int]
         elif typing.get_origin(hint) is tuple:
             hint = list[float]
-        fields.append((f.name, hint, field(default=MISSING)))
+        default = None if f.default is None else MISSING  # optional: null in a profile
+        fields.append((f.name, hint, field(default=default)))
     #: sections of results/calibration/fitted_constants.yaml loaded over the constants
     fields.append(("calibration", list[str], field(default_factory=list)))
     return dataclasses.make_dataclass(

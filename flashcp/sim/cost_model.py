@@ -177,7 +177,7 @@ def _alltoall_phases(
             return 0.0
         if np.ndim(nbytes) == 0:
             return hw.alltoall_us(frac * nbytes, nbytes)
-        return _collective_us_v(hw, frac * nbytes, nbytes, hw.allgather_busbw_gbps)
+        return _collective_us_v(hw, frac * nbytes, nbytes, hw.alltoall_busbw_gbps)
 
     colls = hw.collective_host_us if u > 1 else 0.0
     rep = _op_us(hw, 2, 2 * t * shape.num_kv_heads * d * e * (1 + r)) if r > 1 else 0.0

@@ -92,6 +92,10 @@ class HardwareProfile:
             beside it (SMs and HBM bandwidth taken by NCCL); 1 means no contention.
         overlap_fraction: share of a communication meant to hide behind compute that really
             overlaps it; the rest is exposed (1 means perfect overlap).
+        alltoall_busbw_gbps: large-message bus bandwidth of an all-to-all (nccl-tests' busbw:
+            the bytes a rank receives per second), GB/s; None (the default, and ``null`` in a
+            profile): ``allgather_busbw_gbps``, resolved at construction (derivation in
+            :meth:`alltoall_us`). Its own constant so that it can be set and varied apart.
     Raises:
         ValueError: (at construction) a non-positive or non-finite constant, block sizes that do
             not divide, a fitted rate above ``peak_tflops``, or a malformed bandwidth curve.
@@ -132,12 +136,15 @@ class HardwareProfile:
     accum_bytes_eager: float
     nccl_slowdown: float
     overlap_fraction: float
+    alltoall_busbw_gbps: float | None = None
     #: (log sizes, log fractions) of the falloff table, derived at construction
     _falloff: tuple = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"hardware name must be a non-empty string, got {self.name!r}")
+        if self.alltoall_busbw_gbps is None:  # unset: the all-gather's (alltoall_us)
+            object.__setattr__(self, "alltoall_busbw_gbps", self.allgather_busbw_gbps)
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in ("name", "_falloff"):
@@ -256,7 +263,8 @@ class HardwareProfile:
 
     def alltoall_us(self, recv_bytes: float, total_bytes: float) -> float:
         """Time of one all-to-all in which a rank receives ``recv_bytes`` (``(n - 1) / n`` of its
-        ``total_bytes`` buffer), µs: :meth:`collective_us` at the all-gather bus bandwidth.
+        ``total_bytes`` buffer), µs: :meth:`collective_us` at ``alltoall_busbw_gbps`` (by
+        default the all-gather bus bandwidth, for the reasons below).
 
         An all-to-all's bus bandwidth (nccl-tests: algbw x (n-1)/n, the bytes a rank receives per
         second) is bound by the same per-rank link as the all-gather's: NVLink into the NVSwitch
@@ -266,7 +274,7 @@ class HardwareProfile:
         #130, #267). No 8-rank H100 all-to-all table is public, so the profile's all-gather bus
         bandwidth, latency and falloff are used (docs/design.md §8; optimistic by up to ~8%).
         """
-        return self.collective_us(recv_bytes, total_bytes, self.allgather_busbw_gbps)
+        return self.collective_us(recv_bytes, total_bytes, self.alltoall_busbw_gbps)
 
     def p2p_us(self, nbytes: float) -> float:
         """Time of one send/recv step moving ``nbytes`` each way, µs (falloff as for collectives)."""
@@ -437,7 +445,8 @@ def load_hardware(
             raise ValueError(
                 f"unknown hardware key {key!r}; valid keys: {', '.join(sorted(known))}"
             )
-    missing = sorted(known - set(data))
+    optional = {f.name for f in fields(HardwareProfile) if f.init and f.default is None}
+    missing = sorted(known - optional - set(data))
     if missing:
         raise ValueError(f"hardware profile is missing key(s): {', '.join(missing)}")
     return HardwareProfile(**data)

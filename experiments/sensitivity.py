@@ -68,6 +68,7 @@ from flashcp.sim.hardware import HardwareProfile
 
 __all__ = [
     "GENERATORS",
+    "OPTIONAL_VARIED",
     "VARIED",
     "DataVariant",
     "SensitivityConfig",
@@ -130,6 +131,9 @@ class SensitivityConfig(ExperimentConfig):
     methods: list[str] = field(
         default_factory=lambda: ["llama3", "per_doc", "ring", "zigzag", "flashcp"]
     )
+    #: the constants varied (null: VARIED); may add alltoall_busbw_gbps (OPTIONAL_VARIED), which
+    #: otherwise follows allgather_busbw_gbps (conf/study/peers*.yaml vary it)
+    constants: list[str] | None = None
 
 
 #: datasets whose law is a generator's rule that draws documents: studied under documents only
@@ -209,6 +213,12 @@ def check_sensitivity_config(cfg: Any) -> None:
         raise ValueError(
             f"methods = {list(cfg.methods)} must include llama3, the reference of every speedup"
         )
+    for k in cfg.get("constants") or ():
+        if k not in (*VARIED, *OPTIONAL_VARIED):
+            raise ValueError(
+                f"constants: {k!r} is not a varied constant; choose from "
+                f"{', '.join((*VARIED, *OPTIONAL_VARIED))}"
+            )
     if DatasetName.file in cfg.datasets:
         raise ValueError(
             f"datasets = {[str(d) for d in cfg.datasets]}: file needs a path; select it with "
@@ -260,19 +270,24 @@ VARIED = (
     "nccl_slowdown",
     "overlap_fraction",
 )
+#: constants a study may add to VARIED (``constants``): the all-to-all bus bandwidth, which follows
+#: ``allgather_busbw_gbps`` when not varied itself (its profile value is derived from it)
+OPTIONAL_VARIED = ("alltoall_busbw_gbps",)
 
 
 def perturb(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
     """``hw`` with each named constant scaled by its factor (module docstring for the special
-    cases); ``reducescatter_busbw_gbps`` follows ``allgather_busbw_gbps``.
+    cases); ``reducescatter_busbw_gbps`` follows ``allgather_busbw_gbps``, and so does
+    ``alltoall_busbw_gbps`` unless it is among ``factors`` itself.
 
     Raises:
         ValueError: an unknown constant.
     """
     vals: dict[str, float] = {}
     for k, f in factors.items():
-        if k not in VARIED:
-            raise ValueError(f"{k!r} is not a varied constant; choose from {', '.join(VARIED)}")
+        if k not in (*VARIED, *OPTIONAL_VARIED):
+            known = ", ".join((*VARIED, *OPTIONAL_VARIED))
+            raise ValueError(f"{k!r} is not a varied constant; choose from {known}")
         v = float(getattr(hw, k))
         if k == "nccl_slowdown":
             vals[k] = 1.0 + (v - 1.0) * f
@@ -285,6 +300,8 @@ def perturb(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
             vals[k] = v * f
         if k == "allgather_busbw_gbps":
             vals["reducescatter_busbw_gbps"] = hw.reducescatter_busbw_gbps * f
+            if "alltoall_busbw_gbps" not in factors:
+                vals["alltoall_busbw_gbps"] = hw.alltoall_busbw_gbps * f
     return dataclasses.replace(hw, **vals)
 
 
@@ -310,10 +327,12 @@ def _variant_columns(v: DataVariant, context_len: int) -> dict[str, Any]:
     }
 
 
-def joint_factors(num_draws: int, factor: float, seed: int) -> list[dict[str, float]]:
+def joint_factors(
+    num_draws: int, factor: float, seed: int, varied: tuple[str, ...] = VARIED
+) -> list[dict[str, float]]:
     """The joint study's draws: ``num_draws`` points of a Latin hypercube
     (``scipy.stats.qmc.LatinHypercube``, seeded) of log-uniform factors in ``[1/factor, factor]``,
-    one per constant of :data:`VARIED` (give each to :func:`perturb`).
+    one per constant of ``varied`` (default :data:`VARIED`; give each to :func:`perturb`).
 
     Raises:
         ValueError: ``num_draws`` < 1 or ``factor`` <= 1.
@@ -324,21 +343,23 @@ def joint_factors(num_draws: int, factor: float, seed: int) -> list[dict[str, fl
         raise ValueError(
             f"joint draws need num_draws >= 1 and factor > 1, got {num_draws}, {factor}"
         )
-    lhs = qmc.LatinHypercube(d=len(VARIED), seed=int(seed)).random(int(num_draws))
+    lhs = qmc.LatinHypercube(d=len(varied), seed=int(seed)).random(int(num_draws))
     logf = (2.0 * lhs - 1.0) * math.log(float(factor))
-    return [dict(zip(VARIED, row.tolist(), strict=True)) for row in np.exp(logf)]
+    return [dict(zip(varied, row.tolist(), strict=True)) for row in np.exp(logf)]
 
 
-def _profiles(hw: HardwareProfile, factor: float, draws: int, seed: int) -> list[dict]:
+def _profiles(
+    hw: HardwareProfile, factor: float, draws: int, seed: int, varied: tuple[str, ...] = VARIED
+) -> list[dict]:
     """Every profile of the study, in order: the calibrated one, each constant at its low and
     high end, then the joint Latin-hypercube draws. Each: ``{"hw", "fields"}`` (the row fields
     ``kind``, ``draw``, ``constant``, ``factor`` and, for joint draws, ``f_<constant>``)."""
     out = [{"hw": hw, "fields": {"kind": "calibrated", "draw": 0, "constant": "", "factor": 1.0}}]
-    for k in VARIED:
+    for k in varied:
         for f in (1.0 / factor, factor):
             out.append({"hw": perturb(hw, {k: f}),
                         "fields": {"kind": "one_at_a_time", "draw": 0, "constant": k, "factor": f}})  # fmt: skip
-    for i, fac in enumerate(joint_factors(draws, factor, seed)):
+    for i, fac in enumerate(joint_factors(draws, factor, seed, varied)):
         out.append({"hw": perturb(hw, fac),
                     "fields": {"kind": "joint", "draw": i + 1, "constant": "", "factor": float("nan"),
                                **{f"f_{k}": v for k, v in fac.items()}}})  # fmt: skip
@@ -381,7 +402,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     m = cfg.model
     shape = AttnShape(int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype))
     n, c = int(cfg.cp_size), int(cfg.context_len)
-    profiles = _profiles(hw, factor, draws, int(cfg.seed))
+    profiles = _profiles(hw, factor, draws, int(cfg.seed), tuple(cfg.get("constants") or VARIED))
     hws = [p["hw"] for p in profiles]
     rows = []
     for v in variants:

@@ -9,6 +9,8 @@ Examples::
     flashcp plan --method llama3 --cp-size 8 --doc-lens-file lens.npy --context-len 131072
     flashcp plan --method flashcp --cp-size 4 --doc-lens 2999 --pad-to-multiple
     flashcp plan --method ring --cp-size 4 --doc-lens 16,24,0,0 --num-pad 24
+    flashcp plan --method usp --cp-size 8 --doc-lens 4096 --option ulysses_degree=4 --num-heads 32 \\
+        --num-kv-heads 8
     flashcp plan --method flashcp_refined --cp-size 4 --doc-lens 9000,3000,500,4000 \\
         --option num_candidates=4
     flashcp advise --lengths lens.txt --cp-size 8 --model h32kv8 --hardware h100_sxm
@@ -22,7 +24,8 @@ offset) are skipped. ``--num-pad P`` adds P pad tokens after the last document a
 to no document and cost no work (docs/design.md §2).
 
 Bad input (non-integer or negative lengths, ``cp_size`` < 1, C not divisible as the layout needs
-with padding off, an unknown method, an option the method does not take) exits with status 2 and
+with padding off, an unknown method, an option the method does not take, with ``--num-heads`` a
+Ulysses degree the heads do not allow) exits with status 2 and
 one line on stderr naming the bad value. The checks themselves live in the library (``ValueError``);
 this module only reports them.
 """
@@ -202,6 +205,13 @@ def _plan_command(args: argparse.Namespace) -> int:
         doc_lens, args.cp_size, num_pad=args.num_pad, pad_to_multiple=args.pad_to_multiple,
         **options,
     )  # fmt: skip
+    if args.num_kv_heads is not None and args.num_heads is None:
+        raise ValueError("--num-kv-heads needs --num-heads (the query heads)")
+    if args.num_heads is not None:  # a head-parallel method's degree against the heads
+        from flashcp.config import check_method_heads
+
+        hkv = args.num_heads if args.num_kv_heads is None else args.num_kv_heads
+        check_method_heads(args.method, options, args.cp_size, args.num_heads, hkv, plan)
     if args.json:
         print(json.dumps(plan.to_dict(_comm_kind(plan)), indent=2, default=_json_default))
     else:
@@ -332,6 +342,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add the fewest pad tokens that make C divisible as the layout needs "
         "(N; 2N for llama3)",
+    )
+    p.add_argument(
+        "--num-heads",
+        type=int,
+        metavar="H",
+        help="query heads of the model: a head-parallel method (ulysses, usp, flashcp_ulysses) "
+        "whose Ulysses degree they do not allow is refused, naming the nearest valid degrees",
+    )
+    p.add_argument(
+        "--num-kv-heads",
+        type=int,
+        metavar="HKV",
+        help="KV heads of the model (default: --num-heads); needs --num-heads",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan_command)

@@ -45,6 +45,7 @@ __all__ = [
     "RunConfig",
     "Weighting",
     "check_config",
+    "check_method_heads",
     "check_modes",
     "register_configs",
 ]
@@ -177,8 +178,9 @@ def _hardware_schema() -> type:
     """``HardwareConfig``: the typed schema of the ``hardware`` group, one field per constant of
     :class:`flashcp.sim.hardware.HardwareProfile` (whose docstring gives each unit and meaning)
     plus ``calibration``, so the two cannot drift apart. Every constant is mandatory (a profile
-    sets it or extends one that does) but for those with a default (the per-size collective
-    tables, none by default); curves are lists (message sizes in whole KiB)."""
+    sets it or extends one that does) except those with a default (the per-size collective
+    tables, none by default; ``alltoall_busbw_gbps``: None, null follows another constant); curves
+    are lists (message sizes in whole KiB)."""
     hints = typing.get_type_hints(HardwareProfile)
     fields: list[tuple] = []
     for f in dataclasses.fields(HardwareProfile):
@@ -378,9 +380,13 @@ def check_config(cfg: Any) -> None:
     check_modes(cfg.modes)
     m = cfg.model
     AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
-    check_method_options(
+    trial = check_method_options(
         cfg.method.name, cfg.method.options, int(cfg.context_len), int(cfg.cp_size)
     )
+    check_method_heads(
+        cfg.method.name, cfg.method.options, int(cfg.cp_size), int(m.num_heads),
+        int(m.num_kv_heads), trial,
+    )  # fmt: skip
     check_impl_config(cfg.method.name, cfg.method.get("impl", "ours"), cfg.executor.name)
 
 
@@ -434,6 +440,8 @@ def check_method_options(method: str, options: Any, context_len: int, cp_size: i
     sequence (one document filling the context, which also checks the layout's divisibility of
     ``context_len``).
 
+    Returns:
+        the trial plan (None for a method too slow to plan here, the ILP).
     Raises:
         ValueError: naming the bad option or value.
     """
@@ -453,8 +461,50 @@ def check_method_options(method: str, options: Any, context_len: int, cp_size: i
         check_cp_args(context_len, cp_size)
         if spec.check_options is not None:
             load_target(spec.check_options)(**opts)
-        return
+        return None
     try:
-        get_planner(method)([context_len], cp_size, **opts)
+        return get_planner(method)([context_len], cp_size, **opts)
     except TypeError as exc:  # e.g. a list where a planner's code expects a number
         raise ValueError(f"method {method!r}: bad option value in {opts}: {exc}") from None
+
+
+def check_method_heads(
+    method: str, options: Any, cp_size: int, num_heads: int, num_kv_heads: int, trial=None
+) -> None:
+    """Reject a head-parallel method whose Ulysses degree the model's heads do not allow, before
+    any work (else every sequence of the run would fail alone).
+
+    The degree is the trial plan's ``ulysses_degree`` (``trial``, from
+    :func:`check_method_options`), else the op family's: N for Ulysses, ``ulysses_degree``
+    (or its default) for the hybrids; 1 (nothing to check) for every other method.
+
+    Raises:
+        ValueError: one line naming the method, cp_size, the degree, the heads and the nearest
+            valid degrees (:func:`flashcp.head_parallel.ulysses_heads`).
+    """
+    from omegaconf import OmegaConf
+
+    from flashcp.head_parallel import check_ulysses_degree, ulysses_heads
+    from flashcp.kinds import OpFamily
+    from flashcp.registry import get_method
+
+    if trial is not None:
+        u = trial.ulysses_degree
+    else:
+        family = get_method(method).op
+        opts = OmegaConf.to_container(options) if OmegaConf.is_config(options) else options
+        u = (
+            cp_size if family == OpFamily.ULYSSES
+            else check_ulysses_degree((opts or {}).get("ulysses_degree"), cp_size)
+            if family == OpFamily.HYBRID
+            else 1
+        )  # fmt: skip
+    if u == 1:
+        return
+    try:
+        ulysses_heads(num_heads, num_kv_heads, u)
+    except ValueError as exc:
+        where = f"method={method} at cp_size = {cp_size}"
+        if u != cp_size:
+            where += f" with ulysses_degree = {u}"
+        raise ValueError(f"{where}: {exc}") from None

@@ -26,6 +26,7 @@ from typing import NamedTuple
 __all__ = [
     "UlyssesHeads",
     "check_ulysses_degree",
+    "one_group_documents",
     "split_groups",
     "ulysses_heads",
     "valid_ulysses_degrees",
@@ -176,3 +177,25 @@ def split_groups(group_plan, degree: int, method: str, validate: bool = True):
         method, g_n * u, group_plan.doc_lens, rank_c, cat(doc), cat(start), cat(length),
         status=group_plan.status, info=info, pad=pad, validate=validate,
     )  # fmt: skip
+
+
+def one_group_documents(plan):
+    """The documents of a head-parallel plan with one group (``ulysses_degree`` u = N > 1), when
+    its one super-rank holds every document whole: their lengths in the group's row order, the
+    ``cu_seqlens`` of plain Ulysses over the group; None for any other plan (u < N, N = 1, or a
+    document in pieces). Such a plan is plain Ulysses, and its op and its price are Ulysses'.
+
+    Args:
+        plan: a :class:`~flashcp.plan.Plan`.
+    Returns:
+        (n_docs,) int64 lengths of the non-empty documents, or None.
+    """
+    import numpy as np
+
+    if not 1 < plan.cp_size == plan.ulysses_degree:
+        return None
+    doc, start, length = plan.group_plan().rank_shards(0)
+    keep = length > 0
+    doc, start, length = doc[keep], start[keep], length[keep]
+    whole = (start == 0) & (length == plan.doc_lens[doc])
+    return length.astype(np.int64) if bool(whole.all()) else None

@@ -29,12 +29,23 @@ METHODS = ("usp", "flashcp_ulysses")
 
 
 def _cases(n: int) -> list[tuple]:
-    """(name, doc_lens, num_pad, H, Hkv, D, dtype, degree) at CP size ``n``."""
+    """(name, doc_lens, num_pad, H, Hkv, D, dtype, degree) at CP size ``n``: at CP 4 every degree
+    (1, 2, 4: the plain ends and one hybrid); at CP 8 the two hybrid degrees (u = 2: a ring of 4
+    groups, 3 steps; u = 4: 2 groups), KV heads replicated in float64 and in bfloat16."""
     c = 16 * n
     rng = np.random.default_rng(n)
     cuts = np.sort(rng.choice(np.arange(1, c), size=5, replace=False))
     mix = np.diff(np.concatenate([[0], cuts, [c]])).tolist()
     long = [c // 2 + 3, 2, c // 2 - 5]
+    if n == 8:
+        return [
+            ("mix-u2", mix, 0, 4, 4, 8, F64, 2),
+            ("mix-u4", mix, 0, 4, 4, 8, F64, 4),
+            ("zero-length-and-pad-u2", [0, 9, 0, c - 9 - 7, 0], 7, 4, 2, 8, F64, 2),
+            ("gqa-replicated-u4", long, 0, 4, 1, 8, F64, 4),
+            ("bf16-gqa-replicated-u2", mix, 0, 4, 1, 16, BF16, 2),
+            ("bf16-gqa-replicated-u4", long, 0, 8, 2, 16, BF16, 4),
+        ]
     cases = []
     for u in sorted({1, 2, n}):
         cases += [
@@ -67,7 +78,7 @@ def _run_cases(rank, n, cases):
     return results
 
 
-@pytest.mark.parametrize("cp_size", [4])
+@pytest.mark.parametrize("cp_size", [4, 8])
 def test_hybrids_match_reference_and_count_predicted_bytes(cp_size):
     cases = _cases(cp_size)
     per_rank = run_ranks(_run_cases, cp_size, cases, timeout_s=180)

@@ -21,6 +21,15 @@ communication: the ring's KV and dK/dV hops, or the all-gather and reduce-scatte
 model dtype and dK / dV with it (in ``grad_comm_dtype`` when KV heads are replicated: the
 replicas' sum is formed on the owning rank). Bytes per rank equal :func:`flashcp.comm.comm_volume`
 for the method's comm kind on a plan with ``ulysses_degree`` u.
+
+The two ends of the degree run their plain method, with nothing of the other around it:
+
+* u = N (one group, whose super-rank holds every document whole): plain Ulysses,
+  :func:`flashcp.ops.ulysses_attn.ulysses_forward` / ``ulysses_backward`` over the group (one
+  varlen call over whole documents; no one-rank ring with its merges, no one-rank all-gather
+  with its buffers).
+* u = 1 (groups of one rank): the inner op alone on the rank's document rows (no all-to-all,
+  no packing copies), as the ring or the all-gather op runs its own plan.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from flashcp.head_parallel import UlyssesHeads, ulysses_heads
+from flashcp.head_parallel import UlyssesHeads, one_group_documents, ulysses_heads
 from flashcp.kinds import CommKind
 from flashcp.ops.allgather_attn import (
     AllGatherMeta,
@@ -50,8 +59,15 @@ from flashcp.ops.collectives import (
 from flashcp.ops.ring_attn import RingMeta, prepare_ring_meta, ring_backward, ring_forward
 from flashcp.ops.ring_comm import RingComm
 from flashcp.ops.timing import as_timer
-from flashcp.ops.ulysses_attn import fold_kv_grads, gather_heads, scatter_heads
-from flashcp.plan import Plan
+from flashcp.ops.ulysses_attn import (
+    UlyssesMeta,
+    fold_kv_grads,
+    gather_heads,
+    scatter_heads,
+    ulysses_backward,
+    ulysses_forward,
+)
+from flashcp.plan import Plan, cu_seqlens
 
 __all__ = [
     "HybridAttnFunction",
@@ -145,7 +161,9 @@ class HybridMeta:
         tokens: T = C / N local rows, pad included.
         inner: the inner op's metadata for super-rank ``rank // u`` of the group plan
             (:class:`~flashcp.ops.ring_meta.RingMeta` of the zigzag ring, or
-            :class:`~flashcp.ops.allgather_attn.AllGatherMeta` of the sharding-aware all-gather).
+            :class:`~flashcp.ops.allgather_attn.AllGatherMeta` of the sharding-aware all-gather);
+            with one group (u = N) the :class:`~flashcp.ops.ulysses_attn.UlyssesMeta` of plain
+            Ulysses over its whole documents.
         rows: the super-rank's rows the inner op runs on (the rest are pad).
     """
 
@@ -155,7 +173,7 @@ class HybridMeta:
     cp_size: int
     degree: int
     tokens: int
-    inner: RingMeta | AllGatherMeta
+    inner: RingMeta | AllGatherMeta | UlyssesMeta
     rows: int
     _verified: set = field(default_factory=set, repr=False)
 
@@ -189,6 +207,15 @@ def prepare_hybrid(plan: Plan, rank: int, method: str, comm_kind: CommKind | str
     groups, u, rank = _prepare(plan, rank, method)
     across = replace(groups, method=method)
     tokens = plan.context_len // plan.cp_size
+    whole = one_group_documents(plan)
+    if whole is not None and comm_kind in (CommKind.P2P_RING, CommKind.ALLGATHER_SHARDED):
+        # one group holding every document whole: plain Ulysses over the group
+        inner = UlyssesMeta(
+            method=method, plan=plan, rank=rank, cp_size=plan.cp_size, tokens=tokens,
+            doc_rows=int(whole.sum()), cu_seqlens=cu_seqlens(whole, device="cpu"),
+            max_seqlen=int(whole.max()) if whole.size else 0,
+        )  # fmt: skip
+        return HybridMeta(method, plan, rank, plan.cp_size, u, tokens, inner, inner.doc_rows)
     if comm_kind == CommKind.P2P_RING:
         inner = prepare_ring_meta(across, rank // u, method)
         return HybridMeta(method, plan, rank, plan.cp_size, u, tokens, inner, inner.block_tokens)
@@ -218,11 +245,18 @@ def hybrid_forward(q, k, v, meta: HybridMeta, heads: UlyssesHeads, groups: Hybri
         out: (T, H, D) in q.dtype; saved: ``(q_h, k_h, v_h, out_h, lse_h)`` on the super-rank's
         ``meta.rows`` rows, H/u (and r Hkv/u) heads, the LSE (H/u, rows) in compute dtype.
     """
+    if isinstance(meta.inner, UlyssesMeta):  # one group: plain Ulysses
+        return ulysses_forward(q, k, v, meta.inner, heads, groups.intra, backend, scale, counter,
+                               timer)  # fmt: skip
     u, r, rows = heads.degree, heads.kv_replication, meta.rows
-    with timer.phase("others"):
-        if r > 1:
-            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    q_h, k_h, v_h = (x[:rows] for x in scatter_heads([q, k, v], u, groups.intra, counter, timer))
+    if u == 1:  # groups of one rank: the inner op alone on the document rows
+        q_h, k_h, v_h = (x[:rows].contiguous() for x in (q, k, v))
+    else:
+        with timer.phase("others"):
+            if r > 1:
+                k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+        parts = scatter_heads([q, k, v], u, groups.intra, counter, timer)
+        q_h, k_h, v_h = (x[:rows] for x in parts)
     if isinstance(meta.inner, RingMeta):
         comm = RingComm(groups.cross, q.device, counter) if meta.inner.cp_size > 1 else None
         out_h, lse_h = ring_forward(q_h, k_h, v_h, meta.inner.to(q.device), comm, backend, scale,
@@ -231,8 +265,8 @@ def hybrid_forward(q, k, v, meta: HybridMeta, heads: UlyssesHeads, groups: Hybri
         out_h, lse_h = allgather_attn_forward(q_h, k_h, v_h, meta.inner, groups.cross, scale,
                                               backend, counter, timer)  # fmt: skip
     with timer.phase("others"):
-        full = _pad_rows(out_h, u * meta.tokens)
-    out = gather_heads(full, u, groups.intra, counter, timer)
+        full = _pad_rows(out_h, u * meta.tokens) if rows < u * meta.tokens else out_h
+    out = full if u == 1 else gather_heads(full, u, groups.intra, counter, timer)
     return out, (q_h, k_h, v_h, out_h, lse_h)
 
 
@@ -243,10 +277,16 @@ def hybrid_backward(dout, saved, meta: HybridMeta, heads: UlyssesHeads, groups: 
     Returns:
         dq: (T, H, D) in q's dtype; dk, dv: (T, Hkv, D) in k's dtype.
     """
+    if isinstance(meta.inner, UlyssesMeta):  # one group: plain Ulysses
+        return ulysses_backward(dout, saved, meta.inner, heads, groups.intra, backend, scale,
+                                counter, timer, grad_comm_dtype)  # fmt: skip
     q_h, k_h, v_h, out_h, lse_h = saved
     u, r, rows, t = heads.degree, heads.kv_replication, meta.rows, meta.tokens
-    (do_h,) = scatter_heads([dout], u, groups.intra, counter, timer)
-    do_h = do_h[:rows].contiguous()
+    if u == 1:
+        do_h = dout[:rows].contiguous()
+    else:
+        (do_h,) = scatter_heads([dout], u, groups.intra, counter, timer)
+        do_h = do_h[:rows].contiguous()
     if isinstance(meta.inner, RingMeta):
         comm = RingComm(groups.cross, q_h.device, counter) if meta.inner.cp_size > 1 else None
         dq_h, dk_h, dv_h = ring_backward(do_h, q_h, k_h, v_h, out_h, lse_h,
@@ -256,6 +296,10 @@ def hybrid_backward(dout, saved, meta: HybridMeta, heads: UlyssesHeads, groups: 
         dq_h, dk_h, dv_h = allgather_attn_backward(do_h, q_h, k_h, v_h, out_h, lse_h, meta.inner,
                                                    groups.cross, scale, backend, counter, timer,
                                                    grad_comm_dtype=grad_comm_dtype)  # fmt: skip
+    if u == 1:  # the inner op's gradients, pad rows 0 (as the inner op alone gives them)
+        with timer.phase("others"):
+            return tuple(_pad_rows(x.to(y.dtype), t) if rows < t else x.to(y.dtype)
+                         for x, y in ((dq_h, q_h), (dk_h, k_h), (dv_h, v_h)))  # fmt: skip
     kv_dtype = resolve_grad_comm_dtype(grad_comm_dtype, k_h.dtype) if r > 1 else k_h.dtype
     with timer.phase("others"):
         dq_h = _pad_rows(dq_h, u * t)

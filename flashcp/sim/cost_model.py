@@ -91,6 +91,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from flashcp.comm import AttnShape, check_mode, comm_volume, grad_comm_bytes
+from flashcp.head_parallel import one_group_documents
 from flashcp.plan import Plan, cu_seqlens
 from flashcp.registry import COMM_KIND
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
@@ -179,7 +180,7 @@ def _alltoall_phases(
             return 0.0
         if np.ndim(nbytes) == 0:
             return hw.alltoall_us(frac * nbytes, nbytes)
-        return _collective_us_v(hw, frac * nbytes, nbytes, hw.allgather_busbw_gbps, "all_gather")
+        return _collective_us_v(hw, frac * nbytes, nbytes, hw.alltoall_busbw_gbps, "all_gather")
 
     colls = hw.collective_host_us if u > 1 else 0.0
     rep = _op_us(hw, 2, 2 * t * shape.num_kv_heads * d * e * (1 + r)) if r > 1 else 0.0
@@ -240,6 +241,13 @@ class PlanCost:
         #: method's cost on the group plan, for H/u heads (:meth:`_step_hybrid`)
         self.u = plan.ulysses_degree if comm_kind != "alltoall" else 1
         self.inner: PlanCost | None = None
+        #: a hybrid with one group (u = N) is plain Ulysses, as its op runs it
+        #: (:func:`flashcp.head_parallel.one_group_documents`): priced as ``alltoall``
+        self.plain_ulysses = comm_kind != "alltoall" and one_group_documents(plan) is not None
+        if self.plain_ulysses:
+            self.u = 1
+            self._init_alltoall()
+            return
         if self.u > 1:
             self.inner = PlanCost(plan.group_plan(), hw, comm_kind, impl)
             return
@@ -294,7 +302,7 @@ class PlanCost:
         """
         if self.inner is not None:
             return self.inner.attention_us(self._hybrid_shape(shape), train)
-        if self.comm_kind == "alltoall":
+        if self.comm_kind == "alltoall" or self.plain_ulysses:
             return self._alltoall_kernels_us(shape, train)
         if self.comm_kind == "p2p_ring":
             f, fo, *_ = self._ring_fwd_compute(shape)
@@ -739,13 +747,13 @@ class PlanCost:
         vol = comm_volume(self.plan, self.comm_kind, shape, mode)
         if self.inner is not None:
             out = self._step_hybrid(shape, mode)
+        elif self.comm_kind == "alltoall" or self.plain_ulysses:
+            out = self._step_alltoall(shape, train, vol)
         elif self.comm_kind == "p2p_ring":
             fwd_p2p = vol["p2p_bytes"]
             if train:
                 fwd_p2p = comm_volume(self.plan, self.comm_kind, shape, "infer")["p2p_bytes"]
             out = self._step_ring(shape, train, vol, fwd_p2p)
-        elif self.comm_kind == "alltoall":
-            out = self._step_alltoall(shape, train, vol)
         else:
             out = self._step_allgather(shape, train, vol)
         out["total_ms"] = math.fsum(out[c] for c in PHASE_COLUMNS if c != "total_ms")
@@ -774,7 +782,11 @@ def step_many(costs: Sequence[PlanCost], shape: AttnShape, mode: str) -> dict[st
         return {c: np.zeros(0) for c in cols}
     first = costs[0]
     same = all(
-        c.hw is first.hw and c.n == first.n and c.comm_kind == first.comm_kind and c.inner is None
+        c.hw is first.hw
+        and c.n == first.n
+        and c.comm_kind == first.comm_kind
+        and c.inner is None
+        and not c.plain_ulysses
         for c in costs
     )
     if same and first.comm_kind == "p2p_ring" and all(c.ops == first.ops for c in costs):
@@ -1404,6 +1416,8 @@ def price_plans(
     for i, p in enumerate(plans):
         kind = _check_comm_kind(p, comm_kind)
         u = p.ulysses_degree if kind != "alltoall" else 1
+        if kind != "alltoall" and one_group_documents(p) is not None:
+            kind, u = "alltoall", 1  # one group: plain Ulysses (PlanCost.plain_ulysses)
         groups.setdefault((kind, p.method, p.cp_size, u), []).append(i)
     for (kind, method, _, u), idx in groups.items():
         check_impl(method, impl)

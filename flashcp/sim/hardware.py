@@ -271,6 +271,10 @@ class HardwareProfile:
         allgather_table, reducescatter_table: a published per-size nccl-tests table of that
             collective (:func:`read_collective_table`: a name in ``conf/hardware/nccl/`` or a CSV
             path), priced in place of the falloff curve (module docstring); ``""``: none.
+        alltoall_busbw_gbps: large-message bus bandwidth of an all-to-all (nccl-tests' busbw:
+            the bytes a rank receives per second), GB/s; None (the default, and ``null`` in a
+            profile): ``allgather_busbw_gbps``, resolved at construction (derivation in
+            :meth:`alltoall_us`). Its own constant so that it can be set and varied apart.
     Raises:
         ValueError: (at construction) a non-positive or non-finite constant, block sizes that do
             not divide, a fitted rate above ``peak_tflops``, a malformed bandwidth curve, a bad
@@ -315,6 +319,7 @@ class HardwareProfile:
     overlap_fraction: float
     allgather_table: str = ""
     reducescatter_table: str = ""
+    alltoall_busbw_gbps: float | None = None
     #: (log sizes, log fractions) of the falloff table, derived at construction
     _falloff: tuple = field(init=False, repr=False, compare=False, default=())
     #: collective (a key of TABLE_OPS) -> (log sizes, log fractions) from its own table
@@ -323,6 +328,8 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"hardware name must be a non-empty string, got {self.name!r}")
+        if self.alltoall_busbw_gbps is None:  # unset: the all-gather's (alltoall_us)
+            object.__setattr__(self, "alltoall_busbw_gbps", self.allgather_busbw_gbps)
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name == "name" or not f.init:
@@ -513,7 +520,8 @@ class HardwareProfile:
 
     def alltoall_us(self, recv_bytes: float, total_bytes: float) -> float:
         """Time of one all-to-all in which a rank receives ``recv_bytes`` (``(n - 1) / n`` of its
-        ``total_bytes`` buffer), µs: :meth:`collective_us` at the all-gather bus bandwidth.
+        ``total_bytes`` buffer), µs: :meth:`collective_us` at ``alltoall_busbw_gbps`` (by
+        default the all-gather bus bandwidth, for the reasons below).
 
         An all-to-all's bus bandwidth (nccl-tests: algbw x (n-1)/n, the bytes a rank receives per
         second) is bound by the same per-rank link as the all-gather's: NVLink into the NVSwitch
@@ -524,7 +532,9 @@ class HardwareProfile:
         bandwidth, latency and falloff are used (docs/design.md §8; optimistic by up to ~8%):
         :meth:`allgather_us`, with the all-gather's own per-size table where the profile has one.
         """
-        return self.allgather_us(recv_bytes, total_bytes)
+        return self.collective_us(
+            recv_bytes, total_bytes, self.alltoall_busbw_gbps, op="all_gather"
+        )
 
     def p2p_us(self, nbytes: float) -> float:
         """Time of one send/recv step moving ``nbytes`` each way, µs (falloff as for collectives)."""

@@ -89,7 +89,7 @@ class Difference:
     name: str
     families: tuple[str, ...]
     phases: tuple[str, ...]
-    item: str  # "mem_ops" or "kernel_calls"
+    item: str  # "mem_ops", "kernel_calls" or "host_ops" (dispatches that launch work)
     kind: str  # "intended" or "mismatch"
     reason: str
     delta: Callable
@@ -252,6 +252,32 @@ def _a2a_delta(ctx, phase):
     return np.full((1, ctx.n), float(op - (7 + r)))
 
 
+def _ag_host(ctx, phase):
+    """All-gather forward: the model counts one host op per head group more than the op's
+    launches (6 ops + the kernel against 5 copies + the kernel)."""
+    return np.full((1, ctx.n), -1.0 * _ag_groups(ctx))
+
+
+def _ag_groups(ctx) -> int:
+    import torch
+
+    from flashcp.head_parallel import ulysses_heads
+    from flashcp.ops.allgather_attn import resolve_heads_per_group
+
+    hkv = ctx.shape.num_kv_heads
+    if ctx.family == "flashcp_ulysses":
+        hkv = ulysses_heads(ctx.shape.num_heads, hkv, ctx.degree).kv_heads_per_rank
+    dtype = getattr(torch, ctx.shape.dtype)
+    return hkv // resolve_heads_per_group(None, ctx.metas[0], hkv, ctx.shape.head_dim, dtype)
+
+
+def _a2a_host(ctx, phase):
+    """All-to-all stage: the model counts 2 host ops beyond its copies (7 + 2 [r > 1] forward,
+    9 + [r > 1] backward); the op's only other launching dispatch there is Ulysses' kernel (the
+    hybrids' kernels are the inner op's)."""
+    return np.full((1, ctx.n), -1.0 if ctx.family == "ulysses" else -2.0)
+
+
 DIFFERENCES: tuple[Difference, ...] = (
     # ring family (ring, zigzag; the inner ring of usp), per ring step and rank
     Difference("ring_init", ("ring", "usp"), ("fwd", "bwd"), "mem_ops", "mismatch",
@@ -282,6 +308,10 @@ DIFFERENCES: tuple[Difference, ...] = (
     # Ulysses and the hybrids' all-to-alls
     Difference("alltoall_copies", ("ulysses", "usp", "flashcp_ulysses"), ("fwd", "bwd"), "mem_ops", "mismatch",
                _a2a_delta.__doc__, _a2a_delta),
+    Difference("allgather_host", ("allgather", "flashcp_ulysses"), ("fwd",), "host_ops",
+               "mismatch", _ag_host.__doc__, _ag_host),
+    Difference("alltoall_host", ("ulysses", "usp", "flashcp_ulysses"), ("fwd", "bwd"),
+               "host_ops", "mismatch", _a2a_host.__doc__, _a2a_host),
 )  # fmt: skip
 
 #: bytes (read + written) of memory-bound ops: op / model, per family, forward and backward
@@ -390,14 +420,44 @@ def compare(i: int, j: int, account=None) -> list[str]:
             if fam == "usp":
                 sim = acc.per_step[(phase, "mem_ops")][:, acc.inner_rank].sum(0)
                 sim = sim + acc.rank_max[(phase, "a2a_mem_ops")]
-                ring_fix = sum(f.sum(0) for f in fix[:-1])
-                want = sim + ring_fix + fix[-1][0]
+                want = sim + sum(f.sum(axis=0) for f in fix)  # ring steps, then the a2a stage
             else:
                 sim = acc.rank_max[(phase, "mem_ops")] + acc.rank_max.get((phase, "a2a_mem_ops"), 0)
                 want = sim + sum(f[0] for f in fix)
             if not np.allclose(total, want, atol=1e-6):
                 bad.append(f"{phase} mem_ops per rank: op {total.tolist()} != model "
                            f"{np.round(sim, 6).tolist()} + listed {np.round(want - sim, 6).tolist()}")  # fmt: skip
+        # host dispatches that launch work (kernels, memory-bound ops): the model's host_op_us
+        # terms, with the same listed corrections; views, allocations and other dispatches are
+        # not priced per op (reported, not compared)
+        fix_m = sum((d.delta(ctx, phase) for d in rules["mem_ops"]), 0.0)
+        fix_k = sum((d.delta(ctx, phase) for d in rules["kernel_calls"]), 0.0)
+        fix_h = sum((d.delta(ctx, phase) for d in DIFFERENCES
+                     if fam in d.families and phase in d.phases and d.item == "host_ops"), 0.0)  # fmt: skip
+        op_h = per[(phase, "mem_ops")] + per[(phase, "kernel_calls")]
+        if fam == "ring":
+            sim_h = acc.per_step[(phase, "host_ops")]
+            if not np.allclose(op_h, sim_h + fix_m + fix_k + fix_h, atol=1e-6):
+                bad.append(f"{phase} host dispatches per [step, rank]: op {op_h.tolist()} != model "
+                           f"{np.round(sim_h, 6).tolist()} + listed")  # fmt: skip
+        else:
+            if fam == "usp":
+                sim_h = acc.per_step[(phase, "host_ops")][:, acc.inner_rank].sum(0)
+                sim_h = sim_h + acc.rank_max[(phase, "a2a_host_ops")]
+                listed = sum(
+                    (d.delta(ctx, phase).sum(axis=0) for d in DIFFERENCES
+                     if fam in d.families and phase in d.phases),
+                    np.zeros(ctx.n),
+                )  # fmt: skip
+            else:
+                sim_h = acc.rank_max[(phase, "host_ops")] + acc.rank_max.get(
+                    (phase, "a2a_host_ops"), 0
+                )
+                listed = sum(f[0] for f in (fix_m, fix_k, fix_h) if np.ndim(f))
+            got = op_h.sum(0)
+            if not np.allclose(got, sim_h + listed, atol=1e-6):
+                bad.append(f"{phase} host dispatches per rank: op {got.tolist()} != model "
+                           f"{np.round(sim_h, 6).tolist()} + listed {np.round(listed, 6).tolist()}")  # fmt: skip
         # bytes within the family's band
         lo, hi = BYTE_BANDS[fam]
         op_b = per[(phase, "mem_bytes")].sum(0)

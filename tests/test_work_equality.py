@@ -522,3 +522,15 @@ def test_perturbed_account_fails():
     assert not compare(i, 0)
     bad = compare(i, 0, worse)
     assert bad and all("fwd mem_ops" in b for b in bad)
+
+
+def test_bad_arguments_are_one_line_errors():
+    from flashcp.sim.work import probe_profile
+
+    with pytest.raises(ValueError, match="unknown probe unit"):
+        probe_profile(HW, launch_ms=1)
+    plan = make_plan_for("ring", np.array([8, 8]), 2)
+    with pytest.raises(ValueError, match=r"ranks must be in \[0, 2\)"):
+        trace_work(plan, SHAPES[1], "train", ranks=[2])
+    with pytest.raises(ValueError, match="mode"):
+        work_account(plan, SHAPES[1], "fit", HW)

@@ -534,3 +534,6 @@ def test_bad_arguments_are_one_line_errors():
         trace_work(plan, SHAPES[1], "train", ranks=[2])
     with pytest.raises(ValueError, match="mode"):
         work_account(plan, SHAPES[1], "fit", HW)
+    llama3 = make_plan_for("llama3", np.array([8, 8]), 2)
+    with pytest.raises(ValueError, match="only as a ring"):
+        work_account(llama3, SHAPES[1], "train", HW, impl="ring_flash_attn")

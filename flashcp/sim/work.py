@@ -66,6 +66,7 @@ def probe_profile(hw: HardwareProfile, **unit) -> HardwareProfile:
         copy_bw_gbps=1e-3 if unit.pop("copy_bytes", False) else _HUGE,
         peak_tflops=_HUGE, fwd_tile_tflops=_HUGE, bwd_tile_tflops=_HUGE,
         allgather_busbw_gbps=_HUGE, reducescatter_busbw_gbps=_HUGE, p2p_bw_gbps=_HUGE,
+        nccl_slowdown=1.0,
     )  # fmt: skip
     over.update(unit)
     return dataclasses.replace(hw, **over)
@@ -227,13 +228,19 @@ def work_account(
     Returns:
         a :class:`WorkAccount` (its attributes say what each entry counts).
     Raises:
-        ValueError: as :func:`flashcp.sim.cost_model.simulate`.
+        ValueError: as :func:`flashcp.sim.cost_model.simulate`, or ``impl="ring_flash_attn"``
+            for a method it runs with all-gathers (``llama3``).
     """
     from flashcp.sim.cost_model import PlanCost, _check_comm_kind
 
     check_mode(mode)
     hw = load_hardware(hw)
     kind = _check_comm_kind(plan, comm_kind)
+    if impl != "ours" and kind != "p2p_ring":
+        raise ValueError(
+            f"work_account reads impl={impl!r} only as a ring: its {plan.method} step overlaps "
+            "each head group's gather with the previous kernel, so its terms do not separate"
+        )
     cost = PlanCost(plan, hw, kind, impl)
     n = plan.cp_size
     train = mode == "train"

@@ -266,13 +266,6 @@ def _d_split_pieces(item):
     return delta
 
 
-def _const(fwd: int, bwd: int):
-    def delta(ctx, phase):
-        return np.full((1, ctx.n), float(fwd if phase == "fwd" else bwd))
-
-    return delta
-
-
 def _ag_bwd(ctx, phase):
     """All-gather backward, per head group: the reduce-scattered dK/dV is added to the local
     rows (index_add_) before dk and dv are copied out (two copies); the model prices 6 ops for

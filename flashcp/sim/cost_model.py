@@ -553,6 +553,21 @@ class PlanCost:
             self._masks = self._compute_ring_masks()
         return self._masks
 
+    def ring_masks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Read-only view of the ring family's (N, N) ``[t, r]`` masks: a kernel is launched, the
+        step uses part of the local query block, the step uses part of the source KV block."""
+        return self._ring_masks()
+
+    def ring_terms(self, shape: AttnShape, phase: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Read-only: the ring family's (N, N) ``[t, r]`` device µs of attention, device µs of the
+        other ops and host µs of ``phase`` (``fwd`` / ``bwd``), as the step model prices them
+        (:mod:`flashcp.sim.work` reads its work back out of these)."""
+        if phase not in ("fwd", "bwd"):
+            raise ValueError(f"phase must be 'fwd' or 'bwd', got {phase!r}")
+        if phase == "fwd":
+            return self._ring_fwd_compute(shape)
+        return self._ring_bwd_compute(shape)
+
     def _compute_ring_masks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = self.n
         local = self.q_rows[..., 0, :]

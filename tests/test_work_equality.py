@@ -281,7 +281,7 @@ def _a2a_delta(ctx, phase):
     h_kv = r Hkv/u KV heads per rank, r the KV replication, c = 1 for a real cast). The model
     prices 2 [r > 1] + 3 + 2 forward and 7 + [r > 1] backward. Forward, the op: 2 [r > 1]
     (repeat_interleave), packing q, k, v is a cat and a transposed copy (2), the split one copy
-    per tensor (3), the pad (1), and the gathered output's reshape is a copy only when h > 1.
+    per tensor (3), the pad (1; a hybrid's only where its rows fall short of u T), and the gathered output's reshape is a copy only when h > 1.
     Backward: dO packed (cat, copy: 2), dq cast to the model dtype (Ulysses: c), pad, cat of
     dk/dv (cast: Ulysses c when r = 1, both c when r > 1), pad, the reshapes of the gathered dq
     ([h > 1]) and dK/dV (1), the fold's reshape ([h_kv > 1]), the replicas' sum and its cast
@@ -297,12 +297,28 @@ def _a2a_delta(ctx, phase):
         ctx.cast,
     )
     if phase == "fwd":
-        return np.full((1, ctx.n), 1.0 + h)
+        return (_a2a_pads(ctx) + h)[None, :]
     if ctx.family == "ulysses":
         op = 6 + 2 * c + h + hkv + r
     else:  # the inner op returns dq, dk, dv in the model dtype
         op = 6 + h + hkv + r * (1 + 2 * c)
     return np.full((1, ctx.n), float(op - (7 + r)))
+
+
+def _a2a_pads(ctx) -> np.ndarray:
+    """Per rank, 1 where the forward pads the inner op's output before gathering heads: always
+    for Ulysses; for a hybrid when its super-rank's rows fall short of u T (pad in the group)."""
+    if ctx.family == "ulysses":
+        return np.ones(ctx.n)
+    from flashcp.kinds import CommKind
+    from flashcp.ops.hybrid_attn import prepare_hybrid
+
+    kind = CommKind.P2P_RING if ctx.family == "usp" else CommKind.ALLGATHER_SHARDED
+    t = ctx.plan.context_len // ctx.n
+    return np.array([
+        float(prepare_hybrid(ctx.plan, r, ctx.plan.method, kind).rows < ctx.degree * t)
+        for r in range(ctx.n)
+    ])  # fmt: skip
 
 
 def _ag_host(ctx, phase):

@@ -65,7 +65,8 @@ def probe_profile(hw: HardwareProfile, **unit) -> HardwareProfile:
     over.update(
         copy_bw_gbps=1e-3 if unit.pop("copy_bytes", False) else _HUGE,
         peak_tflops=_HUGE, fwd_tile_tflops=_HUGE, bwd_tile_tflops=_HUGE,
-        allgather_busbw_gbps=_HUGE, reducescatter_busbw_gbps=_HUGE, p2p_bw_gbps=_HUGE,
+        allgather_busbw_gbps=_HUGE, reducescatter_busbw_gbps=_HUGE, alltoall_busbw_gbps=_HUGE,
+        p2p_bw_gbps=_HUGE,
         nccl_slowdown=1.0,
     )  # fmt: skip
     over.update(unit)

@@ -671,6 +671,7 @@ class PlanCost:
         attn = kernel_us(self.fwd, h, d, hw, False) + empty
         work = self.q_rows > 0
         out_el = self.q_rows * h * d  # elements of the merged rows' output
+        local_el = self.q_rows[..., 0, :] * h * d
         merge_b = getattr(hw, ops.merge_bytes)
         views = self._half_views()
         gather_k = part_k & ~views
@@ -688,10 +689,13 @@ class PlanCost:
         if self.impl == "ours":  # the query rows of a partial step are gathered per step
             n_ops = n_ops + part_q
             nbytes = nbytes + np.where(part_q, out_el * 2 * e, 0.0)
+            # step 0: the fp32 merge accumulators (out zeroed, lse filled) and the KV block
+            # stacked into the first send buffer (k, v read and written)
+            n_ops[..., 0, :] += 3
+            nbytes[..., 0, :] += local_el * 4 + self.q_rows[..., 0, :] * (h * 4 + 4 * hkv * d * e)
         else:  # ring-flash-attn: step 0 only casts its block to fp32 (out = block_out.to(fp32))
             n_ops[..., 0, :] = 1
             nbytes[..., 0, :] = out_el[..., 0, :] * (e + 4)
-        local_el = self.q_rows[..., 0, :] * h * d
         n_ops[..., -1, :] += 1  # out.to(q.dtype)
         nbytes[..., -1, :] += local_el * (4 + e)
         other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
@@ -737,10 +741,23 @@ class PlanCost:
                 + np.where(gather_q, 16.0 * q_el, 0.0)
                 + np.where(gather_k, 16.0 * kv_el, 0.0)
             )
-        if self.impl == "ours":  # per step: zero this step's dK/dV, combine with the incoming sum
-            n_ops = n_ops + part_q + np.where(work, 3, 0)
+        if self.impl == "ours":
+            # per step with work: zero this step's dK/dV (fp32), from step 2 on add the incoming
+            # partial sum (step 0 keeps its own, step 1 has none); a step 1 without work sends
+            # zeros; partial sums travel in the compute dtype (no cast). Step 0: dq zeroed (fp32)
+            # and the KV block stacked into the first send buffer.
+            step = np.arange(work.shape[-2])[:, None]
+            combine = work & (step >= 2)
+            idle_zero = ~work & (step == 1)
+            n_ops = n_ops + part_q + work + combine + idle_zero
             nbytes = nbytes + np.where(part_q, 2.0 * q_el * 2 * e, 0.0)
-            nbytes = nbytes + np.where(work, local_kv[..., None, :] * (4 + 12 + 8), 0.0)
+            nbytes = nbytes + local_kv[..., None, :] * (
+                np.where(work, 4.0, 0.0)
+                + np.where(combine, 12.0, 0.0)
+                + np.where(idle_zero, 4.0, 0.0)
+            )
+            n_ops[..., 0, :] += 2
+            nbytes[..., 0, :] += local_q * 4 + local_kv * 2 * e
         else:  # step 0 casts the block gradients to fp32
             n_ops[..., 0, :] = 3
             nbytes[..., 0, :] = (q_el[..., 0, :] + kv_el[..., 0, :]) * (e + 4)

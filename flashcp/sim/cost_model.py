@@ -30,8 +30,9 @@ fp32 gradient buffer fits ``AG_GROUP_BUDGET_BYTES``).
   A collective costs ``latency + recv_bytes / (busbw * falloff)``, the falloff the
   collective's own per-size table where the profile has one
   (:meth:`HardwareProfile.allgather_us`, :meth:`HardwareProfile.reducescatter_us`).
-* backward, per group: the same gather, the kernel backward, dK/dV scatter-added into a zeroed
-  fp32 buffer, reduce-scattered (``comm_volume``'s bytes) and added to the local rows.
+* backward, per group: the same gather, the kernel backward, dQ copied into place, dK/dV
+  scatter-added into a zeroed fp32 buffer, reduce-scattered (``comm_volume``'s bytes) and added
+  to the local rows (when rows are sent), dK and dV copied out (two copies).
 * memory-bound ops (``others_ms``) cost ``launch_us`` + bytes read + written over
   ``copy_bw_gbps`` and ``host_op_us`` each; groups run one after another.
 * ``ring_flash_attn`` ``llama3`` (N contiguous chunks): G = num_kv_heads / heads_k_stride head
@@ -160,17 +161,28 @@ def _stats(keys: np.ndarray, size: int, ctas, tiles, mx) -> TileStats:
 
 
 def _alltoall_phases(
-    hw: HardwareProfile, shape: AttnShape, train: bool, degree: int, t, fwd_k, bwd_k
+    hw: HardwareProfile,
+    shape: AttnShape,
+    train: bool,
+    degree: int,
+    t,
+    fwd_k,
+    bwd_k,
+    *,
+    kernels: bool = True,
+    pad=1,
 ) -> dict:
     """:meth:`PlanCost._alltoall_phases` with T = ``t`` rows per rank and kernel times ``fwd_k``,
     ``bwd_k`` µs: scalars, or (S,) arrays for S plans (phase times in ms, ``total_ms`` left
-    out)."""
+    out). ``kernels``: the kernels run in this stage (Ulysses; a hybrid's are its inner op's);
+    ``pad``: 1 where the forward pads the output before gathering heads (scalar or (S,))."""
     from flashcp.head_parallel import ulysses_heads
 
     u = degree
     heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, u)
     e, d = shape.dtype_bytes, shape.head_dim
     r = heads.kv_replication
+    rep_kv = r > 1
     qkv = t * (shape.num_heads + 2 * r * shape.num_kv_heads) * d * e  # send buffer, bytes
     o = t * shape.num_heads * d * e
     frac = (u - 1) / u
@@ -183,10 +195,16 @@ def _alltoall_phases(
         return _collective_us_v(hw, frac * nbytes, nbytes, hw.alltoall_busbw_gbps, "all_gather")
 
     colls = hw.collective_host_us if u > 1 else 0.0
-    rep = _op_us(hw, 2, 2 * t * shape.num_kv_heads * d * e * (1 + r)) if r > 1 else 0.0
-    copies_f = rep + _op_us(hw, 3, 2 * qkv) + _op_us(hw, 2, 2 * o)
+    kern = 1 if kernels else 0
+    # KV heads replicated (two copies), q, k, v packed (a cat and its transposed copy: two passes
+    # over the buffer) and split back (one copy per tensor), the output padded (``pad``) and,
+    # when a rank holds several heads, the gathered output transposed into place
+    many_q = int(heads.heads_per_rank > 1)
+    rep = _op_us(hw, 2, 2 * t * shape.num_kv_heads * d * e * (1 + r)) if rep_kv else 0.0
+    copies_f = rep + _op_us(hw, 5, 6 * qkv) + _op_us(hw, pad + many_q, (pad + many_q) * 2 * o)
+    ops_f = 2 * rep_kv + 5 + pad + many_q
     comm_f = a2a(qkv) + a2a(o)
-    host_f = (7 + (2 if r > 1 else 0)) * hw.host_op_us + 2 * colls
+    host_f = (ops_f + kern) * hw.host_op_us + 2 * colls
     dev_f = copies_f + comm_f + fwd_k
     out = {
         "allgather_ms": 0.0,
@@ -200,15 +218,37 @@ def _alltoall_phases(
     if not train:
         return out
     acc = grad_comm_bytes(shape)  # compute dtype: whole gradients leave the kernel in it
+    cast = int(acc != e)  # a dtype conversion is a real op (bf16 / fp16 in a float32 compute)
     # dK/dV send buffer: model dtype, or partial sums in grad_comm_dtype when replicated
-    dkv = 2 * t * r * shape.num_kv_heads * d * (e if r == 1 else acc)
+    kvb = e if r == 1 else acc
+    dkv = 2 * t * r * shape.num_kv_heads * d * kvb
     rows = u * t
-    pads = _op_us(hw, 2, rows * heads.heads_per_rank * d * (acc + e))
-    pads += _op_us(hw, 2, rows * 2 * heads.kv_heads_per_rank * d * acc + dkv)
-    summed = _op_us(hw, 1, 2 * dkv) if r > 1 else 0.0
-    copies_b = _op_us(hw, 1, 2 * o) + pads + _op_us(hw, 2, 2 * (o + dkv)) + summed
+    q_el = rows * heads.heads_per_rank * d  # this rank's dQ elements (every row of the group)
+    kv_el = rows * 2 * heads.kv_heads_per_rank * d  # its dK/dV elements
+    # the kernel's gradients: in the compute dtype from Ulysses' own kernel, in the model dtype
+    # from a hybrid's inner op
+    gb = acc if kernels else e
+    # dO packed (cat, transposed copy); dq cast to the model dtype (Ulysses) and padded; dK, dV
+    # concatenated, cast to the send dtype where it differs, padded
+    dq_cast = cast if kernels else 0
+    kv_cast = int(gb != kvb)
+    copies_b = _op_us(hw, 2, 4 * o)
+    copies_b += _op_us(hw, dq_cast, dq_cast * q_el * (acc + e)) + _op_us(hw, 1, 2 * q_el * e)
+    copies_b += _op_us(hw, 1, 2 * kv_el * gb) + _op_us(hw, kv_cast, kv_cast * kv_el * (gb + kvb))
+    copies_b += _op_us(hw, 1, 2 * kv_el * kvb)
+    # the gathered dQ (several heads) and dK/dV transposed into place, the fold's reshape (several
+    # KV heads), the replicas summed in the send dtype and cast once to the model dtype
+    many_kv = int(heads.kv_heads_per_rank > 1)
+    copies_b += _op_us(hw, many_q, many_q * 2 * o) + _op_us(
+        hw, 1 + many_kv, (1 + many_kv) * 2 * dkv
+    )
+    out_kv = 2 * t * shape.num_kv_heads * d  # dk, dv elements returned
+    if rep_kv:
+        copies_b += _op_us(hw, 1, dkv + out_kv * kvb)
+        copies_b += _op_us(hw, cast, cast * out_kv * (kvb + e))
+    ops_b = 2 + dq_cast + 1 + 1 + kv_cast + 1 + many_q + 1 + many_kv + rep_kv * (1 + cast)
     comm_b = a2a(o) + a2a(o) + a2a(dkv)
-    host_b = (9 + (1 if r > 1 else 0)) * hw.host_op_us + 3 * colls
+    host_b = (ops_b + kern) * hw.host_op_us + 3 * colls
     dev_b = copies_b + comm_b + bwd_k
     out["attn_bwd_ms"] = bwd_k / 1e3
     out["alltoall_ms"] += comm_b / 1e3
@@ -447,7 +487,7 @@ class PlanCost:
         H/u heads (its kernels, copies and cross-group communication), plus the all-to-alls of
         the u-rank groups around it (:meth:`_alltoall_phases` without kernels)."""
         out = self.inner.step(self._hybrid_shape(shape), mode)
-        a2a = self._alltoall_phases(shape, mode == "train", self.u, 0.0, 0.0)
+        a2a = self._alltoall_phases(shape, mode == "train", self.u, 0.0, 0.0, kernels=False)
         return {c: out[c] + a2a[c] for c in PHASE_COLUMNS if c != "total_ms"}
 
     def _step_alltoall(
@@ -460,25 +500,48 @@ class PlanCost:
         return self._alltoall_phases(shape, train, self.n, fwd_k, bwd_k)
 
     def _alltoall_phases(
-        self, shape: AttnShape, train: bool, degree: int, fwd_k: float, bwd_k: float
+        self,
+        shape: AttnShape,
+        train: bool,
+        degree: int,
+        fwd_k: float,
+        bwd_k: float,
+        *,
+        kernels: bool = True,
     ) -> dict[str, float]:
         """The all-to-alls of a head-parallel group of u = ``degree`` ranks around kernels of
         ``fwd_k`` / ``bwd_k`` µs (the same on every rank).
 
         Forward: KV heads replicated when num_kv_heads < u (two copies), q, k, v packed into one
-        send buffer (one copy), one all-to-all of T (H + 2 r Hkv) D elements, the received
-        buffer split into q, k, v (one copy), the kernels, the output padded (one copy), one
-        all-to-all of T H D elements back and transposed into place (one copy). Backward: dO
-        packed and sent (copy, all-to-all), the kernels, dQ and dK/dV padded and cast (two
-        copies), two all-to-alls back (dQ, then dK/dV in their ``comm_volume`` dtype), two
-        transposes into place (and the replicas summed). An all-to-all of a rank's S-byte
+        send buffer (a cat and its transposed copy), one all-to-all of T (H + 2 r Hkv) D
+        elements, the received buffer split into q, k, v (three copies), the kernels, the output
+        padded (one copy: Ulysses; a hybrid where a super-rank's rows fall short of u T), one
+        all-to-all of T H D elements back and transposed into place (a copy when H/u > 1).
+        Backward: dO packed (cat, transposed copy) and sent, the kernels, dQ cast (Ulysses:
+        its kernel returns the compute dtype) and padded, dK/dV concatenated, cast to the send
+        dtype where it differs and padded, two all-to-alls back (dQ, then dK/dV in their
+        ``comm_volume`` dtype), the gathered dQ (H/u > 1) and dK/dV transposed into place, the
+        fold's reshape (r Hkv/u > 1), the replicas summed and cast (r > 1). ``kernels``: the
+        kernels run here (Ulysses; a hybrid's are its inner op's, priced there). An all-to-all of a rank's S-byte
         buffer receives (u-1)/u S bytes (:meth:`HardwareProfile.alltoall_us`). Copies move read +
         written bytes at ``copy_bw_gbps``; every op costs ``host_op_us`` on the host, every
         all-to-all ``collective_host_us``; T = C / N.
         """
         t = self.plan.context_len / self.plan.cp_size
-        out = _alltoall_phases(self.hw, shape, train, degree, t, fwd_k, bwd_k)
+        pad = 1 if kernels else self._hybrid_pad()
+        out = _alltoall_phases(self.hw, shape, train, degree, t, fwd_k, bwd_k, kernels=kernels,
+                               pad=pad)  # fmt: skip
         return {k: float(v) for k, v in out.items()}
+
+    def _hybrid_pad(self) -> int:
+        """1 when a hybrid's forward pads its output before gathering heads: some super-rank's
+        rows fall short of u T (the all-gather inner op runs on its document rows only; a ring's
+        block is always u T rows)."""
+        inner = self.inner
+        if inner is None or inner.comm_kind == "p2p_ring":
+            return 0
+        t = self.plan.context_len // self.plan.cp_size
+        return int((inner.q_rows < self.u * t).any())
 
     # ---- ring family -------------------------------------------------------------------------
     def _init_ring(self) -> None:
@@ -608,6 +671,7 @@ class PlanCost:
         attn = kernel_us(self.fwd, h, d, hw, False) + empty
         work = self.q_rows > 0
         out_el = self.q_rows * h * d  # elements of the merged rows' output
+        local_el = self.q_rows[..., 0, :] * h * d
         merge_b = getattr(hw, ops.merge_bytes)
         views = self._half_views()
         gather_k = part_k & ~views
@@ -625,10 +689,13 @@ class PlanCost:
         if self.impl == "ours":  # the query rows of a partial step are gathered per step
             n_ops = n_ops + part_q
             nbytes = nbytes + np.where(part_q, out_el * 2 * e, 0.0)
+            # step 0: the fp32 merge accumulators (out zeroed, lse filled) and the KV block
+            # stacked into the first send buffer (k, v read and written)
+            n_ops[..., 0, :] += 3
+            nbytes[..., 0, :] += local_el * 4 + self.q_rows[..., 0, :] * (h * 4 + 4 * hkv * d * e)
         else:  # ring-flash-attn: step 0 only casts its block to fp32 (out = block_out.to(fp32))
             n_ops[..., 0, :] = 1
             nbytes[..., 0, :] = out_el[..., 0, :] * (e + 4)
-        local_el = self.q_rows[..., 0, :] * h * d
         n_ops[..., -1, :] += 1  # out.to(q.dtype)
         nbytes[..., -1, :] += local_el * (4 + e)
         other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
@@ -674,10 +741,23 @@ class PlanCost:
                 + np.where(gather_q, 16.0 * q_el, 0.0)
                 + np.where(gather_k, 16.0 * kv_el, 0.0)
             )
-        if self.impl == "ours":  # per step: zero this step's dK/dV, combine with the incoming sum
-            n_ops = n_ops + part_q + np.where(work, 3, 0)
+        if self.impl == "ours":
+            # per step with work: zero this step's dK/dV (fp32), from step 2 on add the incoming
+            # partial sum (step 0 keeps its own, step 1 has none); a step 1 without work sends
+            # zeros; partial sums travel in the compute dtype (no cast). Step 0: dq zeroed (fp32)
+            # and the KV block stacked into the first send buffer.
+            step = np.arange(work.shape[-2])[:, None]
+            combine = work & (step >= 2)
+            idle_zero = ~work & (step == 1)
+            n_ops = n_ops + part_q + work + combine + idle_zero
             nbytes = nbytes + np.where(part_q, 2.0 * q_el * 2 * e, 0.0)
-            nbytes = nbytes + np.where(work, local_kv[..., None, :] * (4 + 12 + 8), 0.0)
+            nbytes = nbytes + local_kv[..., None, :] * (
+                np.where(work, 4.0, 0.0)
+                + np.where(combine, 12.0, 0.0)
+                + np.where(idle_zero, 4.0, 0.0)
+            )
+            n_ops[..., 0, :] += 2
+            nbytes[..., 0, :] += local_q * 4 + local_kv * 2 * e
         else:  # step 0 casts the block gradients to fp32
             n_ops[..., 0, :] = 3
             nbytes[..., 0, :] = (q_el[..., 0, :] + kv_el[..., 0, :]) * (e + 4)
@@ -969,7 +1049,7 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
     split = groups > 1
     fwd_k = kernel_us(fwd, c_(qh), d, hw, False)
     fwd_copies = build + keys + np.where(c_(split), op_us(3, local * c_(qh) * d * e * 4), 0.0)
-    fwd_ops = 6 + np.where(split, 3, 0)
+    fwd_ops = 5 + np.where(split, 3, 0)  # build 4, keys 1; split: q heads in, out and lse out
     coll_host = np.where(ag_bytes > 0, hw.collective_host_us, 0.0)
     dev_f = c_(groups) * (c_(ag) + fwd_copies + fwd_k)
     host_f = groups * (coll_host + hw.host_op_us * (fwd_ops + 1))
@@ -993,8 +1073,11 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
         launches = hw.bwd_extra_kernels + np.where(gqa, 1, 0)
         extra = np.where(local > 0, launches * hw.launch_us + hw.copy_us(nbytes), 0.0)
         bwd_k = kernel_us(bwd, c_(qh), d, hw, True) + extra
+        # dq into place, the zeroed fp32 dK/dV buffer, two scatter-adds, the reduce-scattered
+        # rows added to the local ones (only when rows are sent), dk and dv copied out (two)
+        sends = np.where(send_max > 0, 1, 0)
         grads = op_us(
-            6,
+            c_(6 + sends),
             local * c_(qh) * d * e * 2
             + c_(rows * kv_el * 4)
             + kv_rows * c_(kv_el) * 12
@@ -1004,7 +1087,7 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
         bwd_copies = (
             build + keys + grads + np.where(c_(split), op_us(3, local * c_(qh) * d * e * 2), 0.0)
         )
-        bwd_ops = 11 + np.where(split, 3, 0)
+        bwd_ops = 11 + sends + np.where(split, 3, 0)
         dev_b = c_(groups) * (c_(ag) + bwd_copies + bwd_k + c_(rs))
         host_b = groups * (2 * coll_host + hw.host_op_us * (bwd_ops + 1))
         out["allgather_ms"] = out["allgather_ms"] + groups * ag / 1e3
@@ -1588,6 +1671,9 @@ def _price_group(
     out = {c: np.zeros(dims) for c in PHASE_COLUMNS}
     out.update({c: np.zeros(dims, dtype=np.int64) for c in COMM_COLUMNS})
     a2a_u = n if kind == "alltoall" else u
+    pad = 0  # a hybrid's forward pads where a super-rank's rows fall short (PlanCost._hybrid_pad)
+    if u > 1 and kind != "p2p_ring":
+        pad = (batch.q_rows < u * (batch.context_len // n)[:, None]).any(axis=1).astype(int)
     for b, shape in enumerate(shapes):
         inner_shape = shape
         if u > 1:
@@ -1601,7 +1687,8 @@ def _price_group(
                 ph = batch.phases(hw, kind, impl, inner_method, inner_shape, mode, vol)
                 if u > 1:
                     t = batch.context_len / n
-                    a2a = _alltoall_phases(hw, shape, mode == "train", u, t, 0.0, 0.0)
+                    a2a = _alltoall_phases(hw, shape, mode == "train", u, t, 0.0, 0.0,
+                                           kernels=False, pad=pad)  # fmt: skip
                     ph = {c: ph[c] + a2a[c] for c in ph}
                 total = 0.0
                 for c in PHASE_COLUMNS:

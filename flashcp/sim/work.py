@@ -199,10 +199,11 @@ def _hybrid_alltoall(cost, shape: AttnShape, train: bool, acc: WorkAccount) -> N
         ("alltoall", probe_profile(hw, collective_latency_us=1), "alltoall_ms"),
     ):
         p = cost.with_hardware(probe)
-        f = p._alltoall_phases(shape, False, cost.u, 0.0, 0.0)[col] * 1e3
+        f = p._alltoall_phases(shape, False, cost.u, 0.0, 0.0, kernels=False)[col] * 1e3
         vals = {"fwd": f}
         if train:
-            vals["bwd"] = p._alltoall_phases(shape, True, cost.u, 0.0, 0.0)[col] * 1e3 - f
+            full = p._alltoall_phases(shape, True, cost.u, 0.0, 0.0, kernels=False)[col]
+            vals["bwd"] = full * 1e3 - f
         for phase, v in vals.items():
             if item == "alltoall":
                 acc.comm[(phase, "alltoall")] = (round(v), float("nan"))

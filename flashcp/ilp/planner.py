@@ -5,6 +5,7 @@ The formulations and what they optimise are documented in :mod:`flashcp.ilp`.
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 from dataclasses import replace
@@ -78,33 +79,35 @@ def _heuristic(
     )
 
 
-def check_ilp_options(
-    *,
-    block_size: int = 1024,
-    time_limit_s: float | None = 60.0,
-    gap: float | None = 1e-4,
-    solver: str = "cbc",
-    formulation: str = "patterns",
-    comm_weight: float = 1.0,
-    max_imbalance: float | None = 1.05,
-    warm_start: str | None = "best",
-    highs_options: dict[str, Any] | None = None,
-    on_failure: str = "fallback",
-    watchdog_grace_s: float = 10.0,
-    lns: bool | None = None,
-    lns_max_size: int = 2,
-    **_: Any,
-) -> tuple[bool, dict[str, Any]]:
+def check_ilp_options(**options: Any) -> tuple[bool, dict[str, Any]]:
     """Check the option values of :func:`plan_ilp` without solving anything (the harness runs it
     before any work, where the ILP is too slow for a trial plan). Options not named here are
     checked by type only.
 
+    Args:
+        options: keyword options of :func:`plan_ilp`; those not given take its defaults (read
+            from its signature, the one place they are written).
     Returns:
         ``(lns, highs_options)``: ``lns`` resolved (None: whether ``highspy`` is installed) and
         the HiGHS options as a dict.
     Raises:
         ValueError: naming the bad option and value, or HiGHS asked for but not installed.
     """
+    o = {
+        name: p.default
+        for name, p in inspect.signature(plan_ilp).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    o.update(options)
+    block_size, time_limit_s, gap, solver = (
+        o["block_size"],
+        o["time_limit_s"],
+        o["gap"],
+        o["solver"],
+    )
+    formulation, comm_weight, max_imbalance = o["formulation"], o["comm_weight"], o["max_imbalance"]
+    warm_start, highs_options, on_failure = o["warm_start"], o["highs_options"], o["on_failure"]
+    watchdog_grace_s, lns, lns_max_size = o["watchdog_grace_s"], o["lns"], o["lns_max_size"]
     if solver not in _SOLVERS:
         raise ValueError(f"solver must be one of {_SOLVERS}, got {solver!r}")
     if formulation not in FORMULATIONS:

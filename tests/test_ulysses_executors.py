@@ -71,14 +71,15 @@ def test_emulated_ranks_equal_the_float64_reference():
 def test_sim_alltoall_time_by_hand():
     """C = 1024, N = 4, H = 8, Hkv = 8, D = 64, bf16, inference: rank buffers of 256 rows; q, k, v
     go in one all-to-all of 256 x 24 x 64 x 2 B, the output back in one of 256 x 8 x 64 x 2 B;
-    each receives 3/4 of its buffer at the all-gather bus bandwidth after collective_latency_us, with the
-    small-message falloff of the profile."""
+    each receives 3/4 of its buffer at the all-to-all bus bandwidth after collective_latency_us, with the
+    all-gather's per-size falloff of the profile."""
     plan = make_plan_for("ulysses", [1000, 24], 4)
     shape = AttnShape(8, 8, 64, "bfloat16")
     got = simulate(plan, shape, HW, "infer")
     total = 0.0
     for nbytes in (256 * 24 * 64 * 2, 256 * 8 * 64 * 2):
-        bw = HW.allgather_busbw_gbps * 1e3 * HW.busbw_fraction(nbytes)  # bytes per µs
+        # bytes per µs: the all-to-all bus bandwidth with the all-gather's per-size falloff
+        bw = HW.alltoall_busbw_gbps * 1e3 * HW.busbw_fraction(nbytes, "all_gather")
         total += HW.collective_latency_us + 0.75 * nbytes / bw
     assert got["alltoall_ms"] == pytest.approx(total / 1e3, rel=1e-12)
     assert got["alltoall_bytes"] == 0.75 * (256 * 24 * 64 * 2 + 256 * 8 * 64 * 2)

@@ -15,9 +15,12 @@ Kinds of listed difference:
 * ``intended``: the model prices a GPU run in bfloat16 and the kernel as one launch; the CPU
   trace in float32 skips casts that are no-ops there, and kernel-internal launches (the
   FlashAttention-2 backward's GQA sum) are not ATen ops.
-* ``mismatch``: work the op issues and the model does not price (or the reverse). These are
-  reported (docs/simulator.md, "Work the simulator prices") for the pricing to be fixed; when it
-  is, the rule's count goes to 0 and the rule must go.
+  A ring layout holding a document in non-adjacent pieces on a rank (none in the registry; one
+  sample builds it by hand) is priced with one rectangle per (step, rank, document): the
+  ``split_pieces`` rules, on those steps only.
+* ``mismatch``: work the op issues and the model does not price (or the reverse), listed for the
+  pricing to be fixed (docs/simulator.md, "Work the simulator prices"); none is left. When one
+  is fixed, its rule's count goes to 0 and the rule must go.
 
 Bytes (read + written) are held within the band of :data:`BYTE_BANDS` per family: the model
 prices merges and accumulations with per-element constants of the hardware profile
@@ -50,6 +53,8 @@ SAMPLES = (
     ("zigzag", 2, (12, 20, 8), {}),
     ("zigzag", 4, (40, 8, 24, 56), {}),
     ("zigzag", 4, (128,), {}),
+    # pad rows on every rank: the ring runs on blocks of 16 of the 20 local rows
+    ("zigzag", 2, (12, 20), {"num_pad": 8}),
     ("llama3", 4, (40, 8, 24, 56), {}),
     ("per_doc", 4, (40, 8, 24, 56), {}),
     ("flashcp", 2, (12, 20, 8), {}),
@@ -58,6 +63,9 @@ SAMPLES = (
     ("ilp", 2, (12, 20, 8), {}),
     ("ulysses", 4, (40, 8, 24, 56), {}),
     ("usp", 4, (40, 8, 24, 56), {"ulysses_degree": 2}),
+    # groups of one rank (the inner ring alone), without and with pad rows on every rank
+    ("usp", 2, (12, 20, 8), {"ulysses_degree": 1}),
+    ("usp", 2, (12, 20), {"ulysses_degree": 1, "num_pad": 8}),
     # a hand-made ring layout (rank 0 holds two non-adjacent pieces of document 0): steps with
     # two kernel calls, and index rows
     (
@@ -137,15 +145,26 @@ def _inner_masks(ctx: Ctx):
     return tuple(np.asarray(m, dtype=float)[:, idx] for m in ctx.masks)
 
 
+def _split_entries(ctx: Ctx) -> np.ndarray:
+    """(steps, N) 1.0 where the step's local or source block holds a document in non-adjacent
+    pieces (:func:`_split_ranks`), else 0.0."""
+    split = _split_ranks(ctx.plan)
+    out = np.zeros((ctx.steps, ctx.n))
+    for r in range(ctx.n):
+        for s in range(ctx.steps):
+            out[s, r] = r in split or (r - s) % ctx.n in split
+    return out
+
+
 def _d_calls(ctx, phase):
     launched, _, _ = _inner_masks(ctx)
-    return _ring_table(ctx, lambda m, s, calls, r: len(calls)) - launched
+    return (_ring_table(ctx, lambda m, s, calls, r: len(calls)) - launched) * _split_entries(ctx)
 
 
 def _d_merge_per_call(ctx, phase):
     per = (11 + ctx.cast) if phase == "fwd" else 3
     extra = _ring_table(ctx, lambda m, s, calls, r: len(calls)) - (ctx.q_work)
-    return per * extra
+    return per * extra * _split_entries(ctx)
 
 
 def _d_dtype_casts(ctx, phase):
@@ -185,18 +204,17 @@ def _bwd_gathers(meta, s, calls, r):
 
 
 def _d_row_gathers(ctx, phase):
-    _, part_q, part_k = _inner_masks(ctx)
+    """The op's row gathers per call (index rows only; a contiguous row range is a view) less the
+    model's per step (:func:`flashcp.sim.cost_model._gather_masks`: one run of visible shards
+    is a slice), on the split entries only."""
+    _, part_q, _ = _inner_masks(ctx)
+    q_gather, k_gather = ctx.gathers
     if phase == "fwd":
-        return _ring_table(ctx, _fwd_gathers) - (5 * part_q + 2 * part_k)
-    return _ring_table(ctx, _bwd_gathers) - (part_q + 2 * part_k)
-
-
-def _d_slice_backward(ctx, phase):
-    """ring_attention slices q[:b], k[:b], v[:b] before its Function: autograd's SliceBackward
-    then copies each gradient into a zeroed full-size tensor (3 ops), even when b = T."""
-    out = np.zeros((ctx.steps, ctx.n))
-    out[-1] = 3
-    return out
+        op, model = _ring_table(ctx, _fwd_gathers), 5 * q_gather + 2 * k_gather
+    else:
+        op = _ring_table(ctx, _bwd_gathers)
+        model = 4 * q_gather + (part_q * (1 - q_gather)) + 2 * k_gather
+    return (op - model) * _split_entries(ctx)
 
 
 def _split_ranks(plan) -> set[int]:
@@ -269,19 +287,16 @@ def _a2a_pad_slowest(ctx, phase):
 
 DIFFERENCES: tuple[Difference, ...] = (
     # ring family (ring, zigzag; the inner ring of usp), per ring step and rank
-    Difference("calls_per_step", ("ring", "usp"), ("fwd", "bwd"), "kernel_calls", "mismatch",
-               "a step calls one kernel per causal flag (and per non-adjacent key range): the "
-               "model prices one call per step with work", _d_calls),
-    Difference("merge_per_call", ("ring", "usp"), ("fwd", "bwd"), "mem_ops", "mismatch",
-               "each kernel call is merged (forward) or accumulated (backward) on its own; the "
-               "model merges once per step", _d_merge_per_call),
-    Difference("row_gathers", ("ring", "usp"), ("fwd", "bwd"), "mem_ops", "mismatch",
-               "the model gathers part of a block by index (forward: q rows + 4 for the merge, "
-               "k/v 2; backward: 1 for q, 2 for k/v); the op copies only index-selected rows "
-               "(a contiguous row range is a view) and its backward gathers 4 tensors (dout, q, "
-               "out, lse) per query-row index", _d_row_gathers),
-    Difference("slice_backward", ("ring",), ("bwd",), "mem_ops", "mismatch",
-               _d_slice_backward.__doc__, _d_slice_backward),
+    Difference("split_pieces_calls", ("ring", "usp"), ("fwd", "bwd"), "kernel_calls", "intended",
+               "a step whose block holds a document in non-adjacent pieces calls one kernel per "
+               "causal flag and per non-adjacent key range; the model prices one call per step "
+               "with work (exact when the pieces are adjacent, as in every registry layout)",
+               _d_calls),
+    Difference("split_pieces_merges", ("ring", "usp"), ("fwd", "bwd"), "mem_ops", "intended",
+               "each of those calls is merged (forward) or accumulated (backward) on its own; "
+               "the model merges once per step", _d_merge_per_call),
+    Difference("split_pieces_gathers", ("ring", "usp"), ("fwd", "bwd"), "mem_ops", "intended",
+               _d_row_gathers.__doc__, _d_row_gathers),
     Difference("dtype_casts", ("ring", "usp"), ("fwd", "bwd"), "mem_ops", "intended",
                "float32 inputs: the merge's cast of each block output, and the final casts of "
                "out (forward), dq, dk/dv (backward), are no-ops; the model prices bf16",
@@ -335,9 +350,11 @@ def _ctx(method, plan, shape, acc) -> Ctx:
     from flashcp.ops import get_attn_op
 
     fam = _family(method)
+    if fam == "usp" and plan.ulysses_degree == 1:  # groups of one rank: the inner ring alone
+        fam = "ring"
     prepare, _ = get_attn_op(method)
     metas = tuple(prepare(plan, r) for r in range(plan.cp_size))
-    if fam in ("usp", "flashcp_ulysses"):
+    if hasattr(metas[0], "inner"):  # a hybrid's metadata: its inner op's
         metas = tuple(m.inner for m in metas)
     masks = None
     steps = 1
@@ -352,8 +369,11 @@ def _ctx(method, plan, shape, acc) -> Ctx:
     ctx = Ctx(method, fam, plan, shape, metas, masks, cast, steps, plan.cp_size)
     if masks is not None:
         u = plan.ulysses_degree if fam == "usp" else 1
-        work = (cost.q_rows > 0).astype(float)[:, np.arange(plan.cp_size) // u]
+        idx = np.arange(plan.cp_size) // u
+        work = (cost.q_rows > 0).astype(float)[:, idx]
         object.__setattr__(ctx, "q_work", work)
+        gathers = tuple(g.astype(float)[:, idx] for g in (cost.q_gather, cost.k_gather))
+        object.__setattr__(ctx, "gathers", gathers)
     object.__setattr__(ctx, "acc", acc)
     object.__setattr__(ctx, "degree", plan.ulysses_degree if fam != "ulysses" else plan.cp_size)
     return ctx

@@ -250,7 +250,8 @@ def hybrid_forward(q, k, v, meta: HybridMeta, heads: UlyssesHeads, groups: Hybri
                                timer)  # fmt: skip
     u, r, rows = heads.degree, heads.kv_replication, meta.rows
     if u == 1:  # groups of one rank: the inner op alone on the document rows
-        q_h, k_h, v_h = (x[:rows].contiguous() for x in (q, k, v))
+        # no slice without pad: its backward would copy each gradient into a zeroed buffer
+        q_h, k_h, v_h = ((x if rows == len(x) else x[:rows]).contiguous() for x in (q, k, v))
     else:
         with timer.phase("others"):
             if r > 1:
@@ -283,7 +284,7 @@ def hybrid_backward(dout, saved, meta: HybridMeta, heads: UlyssesHeads, groups: 
     q_h, k_h, v_h, out_h, lse_h = saved
     u, r, rows, t = heads.degree, heads.kv_replication, meta.rows, meta.tokens
     if u == 1:
-        do_h = dout[:rows].contiguous()
+        do_h = (dout if rows == len(dout) else dout[:rows]).contiguous()
     else:
         (do_h,) = scatter_heads([dout], u, groups.intra, counter, timer)
         do_h = do_h[:rows].contiguous()

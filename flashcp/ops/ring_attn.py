@@ -204,20 +204,33 @@ def ring_backward(
 
 class RingAttnFunction(torch.autograd.Function):
     """Autograd glue: saves what the backward needs and delegates to :func:`ring_forward` and
-    :func:`ring_backward`."""
+    :func:`ring_backward`. With pad (``meta.block_tokens`` < T rows) the ring runs on the first
+    ``block_tokens`` rows (views); the output and the gradients get their pad rows back as 0."""
 
     @staticmethod
     def forward(ctx, q, k, v, meta, comm, backend, scale, timer, grad_comm_dtype):
+        b = meta.block_tokens
+        if b < q.shape[0]:
+            q, k, v = q[:b], k[:b], v[:b]
         out, lse = ring_forward(q, k, v, meta, comm, backend, scale, timer)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (meta, comm, backend, scale, timer, grad_comm_dtype)
-        return out
+        return _pad_rows(out, meta.local_tokens)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        meta = ctx.args[0]
+        dq, dk, dv = ring_backward(dout[: meta.block_tokens], q, k, v, out, lse, *ctx.args)
+        t = meta.local_tokens
+        return _pad_rows(dq, t), _pad_rows(dk, t), _pad_rows(dv, t), *(None,) * 6
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to ``rows`` (itself when it has them)."""
+    if x.shape[0] == rows:
+        return x
+    return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, rows - x.shape[0]))
 
 
 # ---- checks and the public entry point ------------------------------------------------------------
@@ -291,20 +304,15 @@ def ring_attention(
     if meta.cp_size > 1:
         meta.check_plan_once(group)
         comm = RingComm(group, q.device, counter)
-    b = meta.block_tokens  # pad rows beyond the block take no part: output 0, gradient 0
-    out = RingAttnFunction.apply(
-        q[:b].contiguous(),
-        k[:b].contiguous(),
-        v[:b].contiguous(),
+    # pad rows beyond meta.block_tokens take no part: output 0, gradient 0
+    return RingAttnFunction.apply(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
         meta,
         comm,
         be,
         scale,
         as_timer(timer),
         grad_comm_dtype,
-    )
-    return (
-        out
-        if b == meta.local_tokens
-        else torch.nn.functional.pad(out, (0, 0, 0, 0, 0, meta.local_tokens - b))
     )

@@ -276,6 +276,9 @@ class PlanCost:
         self.n = plan.cp_size
         self.num_docs = plan.num_docs
         self._masks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        #: the ring runs in :func:`flashcp.ops.ring_attn.ring_attention`, which cuts pad rows
+        #: off (False for a hybrid's inner ring: the hybrid handles its pad)
+        self.cuts_pad = True
         self._fwd_memo: dict[AttnShape, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         #: head-parallel hybrid (ulysses_degree u > 1 with KV moved across groups): the inner
         #: method's cost on the group plan, for H/u heads (:meth:`_step_hybrid`)
@@ -290,6 +293,7 @@ class PlanCost:
             return
         if self.u > 1:
             self.inner = PlanCost(plan.group_plan(), hw, comm_kind, impl)
+            self.inner.cuts_pad = False
             return
         if comm_kind == "p2p_ring":
             self.ops = impl_ops(impl, plan.method)
@@ -595,6 +599,13 @@ class PlanCost:
             bwd[0][1:], bwd[1][1:], bwd[2][1:] = bk.sum(2), (bq * bk).sum(2), bq.max(2)
             self.q_rows[1:] = qs.sum(2)
             self.kv_rows[1:] = ks.sum(2)
+            same = np.zeros(rank.size, dtype=bool)
+            same[1:] = rank[1:] == rank[:-1]
+            self.q_gather, self.k_gather = _gather_masks(
+                same, q_vis, k_vis, t * n + rank[:, None], t * n + dst, n * n, (n, n)
+            )
+        else:
+            self.q_gather = self.k_gather = np.zeros((n, n), dtype=bool)
         self.fwd = TileStats(*fwd)
         self.bwd = TileStats(*bwd)
         # block-level causal skip: launch unless the source block starts after the local one ends
@@ -608,6 +619,7 @@ class PlanCost:
         src = (r[None, :] - r[:, None]) % n  # [t, r] -> source rank
         self.launched = lo[src] < hi[None, :]
         self.launched[0] = True
+        self.local_tokens = plan.context_len // n
 
     def _ring_masks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(N, N) masks ``[t, r]``: a kernel is launched; the step uses part of the local query
@@ -660,6 +672,16 @@ class PlanCost:
             return np.zeros((1, 1), dtype=bool)
         return (np.asarray(self.num_docs) == 1)[..., None, None]
 
+    def _pad_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The project's op with pad (:func:`flashcp.ops.ring_attn.ring_attention`): the ring
+        runs on blocks of the most document rows any rank holds, b, not on all T = C / N rows.
+        Returns ``(cut, rows)`` broadcastable to ``[..., r]``: 1 where b < T (else 0) and
+        b + T, the rows a pad of the output or of a gradient back to T rows reads and writes."""
+        block = self.q_rows[..., 0, :].max(axis=-1)
+        local = np.asarray(self.local_tokens, dtype=np.float64)
+        cut = (block < local) & (self.impl == "ours") & self.cuts_pad
+        return cut.astype(np.int64)[..., None], (block + local)[..., None]
+
     def _ring_fwd_compute(self, shape: AttnShape) -> tuple[np.ndarray, ...]:
         """Forward of the ring: (N, N) ``[t, r]`` device µs of attention, device µs of the other
         ops (merges, gathers, casts), host µs (ops, kernel calls, per-step and per-document work),
@@ -674,21 +696,26 @@ class PlanCost:
         local_el = self.q_rows[..., 0, :] * h * d
         merge_b = getattr(hw, ops.merge_bytes)
         views = self._half_views()
-        gather_k = part_k & ~views
+        # the rows a step gathers: ring-flash-attn picks part of a block by index; the project's
+        # op slices a contiguous run of rows (a view, merged in place) and gathers only the
+        # others (``q_gather`` / ``k_gather``)
+        ours = self.impl == "ours"
+        gather_q = self.q_gather if ours else part_q
+        gather_k = (self.k_gather if ours else part_k) & ~views
         # a merge into half of out: gather out and lse, merge, scatter both back (4 ops, 16 bytes
         # per fp32 element); on a view only the result is copied back (2 ops, 8 bytes)
         n_ops = (
             np.where(work, ops.merge_ops, 0)
-            + np.where(part_q, np.where(views, 2, 4), 0)
+            + np.where(gather_q, np.where(views, 2, 4), 0)
             + np.where(gather_k, ops.half_gather_ops, 0)
         )
         nbytes = np.where(work, out_el * merge_b, 0.0) + np.where(
-            part_q, np.where(views, 8.0, 16.0) * out_el, 0.0
+            gather_q, np.where(views, 8.0, 16.0) * out_el, 0.0
         )
         nbytes = nbytes + np.where(gather_k, 2.0 * self.kv_rows * hkv * d * 2 * e, 0.0)
-        if self.impl == "ours":  # the query rows of a partial step are gathered per step
-            n_ops = n_ops + part_q
-            nbytes = nbytes + np.where(part_q, out_el * 2 * e, 0.0)
+        if ours:  # the query rows of a step that gathers them (index_select)
+            n_ops = n_ops + gather_q
+            nbytes = nbytes + np.where(gather_q, out_el * 2 * e, 0.0)
             # step 0: the fp32 merge accumulators (out zeroed, lse filled) and the KV block
             # stacked into the first send buffer (k, v read and written)
             n_ops[..., 0, :] += 3
@@ -698,6 +725,9 @@ class PlanCost:
             nbytes[..., 0, :] = out_el[..., 0, :] * (e + 4)
         n_ops[..., -1, :] += 1  # out.to(q.dtype)
         nbytes[..., -1, :] += local_el * (4 + e)
+        cut, rows = self._pad_rows()  # with pad: the output padded back to T rows
+        n_ops[..., -1, :] += cut
+        nbytes[..., -1, :] += cut * rows * h * d * e
         other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
         host = hw.ring_step_fwd_us + hw.host_op_us * (launched + n_ops)
         idle = 0.0
@@ -730,7 +760,11 @@ class PlanCost:
         local_q = self.q_rows[..., 0, :] * h * d
         local_kv = 2.0 * self.q_rows[..., 0, :] * hkv * d
         views = self._half_views()
-        gather_q, gather_k = part_q & ~views, part_k & ~views
+        ours = self.impl == "ours"
+        if ours:  # index gathers only where the rows are not one contiguous run (forward)
+            gather_q, gather_k = self.q_gather, self.k_gather
+        else:
+            gather_q, gather_k = part_q & ~views, part_k & ~views
         n_ops = np.where(work, ops.accum_ops, 0) + np.where(gather_k, ops.half_gather_ops, 0)
         nbytes = np.where(work, (q_el + kv_el) * hw.accum_bytes_eager, 0.0)
         nbytes = nbytes + np.where(gather_k, kv_el * 2 * e, 0.0)
@@ -741,16 +775,22 @@ class PlanCost:
                 + np.where(gather_q, 16.0 * q_el, 0.0)
                 + np.where(gather_k, 16.0 * kv_el, 0.0)
             )
-        if self.impl == "ours":
-            # per step with work: zero this step's dK/dV (fp32), from step 2 on add the incoming
-            # partial sum (step 0 keeps its own, step 1 has none); a step 1 without work sends
-            # zeros; partial sums travel in the compute dtype (no cast). Step 0: dq zeroed (fp32)
-            # and the KV block stacked into the first send buffer.
+        if ours:
+            # the kernel's row inputs: a gathered step index-selects dout, q, out and the lse
+            # (4 ops); a contiguous part of the block is a view but for the lse, whose rows are
+            # its second axis (one contiguous copy). Per step with work: zero this step's dK/dV
+            # (fp32), from step 2 on add the incoming partial sum (step 0 keeps its own, step 1
+            # has none); a step 1 without work sends zeros; partial sums travel in the compute
+            # dtype (no cast). Step 0: dq zeroed (fp32) and the KV block stacked into the first
+            # send buffer.
+            lse_b = self.q_rows * h * 4 * 2.0
+            sliced_q = part_q & ~gather_q
             step = np.arange(work.shape[-2])[:, None]
             combine = work & (step >= 2)
             idle_zero = ~work & (step == 1)
-            n_ops = n_ops + part_q + work + combine + idle_zero
-            nbytes = nbytes + np.where(part_q, 2.0 * q_el * 2 * e, 0.0)
+            n_ops = n_ops + 4 * gather_q + sliced_q + work + combine + idle_zero
+            nbytes = nbytes + np.where(gather_q, 3.0 * q_el * 2 * e + lse_b, 0.0)
+            nbytes = nbytes + np.where(sliced_q, lse_b, 0.0)
             nbytes = nbytes + local_kv[..., None, :] * (
                 np.where(work, 4.0, 0.0)
                 + np.where(combine, 12.0, 0.0)
@@ -763,6 +803,9 @@ class PlanCost:
             nbytes[..., 0, :] = (q_el[..., 0, :] + kv_el[..., 0, :]) * (e + 4)
         n_ops[..., -1, :] += 3  # final casts of dq, dk, dv
         nbytes[..., -1, :] += (local_q + local_kv) * (4 + e)
+        cut, rows = self._pad_rows()  # with pad: dq, dk, dv padded back to T rows
+        n_ops[..., -1, :] += 3 * cut
+        nbytes[..., -1, :] += cut * rows * (h + 2 * hkv) * d * e
         other = np.where(n_ops > 0, self._op_us(n_ops, nbytes), 0.0)
         host = hw.ring_step_bwd_us + hw.host_op_us * (launched + n_ops)
         idle = 0.0
@@ -896,6 +939,33 @@ def step_many(costs: Sequence[PlanCost], shape: AttnShape, mode: str) -> dict[st
     return {c: np.array([s[c] for s in steps]) for c in cols}
 
 
+def _gather_masks(same, q_vis, k_vis, q_key, k_key, size, shape):
+    """Which ring steps of the project's op gather rows by index rather than slice a view.
+
+    A step's query rows are its visible local shards in local order, its key rows the visible
+    shards of the source block (:mod:`flashcp.ops.ring_meta`: one segment per visible shard, every
+    registry layout); they are one ``slice`` (a view, no copy) when those shards are one
+    contiguous run, else an int64 index (``index_select``).
+
+    Args:
+        same: (n_shards,) bool, the shard's predecessor in the arrays is on the same rank (and
+            plan); q_vis, k_vis: (n_shards, N-1) bool, the shard is visible as a query (key) at
+            step t = 1 .. N-1; q_key, k_key: (n_shards, N-1) flat index of the step's
+            ``[.., t, r]`` entry (the query rank, the rank that sees the key shard); size, shape:
+            of the flat and the dense result.
+    Returns:
+        ``(q_gather, k_gather)``: bool arrays of ``shape``, True where the step's visible shards
+        form more than one run (step 0 is always a slice: False).
+    """
+    out = []
+    for vis, key in ((q_vis, q_key), (k_vis, k_key)):
+        first = vis.copy()
+        first[1:] &= ~(vis[:-1] & same[1:, None])
+        runs = np.bincount(key[first], minlength=size)
+        out.append((runs > 1).reshape(shape))
+    return out[0], out[1]
+
+
 class _PlanCostStack(PlanCost):
     """The ring statistics of S plans (same cp_size, hardware, implementation) stacked along a
     leading axis: (S, N, N) arrays, so :class:`PlanCost`'s ring methods (written for any leading
@@ -908,6 +978,8 @@ class _PlanCostStack(PlanCost):
             first.hw, first.comm_kind, first.impl, first.n, first.ops,
         )  # fmt: skip
         self.num_docs = np.array([c.num_docs for c in costs])
+        self.local_tokens = np.array([c.local_tokens for c in costs])
+        self.cuts_pad = first.cuts_pad
         self.fwd = TileStats(
             *(np.stack([getattr(c.fwd, f) for c in costs]) for f in TileStats._fields)
         )
@@ -916,17 +988,38 @@ class _PlanCostStack(PlanCost):
         )
         self.q_rows = np.stack([c.q_rows for c in costs])
         self.kv_rows = np.stack([c.kv_rows for c in costs])
+        self.q_gather = np.stack([c.q_gather for c in costs])
+        self.k_gather = np.stack([c.k_gather for c in costs])
         self._masks = None
         self._fwd_memo = {}
 
 
-def _stack_from_arrays(hw, comm_kind, impl, n, ops, num_docs, fwd, bwd, q_rows, kv_rows):
+def _stack_from_arrays(
+    hw,
+    comm_kind,
+    impl,
+    n,
+    ops,
+    num_docs,
+    local_tokens,
+    fwd,
+    bwd,
+    q_rows,
+    kv_rows,
+    q_gather,
+    k_gather,
+    *,
+    cuts_pad: bool = True,
+):
     """A :class:`_PlanCostStack` of already stacked (S, N, N) ring statistics."""
     stack = object.__new__(_PlanCostStack)
     stack.plan = None
     stack.hw, stack.comm_kind, stack.impl, stack.n, stack.ops = hw, comm_kind, impl, n, ops
     stack.num_docs = num_docs
+    stack.local_tokens = local_tokens
+    stack.cuts_pad = cuts_pad
     stack.fwd, stack.bwd, stack.q_rows, stack.kv_rows = fwd, bwd, q_rows, kv_rows
+    stack.q_gather, stack.k_gather = q_gather, k_gather
     stack._masks = None
     stack._fwd_memo = {}
     return stack
@@ -1203,6 +1296,8 @@ class PlanBatch:
         q_rows, send_rows: (S, N) float64, tokens per rank and its non-last shards' tokens.
         tokens_full, tokens_sharded: (S,) int64, Eq. 4 and Eq. 5 tokens per plan.
         context_len: (S,) float64, C of each plan (documents + pad).
+        hybrid_inner: the plans are a hybrid's group plans, run by its inner ring or all-gather
+            (which leave the pad rows to the hybrid).
 
     Tile statistics are built per tile shape on demand (:meth:`allgather`, :meth:`ring`,
     :meth:`alltoall`), all plans at once, and kept: price every run of one set of plans from
@@ -1212,9 +1307,10 @@ class PlanBatch:
         ValueError: no plans, or plans of several cp_sizes.
     """
 
-    def __init__(self, plans: Sequence[Plan]) -> None:
+    def __init__(self, plans: Sequence[Plan], *, hybrid_inner: bool = False) -> None:
         if not plans:
             raise ValueError("PlanBatch needs at least one plan")
+        self.hybrid_inner = hybrid_inner
         s, n = len(plans), plans[0].cp_size
         if any(p.cp_size != n for p in plans):
             raise ValueError(
@@ -1286,9 +1382,10 @@ class PlanBatch:
 
         return self._cached("alltoall", hw, build)
 
-    def ring(self, hw: HardwareProfile) -> tuple[TileStats, TileStats, np.ndarray, np.ndarray]:
-        """(fwd, bwd, q_rows, kv_rows): (S, N, N) arrays ``[plan, t, r]`` of every plan's ring
-        steps (:meth:`PlanCost._init_ring`'s segments, all plans at once)."""
+    def ring(self, hw: HardwareProfile) -> tuple:
+        """(fwd, bwd, q_rows, kv_rows, q_gather, k_gather): (S, N, N) arrays ``[plan, t, r]`` of
+        every plan's ring steps (:meth:`PlanCost._init_ring`'s segments and gather masks, all
+        plans at once)."""
 
         def build(hw):
             return self._ring_stats(hw)
@@ -1377,7 +1474,15 @@ class PlanBatch:
                     if head.size:
                         flat[at] = red.reduceat(values, head)
                 dense[:, 1:] = flat.reshape(s, n, n)[:, 1:]
-        return TileStats(*fwd), TileStats(*bwd), q_rows, kv_rows
+            same = np.zeros(self.key.size, dtype=bool)
+            same[1:] = self.key[1:] == self.key[:-1]
+            at_t = (self.pid * (n * n))[:, None] + tn[None, :]
+            q_gather, k_gather = _gather_masks(
+                same, q_vis, k_vis, at_t + rank32[:, None], at_t + dst_of[rank32], m, (s, n, n)
+            )
+        else:
+            q_gather = k_gather = np.zeros((s, n, n), dtype=bool)
+        return TileStats(*fwd), TileStats(*bwd), q_rows, kv_rows, q_gather, k_gather
 
     # ---- pricing -----------------------------------------------------------------------------
     def volumes(self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int):
@@ -1429,13 +1534,20 @@ class PlanBatch:
         head parallelism around them (:meth:`PlanCost.step`'s model)."""
         n = self.n
         if comm_kind == "p2p_ring":
-            fwd, bwd, q_rows, kv_rows = self.ring(hw)
             key = ("stack", impl, method, id(hw))
             stack = self._stats.get(key)
             if stack is None:
                 ops = impl_ops(impl, method)
                 stack = self._stats[key] = _stack_from_arrays(
-                    hw, comm_kind, impl, n, ops, self.ndocs, fwd, bwd, q_rows, kv_rows
+                    hw,
+                    comm_kind,
+                    impl,
+                    n,
+                    ops,
+                    self.ndocs,
+                    self.context_len // n,
+                    *self.ring(hw),
+                    cuts_pad=not self.hybrid_inner,
                 )
             fwd_p2p = vol["p2p_bytes"]
             if mode == "train":
@@ -1588,7 +1700,8 @@ def attention_balance(
             method = "zigzag" if kind == "p2p_ring" else "flashcp"
             if b._inner is None:
                 b._inner = PlanBatch(
-                    [dataclasses.replace(p.group_plan(), method=method) for p in b.plans]
+                    [dataclasses.replace(p.group_plan(), method=method) for p in b.plans],
+                    hybrid_inner=True,
                 )
             b = b._inner
             heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, u)
@@ -1607,7 +1720,8 @@ def _attention_passes(batch, hw, kind, method, shape, train) -> list[np.ndarray]
     h, d, n = shape.num_heads, shape.head_dim, batch.n
     if kind == "p2p_ring":
         stack = _stack_from_arrays(hw, kind, "ours", n, impl_ops("ours", method), batch.ndocs,
-                                   *batch.ring(hw))  # fmt: skip
+                                   batch.context_len // n, *batch.ring(hw),
+                                   cuts_pad=not batch.hybrid_inner)  # fmt: skip
         passes = [stack._ring_fwd_compute(shape)[0]]
         if train:
             passes.append(stack._ring_bwd_compute(shape)[0])
@@ -1661,7 +1775,8 @@ def _price_group(
         batch = outer._inner if outer is not None else None
         if batch is None:
             batch = PlanBatch(
-                [dataclasses.replace(p.group_plan(), method=inner_method) for p in plans]
+                [dataclasses.replace(p.group_plan(), method=inner_method) for p in plans],
+                hybrid_inner=True,
             )
             if outer is not None:
                 outer._inner = batch

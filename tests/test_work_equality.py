@@ -55,6 +55,9 @@ SAMPLES = (
     ("zigzag", 4, (128,), {}),
     # pad rows on every rank: the ring runs on blocks of 16 of the 20 local rows
     ("zigzag", 2, (12, 20), {"num_pad": 8}),
+    # uneven pad (one rank's rows are part of the block at step 0) and a rank holding only pad
+    ("zigzag", 2, (9, 18, 19, 35, 18), {"num_pad": 9}),
+    ("ring", 4, (4, 14, 24), {"num_pad": 22}),
     ("llama3", 4, (40, 8, 24, 56), {}),
     ("per_doc", 4, (40, 8, 24, 56), {}),
     ("flashcp", 2, (12, 20, 8), {}),
@@ -66,6 +69,7 @@ SAMPLES = (
     # groups of one rank (the inner ring alone), without and with pad rows on every rank
     ("usp", 2, (12, 20, 8), {"ulysses_degree": 1}),
     ("usp", 2, (12, 20), {"ulysses_degree": 1, "num_pad": 8}),
+    ("usp", 4, (3, 9, 11), {"ulysses_degree": 2, "num_pad": 9}),
     # a hand-made ring layout (rank 0 holds two non-adjacent pieces of document 0): steps with
     # two kernel calls, and index rows
     (

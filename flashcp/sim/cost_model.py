@@ -538,13 +538,15 @@ class PlanCost:
         return {k: float(v) for k, v in out.items()}
 
     def _hybrid_pad(self) -> int:
-        """1 when a hybrid's forward pads its output before gathering heads: some super-rank's
-        rows fall short of u T (the all-gather inner op runs on its document rows only; a ring's
-        block is always u T rows)."""
+        """1 when a hybrid's forward pads its output before gathering heads: the inner op's rows
+        fall short of u T (the all-gather inner op runs on each super-rank's document rows, so
+        some super-rank's; the ring on the block's, the most any super-rank holds)."""
         inner = self.inner
-        if inner is None or inner.comm_kind == "p2p_ring":
+        if inner is None:
             return 0
         t = self.plan.context_len // self.plan.cp_size
+        if inner.comm_kind == "p2p_ring":
+            return int(inner.q_rows[0].max() < self.u * t)
         return int((inner.q_rows < self.u * t).any())
 
     # ---- ring family -------------------------------------------------------------------------
@@ -649,16 +651,23 @@ class PlanCost:
         r = np.arange(n)
         src_rows = local[..., (r[None, :] - np.arange(n)[:, None]) % n]
         work = self.q_rows > 0
+        part_k = work & (self.kv_rows < src_rows)
+        part_k[..., 0, :] = False
         if self.impl == "ours":
+            # no call without a visible pair (step 0 of a rank holding only pad included); the
+            # op's q, k, v and lse have the block's b rows (the most document rows any rank
+            # holds), so a step's query rows are part of them when fewer than b, step 0 too
             launched = work.copy()
-        elif self.ops.skip_after_rank:
+            block = local.max(axis=-1)[..., None, None]
+            part_q = work & (self.q_rows < block)
+            return launched, part_q, part_k
+        if self.ops.skip_after_rank:
             launched = np.broadcast_to(np.arange(n)[:, None] <= r[None, :], work.shape).copy()
         else:
             launched = np.ones(work.shape, dtype=bool)
         launched[..., 0, :] = True
         part_q = work & (self.q_rows < local[..., None, :])
-        part_k = work & (self.kv_rows < src_rows)
-        part_q[..., 0, :] = part_k[..., 0, :] = False
+        part_q[..., 0, :] = False
         return launched, part_q, part_k
 
     def _op_us(self, count, nbytes):
@@ -671,6 +680,15 @@ class PlanCost:
         if not self.ops.one_doc_views:
             return np.zeros((1, 1), dtype=bool)
         return (np.asarray(self.num_docs) == 1)[..., None, None]
+
+    def _local_rows(self) -> np.ndarray:
+        """Rows of a rank's own tensors (merge accumulators, send buffers, gradients),
+        broadcastable to ``[..., r]``: the project's op holds the block's b rows on every rank
+        (the most document rows any rank holds); ring-flash-attn the rank's own rows."""
+        own = self.q_rows[..., 0, :]
+        if self.impl != "ours":
+            return own
+        return np.broadcast_to(own.max(axis=-1)[..., None], own.shape)
 
     def _pad_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The project's op with pad (:func:`flashcp.ops.ring_attn.ring_attention`): the ring
@@ -693,7 +711,8 @@ class PlanCost:
         attn = kernel_us(self.fwd, h, d, hw, False) + empty
         work = self.q_rows > 0
         out_el = self.q_rows * h * d  # elements of the merged rows' output
-        local_el = self.q_rows[..., 0, :] * h * d
+        rows0 = self._local_rows()
+        local_el = rows0 * h * d
         merge_b = getattr(hw, ops.merge_bytes)
         views = self._half_views()
         # the rows a step gathers: ring-flash-attn picks part of a block by index; the project's
@@ -719,7 +738,7 @@ class PlanCost:
             # step 0: the fp32 merge accumulators (out zeroed, lse filled) and the KV block
             # stacked into the first send buffer (k, v read and written)
             n_ops[..., 0, :] += 3
-            nbytes[..., 0, :] += local_el * 4 + self.q_rows[..., 0, :] * (h * 4 + 4 * hkv * d * e)
+            nbytes[..., 0, :] += local_el * 4 + rows0 * (h * 4 + 4 * hkv * d * e)
         else:  # ring-flash-attn: step 0 only casts its block to fp32 (out = block_out.to(fp32))
             n_ops[..., 0, :] = 1
             nbytes[..., 0, :] = out_el[..., 0, :] * (e + 4)
@@ -757,8 +776,9 @@ class PlanCost:
         work = self.q_rows > 0
         q_el = self.q_rows * h * d
         kv_el = 2.0 * self.kv_rows * hkv * d
-        local_q = self.q_rows[..., 0, :] * h * d
-        local_kv = 2.0 * self.q_rows[..., 0, :] * hkv * d
+        rows0 = self._local_rows()
+        local_q = rows0 * h * d
+        local_kv = 2.0 * rows0 * hkv * d
         views = self._half_views()
         ours = self.impl == "ours"
         if ours:  # index gathers only where the rows are not one contiguous run (forward)
@@ -798,6 +818,10 @@ class PlanCost:
             )
             n_ops[..., 0, :] += 2
             nbytes[..., 0, :] += local_q * 4 + local_kv * 2 * e
+            # a rank without work at step 0 (only pad) zeroes its own block's dK/dV at the end
+            idle0 = ~work[..., 0, :]
+            n_ops[..., -1, :] += idle0
+            nbytes[..., -1, :] += np.where(idle0, local_kv * 4, 0.0)
         else:  # step 0 casts the block gradients to fp32
             n_ops[..., 0, :] = 3
             nbytes[..., 0, :] = (q_el[..., 0, :] + kv_el[..., 0, :]) * (e + 4)
@@ -1786,9 +1810,10 @@ def _price_group(
     out = {c: np.zeros(dims) for c in PHASE_COLUMNS}
     out.update({c: np.zeros(dims, dtype=np.int64) for c in COMM_COLUMNS})
     a2a_u = n if kind == "alltoall" else u
-    pad = 0  # a hybrid's forward pads where a super-rank's rows fall short (PlanCost._hybrid_pad)
-    if u > 1 and kind != "p2p_ring":
-        pad = (batch.q_rows < u * (batch.context_len // n)[:, None]).any(axis=1).astype(int)
+    pad = 0  # a hybrid's forward pads where its inner op's rows fall short (PlanCost._hybrid_pad)
+    if u > 1:
+        short = batch.q_rows < u * (batch.context_len // n)[:, None]
+        pad = (short.all(axis=1) if kind == "p2p_ring" else short.any(axis=1)).astype(int)
     for b, shape in enumerate(shapes):
         inner_shape = shape
         if u > 1:

@@ -97,3 +97,65 @@ def test_price_plans_errors():
         price_plans([plan], SHAPES, MODES, HWS, comm_kind="bogus")
     empty = price_plans([], SHAPES, MODES, HWS)
     assert empty["total_ms"].shape == (2, 2, 2, 0)
+
+
+#: many-piece layouts (per_doc, zigzag: 2N pieces per document), the other ring and all-gather
+#: methods, and the hybrids (their group plans run the inner ring or all-gather)
+KERNEL_METHODS = ["per_doc", "zigzag", "ring", "llama3", "flashcp", "usp", "flashcp_ulysses"]
+
+
+def _batches(plans):
+    """The PlanBatch a plan group is priced from (the hybrids': their group plans)."""
+    import dataclasses
+
+    from flashcp.sim.cost_model import PlanBatch
+
+    if plans[0].ulysses_degree > 1:
+        inner = "zigzag" if plans[0].method == "usp" else "flashcp"
+        groups = [dataclasses.replace(p.group_plan(), method=inner) for p in plans]
+        return [PlanBatch(groups, hybrid_inner=True)]
+    return [PlanBatch(plans)]
+
+
+def _flat(stats) -> list[np.ndarray]:
+    """Every array of a statistics tuple (TileStats flattened)."""
+    return [np.asarray(a) for y in stats for a in (y if isinstance(y, tuple) else (y,))]
+
+
+@pytest.mark.parametrize("method", KERNEL_METHODS)
+@pytest.mark.parametrize("cp_size", [2, 4, 8, 16])
+def test_price_kernels_equal_reference(method, cp_size, monkeypatch):
+    """The compiled tile statistics (flashcp.sim.price_kernels) equal the NumPy reference's
+    exactly: every ring statistic and gather mask, every all-gather statistic (pad included)."""
+    pytest.importorskip("numba")
+    from flashcp import compiled
+    from flashcp.sim.cost_model import PlanBatch
+
+    monkeypatch.setenv("FLASHCP_COMPILED", "1")
+    assert compiled.load("price") is not None
+
+    plans = _plans(method, cp_size, 6, seed=20 + cp_size)
+    for hw in HWS:
+        for batch in _batches(plans):
+            monkeypatch.setenv("FLASHCP_COMPILED", "1")
+            fast_ring = batch._ring_stats(hw)
+            fast_ag = PlanBatch(batch.plans, hybrid_inner=batch.hybrid_inner).allgather(hw)
+            monkeypatch.setenv("FLASHCP_COMPILED", "0")
+            ref_ring = batch._ring_stats(hw)
+            ref_ag = PlanBatch(batch.plans, hybrid_inner=batch.hybrid_inner).allgather(hw)
+            for got, ref in ((fast_ring, ref_ring), (fast_ag, ref_ag)):
+                for a, b in zip(_flat(got), _flat(ref), strict=True):
+                    assert a.dtype == b.dtype and a.shape == b.shape
+                    np.testing.assert_array_equal(a, b, err_msg=f"{method} cp {cp_size} {hw.name}")
+
+
+@pytest.mark.parametrize("compiled_mode", ["0", "1"])
+@pytest.mark.parametrize("cp_size", [2, 16])
+def test_price_plans_equals_per_plan_compiled(compiled_mode, cp_size, monkeypatch):
+    """price_plans with and without the compiled statistics equals the per-plan path, at the CP
+    sizes the main test leaves out, for the many-piece layouts and the hybrids."""
+    if compiled_mode == "1":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("FLASHCP_COMPILED", compiled_mode)
+    plans = [p for m in KERNEL_METHODS for p in _plans(m, cp_size, 2, seed=30 + cp_size)]
+    _check(plans, hws=HWS[:1])

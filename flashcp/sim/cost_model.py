@@ -91,6 +91,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from flashcp import compiled
 from flashcp.comm import AttnShape, check_mode, comm_volume, grad_comm_bytes
 from flashcp.head_parallel import one_group_documents
 from flashcp.plan import Plan, cu_seqlens
@@ -1320,6 +1321,8 @@ class PlanBatch:
         self.s, self.n = s, n
         self._inner: PlanBatch | None = None
         counts = np.fromiter((p.rank.size for p in plans), np.int64, s)
+        self.off = np.zeros(s + 1, dtype=np.int64)  # the first shard of each plan
+        np.cumsum(counts, out=self.off[1:])
         self.ndocs = np.fromiter((p.doc_lens.size for p in plans), np.int64, s)
         cat = np.concatenate
         self.rank = cat([p.rank for p in plans]).astype(np.int64, copy=False)
@@ -1355,6 +1358,13 @@ class PlanBatch:
 
         def build(hw):
             s, n = self.s, self.n
+            kernels = compiled.load("price")
+            if kernels is not None:
+                st = kernels.allgather_stats(
+                    s, n, self.off, self.rank, self.start, self.length,
+                    hw.fwd_block_q, hw.fwd_block_k, hw.bwd_block_q, hw.bwd_block_k,
+                )  # fmt: skip
+                return TileStats(st[0], st[1], st[2]), TileStats(st[3], st[4], st[5]), st[6]
             kv = self.start + self.length
             causal = np.ones(kv.size, dtype=bool)
             fc = fwd_tile_counts(self.length, kv, causal, hw.fwd_block_q, hw.fwd_block_k)
@@ -1393,6 +1403,26 @@ class PlanBatch:
         return self._cached("ring", hw, build)
 
     def _ring_stats(self, hw: HardwareProfile):
+        s, n = self.s, self.n
+        kernels = compiled.load("price")
+        if kernels is not None:
+            st, g = kernels.ring_stats(
+                s, n, self.off, self.ndocs, self.rank, self.doc, self.start, self.length,
+                hw.fwd_block_q, hw.fwd_block_k, hw.bwd_block_q, hw.bwd_block_k,
+            )  # fmt: skip
+            return (
+                TileStats(st[0], st[1], st[2]),
+                TileStats(st[3], st[4], st[5]),
+                st[6],
+                st[7],
+                g[0],
+                g[1],
+            )
+        return self._ring_stats_reference(hw)
+
+    def _ring_stats_reference(self, hw: HardwareProfile):
+        """:meth:`ring`'s statistics in NumPy (the reference of
+        :func:`flashcp.sim.price_kernels.ring_stats`)."""
         s, n = self.s, self.n
         rank, doc, start, length, pid = self.rank, self.doc, self.start, self.length, self.pid
         nd = self.ndocs

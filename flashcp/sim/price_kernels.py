@@ -1,0 +1,259 @@
+"""numba kernels of the batched step model (:class:`flashcp.sim.cost_model.PlanBatch`): every
+plan's tile statistics in one pass over its shards (:mod:`flashcp.compiled` says when they are
+used).
+
+Each kernel computes exactly what the NumPy code it stands in for computes (the reference:
+:meth:`PlanBatch._ring_stats` and :meth:`PlanBatch.allgather` with
+:func:`flashcp.sim.kernel.fwd_tile_counts` / :func:`~flashcp.sim.kernel.bwd_tile_counts`): the
+same float64 formulas on the same integer-valued operands, and sums and maxima of integers below
+2**53, which are exact in any order; ``tests/test_price_batch.py`` compares them. Arrays are the
+batch's concatenated (n_shards,) int64 columns ``rank, doc, start, length`` (each plan's ranks
+sorted), with ``off`` (S + 1,) int64 the first shard of each plan and ``nd`` (S,) int64 its
+documents.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["allgather_stats", "ring_stats"]
+
+
+@njit(cache=True, inline="always")
+def _cdiv(a, b, shift):
+    """ceil(a / b) of int64 ``a`` >= 0 and ``b`` > 0: a shift when ``b`` is ``1 << shift``
+    (``shift`` >= 0), else an integer division (equal to :func:`flashcp.sim.kernel._cdiv`)."""
+    if shift >= 0:
+        return (a + b - 1) >> shift
+    return (a + b - 1) // b
+
+
+@njit(cache=True, inline="always")
+def _shift(b):
+    """log2(b) when the int ``b`` > 0 is a power of two, else -1."""
+    if b <= 0 or b & (b - 1):
+        return -1
+    k = 0
+    while (1 << k) < b:
+        k += 1
+    return k
+
+
+@njit(cache=True, inline="always")
+def _fdiv(a, b, shift):
+    """floor(a / b) of int64 ``a`` >= 0 and ``b`` > 0 (a shift when ``b`` is ``1 << shift``)."""
+    if shift >= 0:
+        return a >> shift
+    return a // b
+
+
+@njit(cache=True, inline="always")
+def _fwd(q, k, bq, bk, sq, sk, rho):
+    """:func:`flashcp.sim.kernel.fwd_tile_counts` of one causal segment (``k >= q >= 0``) in int64:
+    ``(ctas, tiles, max_tiles)``; ``sq``, ``sk`` the shifts of ``bq``, ``bk`` (:func:`_shift`),
+    ``rho = bq // bk``."""
+    m = _cdiv(q, bq, sq)
+    if m <= 0:
+        return 0, 0, 0
+    nk = _cdiv(k, bk, sk)
+    m1 = m - 1
+    # (rho / 2) m (m - 1) with m (m - 1) even: an integer
+    return m, m1 * _cdiv(k - q, bk, sk) + rho * ((m * m1) >> 1) + nk, nk
+
+
+@njit(cache=True, inline="always")
+def _bwd(q, k, bq, bk, sq, sk, rho):
+    """:func:`flashcp.sim.kernel.bwd_tile_counts` of one causal segment (``k >= q >= 0``) in
+    int64: ``(ctas, tiles, max_tiles)``; ``rho = bk // bq``."""
+    if q <= 0:
+        return 0, 0, 0
+    nk = _cdiv(k, bk, sk)
+    if nk <= 0:
+        return 0, 0, 0
+    mq = _cdiv(q, bq, sq)
+    a = k - q
+    j0 = min(_fdiv(a, bk, sk), nk - 1)
+    sum_j = ((nk - 1) * nk - j0 * (j0 + 1)) >> 1  # both products even
+    return nk, nk * mq - rho * sum_j + (nk - 1 - j0) * _cdiv(a, bq, sq), mq
+
+
+@njit(cache=True)
+def allgather_stats(s, n, off, rank, start, length, fbq, fbk, bbq, bbk):
+    """Every plan's per-rank varlen call of the all-gather family: one causal segment per shard,
+    q = its length, kv = its start + length.
+
+    Args:
+        s, n: plans and cp_size; off, rank, start, length: as in the module docstring.
+        fbq, fbk, bbq, bbk: forward and backward tile shapes (ints > 0).
+    Returns:
+        (7, S, N) float64: forward CTAs, tiles, largest CTA; backward CTAs, tiles, largest CTA;
+        key rows (summed over each rank's shards).
+    """
+    sfq, sfk, sbq, sbk = _shift(fbq), _shift(fbk), _shift(bbq), _shift(bbk)
+    fr, br = fbq // fbk, bbk // bbq
+    out = np.zeros((7, s, n))
+    for p in range(s):
+        i, hi = off[p], off[p + 1]
+        while i < hi:  # one rank's shards (ranks sorted), summed in registers
+            r = rank[i]
+            f0 = f1 = f2 = b0 = b1 = b2 = rows = 0
+            while i < hi and rank[i] == r:
+                q = length[i]
+                k = start[i] + q
+                c, t, x = _fwd(q, k, fbq, fbk, sfq, sfk, fr)
+                f0 += c
+                f1 += t
+                f2 = max(f2, x)
+                c, t, x = _bwd(q, k, bbq, bbk, sbq, sbk, br)
+                b0 += c
+                b1 += t
+                b2 = max(b2, x)
+                rows += k
+                i += 1
+            out[0, p, r] += f0
+            out[1, p, r] += f1
+            out[2, p, r] = max(out[2, p, r], f2)
+            out[3, p, r] += b0
+            out[4, p, r] += b1
+            out[5, p, r] = max(out[5, p, r], b2)
+            out[6, p, r] += rows
+    return out
+
+
+@njit(cache=True)
+def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
+    """Every plan's ring steps (:meth:`flashcp.sim.cost_model.PlanBatch.ring`): step 0 one causal
+    segment per (rank, document) over the rank's own tokens; step t >= 1 one full rectangle per
+    (rank r, document) of r's shards that follow a shard of the source rank (r - t) mod N against
+    the source's shards that precede one of r's; a step gathers its query (key) rows by index
+    when its visible shards form more than one run in the rank's order.
+
+    A document with work at step t is held by both ranks, so each (t, r) sums over the
+    documents of rank r (zeros add nothing, and every statistic is >= 0).
+
+    Args:
+        s, n, off, nd, rank, doc, start, length: as in the module docstring.
+        fbq, fbk, bbq, bbk: forward and backward tile shapes (ints > 0).
+    Returns:
+        ``(stats, gather)``: stats (8, S, N, N) float64 ``[., plan, t, r]``: forward CTAs, tiles,
+        largest CTA, backward CTAs, tiles, largest CTA, query rows, key rows; gather (2, S, N, N)
+        bool: the step gathers its query rows, its key rows.
+    """
+    sfq, sfk, sbq, sbk = _shift(fbq), _shift(fbk), _shift(bbq), _shift(bbk)
+    fr, br = fbq // fbk, bbk // bbq
+    stats = np.empty((8, s, n, n))
+    gather = np.zeros((2, s, n, n), np.bool_)
+    big = 9223372036854775807  # int64 max
+    max_nd = 0
+    max_sh = 0
+    for p in range(s):
+        max_nd = max(max_nd, nd[p])
+        max_sh = max(max_sh, off[p + 1] - off[p])
+    min_start = np.empty(max_nd * n, np.int64)
+    max_start = np.empty(max_nd * n, np.int64)
+    qs = np.zeros(max_nd, np.int64)
+    ks = np.zeros(max_nd, np.int64)
+    seen = np.zeros(max_nd, np.bool_)
+    docs = np.empty(max_sh, np.int64)  # each rank's distinct documents, rank after rank
+    rank_off = np.empty(n + 1, np.int64)
+    doc_off = np.empty(n + 1, np.int64)
+    for p in range(s):
+        lo, hi, m = off[p], off[p + 1], nd[p]
+        # each rank's shards [rank_off[r], rank_off[r + 1]) (ranks sorted) and its documents
+        # docs[doc_off[r]:doc_off[r + 1]]
+        i = lo
+        nt = 0
+        for r in range(n):
+            rank_off[r] = i
+            doc_off[r] = nt
+            first = nt
+            while i < hi and rank[i] == r:
+                x = doc[i]
+                if not seen[x]:
+                    seen[x] = True
+                    docs[nt] = x
+                    nt += 1
+                qs[x] += length[i]
+                i += 1
+            # step 0: the rank's own tokens of each document, one causal segment each
+            f0 = f1 = f2 = b0 = b1 = b2 = rows = 0
+            for j in range(first, nt):
+                x = docs[j]
+                q = qs[x]
+                c, t, y = _fwd(q, q, fbq, fbk, sfq, sfk, fr)
+                f0 += c
+                f1 += t
+                f2 = max(f2, y)
+                c, t, y = _bwd(q, q, bbq, bbk, sbq, sbk, br)
+                b0 += c
+                b1 += t
+                b2 = max(b2, y)
+                rows += q
+                qs[x] = 0
+                seen[x] = False
+            _put(stats, p, 0, r, f0, f1, f2, b0, b1, b2, rows, rows)
+        rank_off[n] = i
+        doc_off[n] = nt
+        if n == 1:
+            continue
+        # first and last shard start of every (document, rank)
+        for j in range(m * n):
+            min_start[j] = big
+            max_start[j] = -1
+        for i in range(lo, hi):
+            j = doc[i] * n + rank[i]
+            min_start[j] = min(min_start[j], start[i])
+            max_start[j] = max(max_start[j], start[i])
+        for t in range(1, n):
+            for r in range(n):
+                src = (r - t) % n
+                runs = 0
+                prev = 0
+                for i in range(rank_off[r], rank_off[r + 1]):  # r's shards after a source one
+                    x = doc[i]
+                    vis = np.int64(min_start[x * n + src] < start[i])
+                    runs += vis & (1 - prev)  # the first shard of a run
+                    qs[x] += length[i] * vis
+                    prev = vis
+                gather[0, p, t, r] = runs > 1
+                runs = 0
+                prev = 0
+                for i in range(rank_off[src], rank_off[src + 1]):  # source shards before r's
+                    x = doc[i]
+                    vis = np.int64(max_start[x * n + r] > start[i])
+                    runs += vis & (1 - prev)  # the first shard of a run
+                    ks[x] += length[i] * vis
+                    prev = vis
+                gather[1, p, t, r] = runs > 1
+                f0 = f1 = f2 = b0 = b1 = b2 = qr = kr = 0
+                for j in range(doc_off[r], doc_off[r + 1]):
+                    x = docs[j]
+                    q, k = qs[x], ks[x]
+                    fq, fk = _cdiv(q, fbq, sfq), _cdiv(k, fbk, sfk)
+                    bq, bk = _cdiv(q, bbq, sbq), _cdiv(k, bbk, sbk)
+                    f0 += fq
+                    f1 += fq * fk
+                    f2 = max(f2, fk)
+                    b0 += bk
+                    b1 += bq * bk
+                    b2 = max(b2, bq)
+                    qr += q
+                    kr += k
+                    qs[x] = 0
+                    ks[x] = 0
+                _put(stats, p, t, r, f0, f1, f2, b0, b1, b2, qr, kr)
+    return stats, gather
+
+
+@njit(cache=True, inline="always")
+def _put(stats, p, t, r, f0, f1, f2, b0, b1, b2, qr, kr):
+    """Store one (plan, step, rank)'s eight statistics (int64, exact in float64)."""
+    stats[0, p, t, r] = f0
+    stats[1, p, t, r] = f1
+    stats[2, p, t, r] = f2
+    stats[3, p, t, r] = b0
+    stats[4, p, t, r] = b1
+    stats[5, p, t, r] = b2
+    stats[6, p, t, r] = qr
+    stats[7, p, t, r] = kr

@@ -126,7 +126,8 @@ def _flat(stats) -> list[np.ndarray]:
 @pytest.mark.parametrize("cp_size", [2, 4, 8, 16])
 def test_price_kernels_equal_reference(method, cp_size, monkeypatch):
     """The compiled tile statistics (flashcp.sim.price_kernels) equal the NumPy reference's
-    exactly: every ring statistic and gather mask, every all-gather statistic (pad included)."""
+    exactly: the per-rank sums, every ring statistic and gather mask, every all-gather statistic
+    (pad included)."""
     pytest.importorskip("numba")
     from flashcp import compiled
     from flashcp.sim.cost_model import PlanBatch
@@ -138,11 +139,15 @@ def test_price_kernels_equal_reference(method, cp_size, monkeypatch):
     for hw in HWS:
         for batch in _batches(plans):
             monkeypatch.setenv("FLASHCP_COMPILED", "1")
-            fast_ring = batch._ring_stats(hw)
-            fast_ag = PlanBatch(batch.plans, hybrid_inner=batch.hybrid_inner).allgather(hw)
+            fast = PlanBatch(batch.plans, hybrid_inner=batch.hybrid_inner)
+            fast_ring, fast_ag = fast._ring_stats(hw), fast.allgather(hw)
             monkeypatch.setenv("FLASHCP_COMPILED", "0")
-            ref_ring = batch._ring_stats(hw)
-            ref_ag = PlanBatch(batch.plans, hybrid_inner=batch.hybrid_inner).allgather(hw)
+            ref = PlanBatch(batch.plans, hybrid_inner=batch.hybrid_inner)
+            ref_ring, ref_ag = ref._ring_stats(hw), ref.allgather(hw)
+            for name in ("q_rows", "send_rows", "context_len", "tokens_full", "tokens_sharded"):
+                a, b = getattr(fast, name), getattr(ref, name)
+                assert a.dtype == b.dtype and a.shape == b.shape, name
+                np.testing.assert_array_equal(a, b, err_msg=name)
             for got, ref in ((fast_ring, ref_ring), (fast_ag, ref_ag)):
                 for a, b in zip(_flat(got), _flat(ref), strict=True):
                     assert a.dtype == b.dtype and a.shape == b.shape

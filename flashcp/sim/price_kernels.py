@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["allgather_stats", "ring_stats"]
+__all__ = ["allgather_stats", "batch_sums", "ring_stats"]
 
 
 @njit(cache=True, inline="always")
@@ -76,6 +76,42 @@ def _bwd(q, k, bq, bk, sq, sk, rho):
     j0 = min(_fdiv(a, bk, sk), nk - 1)
     sum_j = ((nk - 1) * nk - j0 * (j0 + 1)) >> 1  # both products even
     return nk, nk * mq - rho * sum_j + (nk - 1 - j0) * _cdiv(a, bq, sq), mq
+
+
+@njit(cache=True)
+def batch_sums(s, n, off, doc_off, rank, doc, start, length, doc_lens):
+    """Every plan's tokens per rank, its non-last shards' tokens per rank and its document
+    tokens (:class:`flashcp.sim.cost_model.PlanBatch`'s ``q_rows``, ``send_rows`` and
+    ``context_len`` less pad).
+
+    Args:
+        s, n, off, rank, doc, start, length: as in the module docstring; doc_off (S,) int64 each
+            plan's first document in doc_lens, the (n_docs_total,) int64 concatenated documents.
+    Returns:
+        ``(rows, docs)``: rows (2, S, N) float64 (tokens, send tokens), docs (S,) float64.
+    """
+    rows = np.zeros((2, s, n))
+    docs = np.zeros(s)
+    for p in range(s):
+        base = doc_off[p]
+        end = doc_off[p + 1] if p + 1 < s else doc_lens.size
+        tot = 0
+        for x in range(base, end):
+            tot += doc_lens[x]
+        docs[p] = tot
+        i, hi = off[p], off[p + 1]
+        while i < hi:  # one rank's shards (ranks sorted)
+            r = rank[i]
+            tok = send = 0
+            while i < hi and rank[i] == r:
+                ln = length[i]
+                tok += ln
+                if start[i] + ln != doc_lens[base + doc[i]]:
+                    send += ln
+                i += 1
+            rows[0, p, r] += tok
+            rows[1, p, r] += send
+    return rows, docs
 
 
 @njit(cache=True)

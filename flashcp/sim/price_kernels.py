@@ -165,8 +165,12 @@ def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
     the source's shards that precede one of r's; a step gathers its query (key) rows by index
     when its visible shards form more than one run in the rank's order.
 
-    A document with work at step t is held by both ranks, so each (t, r) sums over the
-    documents of rank r (zeros add nothing, and every statistic is >= 0).
+    One pass over the shards serves every step: shard i of rank r and document x adds its length
+    to ``qs[slot(x, r), c]`` for every rank c it follows (as a query row of r while c is the
+    source) and to ``ks[slot(x, c), r]`` for every rank c it precedes (as a key row of source r
+    seen by c), ``slot(x, r)`` the row of (document, rank); a document with work at a step is
+    held by both ranks. Then each (r, c) sums over the documents of r, and step t of rank r reads
+    c = (r - t) mod N (zeros add nothing; every statistic is >= 0).
 
     Args:
         s, n, off, nd, rank, doc, start, length: as in the module docstring.
@@ -178,6 +182,7 @@ def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
     """
     sfq, sfk, sbq, sbk = _shift(fbq), _shift(fbk), _shift(bbq), _shift(bbk)
     fr, br = fbq // fbk, bbk // bbq
+    pow2 = sfq >= 0 and sfk >= 0 and sbq >= 0 and sbk >= 0
     stats = np.empty((8, s, n, n))
     gather = np.zeros((2, s, n, n), np.bool_)
     big = 9223372036854775807  # int64 max
@@ -188,16 +193,28 @@ def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
         max_sh = max(max_sh, off[p + 1] - off[p])
     min_start = np.empty(max_nd * n, np.int64)
     max_start = np.empty(max_nd * n, np.int64)
-    qs = np.zeros(max_nd, np.int64)
-    ks = np.zeros(max_nd, np.int64)
-    seen = np.zeros(max_nd, np.bool_)
+    slot_of = np.empty(max_nd * n, np.int64)  # [doc * N + rank] -> row, or the spare row
+    own = np.zeros(max_nd, np.int64)
+    # rows: (document, rank) slots, then a spare one (zeros): [slot(x, r), c] the rows of r's
+    # shards of x after a shard of c (qs), before a shard of c (ks)
+    qs = np.zeros((max_sh + 1, n), np.int64)
+    ks = np.zeros((max_sh + 1, n), np.int64)
     docs = np.empty(max_sh, np.int64)  # each rank's distinct documents, rank after rank
     rank_off = np.empty(n + 1, np.int64)
     doc_off = np.empty(n + 1, np.int64)
+    # bit c of many_q[r]: r's shards that follow one of source c form more than one run; of
+    # many_k[r]: r's shards that precede one of rank c do
+    many_q = np.zeros(n, np.int64)
+    many_k = np.zeros(n, np.int64)
     for p in range(s):
         lo, hi, m = off[p], off[p + 1], nd[p]
+        spare = hi - lo
+        for j in range(m * n):
+            min_start[j] = big
+            max_start[j] = -1
+            slot_of[j] = spare
         # each rank's shards [rank_off[r], rank_off[r + 1]) (ranks sorted) and its documents
-        # docs[doc_off[r]:doc_off[r + 1]]
+        # docs[doc_off[r]:doc_off[r + 1]] (slot = position there)
         i = lo
         nt = 0
         for r in range(n):
@@ -206,17 +223,20 @@ def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
             first = nt
             while i < hi and rank[i] == r:
                 x = doc[i]
-                if not seen[x]:
-                    seen[x] = True
+                j = x * n + r
+                if slot_of[j] == spare:
+                    slot_of[j] = nt
                     docs[nt] = x
                     nt += 1
-                qs[x] += length[i]
+                own[x] += length[i]
+                min_start[j] = min(min_start[j], start[i])
+                max_start[j] = max(max_start[j], start[i])
                 i += 1
             # step 0: the rank's own tokens of each document, one causal segment each
             f0 = f1 = f2 = b0 = b1 = b2 = rows = 0
             for j in range(first, nt):
                 x = docs[j]
-                q = qs[x]
+                q = own[x]
                 c, t, y = _fwd(q, q, fbq, fbk, sfq, sfk, fr)
                 f0 += c
                 f1 += t
@@ -226,48 +246,54 @@ def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
                 b1 += t
                 b2 = max(b2, y)
                 rows += q
-                qs[x] = 0
-                seen[x] = False
+                own[x] = 0
             _put(stats, p, 0, r, f0, f1, f2, b0, b1, b2, rows, rows)
         rank_off[n] = i
         doc_off[n] = nt
         if n == 1:
             continue
-        # first and last shard start of every (document, rank)
-        for j in range(m * n):
-            min_start[j] = big
-            max_start[j] = -1
-        for i in range(lo, hi):
-            j = doc[i] * n + rank[i]
-            min_start[j] = min(min_start[j], start[i])
-            max_start[j] = max(max_start[j], start[i])
-        for t in range(1, n):
-            for r in range(n):
-                src = (r - t) % n
-                runs = 0
-                prev = 0
-                for i in range(rank_off[r], rank_off[r + 1]):  # r's shards after a source one
-                    x = doc[i]
-                    vis = np.int64(min_start[x * n + src] < start[i])
-                    runs += vis & (1 - prev)  # the first shard of a run
-                    qs[x] += length[i] * vis
-                    prev = vis
-                gather[0, p, t, r] = runs > 1
-                runs = 0
-                prev = 0
-                for i in range(rank_off[src], rank_off[src + 1]):  # source shards before r's
-                    x = doc[i]
-                    vis = np.int64(max_start[x * n + r] > start[i])
-                    runs += vis & (1 - prev)  # the first shard of a run
-                    ks[x] += length[i] * vis
-                    prev = vis
-                gather[1, p, t, r] = runs > 1
+        # one pass over the shards: query rows per (slot, source), key rows per (slot, rank that
+        # sees them); runs of visible shards as bit masks over the other rank (a run starts
+        # where a shard is visible and its predecessor on the rank is not)
+        for r in range(n):
+            prev_q = once_q = twice_q = prev_k = once_k = twice_k = 0
+            for i in range(rank_off[r], rank_off[r + 1]):
+                x, st, ln = doc[i], start[i], length[i]
+                row = x * n
+                j = slot_of[row + r]
+                vq = vk = 0
+                for c in range(n):
+                    a = np.int64(min_start[row + c] < st)  # follows a shard of source c
+                    b = np.int64(max_start[row + c] > st)  # precedes a shard of rank c
+                    qs[j, c] += ln * a
+                    ks[j, c] += ln * b
+                    vq |= a << c
+                    vk |= b << c
+                first = vq & ~prev_q
+                twice_q |= once_q & first
+                once_q |= first
+                prev_q = vq
+                first = vk & ~prev_k
+                twice_k |= once_k & first
+                once_k |= first
+                prev_k = vk
+            many_q[r] = twice_q
+            many_k[r] = twice_k
+        # per (r, source c): sums over r's documents of r's query rows against c's key rows
+        for r in range(n):
+            for c in range(n):
+                if c == r:
+                    continue
                 f0 = f1 = f2 = b0 = b1 = b2 = qr = kr = 0
                 for j in range(doc_off[r], doc_off[r + 1]):
-                    x = docs[j]
-                    q, k = qs[x], ks[x]
-                    fq, fk = _cdiv(q, fbq, sfq), _cdiv(k, fbk, sfk)
-                    bq, bk = _cdiv(q, bbq, sbq), _cdiv(k, bbk, sbk)
+                    q = qs[j, c]
+                    k = ks[slot_of[docs[j] * n + c], r]  # the spare row (zeros) if c lacks it
+                    if pow2:
+                        fq, fk = (q + fbq - 1) >> sfq, (k + fbk - 1) >> sfk
+                        bq, bk = (q + bbq - 1) >> sbq, (k + bbk - 1) >> sbk
+                    else:
+                        fq, fk = _cdiv(q, fbq, sfq), _cdiv(k, fbk, sfk)
+                        bq, bk = _cdiv(q, bbq, sbq), _cdiv(k, bbk, sbk)
                     f0 += fq
                     f1 += fq * fk
                     f2 = max(f2, fk)
@@ -276,9 +302,12 @@ def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
                     b2 = max(b2, bq)
                     qr += q
                     kr += k
-                    qs[x] = 0
-                    ks[x] = 0
+                t = (r - c) % n
                 _put(stats, p, t, r, f0, f1, f2, b0, b1, b2, qr, kr)
+                gather[0, p, t, r] = (many_q[r] >> c) & 1
+                gather[1, p, t, r] = (many_k[c] >> r) & 1
+        qs[:nt] = 0
+        ks[:nt] = 0
     return stats, gather
 
 

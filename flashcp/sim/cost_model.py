@@ -107,6 +107,9 @@ __all__ = [
 ]  # fmt: skip
 
 COMM_KINDS = ("allgather_full", "allgather_sharded", "p2p_ring", "alltoall")
+#: the largest cp_size the compiled ring statistics take (runs of shards as int64 bit masks
+#: over the ranks); larger ones run the NumPy reference
+RING_KERNEL_MAX_N = 62
 
 
 def _check_comm_kind(plan: Plan, comm_kind: str | None) -> str:
@@ -1431,7 +1434,7 @@ class PlanBatch:
     def _ring_stats(self, hw: HardwareProfile):
         s, n = self.s, self.n
         kernels = compiled.load("price")
-        if kernels is not None:
+        if kernels is not None and n <= RING_KERNEL_MAX_N:
             st, g = kernels.ring_stats(
                 s, n, self.off, self.ndocs, self.rank, self.doc, self.start, self.length,
                 hw.fwd_block_q, hw.fwd_block_k, hw.bwd_block_q, hw.bwd_block_k,

@@ -261,12 +261,14 @@ def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
                 x, st, ln = doc[i], start[i], length[i]
                 row = x * n
                 j = slot_of[row + r]
+                lo_row, hi_row = min_start[row : row + n], max_start[row : row + n]
+                q_row, k_row = qs[j], ks[j]
                 vq = vk = 0
                 for c in range(n):
-                    a = np.int64(min_start[row + c] < st)  # follows a shard of source c
-                    b = np.int64(max_start[row + c] > st)  # precedes a shard of rank c
-                    qs[j, c] += ln * a
-                    ks[j, c] += ln * b
+                    a = np.int64(lo_row[c] < st)  # follows a shard of source c
+                    b = np.int64(hi_row[c] > st)  # precedes a shard of rank c
+                    q_row[c] += ln * a
+                    k_row[c] += ln * b
                     vq |= a << c
                     vk |= b << c
                 first = vq & ~prev_q

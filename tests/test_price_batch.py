@@ -164,3 +164,39 @@ def test_price_plans_equals_per_plan_compiled(compiled_mode, cp_size, monkeypatc
     monkeypatch.setenv("FLASHCP_COMPILED", compiled_mode)
     plans = [p for m in KERNEL_METHODS for p in _plans(m, cp_size, 2, seed=30 + cp_size)]
     _check(plans, hws=HWS[:1])
+
+
+@pytest.mark.parametrize("impl", ["ours", "ring_flash_attn"])
+@pytest.mark.parametrize("cp_size", [1, 2, 8, 16])
+def test_ring_pass_kernel_bitwise(impl, cp_size, monkeypatch):
+    """The compiled ring pass (flashcp.sim.price_kernels.ring_pass) returns NumPy's numbers to the
+    bit: its sums over the steps follow NumPy's pairwise order (every ring method, both impls,
+    with the host idling after stream syncs where ring-flash-attn has them)."""
+    pytest.importorskip("numba")
+    from flashcp import compiled
+    from flashcp.sim.cost_model import PlanBatch, _ring_pass_compiled, _stack_from_arrays
+    from flashcp.sim.impl import impl_ops
+
+    monkeypatch.setenv("FLASHCP_COMPILED", "1")
+    kernels = compiled.load("price")
+    rng = np.random.default_rng(cp_size)
+    for method in ("ring", "zigzag"):
+        if impl == "ours":
+            plans = _plans(method, cp_size, 4, seed=40 + cp_size)
+        else:
+            plans = [impl_plan(method, impl, _doc_lens(rng, 16384), cp_size)[0] for _ in range(4)]
+        batch = PlanBatch(plans)
+        for hw in HWS:
+            n = batch.n
+            stack = _stack_from_arrays(
+                hw, "p2p_ring", impl, n, impl_ops(impl, method), batch.ndocs,
+                batch.context_len // n, *batch.ring(hw),
+            )  # fmt: skip
+            hop = rng.random(len(plans)) * 50
+            for shape in SHAPES:
+                for parts in (stack._ring_fwd_compute(shape), stack._ring_bwd_compute(shape)):
+                    for hop_us, tail_us in ((hop, 0.0), (hop + 3.0, hop), (0.0, 0.0)):
+                        ref = stack._ring_pass(*parts, hop_us, tail_us)
+                        got = _ring_pass_compiled(kernels, stack, *parts, hop_us, tail_us)
+                        for a, b in zip(got, ref, strict=True):
+                            np.testing.assert_array_equal(a, b)

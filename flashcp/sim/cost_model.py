@@ -1066,14 +1066,17 @@ def _ring_phases(stack, shape: AttnShape, mode: str, p2p_bytes, fwd_p2p, p2p_us)
     fwd = stack._fwd_memo.get(shape)
     if fwd is None:  # training and inference of one shape share the forward
         fwd = stack._fwd_memo[shape] = stack._ring_fwd_compute(shape)
-    fa, fo, fp = stack._ring_pass(*fwd, fwd_hop, 0.0)
+    kernels = compiled.load("price") if n <= 128 else None
+    ring_pass = stack._ring_pass if kernels is None else functools.partial(_ring_pass_compiled,
+                                                                          kernels, stack)  # fmt: skip
+    fa, fo, fp = ring_pass(*fwd, fwd_hop, 0.0)
     zero = np.zeros(s)
     ba = bo = bp = zero
     if train and n > 1:
         grad_hop = p2p_us((np.asarray(p2p_bytes, dtype=np.float64) - 2 * fwd_p2p) / steps)
-        ba, bo, bp = stack._ring_pass(*stack._ring_bwd_compute(shape), fwd_hop + grad_hop, grad_hop)
+        ba, bo, bp = ring_pass(*stack._ring_bwd_compute(shape), fwd_hop + grad_hop, grad_hop)
     elif train:
-        ba, bo, bp = stack._ring_pass(*stack._ring_bwd_compute(shape), 0.0, 0.0)
+        ba, bo, bp = ring_pass(*stack._ring_bwd_compute(shape), 0.0, 0.0)
     return {
         "allgather_ms": zero,
         "attn_fwd_ms": fa / 1e3,
@@ -1083,6 +1086,25 @@ def _ring_phases(stack, shape: AttnShape, mode: str, p2p_bytes, fwd_p2p, p2p_us)
         "alltoall_ms": zero,
         "others_ms": (fo + bo) / 1e3,
     }
+
+
+def _ring_pass_compiled(kernels, stack, attn, other, host, idle, hop_us, tail_us):
+    """:meth:`PlanCost._ring_pass` of a :class:`_PlanCostStack`'s (S, N, N) arrays by
+    :func:`flashcp.sim.price_kernels.ring_pass` (the same numbers, to the bit)."""
+    s = attn.shape[0]
+
+    def dense(x):
+        return np.ascontiguousarray(np.broadcast_to(np.asarray(x, dtype=np.float64), attn.shape))
+
+    def per_plan(x):
+        return np.ascontiguousarray(np.broadcast_to(np.asarray(x, dtype=np.float64), (s,)))
+
+    hw = stack.hw
+    out = kernels.ring_pass(
+        dense(attn), dense(other), dense(host), dense(idle), per_plan(hop_us), per_plan(tail_us),
+        float(hw.overlap_fraction), float(hw.nccl_slowdown),
+    )  # fmt: skip
+    return out[0], out[1], out[2]
 
 
 def _step_allgather_batch(

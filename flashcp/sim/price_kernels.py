@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["allgather_stats", "batch_sums", "ring_stats"]
+__all__ = ["allgather_stats", "batch_sums", "ring_pass", "ring_stats"]
 
 
 @njit(cache=True, inline="always")
@@ -324,3 +324,84 @@ def _put(stats, p, t, r, f0, f1, f2, b0, b1, b2, qr, kr):
     stats[5, p, t, r] = b2
     stats[6, p, t, r] = qr
     stats[7, p, t, r] = kr
+
+
+@njit(cache=True, inline="always")
+def _pairwise_sum(a):
+    """``a.sum()`` of a 1-D float64 array of at most 128 entries, in NumPy's order (its pairwise
+    summation: below 8 entries one after another, else eight partial sums combined as a tree and
+    the remainder added), so the result is NumPy's to the bit."""
+    n = a.size
+    if n < 8:
+        res = a[0] if n else 0.0
+        for i in range(1, n):
+            res += a[i]
+        return res
+    r0, r1, r2, r3, r4, r5, r6, r7 = a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
+    i = 8
+    while i + 8 <= n:
+        r0 += a[i]
+        r1 += a[i + 1]
+        r2 += a[i + 2]
+        r3 += a[i + 3]
+        r4 += a[i + 4]
+        r5 += a[i + 5]
+        r6 += a[i + 6]
+        r7 += a[i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[i]
+        i += 1
+    return res
+
+
+@njit(cache=True)
+def ring_pass(attn, other, host, idle, hop_us, tail_us, phi, slowdown):
+    """:meth:`flashcp.sim.cost_model.PlanCost._ring_pass` of S stacked plans: the same float64
+    operations in the same order, NumPy's summation order over the steps (equal to the bit).
+
+    Args:
+        attn, other, host, idle: (S, N, N) float64 ``[plan, t, r]`` µs (idle: zeros without
+            stream syncs).
+        hop_us, tail_us: (S,) float64 µs per hop and exposed at the end.
+        phi, slowdown: the profile's ``overlap_fraction`` and ``nccl_slowdown``.
+    Returns:
+        (3, S) float64: attention, others and exposed P2P µs of each plan's pass.
+    Raises:
+        ValueError: N above 128.
+    """
+    s, n = attn.shape[0], attn.shape[1]
+    if n > 128:
+        raise ValueError("ring_pass takes at most 128 steps")
+    out = np.empty((3, s))
+    keep = 1.0 - 1.0 / slowdown
+    rest = 1.0 - phi
+    attn_t = np.empty(n)
+    diff_t = np.empty(n)
+    total_t = np.empty(n)
+    for p in range(s):
+        for t in range(n):
+            hop = hop_us[p] if t < n - 1 else 0.0
+            c = phi * hop
+            a_max = comp_max = dev_max = tot_max = -np.inf
+            for r in range(n):
+                at = attn[p, t, r]
+                compute = at + other[p, t, r]
+                fast = compute * slowdown
+                slowed = fast if fast <= c else compute + c * keep
+                device = max(c, slowed) + rest * hop
+                scale = slowed / compute if compute > 0 else 1.0
+                a_max = max(a_max, at * scale)
+                comp_max = max(comp_max, slowed)
+                dev_max = max(dev_max, device)
+                tot_max = max(tot_max, max(device + idle[p, t, r], host[p, t, r]))
+            attn_t[t] = a_max
+            diff_t[t] = dev_max - comp_max
+            total_t[t] = tot_max
+        a = _pairwise_sum(attn_t)
+        p2p = _pairwise_sum(diff_t) + tail_us[p]
+        out[0, p] = a
+        out[1, p] = _pairwise_sum(total_t) + tail_us[p] - a - p2p
+        out[2, p] = p2p
+    return out

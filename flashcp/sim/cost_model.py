@@ -1704,11 +1704,15 @@ def price_plans(
     out = {c: np.zeros(dims) for c in PHASE_COLUMNS}
     out.update({c: np.zeros(dims, dtype=np.int64) for c in COMM_COLUMNS})
     groups: dict[tuple, list[int]] = {}
+    kinds: dict[str, str] = {}  # comm kind per method (one registry look-up each)
     for i, p in enumerate(plans):
-        kind = _check_comm_kind(p, comm_kind)
+        kind = kinds.get(p.method)
+        if kind is None:
+            kind = kinds[p.method] = _check_comm_kind(p, comm_kind)
         u = p.ulysses_degree if kind != "alltoall" else 1
-        if kind != "alltoall" and one_group_documents(p) is not None:
-            kind, u = "alltoall", 1  # one group: plain Ulysses (PlanCost.plain_ulysses)
+        # one group (u = N > 1) of whole documents: plain Ulysses (PlanCost.plain_ulysses)
+        if u > 1 and kind != "alltoall" and one_group_documents(p) is not None:
+            kind, u = "alltoall", 1
         groups.setdefault((kind, p.method, p.cp_size, u), []).append(i)
     for (kind, method, _, u), idx in groups.items():
         check_impl(method, impl)

@@ -200,3 +200,17 @@ def test_ring_pass_kernel_bitwise(impl, cp_size, monkeypatch):
                         got = _ring_pass_compiled(kernels, stack, *parts, hop_us, tail_us)
                         for a, b in zip(got, ref, strict=True):
                             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4, 8, 16])
+def test_price_plans_compiled_bitwise(cp_size, monkeypatch):
+    """price_plans with the compiled kernels (statistics, ring pass, the all-gather op's
+    per-rank part) returns the NumPy path's numbers to the bit, every column, both profiles."""
+    pytest.importorskip("numba")
+    plans = [p for m in METHODS for p in _plans(m, cp_size, 2, seed=50 + cp_size)]
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FLASHCP_COMPILED", mode)
+        got[mode] = price_plans(plans, SHAPES, MODES, HWS)
+    for col in got["0"]:
+        np.testing.assert_array_equal(got["1"][col], got["0"][col], err_msg=col)

@@ -99,7 +99,14 @@ from flashcp.registry import COMM_KIND
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim.hardware import HardwareProfile, load_hardware
 from flashcp.sim.impl import AG_GROUP_BUDGET_BYTES, RFA_HEADS_K_STRIDE, check_impl, impl_ops
-from flashcp.sim.kernel import TileStats, bwd_extra_us, bwd_tile_counts, fwd_tile_counts, kernel_us
+from flashcp.sim.kernel import (
+    TileStats,
+    bwd_extra_us,
+    bwd_tile_counts,
+    fwd_tile_counts,
+    kernel_us,
+    tile_us,
+)
 
 __all__ = [
     "COMM_KINDS", "PlanBatch", "PlanCost", "attention_balance", "overlap_us", "price_plans",
@@ -1162,6 +1169,12 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
     ag_bytes = vol["allgather_bytes"] / n_ag / groups
     ag = coll(ag_bytes, ag_bytes * total_scale, hw.allgather_busbw_gbps, "all_gather")
     c_ = lambda a: a[:, None]  # noqa: E731  (S,) -> (S, 1)
+    kernels = compiled.load("price")
+    if kernels is not None:
+        return _allgather_phases_compiled(
+            kernels, hw, rows, hg, groups, qh, ag, ag_bytes, local, kv_rows, send_max, fwd, bwd,
+            shape, train, vol, coll, total_scale,
+        )  # fmt: skip
     kv_el = 2.0 * hg * d
     build = op_us(4, local * c_(kv_el) * e * 2 + c_(send_max * kv_el * e * 3))
     keys = op_us(1, kv_rows * c_(kv_el) * e * 2)
@@ -1216,6 +1229,55 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
             out["others_ms"]
             + (c_(groups) * bwd_copies + np.maximum(c_(host_b) - dev_b, 0.0)).max(axis=1) / 1e3
         )
+    return out
+
+
+def _allgather_phases_compiled(
+    kernels, hw, rows, hg, groups, qh, ag, ag_bytes, local, kv_rows, send_max, fwd, bwd, shape,
+    train, vol, coll, total_scale,
+):  # fmt: skip
+    """:func:`_allgather_phases` with its per-rank part in
+    :func:`flashcp.sim.price_kernels.allgather_ranks` (the same numbers, to the bit); the
+    per-plan collective times stay here."""
+    s = len(send_max)
+    zero = np.zeros(s)
+    rs = zero
+    if train:
+        rs_bytes = vol["reducescatter_bytes"] / groups
+        rs = coll(rs_bytes, rs_bytes * total_scale, hw.reducescatter_busbw_gbps, "reduce_scatter")
+    coll_host = np.where(ag_bytes > 0, hw.collective_host_us, 0.0)
+    d = shape.head_dim
+    consts = np.array([
+        hw.launch_us, hw.copy_bw_gbps * 1e3, hw.host_op_us, hw.bwd_extra_kernels,
+        hw.fwd_cta_overhead_us, tile_us(hw, d, False), hw.bwd_cta_overhead_us,
+        tile_us(hw, d, True), hw.num_sms,
+    ], dtype=np.float64)  # fmt: skip
+
+    def f64(x):
+        return np.ascontiguousarray(x, dtype=np.float64)
+
+    def i64(x):
+        return np.ascontiguousarray(x, dtype=np.int64)
+
+    res = kernels.allgather_ranks(
+        f64(local), f64(kv_rows), f64(send_max), f64(rows), i64(hg), i64(groups), i64(qh),
+        f64(np.broadcast_to(ag, (s,))), f64(np.broadcast_to(rs, (s,))), f64(coll_host),
+        f64(np.stack(fwd)), f64(np.stack(bwd)), train, d, shape.dtype_bytes, consts,
+    )  # fmt: skip
+    out = {
+        "allgather_ms": groups * ag / 1e3,
+        "attn_fwd_ms": res[0] / 1e3,
+        "attn_bwd_ms": zero,
+        "reducescatter_ms": zero,
+        "p2p_ms": zero,
+        "alltoall_ms": zero,
+        "others_ms": res[1] / 1e3,
+    }
+    if train:
+        out["allgather_ms"] = out["allgather_ms"] + groups * ag / 1e3
+        out["attn_bwd_ms"] = res[2] / 1e3
+        out["reducescatter_ms"] = groups * rs / 1e3
+        out["others_ms"] = out["others_ms"] + res[3] / 1e3
     return out
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["allgather_stats", "batch_sums", "ring_pass", "ring_stats"]
+__all__ = ["allgather_ranks", "allgather_stats", "batch_sums", "ring_pass", "ring_stats"]
 
 
 @njit(cache=True, inline="always")
@@ -404,4 +404,89 @@ def ring_pass(attn, other, host, idle, hop_us, tail_us, phi, slowdown):
         out[0, p] = a
         out[1, p] = _pairwise_sum(total_t) + tail_us[p] - a - p2p
         out[2, p] = p2p
+    return out
+
+
+@njit(cache=True)
+def allgather_ranks(
+    local, kv_rows, send_max, rows, hg, groups, qh, ag, rs, coll_host, fwd, bwd, train, d, e, c
+):
+    """The per-rank part of :func:`flashcp.sim.cost_model._allgather_phases` (the project's
+    all-gather op) for S plans: the same float64 operations in the same order, so the same
+    numbers to the bit (a maximum over ranks is exact in any order).
+
+    Args:
+        local, kv_rows: (S, N) float64 query and key rows per rank; send_max, rows (S,) float64;
+        hg, groups, qh: (S,) int64 KV heads per group, groups, query heads per group; ag, rs,
+        coll_host: (S,) float64 µs of one all-gather, one reduce-scatter, the host's collective
+        call (0 when nothing is sent); fwd, bwd: (3, S, N) float64 tile statistics; train: the
+        backward too; d, e: head_dim and dtype bytes; c: (9,) float64 profile constants
+        ``launch_us, copy_bw_gbps * 1e3, host_op_us, bwd_extra_kernels, fwd_cta_overhead_us,
+        fwd tile_us, bwd_cta_overhead_us, bwd tile_us, num_sms``.
+    Returns:
+        (4, S) float64: per plan the largest rank's forward attention and forward others, its
+        backward attention and backward others (µs; zeros without ``train``).
+    """
+    launch, copy_bw, host_op, extra_k = c[0], c[1], c[2], c[3]
+    f_cta, f_tile, b_cta, b_tile, sms = c[4], c[5], c[6], c[7], c[8]
+    s, n = local.shape
+    out = np.zeros((4, s))
+    for p in range(s):
+        g, h, k = groups[p], qh[p], hg[p]
+        kv_el = 2.0 * k * d
+        split = g > 1
+        fwd_ops = 5 + (3 if split else 0)
+        host_f = g * (coll_host[p] + host_op * (fwd_ops + 1))
+        send_b = send_max[p] * kv_el * e * 3
+        sends = 1 if send_max[p] > 0 else 0
+        bwd_ops = 11 + sends + (3 if split else 0)
+        host_b = g * (2 * coll_host[p] + host_op * (bwd_ops + 1))
+        gqa = h != k
+        launches = extra_k + (1 if gqa else 0)
+        grads_fixed = rows[p] * kv_el * 4
+        send_g = send_max[p] * kv_el * 12
+        fa = fo = ba = bo = -np.inf
+        for r in range(n):
+            lq, kv = local[p, r], kv_rows[p, r]
+            build = 4 * launch + (lq * kv_el * e * 2 + send_b) / copy_bw
+            keys = 1 * launch + (kv * kv_el * e * 2) / copy_bw
+            ctas = fwd[0, p, r]
+            fwd_k = 0.0
+            if ctas > 0:
+                spread = h * (ctas * f_cta + fwd[1, p, r] * f_tile) / sms
+                fwd_k = launch + max(spread, f_cta + fwd[2, p, r] * f_tile)
+            copies = build + keys
+            if split:
+                copies = copies + (3 * launch + (lq * h * d * e * 4) / copy_bw)
+            else:
+                copies = copies + 0.0
+            dev_f = g * (ag[p] + copies + fwd_k)
+            fa = max(fa, g * fwd_k)
+            fo = max(fo, g * copies + max(host_f - dev_f, 0.0))
+            if not train:
+                continue
+            nbytes = lq * h * (d * (3 * e + 8) + 4)
+            if gqa:
+                nbytes = nbytes + kv * 2 * d * e * (h + k)
+            extra = launches * launch + nbytes / copy_bw if lq > 0 else 0.0
+            ctas = bwd[0, p, r]
+            bwd_k = 0.0
+            if ctas > 0:
+                spread = h * (ctas * b_cta + bwd[1, p, r] * b_tile) / sms
+                bwd_k = launch + max(spread, b_cta + bwd[2, p, r] * b_tile)
+            bwd_k = bwd_k + extra
+            grads = (6 + sends) * launch + (
+                lq * h * d * e * 2 + grads_fixed + kv * kv_el * 12 + send_g + lq * kv_el * (4 + e)
+            ) / copy_bw
+            bcopies = build + keys + grads
+            if split:
+                bcopies = bcopies + (3 * launch + (lq * h * d * e * 2) / copy_bw)
+            else:
+                bcopies = bcopies + 0.0
+            dev_b = g * (ag[p] + bcopies + bwd_k + rs[p])
+            ba = max(ba, g * bwd_k)
+            bo = max(bo, g * bcopies + max(host_b - dev_b, 0.0))
+        out[0, p], out[1, p] = fa, fo
+        if train:
+            out[2, p], out[3, p] = ba, bo
     return out

@@ -169,12 +169,18 @@ def test_price_plans_equals_per_plan_compiled(compiled_mode, cp_size, monkeypatc
 @pytest.mark.parametrize("impl", ["ours", "ring_flash_attn"])
 @pytest.mark.parametrize("cp_size", [1, 2, 8, 16])
 def test_ring_pass_kernel_bitwise(impl, cp_size, monkeypatch):
-    """The compiled ring pass (flashcp.sim.price_kernels.ring_pass) returns NumPy's numbers to the
-    bit: its sums over the steps follow NumPy's pairwise order (every ring method, both impls,
-    with the host idling after stream syncs where ring-flash-attn has them)."""
+    """The compiled ring pass (flashcp.sim.price_kernels.ring_pass) and the op's per-step
+    formulas (ring_compute_ours; ring-flash-attn's stay in NumPy) return NumPy's numbers to the
+    bit: the pass's sums over the steps follow NumPy's pairwise order (every ring method, both
+    impls, with the host idling after stream syncs where ring-flash-attn has them)."""
     pytest.importorskip("numba")
     from flashcp import compiled
-    from flashcp.sim.cost_model import PlanBatch, _ring_pass_compiled, _stack_from_arrays
+    from flashcp.sim.cost_model import (
+        PlanBatch,
+        _ring_compute,
+        _ring_pass_compiled,
+        _stack_from_arrays,
+    )
     from flashcp.sim.impl import impl_ops
 
     monkeypatch.setenv("FLASHCP_COMPILED", "1")
@@ -194,7 +200,12 @@ def test_ring_pass_kernel_bitwise(impl, cp_size, monkeypatch):
             )  # fmt: skip
             hop = rng.random(len(plans)) * 50
             for shape in SHAPES:
-                for parts in (stack._ring_fwd_compute(shape), stack._ring_bwd_compute(shape)):
+                fwd, bwd = stack._ring_fwd_compute(shape), stack._ring_bwd_compute(shape)
+                for ref, backward in ((fwd, False), (bwd, True)):  # the op's compiled formulas
+                    got = _ring_compute(kernels, stack, shape, backward)
+                    for a, b in zip(got, ref, strict=True):
+                        np.testing.assert_array_equal(a, b)
+                for parts in (fwd, bwd):
                     for hop_us, tail_us in ((hop, 0.0), (hop + 3.0, hop), (0.0, 0.0)):
                         ref = stack._ring_pass(*parts, hop_us, tail_us)
                         got = _ring_pass_compiled(kernels, stack, *parts, hop_us, tail_us)

@@ -1070,10 +1070,10 @@ def _ring_phases(stack, shape: AttnShape, mode: str, p2p_bytes, fwd_p2p, p2p_us)
     fwd_p2p = np.asarray(fwd_p2p, dtype=np.float64)
     s = fwd_p2p.size
     fwd_hop = p2p_us(fwd_p2p / steps) if n > 1 else np.zeros(s)
+    kernels = compiled.load("price") if n <= 128 else None
     fwd = stack._fwd_memo.get(shape)
     if fwd is None:  # training and inference of one shape share the forward
-        fwd = stack._fwd_memo[shape] = stack._ring_fwd_compute(shape)
-    kernels = compiled.load("price") if n <= 128 else None
+        fwd = stack._fwd_memo[shape] = _ring_compute(kernels, stack, shape, False)
     ring_pass = stack._ring_pass if kernels is None else functools.partial(_ring_pass_compiled,
                                                                           kernels, stack)  # fmt: skip
     fa, fo, fp = ring_pass(*fwd, fwd_hop, 0.0)
@@ -1081,9 +1081,10 @@ def _ring_phases(stack, shape: AttnShape, mode: str, p2p_bytes, fwd_p2p, p2p_us)
     ba = bo = bp = zero
     if train and n > 1:
         grad_hop = p2p_us((np.asarray(p2p_bytes, dtype=np.float64) - 2 * fwd_p2p) / steps)
-        ba, bo, bp = ring_pass(*stack._ring_bwd_compute(shape), fwd_hop + grad_hop, grad_hop)
+        bwd = _ring_compute(kernels, stack, shape, True)
+        ba, bo, bp = ring_pass(*bwd, fwd_hop + grad_hop, grad_hop)
     elif train:
-        ba, bo, bp = ring_pass(*stack._ring_bwd_compute(shape), 0.0, 0.0)
+        ba, bo, bp = ring_pass(*_ring_compute(kernels, stack, shape, True), 0.0, 0.0)
     return {
         "allgather_ms": zero,
         "attn_fwd_ms": fa / 1e3,
@@ -1093,6 +1094,44 @@ def _ring_phases(stack, shape: AttnShape, mode: str, p2p_bytes, fwd_p2p, p2p_us)
         "alltoall_ms": zero,
         "others_ms": (fo + bo) / 1e3,
     }
+
+
+def _ring_compute(kernels, stack, shape: AttnShape, backward: bool):
+    """``stack._ring_fwd_compute(shape)`` (``_ring_bwd_compute`` when ``backward``) of a
+    :class:`_PlanCostStack`, by :func:`flashcp.sim.price_kernels.ring_compute_ours` (the same
+    numbers, to the bit) for the project's op, whose ImplOps the kernel assumes."""
+    ops = stack.ops
+    simple = (
+        kernels is not None
+        and stack.impl == "ours"
+        and not (ops.per_doc_host or ops.mask_syncs or ops.one_doc_views or ops.indexed_accum_ops)
+        and np.ndim(stack.q_rows) == 3
+    )
+    if not simple:
+        return stack._ring_bwd_compute(shape) if backward else stack._ring_fwd_compute(shape)
+    hw = stack.hw
+    d = shape.head_dim
+    stats = stack.bwd if backward else stack.fwd
+    consts = np.array([
+        hw.launch_us, hw.copy_bw_gbps * 1e3, hw.host_op_us,
+        hw.bwd_cta_overhead_us if backward else hw.fwd_cta_overhead_us,
+        tile_us(hw, d, backward), hw.num_sms,
+        hw.ring_step_bwd_us if backward else hw.ring_step_fwd_us,
+        hw.accum_bytes_eager if backward else getattr(hw, ops.merge_bytes),
+        ops.accum_ops if backward else ops.merge_ops, ops.half_gather_ops, hw.bwd_extra_kernels,
+    ], dtype=np.float64)  # fmt: skip
+    s = stack.q_rows.shape[0]
+    out = kernels.ring_compute_ours(
+        np.ascontiguousarray(stack.q_rows, dtype=np.float64),
+        np.ascontiguousarray(stack.kv_rows, dtype=np.float64),
+        np.ascontiguousarray(np.stack(stats), dtype=np.float64),
+        np.ascontiguousarray(stack.q_gather, dtype=np.bool_),
+        np.ascontiguousarray(stack.k_gather, dtype=np.bool_),
+        np.ascontiguousarray(np.broadcast_to(np.asarray(stack.local_tokens, np.float64), (s,))),
+        bool(stack.cuts_pad), backward, shape.num_heads, shape.num_kv_heads, d,
+        shape.dtype_bytes, consts,
+    )  # fmt: skip
+    return out[0], out[1], out[2], 0.0
 
 
 def _ring_pass_compiled(kernels, stack, attn, other, host, idle, hop_us, tail_us):

@@ -17,7 +17,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["allgather_ranks", "allgather_stats", "batch_sums", "ring_pass", "ring_stats"]
+__all__ = [
+    "allgather_ranks",
+    "allgather_stats",
+    "batch_sums",
+    "ring_compute_ours",
+    "ring_pass",
+    "ring_stats",
+]
 
 
 @njit(cache=True, inline="always")
@@ -489,4 +496,112 @@ def allgather_ranks(
         out[0, p], out[1, p] = fa, fo
         if train:
             out[2, p], out[3, p] = ba, bo
+    return out
+
+
+@njit(cache=True)
+def ring_compute_ours(
+    q_rows, kv_rows, stats, q_gather, k_gather, local_tokens, cut_ok, backward, h, hkv, d, e, c
+):
+    """:meth:`flashcp.sim.cost_model.PlanCost._ring_fwd_compute` (``backward`` False) or
+    ``_ring_bwd_compute`` of S stacked plans for the project's ring op (``impl="ours"``, its
+    ImplOps: no per-document host loop, no stream syncs, no views of halves, no indexed
+    accumulation): the same float64 operations in the same order, so the same numbers to the bit.
+
+    Args:
+        q_rows, kv_rows: (S, N, N) float64 ``[plan, t, r]``; stats: (3, S, N, N) float64 the
+            pass's tile statistics; q_gather, k_gather: (S, N, N) bool; local_tokens: (S,)
+            float64 C / N; cut_ok: the op cuts pad rows off (``PlanCost.cuts_pad``); h, hkv, d,
+            e: heads, KV heads, head_dim, dtype bytes; c: (11,) float64 ``launch_us,
+            copy_bw_gbps * 1e3, host_op_us, cta_overhead_us, tile_us, num_sms, ring_step_us,
+            merge_bytes_eager (forward) or accum_bytes_eager (backward), merge_ops or
+            accum_ops, half_gather_ops, bwd_extra_kernels``.
+    Returns:
+        (3, S, N, N) float64: attention, other ops' device and host µs (the device never idles).
+    """
+    launch, copy_bw, host_op, cta, tile, sms = c[0], c[1], c[2], c[3], c[4], c[5]
+    step_us, op_bytes, base_ops, half_ops, extra_k = c[6], c[7], c[8], c[9], c[10]
+    s, n = q_rows.shape[0], q_rows.shape[1]
+    out = np.empty((3, s, n, n))
+    for p in range(s):
+        block = -np.inf
+        for r in range(n):
+            block = max(block, q_rows[p, 0, r])
+        local = local_tokens[p]
+        cut = 1 if (block < local) and cut_ok else 0
+        rows = block + local
+        for t in range(n):
+            for r in range(n):
+                q, kv = q_rows[p, t, r], kv_rows[p, t, r]
+                q0 = q_rows[p, 0, r]
+                work = q > 0
+                launched = work or t == 0
+                ctas = stats[0, p, t, r]
+                attn = 0.0
+                if ctas > 0:
+                    spread = h * (ctas * cta + stats[1, p, t, r] * tile) / sms
+                    attn = launch + max(spread, cta + stats[2, p, t, r] * tile)
+                gq, gk = q_gather[p, t, r], k_gather[p, t, r]
+                if not backward:
+                    empty = launch if launched and ctas == 0 else 0.0
+                    attn = attn + empty
+                    out_el = q * h * d
+                    local_el = q0 * h * d
+                    n_ops = (base_ops if work else 0) + (4 if gq else 0) + (half_ops if gk else 0)
+                    nbytes = (out_el * op_bytes if work else 0.0) + (16.0 * out_el if gq else 0.0)
+                    nbytes = nbytes + (2.0 * kv * hkv * d * 2 * e if gk else 0.0)
+                    n_ops = n_ops + (1 if gq else 0)
+                    nbytes = nbytes + (out_el * 2 * e if gq else 0.0)
+                    if t == 0:
+                        n_ops += 3
+                        nbytes = nbytes + (local_el * 4 + q0 * (h * 4 + 4 * hkv * d * e))
+                    if t == n - 1:
+                        n_ops += 1
+                        nbytes = nbytes + local_el * (4 + e)
+                        n_ops += cut
+                        nbytes = nbytes + cut * rows * h * d * e
+                else:
+                    extra = 0.0
+                    if q > 0:
+                        nb = q * h * (d * (3 * e + 8) + 4)
+                        launches = extra_k
+                        if h != hkv:
+                            nb = nb + kv * 2 * d * e * (h + hkv)
+                            launches += 1
+                        extra = launches * launch + nb / copy_bw
+                    empty = launch if launched and ctas == 0 else 0.0
+                    attn = attn + extra + empty
+                    q_el = q * h * d
+                    kv_el = 2.0 * kv * hkv * d
+                    local_q = q0 * h * d
+                    local_kv = 2.0 * q0 * hkv * d
+                    n_ops = (base_ops if work else 0) + (half_ops if gk else 0)
+                    nbytes = (q_el + kv_el) * op_bytes if work else 0.0
+                    nbytes = nbytes + (kv_el * 2 * e if gk else 0.0)
+                    lse_b = q * h * 4 * 2.0
+                    part_q = work and q < q0 and t != 0
+                    sliced = part_q and not gq
+                    combine = work and t >= 2
+                    idle_zero = (not work) and t == 1
+                    n_ops = (
+                        n_ops + 4 * (1 if gq else 0) + (1 if sliced else 0) + (1 if work else 0)
+                        + (1 if combine else 0) + (1 if idle_zero else 0)
+                    )  # fmt: skip
+                    nbytes = nbytes + (3.0 * q_el * 2 * e + lse_b if gq else 0.0)
+                    nbytes = nbytes + (lse_b if sliced else 0.0)
+                    nbytes = nbytes + local_kv * (
+                        (4.0 if work else 0.0) + (12.0 if combine else 0.0)
+                        + (4.0 if idle_zero else 0.0)
+                    )  # fmt: skip
+                    if t == 0:
+                        n_ops += 2
+                        nbytes = nbytes + (local_q * 4 + local_kv * 2 * e)
+                    if t == n - 1:
+                        n_ops += 3
+                        nbytes = nbytes + (local_q + local_kv) * (4 + e)
+                        n_ops += 3 * cut
+                        nbytes = nbytes + cut * rows * (h + 2 * hkv) * d * e
+                out[0, p, t, r] = attn
+                out[1, p, t, r] = n_ops * launch + nbytes / copy_bw if n_ops > 0 else 0.0
+                out[2, p, t, r] = step_us + host_op * ((1 if launched else 0) + n_ops)
     return out

@@ -1388,7 +1388,7 @@ def _busbw_fraction_v(hw: HardwareProfile, total_bytes, op: str | None = None) -
     pos = tb > 0
     x = np.log(np.where(pos, tb, 1.0))
     i = np.searchsorted(xs, x, side="right")
-    j = np.clip(i, 1, xs.size - 1)
+    j = np.minimum(np.maximum(i, 1), xs.size - 1)  # np.clip, without its wrapper's cost
     w = (x - xs[j - 1]) / (xs[j] - xs[j - 1])
     y = ys[j - 1] + w * (ys[j] - ys[j - 1])
     y = np.where(i == 0, ys[0], np.where(i == xs.size, ys[-1], y))
@@ -1671,6 +1671,12 @@ class PlanBatch:
         """:func:`flashcp.comm.comm_volume` of every plan: (S,) int64 per column of
         ``COMM_COLUMNS``. This batch holds the plans across head-parallel groups (the group plans
         when ``u`` > 1, ``cp_size`` the original plans' N)."""
+        key = ("volumes", comm_kind, shape, mode, u, cp_size)
+        if key not in self._stats:
+            self._stats[key] = self._volumes(comm_kind, shape, mode, u, cp_size)
+        return dict(self._stats[key])
+
+    def _volumes(self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int):
         from flashcp.comm import alltoall_bytes
         from flashcp.head_parallel import ulysses_heads
         from flashcp.plan import kv_bytes

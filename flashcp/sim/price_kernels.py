@@ -1,15 +1,19 @@
-"""numba kernels of the batched step model (:class:`flashcp.sim.cost_model.PlanBatch`): every
-plan's tile statistics in one pass over its shards (:mod:`flashcp.compiled` says when they are
-used).
+"""numba kernels of the batched step model (:class:`flashcp.sim.cost_model.PlanBatch`,
+:func:`flashcp.sim.cost_model.price_plans`; :mod:`flashcp.compiled` says when they are used):
+every plan's per-rank sums and tile statistics in one pass over its shards (:func:`batch_sums`,
+:func:`allgather_stats`, :func:`ring_stats`), and the phase formulas that run on every (plan,
+step, rank): the project's ring op per step (:func:`ring_compute_ours`), a ring pass
+(:func:`ring_pass`) and the all-gather op per rank (:func:`allgather_ranks`).
 
 Each kernel computes exactly what the NumPy code it stands in for computes (the reference:
-:meth:`PlanBatch._ring_stats` and :meth:`PlanBatch.allgather` with
-:func:`flashcp.sim.kernel.fwd_tile_counts` / :func:`~flashcp.sim.kernel.bwd_tile_counts`): the
-same float64 formulas on the same integer-valued operands, and sums and maxima of integers below
-2**53, which are exact in any order; ``tests/test_price_batch.py`` compares them. Arrays are the
-batch's concatenated (n_shards,) int64 columns ``rank, doc, start, length`` (each plan's ranks
-sorted), with ``off`` (S + 1,) int64 the first shard of each plan and ``nd`` (S,) int64 its
-documents.
+:class:`PlanBatch`'s ``_ring_stats_reference`` and ``allgather``, :func:`flashcp.sim.kernel`'s
+tile counts, :class:`~flashcp.sim.cost_model.PlanCost`'s ring methods and ``_allgather_phases``):
+tile counts as exact integers (equal to the float64 closed forms for lengths below 2**40), sums
+and maxima of integers below 2**53 (exact in any order), the phase formulas as the same float64
+operations in the same order, sums over ring steps in NumPy's pairwise order; so the numbers are
+the same to the bit (``tests/test_price_batch.py``). Arrays are the batch's concatenated
+(n_shards,) int64 columns ``rank, doc, start, length`` (each plan's ranks sorted), with ``off``
+(S + 1,) int64 the first shard of each plan and ``nd`` (S,) int64 its documents.
 """
 
 from __future__ import annotations

@@ -79,6 +79,9 @@ times are computed over arrays of plans, and the step formulas run on (S, N) (al
 :func:`_allgather_phases`) or (S, N, N) arrays (ring family: :class:`PlanCost`'s ring methods work
 on any leading axes). The per-plan path (:class:`PlanCost`, :func:`simulate`) is the reference it
 is tested against (1e-12); :func:`step_many` prices a list of built :class:`PlanCost` objects.
+Where numba runs (:mod:`flashcp.compiled`), the batch's per-rank sums and tile statistics, the
+ring family's per-step formulas and pass and the all-gather op's per-rank formulas run as the
+kernels of :mod:`flashcp.sim.price_kernels`, which return the NumPy path's numbers to the bit.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ The planners and :class:`~flashcp.plan.Plan` have two implementations of their h
 readable NumPy / pure-Python one (the reference: the paper's Algorithm 1 in
 :mod:`flashcp.heuristic`, the checks in :meth:`flashcp.plan.Plan.validate`), and numba kernels
 that compute the same plans, bit for bit, in microseconds (:mod:`flashcp.plan_kernels`,
-:mod:`flashcp.heuristic_compiled`, :mod:`flashcp.refined_compiled`). The kernels are used when numba can be imported; without it
+:mod:`flashcp.heuristic_compiled`, :mod:`flashcp.refined_compiled`; the batched step model's tile
+statistics in :mod:`flashcp.sim.price_kernels`). The kernels are used when numba can be imported; without it
 (e.g. on an image that lacks numba) every caller falls back to the reference, with identical
 results.
 
@@ -43,6 +44,7 @@ _MODULES = {
     "plan": "flashcp.plan_kernels",
     "heuristic": "flashcp.heuristic_compiled",
     "refined": "flashcp.refined_compiled",
+    "price": "flashcp.sim.price_kernels",
 }
 
 
@@ -74,7 +76,7 @@ def enabled() -> bool:
 
 
 def load(name: str) -> ModuleType | None:
-    """The kernels module ``name`` (``"plan"``, ``"heuristic"`` or ``"refined"``), or None: the
+    """The kernels module ``name`` (``"plan"``, ``"heuristic"``, ``"refined"`` or ``"price"``), or None: the
     caller then runs its reference implementation (same results). None when the kernels are off
     (:func:`enabled`) and, in ``auto`` mode, for the first :data:`WARMUP_CALLS` requests.
 

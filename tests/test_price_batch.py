@@ -97,3 +97,131 @@ def test_price_plans_errors():
         price_plans([plan], SHAPES, MODES, HWS, comm_kind="bogus")
     empty = price_plans([], SHAPES, MODES, HWS)
     assert empty["total_ms"].shape == (2, 2, 2, 0)
+
+
+#: many-piece layouts (per_doc, zigzag: 2N pieces per document), the other ring and all-gather
+#: methods, and the hybrids (their group plans run the inner ring or all-gather)
+KERNEL_METHODS = ["per_doc", "zigzag", "ring", "llama3", "flashcp", "usp", "flashcp_ulysses"]
+
+
+def _batches(plans):
+    """The PlanBatch a plan group is priced from (the hybrids': their group plans)."""
+    import dataclasses
+
+    from flashcp.sim.cost_model import PlanBatch
+
+    if plans[0].ulysses_degree > 1:
+        inner = "zigzag" if plans[0].method == "usp" else "flashcp"
+        groups = [dataclasses.replace(p.group_plan(), method=inner) for p in plans]
+        return [PlanBatch(groups, hybrid_inner=True)]
+    return [PlanBatch(plans)]
+
+
+def _flat(stats) -> list[np.ndarray]:
+    """Every array of a statistics tuple (TileStats flattened)."""
+    return [np.asarray(a) for y in stats for a in (y if isinstance(y, tuple) else (y,))]
+
+
+@pytest.mark.parametrize("method", KERNEL_METHODS)
+@pytest.mark.parametrize("cp_size", [2, 4, 8, 16])
+def test_price_kernels_equal_reference(method, cp_size, monkeypatch):
+    """The compiled tile statistics (flashcp.sim.price_kernels) equal the NumPy reference's
+    exactly: the per-rank sums, every ring statistic and gather mask, every all-gather statistic
+    (pad included)."""
+    pytest.importorskip("numba")
+    from flashcp import compiled
+    from flashcp.sim.cost_model import PlanBatch
+
+    monkeypatch.setenv("FLASHCP_COMPILED", "1")
+    assert compiled.load("price") is not None
+
+    plans = _plans(method, cp_size, 6, seed=20 + cp_size)
+    for hw in HWS:
+        for batch in _batches(plans):
+            monkeypatch.setenv("FLASHCP_COMPILED", "1")
+            fast = PlanBatch(batch.plans, hybrid_inner=batch.hybrid_inner)
+            fast_ring, fast_ag = fast._ring_stats(hw), fast.allgather(hw)
+            monkeypatch.setenv("FLASHCP_COMPILED", "0")
+            ref = PlanBatch(batch.plans, hybrid_inner=batch.hybrid_inner)
+            ref_ring, ref_ag = ref._ring_stats(hw), ref.allgather(hw)
+            for name in ("q_rows", "send_rows", "context_len", "tokens_full", "tokens_sharded"):
+                a, b = getattr(fast, name), getattr(ref, name)
+                assert a.dtype == b.dtype and a.shape == b.shape, name
+                np.testing.assert_array_equal(a, b, err_msg=name)
+            for got, ref in ((fast_ring, ref_ring), (fast_ag, ref_ag)):
+                for a, b in zip(_flat(got), _flat(ref), strict=True):
+                    assert a.dtype == b.dtype and a.shape == b.shape
+                    np.testing.assert_array_equal(a, b, err_msg=f"{method} cp {cp_size} {hw.name}")
+
+
+@pytest.mark.parametrize("compiled_mode", ["0", "1"])
+@pytest.mark.parametrize("cp_size", [2, 16])
+def test_price_plans_equals_per_plan_compiled(compiled_mode, cp_size, monkeypatch):
+    """price_plans with and without the compiled statistics equals the per-plan path, at the CP
+    sizes the main test leaves out, for the many-piece layouts and the hybrids."""
+    if compiled_mode == "1":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("FLASHCP_COMPILED", compiled_mode)
+    plans = [p for m in KERNEL_METHODS for p in _plans(m, cp_size, 2, seed=30 + cp_size)]
+    _check(plans, hws=HWS[:1])
+
+
+@pytest.mark.parametrize("impl", ["ours", "ring_flash_attn"])
+@pytest.mark.parametrize("cp_size", [1, 2, 8, 16])
+def test_ring_pass_kernel_bitwise(impl, cp_size, monkeypatch):
+    """The compiled ring pass (flashcp.sim.price_kernels.ring_pass) and the op's per-step
+    formulas (ring_compute_ours; ring-flash-attn's stay in NumPy) return NumPy's numbers to the
+    bit: the pass's sums over the steps follow NumPy's pairwise order (every ring method, both
+    impls, with the host idling after stream syncs where ring-flash-attn has them)."""
+    pytest.importorskip("numba")
+    from flashcp import compiled
+    from flashcp.sim.cost_model import (
+        PlanBatch,
+        _ring_compute,
+        _ring_pass_compiled,
+        _stack_from_arrays,
+    )
+    from flashcp.sim.impl import impl_ops
+
+    monkeypatch.setenv("FLASHCP_COMPILED", "1")
+    kernels = compiled.load("price")
+    rng = np.random.default_rng(cp_size)
+    for method in ("ring", "zigzag"):
+        if impl == "ours":
+            plans = _plans(method, cp_size, 4, seed=40 + cp_size)
+        else:
+            plans = [impl_plan(method, impl, _doc_lens(rng, 16384), cp_size)[0] for _ in range(4)]
+        batch = PlanBatch(plans)
+        for hw in HWS:
+            n = batch.n
+            stack = _stack_from_arrays(
+                hw, "p2p_ring", impl, n, impl_ops(impl, method), batch.ndocs,
+                batch.context_len // n, *batch.ring(hw),
+            )  # fmt: skip
+            hop = rng.random(len(plans)) * 50
+            for shape in SHAPES:
+                fwd, bwd = stack._ring_fwd_compute(shape), stack._ring_bwd_compute(shape)
+                for ref, backward in ((fwd, False), (bwd, True)):  # the op's compiled formulas
+                    got = _ring_compute(kernels, stack, shape, backward)
+                    for a, b in zip(got, ref, strict=True):
+                        np.testing.assert_array_equal(a, b)
+                for parts in (fwd, bwd):
+                    for hop_us, tail_us in ((hop, 0.0), (hop + 3.0, hop), (0.0, 0.0)):
+                        ref = stack._ring_pass(*parts, hop_us, tail_us)
+                        got = _ring_pass_compiled(kernels, stack, *parts, hop_us, tail_us)
+                        for a, b in zip(got, ref, strict=True):
+                            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4, 8, 16])
+def test_price_plans_compiled_bitwise(cp_size, monkeypatch):
+    """price_plans with the compiled kernels (statistics, ring pass, the all-gather op's
+    per-rank part) returns the NumPy path's numbers to the bit, every column, both profiles."""
+    pytest.importorskip("numba")
+    plans = [p for m in METHODS for p in _plans(m, cp_size, 2, seed=50 + cp_size)]
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FLASHCP_COMPILED", mode)
+        got[mode] = price_plans(plans, SHAPES, MODES, HWS)
+    for col in got["0"]:
+        np.testing.assert_array_equal(got["1"][col], got["0"][col], err_msg=col)

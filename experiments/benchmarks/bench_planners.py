@@ -12,7 +12,8 @@ the default implementation (plans per second = 1000 / median ms) and the simulat
 (plan, shape, mode).
 Then the pricing time per plan for both modes and both head counts, the per-plan step model
 against one batched call over all the sampled plans (:func:`flashcp.sim.cost_model.price_plans`;
-goal <= 20 µs per plan).
+goal <= 20 µs per plan), its tile statistics in NumPy and compiled (``--pricing-only`` times only
+this).
 Then runs the Fig. 5 sweep exactly as a user does (``flashcp-run -m experiment=fig5
 num_sequences=<n>`` in a subprocess, into a temporary folder: 3 datasets x 5 methods x CP 4/8 x
 16/32 heads x train/infer) and prints its wall time with the breakdown the jobs log: sampling,
@@ -123,7 +124,14 @@ def main() -> None:
     ap.add_argument(
         "--sweep-only", action="store_true", help="time only the Fig. 5 sweep, not the planners"
     )
+    ap.add_argument("--pricing-only", action="store_true", help="time only the pricing per plan")
+    ap.add_argument(
+        "--pricing-repeats", type=int, default=5, help="batched pricing runs (the median is shown)"
+    )
     args = ap.parse_args()
+    if args.pricing_only:
+        time_pricing(args)
+        return
     if not args.sweep_only:
         compare_planners(args)
         time_planners(args)
@@ -214,14 +222,20 @@ def _goal(value: float, goal: float) -> str:
 def time_pricing(args: argparse.Namespace) -> None:
     """Pricing time per plan, both modes x both head counts (the Fig. 5 runs of one plan):
     the per-plan step model (:func:`flashcp.sim.simulate_many`, one plan at a time) against
-    one batched call over all sampled plans (:func:`flashcp.sim.cost_model.price_plans`), CPU µs
-    (process time: the least inflated by other processes on a shared machine)."""
+    one batched call over all sampled plans (:func:`flashcp.sim.cost_model.price_plans`), with
+    the tile statistics in NumPy (``FLASHCP_COMPILED=0``, as without numba) and compiled
+    (:mod:`flashcp.sim.price_kernels`), the two alternating in the same process; CPU µs
+    (process time: the least inflated by other processes on a shared machine), the median of
+    ``--pricing-repeats`` batched runs."""
     hw = load_hardware("h100_sxm")
     shapes = [AttnShape(16, 16, 128, "bfloat16"), AttnShape(32, 32, 128, "bfloat16")]
     modes = ["train", "infer"]
     print(f"\npricing per plan, 2 modes x 2 head counts ({args.sequences} sequences x "
-          f"{len(DATASETS)} datasets; goal <= {PRICE_GOAL_US:g} us batched)")  # fmt: skip
-    print(f"{'method':<10} {'cp':>3} {'per_plan_us':>12} {'batched_us':>11} {'speedup':>8} goal")
+          f"{len(DATASETS)} datasets; goal <= {PRICE_GOAL_US:g} us batched; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; compiled statistics: "
+          f"{'on' if compiled.enabled() else 'NOT AVAILABLE'})")  # fmt: skip
+    print(f"{'method':<10} {'cp':>3} {'per_plan_us':>12} {'numpy_us':>9} {'compiled_us':>12} "
+          f"{'speedup':>8} goal")  # fmt: skip
     seqs = [
         d
         for ds in DATASETS
@@ -230,22 +244,30 @@ def time_pricing(args: argparse.Namespace) -> None:
         )
     ]
     batched_all = []
+    with mock.patch.dict(os.environ, {"FLASHCP_COMPILED": "1"}):
+        price_plans([get_planner("zigzag")(seqs[0], 4)], shapes, modes, [hw])  # load the kernels
     for method, cp in itertools.product(METHODS, (4, 8)):
         planner = get_planner(method)
         plans = [planner(d, cp) for d in seqs]
         t0 = time.process_time()
         for p in plans:
             simulate_many(p, shapes, modes, hw)
-        t1 = time.process_time()
-        price_plans(plans, shapes, modes, [hw])
-        t2 = time.process_time()
-        ref, fast = (t1 - t0) * 1e6 / len(plans), (t2 - t1) * 1e6 / len(plans)
+        ref = (time.process_time() - t0) * 1e6 / len(plans)
+        runs: dict[str, list[float]] = {"0": [], "1": []}
+        for _ in range(max(args.pricing_repeats, 1)):
+            for mode in runs:
+                with mock.patch.dict(os.environ, {"FLASHCP_COMPILED": mode}):
+                    t0 = time.process_time()
+                    price_plans(plans, shapes, modes, [hw])
+                    runs[mode].append((time.process_time() - t0) * 1e6 / len(plans))
+        numpy_us, fast = float(np.median(runs["0"])), float(np.median(runs["1"]))
         batched_all.append(fast)
-        print(f"{method:<10} {cp:>3} {ref:>12.1f} {fast:>11.1f} {ref / fast:>7.1f}x "
-              f"{_goal(fast, PRICE_GOAL_US)}")  # fmt: skip
+        print(f"{method:<10} {cp:>3} {ref:>12.1f} {numpy_us:>9.1f} {fast:>12.1f} "
+              f"{ref / fast:>7.1f}x {_goal(fast, PRICE_GOAL_US)}")  # fmt: skip
     mean = float(np.mean(batched_all))
     print(f"mean batched pricing over the Fig. 5 methods: {mean:.1f} us per plan "
-          f"(goal <= {PRICE_GOAL_US:g}: {_goal(mean, PRICE_GOAL_US)})")  # fmt: skip
+          f"(goal <= {PRICE_GOAL_US:g}: {_goal(mean, PRICE_GOAL_US)}; load average after "
+          f"{os.getloadavg()[0]:.1f})")  # fmt: skip
 
 
 def time_fig5(args: argparse.Namespace) -> None:

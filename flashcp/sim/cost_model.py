@@ -79,6 +79,9 @@ times are computed over arrays of plans, and the step formulas run on (S, N) (al
 :func:`_allgather_phases`) or (S, N, N) arrays (ring family: :class:`PlanCost`'s ring methods work
 on any leading axes). The per-plan path (:class:`PlanCost`, :func:`simulate`) is the reference it
 is tested against (1e-12); :func:`step_many` prices a list of built :class:`PlanCost` objects.
+Where numba runs (:mod:`flashcp.compiled`), the batch's per-rank sums and tile statistics, the
+ring family's per-step formulas and pass and the all-gather op's per-rank formulas run as the
+kernels of :mod:`flashcp.sim.price_kernels`, which return the NumPy path's numbers to the bit.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from flashcp import compiled
 from flashcp.comm import AttnShape, check_mode, comm_volume, grad_comm_bytes
 from flashcp.head_parallel import one_group_documents
 from flashcp.plan import Plan, cu_seqlens
@@ -98,7 +102,14 @@ from flashcp.registry import COMM_KIND
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim.hardware import HardwareProfile, load_hardware
 from flashcp.sim.impl import AG_GROUP_BUDGET_BYTES, RFA_HEADS_K_STRIDE, check_impl, impl_ops
-from flashcp.sim.kernel import TileStats, bwd_extra_us, bwd_tile_counts, fwd_tile_counts, kernel_us
+from flashcp.sim.kernel import (
+    TileStats,
+    bwd_extra_us,
+    bwd_tile_counts,
+    fwd_tile_counts,
+    kernel_us,
+    tile_us,
+)
 
 __all__ = [
     "COMM_KINDS", "PlanBatch", "PlanCost", "attention_balance", "overlap_us", "price_plans",
@@ -106,6 +117,9 @@ __all__ = [
 ]  # fmt: skip
 
 COMM_KINDS = ("allgather_full", "allgather_sharded", "p2p_ring", "alltoall")
+#: the largest cp_size the compiled ring statistics take (runs of shards as int64 bit masks
+#: over the ranks); larger ones run the NumPy reference
+RING_KERNEL_MAX_N = 62
 
 
 def _check_comm_kind(plan: Plan, comm_kind: str | None) -> str:
@@ -1083,17 +1097,21 @@ def _ring_phases(stack, shape: AttnShape, mode: str, p2p_bytes, fwd_p2p, p2p_us)
     fwd_p2p = np.asarray(fwd_p2p, dtype=np.float64)
     s = fwd_p2p.size
     fwd_hop = p2p_us(fwd_p2p / steps) if n > 1 else np.zeros(s)
+    kernels = compiled.load("price") if n <= 128 else None
     fwd = stack._fwd_memo.get(shape)
     if fwd is None:  # training and inference of one shape share the forward
-        fwd = stack._fwd_memo[shape] = stack._ring_fwd_compute(shape)
-    fa, fo, fp = stack._ring_pass(*fwd, fwd_hop, 0.0)
+        fwd = stack._fwd_memo[shape] = _ring_compute(kernels, stack, shape, False)
+    ring_pass = stack._ring_pass if kernels is None else functools.partial(_ring_pass_compiled,
+                                                                          kernels, stack)  # fmt: skip
+    fa, fo, fp = ring_pass(*fwd, fwd_hop, 0.0)
     zero = np.zeros(s)
     ba = bo = bp = zero
     if train and n > 1:
         grad_hop = p2p_us((np.asarray(p2p_bytes, dtype=np.float64) - 2 * fwd_p2p) / steps)
-        ba, bo, bp = stack._ring_pass(*stack._ring_bwd_compute(shape), fwd_hop + grad_hop, grad_hop)
+        bwd = _ring_compute(kernels, stack, shape, True)
+        ba, bo, bp = ring_pass(*bwd, fwd_hop + grad_hop, grad_hop)
     elif train:
-        ba, bo, bp = stack._ring_pass(*stack._ring_bwd_compute(shape), 0.0, 0.0)
+        ba, bo, bp = ring_pass(*_ring_compute(kernels, stack, shape, True), 0.0, 0.0)
     return {
         "allgather_ms": zero,
         "attn_fwd_ms": fa / 1e3,
@@ -1103,6 +1121,63 @@ def _ring_phases(stack, shape: AttnShape, mode: str, p2p_bytes, fwd_p2p, p2p_us)
         "alltoall_ms": zero,
         "others_ms": (fo + bo) / 1e3,
     }
+
+
+def _ring_compute(kernels, stack, shape: AttnShape, backward: bool):
+    """``stack._ring_fwd_compute(shape)`` (``_ring_bwd_compute`` when ``backward``) of a
+    :class:`_PlanCostStack`, by :func:`flashcp.sim.price_kernels.ring_compute_ours` (the same
+    numbers, to the bit) for the project's op, whose ImplOps the kernel assumes."""
+    ops = stack.ops
+    simple = (
+        kernels is not None
+        and stack.impl == "ours"
+        and not (ops.per_doc_host or ops.mask_syncs or ops.one_doc_views or ops.indexed_accum_ops)
+        and np.ndim(stack.q_rows) == 3
+    )
+    if not simple:
+        return stack._ring_bwd_compute(shape) if backward else stack._ring_fwd_compute(shape)
+    hw = stack.hw
+    d = shape.head_dim
+    stats = stack.bwd if backward else stack.fwd
+    consts = np.array([
+        hw.launch_us, hw.copy_bw_gbps * 1e3, hw.host_op_us,
+        hw.bwd_cta_overhead_us if backward else hw.fwd_cta_overhead_us,
+        tile_us(hw, d, backward), hw.num_sms,
+        hw.ring_step_bwd_us if backward else hw.ring_step_fwd_us,
+        hw.accum_bytes_eager if backward else getattr(hw, ops.merge_bytes),
+        ops.accum_ops if backward else ops.merge_ops, ops.half_gather_ops, hw.bwd_extra_kernels,
+    ], dtype=np.float64)  # fmt: skip
+    s = stack.q_rows.shape[0]
+    out = kernels.ring_compute_ours(
+        np.ascontiguousarray(stack.q_rows, dtype=np.float64),
+        np.ascontiguousarray(stack.kv_rows, dtype=np.float64),
+        np.ascontiguousarray(np.stack(stats), dtype=np.float64),
+        np.ascontiguousarray(stack.q_gather, dtype=np.bool_),
+        np.ascontiguousarray(stack.k_gather, dtype=np.bool_),
+        np.ascontiguousarray(np.broadcast_to(np.asarray(stack.local_tokens, np.float64), (s,))),
+        bool(stack.cuts_pad), backward, shape.num_heads, shape.num_kv_heads, d,
+        shape.dtype_bytes, consts,
+    )  # fmt: skip
+    return out[0], out[1], out[2], 0.0
+
+
+def _ring_pass_compiled(kernels, stack, attn, other, host, idle, hop_us, tail_us):
+    """:meth:`PlanCost._ring_pass` of a :class:`_PlanCostStack`'s (S, N, N) arrays by
+    :func:`flashcp.sim.price_kernels.ring_pass` (the same numbers, to the bit)."""
+    s = attn.shape[0]
+
+    def dense(x):
+        return np.ascontiguousarray(np.broadcast_to(np.asarray(x, dtype=np.float64), attn.shape))
+
+    def per_plan(x):
+        return np.ascontiguousarray(np.broadcast_to(np.asarray(x, dtype=np.float64), (s,)))
+
+    hw = stack.hw
+    out = kernels.ring_pass(
+        dense(attn), dense(other), dense(host), dense(idle), per_plan(hop_us), per_plan(tail_us),
+        float(hw.overlap_fraction), float(hw.nccl_slowdown),
+    )  # fmt: skip
+    return out[0], out[1], out[2]
 
 
 def _step_allgather_batch(
@@ -1160,6 +1235,12 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
     ag_bytes = vol["allgather_bytes"] / n_ag / groups
     ag = coll(ag_bytes, ag_bytes * total_scale, hw.allgather_busbw_gbps, "all_gather")
     c_ = lambda a: a[:, None]  # noqa: E731  (S,) -> (S, 1)
+    kernels = compiled.load("price")
+    if kernels is not None:
+        return _allgather_phases_compiled(
+            kernels, hw, rows, hg, groups, qh, ag, ag_bytes, local, kv_rows, send_max, fwd, bwd,
+            shape, train, vol, coll, total_scale,
+        )  # fmt: skip
     kv_el = 2.0 * hg * d
     build = op_us(4, local * c_(kv_el) * e * 2 + c_(send_max * kv_el * e * 3))
     keys = op_us(1, kv_rows * c_(kv_el) * e * 2)
@@ -1214,6 +1295,55 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
             out["others_ms"]
             + (c_(groups) * bwd_copies + np.maximum(c_(host_b) - dev_b, 0.0)).max(axis=1) / 1e3
         )
+    return out
+
+
+def _allgather_phases_compiled(
+    kernels, hw, rows, hg, groups, qh, ag, ag_bytes, local, kv_rows, send_max, fwd, bwd, shape,
+    train, vol, coll, total_scale,
+):  # fmt: skip
+    """:func:`_allgather_phases` with its per-rank part in
+    :func:`flashcp.sim.price_kernels.allgather_ranks` (the same numbers, to the bit); the
+    per-plan collective times stay here."""
+    s = len(send_max)
+    zero = np.zeros(s)
+    rs = zero
+    if train:
+        rs_bytes = vol["reducescatter_bytes"] / groups
+        rs = coll(rs_bytes, rs_bytes * total_scale, hw.reducescatter_busbw_gbps, "reduce_scatter")
+    coll_host = np.where(ag_bytes > 0, hw.collective_host_us, 0.0)
+    d = shape.head_dim
+    consts = np.array([
+        hw.launch_us, hw.copy_bw_gbps * 1e3, hw.host_op_us, hw.bwd_extra_kernels,
+        hw.fwd_cta_overhead_us, tile_us(hw, d, False), hw.bwd_cta_overhead_us,
+        tile_us(hw, d, True), hw.num_sms,
+    ], dtype=np.float64)  # fmt: skip
+
+    def f64(x):
+        return np.ascontiguousarray(x, dtype=np.float64)
+
+    def i64(x):
+        return np.ascontiguousarray(x, dtype=np.int64)
+
+    res = kernels.allgather_ranks(
+        f64(local), f64(kv_rows), f64(send_max), f64(rows), i64(hg), i64(groups), i64(qh),
+        f64(np.broadcast_to(ag, (s,))), f64(np.broadcast_to(rs, (s,))), f64(coll_host),
+        f64(np.stack(fwd)), f64(np.stack(bwd)), train, d, shape.dtype_bytes, consts,
+    )  # fmt: skip
+    out = {
+        "allgather_ms": groups * ag / 1e3,
+        "attn_fwd_ms": res[0] / 1e3,
+        "attn_bwd_ms": zero,
+        "reducescatter_ms": zero,
+        "p2p_ms": zero,
+        "alltoall_ms": zero,
+        "others_ms": res[1] / 1e3,
+    }
+    if train:
+        out["allgather_ms"] = out["allgather_ms"] + groups * ag / 1e3
+        out["attn_bwd_ms"] = res[2] / 1e3
+        out["reducescatter_ms"] = groups * rs / 1e3
+        out["others_ms"] = out["others_ms"] + res[3] / 1e3
     return out
 
 
@@ -1285,7 +1415,7 @@ def _busbw_fraction_v(hw: HardwareProfile, total_bytes, op: str | None = None) -
     pos = tb > 0
     x = np.log(np.where(pos, tb, 1.0))
     i = np.searchsorted(xs, x, side="right")
-    j = np.clip(i, 1, xs.size - 1)
+    j = np.minimum(np.maximum(i, 1), xs.size - 1)  # np.clip, without its wrapper's cost
     w = (x - xs[j - 1]) / (xs[j] - xs[j - 1])
     y = ys[j - 1] + w * (ys[j] - ys[j - 1])
     y = np.where(i == 0, ys[0], np.where(i == xs.size, ys[-1], y))
@@ -1344,28 +1474,56 @@ class PlanBatch:
         self.s, self.n = s, n
         self._inner: PlanBatch | None = None
         counts = np.fromiter((p.rank.size for p in plans), np.int64, s)
+        self.off = np.zeros(s + 1, dtype=np.int64)  # the first shard of each plan
+        np.cumsum(counts, out=self.off[1:])
         self.ndocs = np.fromiter((p.doc_lens.size for p in plans), np.int64, s)
-        cat = np.concatenate
-        self.rank = cat([p.rank for p in plans]).astype(np.int64, copy=False)
-        self.doc = cat([p.doc for p in plans]).astype(np.int64, copy=False)
-        self.start = cat([p.start for p in plans]).astype(np.int64, copy=False)
-        self.length = cat([p.length for p in plans]).astype(np.int64, copy=False)
-        self.doc_lens = cat([p.doc_lens for p in plans]).astype(np.int64, copy=False)
-        self.pid = np.repeat(np.arange(s), counts)
+        # the four shard columns as rows of one block: one large allocation (fewer page faults)
+        cols = np.empty((4, int(self.off[-1])), dtype=np.int64)
+        for row, name in zip(cols, ("rank", "doc", "start", "length"), strict=True):
+            np.concatenate([getattr(p, name) for p in plans], out=row, casting="same_kind")
+        self.rank, self.doc, self.start, self.length = cols
+        self.doc_lens = np.concatenate([p.doc_lens for p in plans]).astype(np.int64, copy=False)
         self.doc_off = _excl_cumsum(self.ndocs)
-        self.gdoc = self.doc + self.doc_off[self.pid]
-        self.key = self.pid * n + self.rank  # (plan, rank), non-decreasing
         pad = np.stack([p.pad for p in plans]).sum(axis=1)
-        doc_pid = np.repeat(np.arange(s), self.ndocs)
-        self.context_len = np.bincount(doc_pid, weights=self.doc_lens, minlength=s) + pad
-        self.q_rows = np.bincount(self.key, weights=self.length, minlength=s * n).reshape(s, n)
-        self.is_last = self.start + self.length == self.doc_lens[self.gdoc]
-        send = np.where(self.is_last, 0, self.length)
-        self.send_rows = np.bincount(self.key, weights=send, minlength=s * n).reshape(s, n)
+        kernels = compiled.load("price")
+        if kernels is not None:
+            rows, docs = kernels.batch_sums(
+                s, n, self.off, self.doc_off, self.rank, self.doc, self.start, self.length,
+                self.doc_lens,
+            )  # fmt: skip
+            self.context_len = docs + pad
+            self.q_rows, self.send_rows = rows[0], rows[1]
+        else:
+            doc_pid = np.repeat(np.arange(s), self.ndocs)
+            self.context_len = np.bincount(doc_pid, weights=self.doc_lens, minlength=s) + pad
+            self.q_rows = np.bincount(self.key, weights=self.length, minlength=s * n).reshape(s, n)
+            send = np.where(self.is_last, 0, self.length)
+            self.send_rows = np.bincount(self.key, weights=send, minlength=s * n).reshape(s, n)
         # Eq. 4 and Eq. 5 tokens (ints): (N - 1) x the largest rank's document / send tokens
         self.tokens_full = (n - 1) * self.q_rows.max(axis=1).astype(np.int64)
         self.tokens_sharded = (n - 1) * self.send_rows.max(axis=1).astype(np.int64)
         self._stats: dict[tuple, object] = {}
+
+    # per shard, for the NumPy reference paths (built on first use)
+    @functools.cached_property
+    def pid(self) -> np.ndarray:
+        """(n_shards_total,) int64: the plan of each shard."""
+        return np.repeat(np.arange(self.s), np.diff(self.off))
+
+    @functools.cached_property
+    def gdoc(self) -> np.ndarray:
+        """(n_shards_total,) int64: each shard's document's index in ``doc_lens``."""
+        return self.doc + self.doc_off[self.pid]
+
+    @functools.cached_property
+    def key(self) -> np.ndarray:
+        """(n_shards_total,) int64: plan * N + rank of each shard (non-decreasing)."""
+        return self.pid * self.n + self.rank
+
+    @functools.cached_property
+    def is_last(self) -> np.ndarray:
+        """(n_shards_total,) bool: the shard ends its document."""
+        return self.start + self.length == self.doc_lens[self.gdoc]
 
     def _cached(self, kind: str, hw: HardwareProfile, build):
         k = (kind, hw.fwd_block_q, hw.fwd_block_k, hw.bwd_block_q, hw.bwd_block_k)
@@ -1379,6 +1537,13 @@ class PlanBatch:
 
         def build(hw):
             s, n = self.s, self.n
+            kernels = compiled.load("price")
+            if kernels is not None:
+                st = kernels.allgather_stats(
+                    s, n, self.off, self.rank, self.start, self.length,
+                    hw.fwd_block_q, hw.fwd_block_k, hw.bwd_block_q, hw.bwd_block_k,
+                )  # fmt: skip
+                return TileStats(st[0], st[1], st[2]), TileStats(st[3], st[4], st[5]), st[6]
             kv = self.start + self.length
             causal = np.ones(kv.size, dtype=bool)
             fc = fwd_tile_counts(self.length, kv, causal, hw.fwd_block_q, hw.fwd_block_k)
@@ -1417,6 +1582,26 @@ class PlanBatch:
         return self._cached("ring", hw, build)
 
     def _ring_stats(self, hw: HardwareProfile):
+        s, n = self.s, self.n
+        kernels = compiled.load("price")
+        if kernels is not None and n <= RING_KERNEL_MAX_N:
+            st, g = kernels.ring_stats(
+                s, n, self.off, self.ndocs, self.rank, self.doc, self.start, self.length,
+                hw.fwd_block_q, hw.fwd_block_k, hw.bwd_block_q, hw.bwd_block_k,
+            )  # fmt: skip
+            return (
+                TileStats(st[0], st[1], st[2]),
+                TileStats(st[3], st[4], st[5]),
+                st[6],
+                st[7],
+                g[0],
+                g[1],
+            )
+        return self._ring_stats_reference(hw)
+
+    def _ring_stats_reference(self, hw: HardwareProfile):
+        """:meth:`ring`'s statistics in NumPy (the reference of
+        :func:`flashcp.sim.price_kernels.ring_stats`)."""
         s, n = self.s, self.n
         rank, doc, start, length, pid = self.rank, self.doc, self.start, self.length, self.pid
         nd = self.ndocs
@@ -1513,6 +1698,12 @@ class PlanBatch:
         """:func:`flashcp.comm.comm_volume` of every plan: (S,) int64 per column of
         ``COMM_COLUMNS``. This batch holds the plans across head-parallel groups (the group plans
         when ``u`` > 1, ``cp_size`` the original plans' N)."""
+        key = ("volumes", comm_kind, shape, mode, u, cp_size)
+        if key not in self._stats:
+            self._stats[key] = self._volumes(comm_kind, shape, mode, u, cp_size)
+        return dict(self._stats[key])
+
+    def _volumes(self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int):
         from flashcp.comm import alltoall_bytes
         from flashcp.head_parallel import ulysses_heads
         from flashcp.plan import kv_bytes
@@ -1647,11 +1838,15 @@ def price_plans(
     out = {c: np.zeros(dims) for c in PHASE_COLUMNS}
     out.update({c: np.zeros(dims, dtype=np.int64) for c in COMM_COLUMNS})
     groups: dict[tuple, list[int]] = {}
+    kinds: dict[str, str] = {}  # comm kind per method (one registry look-up each)
     for i, p in enumerate(plans):
-        kind = _check_comm_kind(p, comm_kind)
+        kind = kinds.get(p.method)
+        if kind is None:
+            kind = kinds[p.method] = _check_comm_kind(p, comm_kind)
         u = p.ulysses_degree if kind != "alltoall" else 1
-        if kind != "alltoall" and one_group_documents(p) is not None:
-            kind, u = "alltoall", 1  # one group: plain Ulysses (PlanCost.plain_ulysses)
+        # one group (u = N > 1) of whole documents: plain Ulysses (PlanCost.plain_ulysses)
+        if u > 1 and kind != "alltoall" and one_group_documents(p) is not None:
+            kind, u = "alltoall", 1
         groups.setdefault((kind, p.method, p.cp_size, u), []).append(i)
     for (kind, method, _, u), idx in groups.items():
         check_impl(method, impl)

@@ -537,9 +537,8 @@ def ring_compute_ours(
         for t in range(n):
             for r in range(n):
                 q, kv = q_rows[p, t, r], kv_rows[p, t, r]
-                q0 = q_rows[p, 0, r]
                 work = q > 0
-                launched = work or t == 0
+                launched = work  # a rank holding only pad calls no kernel, step 0 included
                 ctas = stats[0, p, t, r]
                 attn = 0.0
                 if ctas > 0:
@@ -550,7 +549,7 @@ def ring_compute_ours(
                     empty = launch if launched and ctas == 0 else 0.0
                     attn = attn + empty
                     out_el = q * h * d
-                    local_el = q0 * h * d
+                    local_el = block * h * d  # every rank's tensors hold the block's rows
                     n_ops = (base_ops if work else 0) + (4 if gq else 0) + (half_ops if gk else 0)
                     nbytes = (out_el * op_bytes if work else 0.0) + (16.0 * out_el if gq else 0.0)
                     nbytes = nbytes + (2.0 * kv * hkv * d * 2 * e if gk else 0.0)
@@ -558,7 +557,7 @@ def ring_compute_ours(
                     nbytes = nbytes + (out_el * 2 * e if gq else 0.0)
                     if t == 0:
                         n_ops += 3
-                        nbytes = nbytes + (local_el * 4 + q0 * (h * 4 + 4 * hkv * d * e))
+                        nbytes = nbytes + (local_el * 4 + block * (h * 4 + 4 * hkv * d * e))
                     if t == n - 1:
                         n_ops += 1
                         nbytes = nbytes + local_el * (4 + e)
@@ -577,13 +576,13 @@ def ring_compute_ours(
                     attn = attn + extra + empty
                     q_el = q * h * d
                     kv_el = 2.0 * kv * hkv * d
-                    local_q = q0 * h * d
-                    local_kv = 2.0 * q0 * hkv * d
+                    local_q = block * h * d
+                    local_kv = 2.0 * block * hkv * d
                     n_ops = (base_ops if work else 0) + (half_ops if gk else 0)
                     nbytes = (q_el + kv_el) * op_bytes if work else 0.0
                     nbytes = nbytes + (kv_el * 2 * e if gk else 0.0)
                     lse_b = q * h * 4 * 2.0
-                    part_q = work and q < q0 and t != 0
+                    part_q = work and q < block  # part of the block's rows, step 0 too
                     sliced = part_q and not gq
                     combine = work and t >= 2
                     idle_zero = (not work) and t == 1
@@ -601,6 +600,9 @@ def ring_compute_ours(
                         n_ops += 2
                         nbytes = nbytes + (local_q * 4 + local_kv * 2 * e)
                     if t == n - 1:
+                        if not q_rows[p, 0, r] > 0:  # only pad: its own dK/dV zeroed at the end
+                            n_ops += 1
+                            nbytes = nbytes + local_kv * 4
                         n_ops += 3
                         nbytes = nbytes + (local_q + local_kv) * (4 + e)
                         n_ops += 3 * cut

@@ -18,26 +18,46 @@ sweep never does. ``FLASHCP_COMPILED=1`` uses the kernels from the first call (t
 the tests of the kernels), ``FLASHCP_COMPILED=0`` never. The mode only decides the speed: the
 plans are the same.
 
-The kernels are compiled with ``cache=True``: the first process on a machine compiles them (about
-a minute on 2 busy cores, once) and writes them beside their sources (``__pycache__``); later
-processes load them.
+The kernels are compiled with ``cache=True`` and written beside their sources (``__pycache__``),
+once per machine (a minute or more on 2 busy cores). In ``auto`` mode that compile is kept off the
+command that needs it: a process that finds the cache cold starts :func:`warm_up` in a detached
+background process at the lowest CPU priority (``python -m flashcp.compiled``; one per checkout,
+under a lock file) and goes on with the references; it looks again every :data:`RECHECK_CALLS`
+requests and switches to the kernels once the background compile has marked the cache ready
+(``__pycache__/kernels-<key>.ready``, the key hashing the Python and numba versions and the
+kernels' sources). Where ``__pycache__`` cannot be written (a read-only install) the kernels are
+compiled in the process, as with ``FLASHCP_COMPILED=1``.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
+import importlib.metadata
+import importlib.util
 import itertools
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 from types import ModuleType
 
-__all__ = ["WARMUP_CALLS", "enabled", "load"]
+__all__ = ["RECHECK_CALLS", "WARMUP_CALLS", "enabled", "load", "warm_up"]
 
 #: requests for kernels answered None before ``FLASHCP_COMPILED=auto`` loads numba (a plan asks
 #: 2 to 6 times)
 WARMUP_CALLS = 500
 #: requests so far in this process (``auto`` mode): a lazy load's counter, like a cache
 _REQUESTS = itertools.count()
+#: requests between two looks for the ready marker while the cache is cold (``auto`` mode)
+RECHECK_CALLS = 2000
+#: a background compile's lock older than this (seconds) is taken to be dead
+LOCK_TIMEOUT_S = 900.0
+#: this process's view of the cache (``auto`` mode): ready, requests since the last look, and
+#: whether it has started a background compile
+_CACHE = {"ready": False, "since_look": 0, "spawned": False}
 
 #: modules of kernels, by the name callers ask for
 _MODULES = {
@@ -76,9 +96,10 @@ def enabled() -> bool:
 
 
 def load(name: str) -> ModuleType | None:
-    """The kernels module ``name`` (``"plan"``, ``"heuristic"``, ``"refined"`` or ``"price"``), or None: the
-    caller then runs its reference implementation (same results). None when the kernels are off
-    (:func:`enabled`) and, in ``auto`` mode, for the first :data:`WARMUP_CALLS` requests.
+    """The kernels module ``name`` (``"plan"``, ``"heuristic"``, ``"refined"`` or ``"price"``), or
+    None: the caller then runs its reference implementation (same results). None when the kernels
+    are off (:func:`enabled`) and, in ``auto`` mode, for the first :data:`WARMUP_CALLS` requests
+    and while the kernels' cache is cold (module docstring).
 
     Raises:
         ValueError: an unknown ``name`` or ``FLASHCP_COMPILED`` value.
@@ -86,11 +107,139 @@ def load(name: str) -> ModuleType | None:
     if name not in _MODULES:
         raise ValueError(f"unknown kernels module {name!r}; choose from {sorted(_MODULES)}")
     mode = _mode()
-    if mode == "0" or (mode == "auto" and next(_REQUESTS) < WARMUP_CALLS):
+    if mode == "0":
         return None
+    if mode == "auto":
+        if next(_REQUESTS) < WARMUP_CALLS:
+            return None
+        if not _CACHE["ready"] and not _cache_ready():
+            return None
     return _import(name)
 
 
 @functools.cache
 def _import(name: str) -> ModuleType | None:
     return importlib.import_module(_MODULES[name]) if _numba_available() else None
+
+
+def _marker() -> Path | None:
+    """The ready marker of this checkout's kernels cache, or None when it cannot be written (then
+    the kernels compile in the process that needs them) or numba is not installed."""
+    try:
+        numba_version = importlib.metadata.version("numba")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    h = hashlib.sha256(f"{sys.version}|{numba_version}".encode())
+    for module in sorted(_MODULES.values()):
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.origin:
+            return None
+        h.update(Path(spec.origin).read_bytes())
+    cache = Path(__file__).resolve().parent / "__pycache__"
+    try:
+        cache.mkdir(exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(cache, os.W_OK):
+        return None
+    return cache / f"kernels-{h.hexdigest()[:16]}.ready"
+
+
+def _cache_ready() -> bool:
+    """``auto`` mode: True once the kernels' cache is ready (or cannot be marked); else start one
+    background compile (:func:`_spawn_warm_up`) and look again after :data:`RECHECK_CALLS`
+    requests."""
+    if _CACHE["since_look"] > 0:
+        _CACHE["since_look"] = (_CACHE["since_look"] + 1) % RECHECK_CALLS
+        return False
+    _CACHE["since_look"] = 1
+    marker = _marker()
+    if marker is None or marker.exists():
+        _CACHE["ready"] = True
+        return True
+    if not _CACHE["spawned"]:
+        _CACHE["spawned"] = True
+        _spawn_warm_up(marker)
+    return False
+
+
+def _spawn_warm_up(marker: Path) -> bool:
+    """Start ``python -m flashcp.compiled`` detached, at the lowest CPU priority, unless another
+    process holds a live lock on this cache. Returns True when one was started."""
+    lock = marker.with_suffix(".lock")
+    try:
+        if time.time() - lock.stat().st_mtime < LOCK_TIMEOUT_S:
+            return False
+        lock.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except OSError:  # another process took it first
+        return False
+    os.close(fd)
+    env = dict(os.environ, FLASHCP_COMPILED="1")
+    root = str(Path(__file__).resolve().parents[1])  # flashcp importable from a checkout too
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    try:
+        subprocess.Popen(
+            [sys.executable, "-m", "flashcp.compiled", str(marker)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=env, start_new_session=True, preexec_fn=lambda: os.nice(19),
+        )  # fmt: skip
+    except OSError:
+        lock.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def warm_up(marker: Path | None = None) -> float:
+    """Compile (or load from numba's cache) every kernel in this process by planning and pricing a
+    few small plans with every compiled path, then mark the cache ready.
+
+    Args:
+        marker: the ready marker to write (default: this checkout's, when it can be written).
+    Returns:
+        Seconds it took (0.0 when numba is not installed: nothing to compile).
+    """
+    if not _numba_available():
+        return 0.0
+    t0 = time.perf_counter()
+    old = os.environ.get("FLASHCP_COMPILED")
+    os.environ["FLASHCP_COMPILED"] = "1"  # kernels from the first call
+    try:
+        from flashcp.comm import AttnShape
+        from flashcp.registry import make_plan_for
+        from flashcp.sim.cost_model import price_plans
+
+        methods = ("llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined")
+        plans = [make_plan_for(method, [3000, 1000, 64, 32], 4) for method in methods]
+        price_plans(plans, [AttnShape(4, 4, 64, "bfloat16")], ["train"], "h100_sxm")
+    finally:
+        if old is None:
+            del os.environ["FLASHCP_COMPILED"]
+        else:
+            os.environ["FLASHCP_COMPILED"] = old
+    marker = marker if marker is not None else _marker()
+    if marker is not None:
+        marker.touch()
+    return time.perf_counter() - t0
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m flashcp.compiled [MARKER]``: :func:`warm_up`, then drop the lock next to the
+    marker (the background compile of :func:`_spawn_warm_up`)."""
+    marker = Path(argv[0]) if argv else _marker()
+    try:
+        seconds = warm_up(marker)
+    finally:
+        if marker is not None:
+            marker.with_suffix(".lock").unlink(missing_ok=True)
+    print(f"flashcp kernels ready in {seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

@@ -8,10 +8,10 @@ Hypothesis runs derandomised (profile ``ci``, the default): every run of the sui
 examples, so a failure reproduces and a pass means the same thing on every machine.
 ``HYPOTHESIS_PROFILE=explore`` draws fresh random examples (to look for new failures locally).
 
-The compiled (numba) planner and pricing kernels are compiled once, in this process, before any test: the
-multi-rank tests fork their ranks from it (they inherit the loaded kernels) and later processes
-load them from the cache, instead of several processes compiling them at once on a fresh checkout
-(a minute each on two busy cores).
+The compiled (numba) planner and pricing kernels are compiled once, in this process, before any
+test (:func:`flashcp.compiled.warm_up`): the multi-rank tests fork their ranks from it (they
+inherit the loaded kernels) and later processes load them from the cache, instead of several
+processes compiling them at once on a fresh checkout (a minute each on two busy cores).
 """
 
 from __future__ import annotations
@@ -39,24 +39,6 @@ def _one_intra_op_thread():
 def _compiled_kernels_once():
     from flashcp import compiled
 
-    old = os.environ.get("FLASHCP_COMPILED")
-    if old != "0":
-        os.environ["FLASHCP_COMPILED"] = "1"  # kernels from the first call
-        try:
-            if compiled.enabled():
-                from flashcp.comm import AttnShape
-                from flashcp.registry import make_plan_for
-                from flashcp.sim.cost_model import price_plans
-
-                plans = [
-                    make_plan_for(method, [3000, 1000, 64, 32], 4)
-                    for method in ("llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined")
-                ]  # fmt: skip
-                # the batched pricing's kernels (flashcp.sim.price_kernels)
-                price_plans(plans, [AttnShape(4, 4, 64, "bfloat16")], ["train"], "h100_sxm")
-        finally:
-            if old is None:
-                del os.environ["FLASHCP_COMPILED"]
-            else:
-                os.environ["FLASHCP_COMPILED"] = old
+    if os.environ.get("FLASHCP_COMPILED") != "0":
+        compiled.warm_up()  # also marks the cache ready: no test starts a background compile
     yield

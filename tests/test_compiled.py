@@ -225,6 +225,8 @@ def test_auto_mode_warms_up_on_the_reference(monkeypatch):
     """``auto``: the first requests run the reference, later ones the kernels, same plans."""
     monkeypatch.setenv("FLASHCP_COMPILED", "auto")
     monkeypatch.setattr(compiled, "_REQUESTS", iter(range(10**9)))
+    monkeypatch.setattr(compiled, "_CACHE", {"ready": False, "since_look": 0, "spawned": False})
+    assert compiled._marker().exists()  # the session's warm_up (conftest) marked the cache ready
     d = np.array([900, 300, 40, 8])
     first = [compiled.load("plan") for _ in range(compiled.WARMUP_CALLS)]
     assert first == [None] * compiled.WARMUP_CALLS
@@ -235,6 +237,51 @@ def test_auto_mode_warms_up_on_the_reference(monkeypatch):
     monkeypatch.setenv("FLASHCP_COMPILED", "sometimes")
     with pytest.raises(ValueError, match="FLASHCP_COMPILED"):
         compiled.load("plan")
+
+
+def test_auto_mode_compiles_in_the_background_when_the_cache_is_cold(monkeypatch, tmp_path):
+    """``auto`` with a cold cache: the references run, one background compile is started, the
+    marker is looked for every RECHECK_CALLS requests, and the kernels load once it is there."""
+    marker = tmp_path / "kernels-test.ready"
+    spawned = []
+    monkeypatch.setenv("FLASHCP_COMPILED", "auto")
+    monkeypatch.setattr(compiled, "_REQUESTS", iter(range(compiled.WARMUP_CALLS, 10**9)))
+    monkeypatch.setattr(compiled, "_CACHE", {"ready": False, "since_look": 0, "spawned": False})
+    monkeypatch.setattr(compiled, "_marker", lambda: marker)
+    monkeypatch.setattr(compiled, "_spawn_warm_up", spawned.append)
+    assert [compiled.load("plan") for _ in range(compiled.RECHECK_CALLS)] == [None] * (
+        compiled.RECHECK_CALLS
+    )
+    assert spawned == [marker]
+    marker.touch()  # the background compile is done
+    assert compiled.load("plan") is not None
+    assert compiled.load("heuristic") is not None and spawned == [marker]
+
+
+def test_background_compile_takes_the_lock_once(monkeypatch, tmp_path):
+    """A live lock means another process compiles: nothing is started; a stale one is replaced."""
+    marker = tmp_path / "kernels-test.ready"
+    started = []
+    monkeypatch.setattr(compiled.subprocess, "Popen", lambda *a, **k: started.append(a[0]))
+    lock = marker.with_suffix(".lock")
+    lock.touch()
+    assert not compiled._spawn_warm_up(marker) and not started
+    old = lock.stat().st_mtime - compiled.LOCK_TIMEOUT_S - 1
+    os.utime(lock, (old, old))
+    assert compiled._spawn_warm_up(marker)
+    assert started and started[0][1:3] == ["-m", "flashcp.compiled"] and lock.exists()
+
+
+def test_background_compile_marks_the_cache_ready(tmp_path):
+    """``python -m flashcp.compiled MARKER`` (what the background process runs) loads or compiles
+    every kernel, writes the marker and drops the lock."""
+    marker = tmp_path / "kernels-test.ready"
+    marker.with_suffix(".lock").touch()
+    out = subprocess.run([sys.executable, "-m", "flashcp.compiled", str(marker)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "kernels ready" in out.stdout
+    assert marker.exists() and not marker.with_suffix(".lock").exists()
 
 
 def test_planners_fall_back_without_numba():

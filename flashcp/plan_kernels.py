@@ -1,6 +1,13 @@
 """numba kernels of the plan data model (:mod:`flashcp.plan`): building, checking and summing a
 plan's shard columns in one pass each (:mod:`flashcp.compiled` says when they are used).
 
+The fused planners (:func:`ring_plan`, :func:`llama3_plan`, :func:`per_doc_plan`) do a baseline's
+whole plan in one call: the argument checks of :func:`flashcp.plan.planner_entry`, the layout,
+``make_plan``'s merge, the validation, the per-rank sums and the metrics, into one buffer whose head
+is the digest's bytes (:func:`flashcp.plan.fused_plan` reads it); every call from Python costs
+about a microsecond and a half before it runs, so one call instead of six saves most of a plan's
+time.
+
 Each kernel computes exactly what the NumPy code it stands in for computes (the reference in
 :mod:`flashcp.plan`); ``tests/test_compiled.py`` compares them. Arrays are (n_shards,) int64
 columns ``rank, doc, start, length`` as in :class:`~flashcp.plan.Plan`.
@@ -12,11 +19,15 @@ import numpy as np
 from numba import njit
 
 __all__ = [
+    "FUSED_STATUS",
+    "llama3_plan",
     "merge_pieces",
     "per_doc_layout",
+    "per_doc_plan",
     "per_doc_sizes",
     "plan_ok",
     "rank_sums",
+    "ring_plan",
     "split_packed",
 ]
 
@@ -181,6 +192,29 @@ def rank_sums(cp_size, doc_lens, rank, doc, start, length):
 
 
 @njit(cache=True)
+def _doc_chunk_sizes(d, n, first, parity, row):
+    """The 2N chunk sizes of one document of length ``d`` into ``row`` ((2N,) int64), the rule of
+    :func:`flashcp.layout.per_doc_chunk_sizes`: ``first`` is the rank of its first extra token,
+    ``parity`` (N,) the extra tokens each rank got from the documents before (updated). Returns
+    the next document's ``first``."""
+    base, rem = d // (2 * n), d % (2 * n)
+    # rem // n and rem % n (0 <= rem < 2N): every rank gets `whole`, `part` ranks from `first` one
+    # more
+    whole = 1 if rem >= n else 0
+    part = rem - n if whole else rem
+    for r in range(n):
+        # (r - first) % n < part, without a division per rank: 0 <= r, first < n
+        offset = r - first if r >= first else r - first + n
+        extra = whole + (1 if offset < part else 0)
+        front = (extra + (1 if parity[r] & 1 == 0 else 0)) >> 1  # extra >= 0
+        row[r] = base + front
+        row[2 * n - 1 - r] = base + extra - front
+        parity[r] += extra
+    first += part  # (first + rem) % n: rem = whole * n + part, first + part < 2n
+    return first - n if first >= n else first
+
+
+@njit(cache=True)
 def per_doc_sizes(doc_lens, n, cursor):
     """:func:`flashcp.layout.per_doc_chunk_sizes` (its docstring says the rule) in one pass:
     ``(sizes, cursor)``, sizes (n_docs, 2N) int64."""
@@ -189,15 +223,7 @@ def per_doc_sizes(doc_lens, n, cursor):
     parity = np.zeros(n, np.int64)  # extra tokens each rank got from the documents before
     first = cursor % n
     for i in range(m):
-        d = doc_lens[i]
-        base, rem = d // (2 * n), d % (2 * n)
-        for r in range(n):
-            extra = rem // n + (1 if (r - first) % n < rem % n else 0)
-            front = (extra + (1 if parity[r] % 2 == 0 else 0)) // 2
-            sizes[i, r] = base + front
-            sizes[i, 2 * n - 1 - r] = base + extra - front
-            parity[r] += extra
-        first = (first + rem) % n
+        first = _doc_chunk_sizes(doc_lens[i], n, first, parity, sizes[i])
     return sizes, first if m else cursor
 
 
@@ -269,3 +295,275 @@ def per_doc_layout(doc_lens, n, num_pad):
                     rank[k], doc[k], start[k], length[k] = r, i, starts[i, j], s
                     k += 1
     return _stack(rank, doc, start, length, k), pad
+
+
+# ---- fused planners: layout, make_plan's merge, validation, per-rank sums and metrics, one call --
+
+#: what the last entry of a fused planner's buffer says (0: a plan; else the caller takes the
+#: general path, which plans the same or raises the error naming the bad value)
+FUSED_STATUS = {
+    0: "ok",
+    1: "no document, or a zero-length or negative one",
+    2: "the total is not divisible as the layout needs",
+    3: "the plan violates an invariant (plan_ok)",
+    4: "a rank's pieces are not in (doc, start) order (make_plan merges them in general)",
+}
+#: contexts up to this many tokens have every per-rank workload and their total below 2^53, exact
+#: in float64 in any summation order (so the imbalance ratio here equals NumPy's)
+EXACT_TOKENS = 1 << 26
+
+
+@njit(cache=True)
+def _entry(doc_lens, cp_size, num_pad, pad_to_multiple, chunks_per_rank):
+    """:func:`flashcp.plan.planner_entry`'s checks for the fused path: ``(status, num_pad)``,
+    status 1 (no document, or one of length <= 0) or 2 (the total, pad included, not divisible by
+    ``chunks_per_rank * cp_size``), else 0 and ``num_pad`` after ``pad_to_multiple``."""
+    if doc_lens.size == 0:
+        return 1, num_pad
+    real = 0
+    for i in range(doc_lens.size):
+        if doc_lens[i] <= 0:
+            return 1, num_pad
+        real += doc_lens[i]
+    k = chunks_per_rank * cp_size
+    if pad_to_multiple:
+        num_pad += (k - (real + num_pad) % k) % k
+    total = real + num_pad
+    if total % cp_size or total % k:
+        return 2, num_pad
+    return 0, num_pad
+
+
+@njit(cache=True)
+def _failed(status):
+    out = np.zeros(2, np.int64)
+    out[1] = status
+    return out
+
+
+@njit(cache=True)
+def _finish(doc_lens, cp_size, rank, doc, start, length, pad, validate):
+    """:func:`flashcp.plan.make_plan` (the merge of :func:`merge_pieces`), :meth:`Plan.validate
+    <flashcp.plan.Plan.validate>` (:func:`plan_ok`) and the per-rank sums (:func:`rank_sums`) of a
+    layout's pieces, packed into one int64 buffer (:func:`flashcp.plan.fused_plan` reads it)::
+
+        [cp_size, doc_lens (n_docs), rank, doc, start, length (m each), pad (N),   <- digest bytes
+         doc tokens, send tokens, shards (N each), workload (N, float64 bits),
+         imbalance ratio (float64 bits), max doc tokens, max send tokens, exact, m, status]
+
+    ``exact`` is 1 when the context has at most :data:`EXACT_TOKENS` tokens: the imbalance ratio is
+    then the one NumPy computes from the workloads. A status other than 0 (:data:`FUSED_STATUS`)
+    comes in a 2-entry buffer; ``validate`` False skips the check."""
+    n = cp_size
+    merged, cols = merge_pieces(rank, doc, start, length)
+    if not merged:
+        return _failed(4)
+    m = cols.shape[1]
+    nd = doc_lens.size
+    if validate and not plan_ok(n, doc_lens, cols[0], cols[1], cols[2], cols[3], pad):
+        return _failed(3)
+    ok, sums = rank_sums(n, doc_lens, cols[0], cols[1], cols[2], cols[3])
+    if not ok:
+        return _failed(3)
+    size = 1 + nd + 4 * m + n
+    out = np.empty(size + 4 * n + 6, np.int64)
+    out[0] = n
+    out[1 : 1 + nd] = doc_lens
+    for row in range(4):
+        out[1 + nd + row * m : 1 + nd + (row + 1) * m] = cols[row]
+    out[size - n : size] = pad
+    floats = np.empty(n + 1, np.float64)
+    total_tokens = 0
+    max_tokens = 0
+    max_send = 0
+    any_work = False
+    for q in range(n):
+        tokens, send = np.int64(sums[0, q]), np.int64(sums[2, q])
+        out[size + q] = tokens
+        out[size + n + q] = send
+        out[size + 2 * n + q] = np.int64(sums[3, q])
+        floats[q] = sums[1, q]
+        total_tokens += tokens + pad[q]
+        if q == 0 or tokens > max_tokens:
+            max_tokens = tokens
+        if q == 0 or send > max_send:
+            max_send = send
+        if sums[1, q] != 0:
+            any_work = True
+    exact = total_tokens <= EXACT_TOKENS
+    floats[n] = 1.0
+    if exact and any_work:
+        w_max = floats[0]
+        w_sum = 0.0
+        for q in range(n):
+            w_max = max(w_max, floats[q])
+            w_sum += floats[q]
+        floats[n] = w_max / (w_sum / n)
+    out[size + 3 * n : size + 4 * n + 1] = floats.view(np.int64)
+    out[-5], out[-4], out[-3], out[-2], out[-1] = max_tokens, max_send, exact, m, 0
+    return out
+
+
+@njit(cache=True)
+def ring_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
+    """:func:`baselines.ring.plan_ring` of documents all of length >= 1 in one call: N contiguous
+    chunks (:func:`split_packed`), chunk r on rank r, then :func:`_finish` (its buffer)."""
+    status, num_pad = _entry(doc_lens, cp_size, num_pad, pad_to_multiple, 1)
+    if status:
+        return _failed(status)
+    cols, pad = split_packed(doc_lens, cp_size, num_pad)
+    return _finish(doc_lens, cp_size, cols[0], cols[1], cols[2], cols[3], pad, validate)
+
+
+@njit(cache=True)
+def llama3_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
+    """:func:`baselines.llama3.plan_llama3` of documents all of length >= 1 in one call: 2N equal
+    chunks (:func:`split_packed`), rank r holding the pieces of chunk r then those of chunk
+    2N-1-r (each in packed order, as the planner's stable sort by (rank, back) orders them), then
+    :func:`_finish` (its buffer)."""
+    n = cp_size
+    status, num_pad = _entry(doc_lens, n, num_pad, pad_to_multiple, 2)
+    if status:
+        return _failed(status)
+    cols, chunk_pad = split_packed(doc_lens, 2 * n, num_pad)
+    k = cols.shape[1]
+    first = np.zeros(2 * n + 1, np.int64)  # pieces of chunk c: first[c]:first[c + 1]
+    for i in range(k):
+        first[cols[0, i] + 1] += 1
+    for c in range(2 * n):
+        first[c + 1] += first[c]
+    rank = np.empty(k, np.int64)
+    doc = np.empty(k, np.int64)
+    start = np.empty(k, np.int64)
+    length = np.empty(k, np.int64)
+    pad = np.empty(n, np.int64)
+    j = 0
+    for r in range(n):
+        pad[r] = chunk_pad[r] + chunk_pad[2 * n - 1 - r]
+        for c in (r, 2 * n - 1 - r):
+            for i in range(first[c], first[c + 1]):
+                rank[j], doc[j], start[j], length[j] = r, cols[1, i], cols[2, i], cols[3, i]
+                j += 1
+    return _finish(doc_lens, n, rank, doc, start, length, pad, validate)
+
+
+@njit(cache=True)
+def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
+    """:func:`baselines.per_doc.per_doc_layout` (``per_doc``, ``zigzag``) of documents all of
+    length >= 1 in one call, written straight into :func:`_finish`'s buffer: the chunks of
+    :func:`per_doc_sizes`, rank r holding chunk r then chunk 2N-1-r of every document (empty ones
+    left out, the two merged into one shard where they continue each other, as ``make_plan``
+    merges them), the per-rank sums in row order (as :func:`rank_sums`) and, with ``validate``, the
+    invariants :func:`plan_ok` checks, read back from the columns: every shard non-empty, every
+    document tiled by its shards walked in chunk order (each shard once), pad >= 0 (which makes
+    every rank hold C / N tokens)."""
+    status, num_pad = _entry(doc_lens, cp_size, num_pad, pad_to_multiple, 1)
+    if status:
+        return _failed(status)
+    n = cp_size
+    nd = doc_lens.size
+    # chunk j of document i: sizes[j, i] tokens from starts[j, i] (chunk-major: each rank reads
+    # its two rows in order below)
+    sizes = np.empty((2 * n, nd), np.int64)
+    starts = np.empty((2 * n, nd), np.int64)
+    row = np.empty(2 * n, np.int64)
+    parity = np.zeros(n, np.int64)
+    first = 0
+    total = num_pad
+    m = 0  # shards: one per non-empty chunk, less the back chunks merged into their front
+    for i in range(nd):
+        total += doc_lens[i]
+        first = _doc_chunk_sizes(doc_lens[i], n, first, parity, row)
+        p = 0
+        for j in range(2 * n):
+            sizes[j, i], starts[j, i] = row[j], p
+            p += row[j]
+        for r in range(n):
+            b = 2 * n - 1 - r
+            m += (row[r] != 0) + (row[b] != 0)
+            if row[r] != 0 and row[b] != 0 and starts[b, i] == starts[r, i] + row[r]:
+                m -= 1
+    size = 1 + nd + 4 * m + n
+    out = np.empty(size + 4 * n + 6, np.int64)
+    out[0] = n
+    out[1 : 1 + nd] = doc_lens
+    o = 1 + nd
+    rank, doc, start, length = (
+        out[o : o + m],
+        out[o + m : o + 2 * m],
+        out[o + 2 * m : o + 3 * m],
+        out[o + 3 * m : o + 4 * m],
+    )
+    pad = out[size - n : size]
+    tokens = out[size : size + n]
+    send = out[size + n : size + 2 * n]
+    shards = out[size + 2 * n : size + 3 * n]
+    floats = np.zeros(n + 1, np.float64)
+    row_of = np.full((2 * n, nd), -1, np.int64)  # the shard holding chunk j of document i
+    k = 0
+    for r in range(n):
+        b = 2 * n - 1 - r
+        tok, snd, cnt, work = 0, 0, 0, 0.0
+        for i in range(nd):
+            # the rank's pieces of document i: front chunk r, back chunk b, one shard when the
+            # back continues the front (make_plan's merge), empty ones left out
+            pf, sf, pb, sb = starts[r, i], sizes[r, i], starts[b, i], sizes[b, i]
+            if sf != 0 and sb != 0 and pb == pf + sf:
+                sf, sb = sf + sb, 0
+            for half in range(2):
+                p, s, j = (pf, sf, r) if half == 0 else (pb, sb, b)
+                if s == 0:
+                    continue
+                if k == m:  # more shards than counted: a bug; never write past the columns
+                    return _failed(3)
+                rank[k], doc[k], start[k], length[k] = r, i, p, s
+                row_of[j, i] = k
+                k += 1
+                tok += s  # the per-rank sums in row order, as rank_sums
+                work += float((2 * p + s + 1) * s // 2)
+                cnt += 1
+                if p + s != doc_lens[i]:
+                    snd += s
+        tokens[r], send[r], shards[r], floats[r] = tok, snd, cnt, work
+        pad[r] = total // n - tok
+    if validate:
+        if k != m:
+            return _failed(3)
+        for r in range(n):
+            if pad[r] < 0:
+                return _failed(3)
+        seen = 0
+        for i in range(nd):
+            pos = 0
+            for j in range(2 * n):
+                t = row_of[j, i]
+                if t < 0:
+                    continue
+                if doc[t] != i or start[t] != pos or length[t] <= 0:
+                    return _failed(3)
+                pos += length[t]
+                seen += 1
+            if pos != doc_lens[i]:
+                return _failed(3)
+        if seen != m:
+            return _failed(3)
+    max_tokens = tokens[0]
+    max_send = send[0]
+    any_work = False
+    for q in range(n):
+        max_tokens = max(max_tokens, tokens[q])
+        max_send = max(max_send, send[q])
+        if floats[q] != 0:
+            any_work = True
+    exact = total <= EXACT_TOKENS
+    floats[n] = 1.0
+    if exact and any_work:
+        w_max = floats[0]
+        w_sum = 0.0
+        for q in range(n):
+            w_max = max(w_max, floats[q])
+            w_sum += floats[q]
+        floats[n] = w_max / (w_sum / n)
+    out[size + 3 * n : size + 4 * n + 1] = floats.view(np.int64)
+    out[-5], out[-4], out[-3], out[-2], out[-1] = max_tokens, max_send, exact, m, 0
+    return out

@@ -478,6 +478,9 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
         for j in range(2 * n):
             sizes[j, i], starts[j, i] = row[j], p
             p += row[j]
+        if doc_lens[i] >= 2 * n:  # no chunk empty: only chunks N-1 and N continue each other
+            m += 2 * n - 1
+            continue
         for r in range(n):
             b = 2 * n - 1 - r
             m += (row[r] != 0) + (row[b] != 0)

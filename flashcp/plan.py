@@ -397,9 +397,10 @@ class Plan:
         its shards; in a head-parallel plan (:attr:`ulysses_degree` u > 1) every rank of a group
         attends over all of its group's tokens for 1/u of the heads, so the group's sum / u."""
         if self._rank_sums is not None:
-            w = self._rank_sums.work.copy()
+            w = np.array(self._rank_sums.work, dtype=np.float64)  # a copy (int64 when fused)
         else:
             w = np.bincount(self.rank, weights=self.shard_workload, minlength=self.cp_size)
+            w = w.astype(np.float64, copy=False)  # bincount of no shard is int64
         u = self.ulysses_degree
         if u == 1:
             return w
@@ -410,8 +411,9 @@ class Plan:
         """max over ranks of workload / mean over ranks of workload (1.0 is perfect; 1.0 also
         when there is no work at all)."""
         sums = self._rank_sums
-        if sums is not None and sums.imbalance is not None and self.ulysses_degree == 1:
-            return sums.imbalance  # computed with the plan, exactly as below
+        if sums is not None and sums.max_work is not None and self.ulysses_degree == 1:
+            # exact integers below 2^53: the same divisions as below, in Python floats
+            return sums.max_work / (sums.total_work / self.cp_size) if sums.any_work else 1.0
         w = self.workload_per_rank
         # w.sum() / w.size is w.mean() (the same sum, then the same division), without its wrapper
         return float(w.max() / (w.sum() / w.size)) if w.any() else 1.0
@@ -723,15 +725,18 @@ _COUNT_ROWS = [0, 2, 3]
 
 class _RankSums(NamedTuple):
     """A plan's per-rank sums (:attr:`Plan._rank_sums`): ``counts`` (3 N,) int64, the doc tokens,
-    send tokens and shards of ranks 0..N-1 one after the other, ``work`` (N,) float64, the
-    workloads, and, where a fused planner computed them with the plan (else None), the maxima of
-    the doc and send tokens and the imbalance ratio (of the workloads, u = 1)."""
+    send tokens and shards of ranks 0..N-1 one after the other, ``work`` (N,), the workloads
+    (float64; int64, exact, from a fused planner), and, where a fused planner computed them with
+    the plan (else None), the maxima of the doc and send tokens and of the workloads, the total
+    workload and whether any rank has work (u = 1)."""
 
     counts: np.ndarray
     work: np.ndarray
     max_tokens: int | None = None
     max_send: int | None = None
-    imbalance: float | None = None
+    max_work: int | None = None
+    total_work: int | None = None
+    any_work: bool | None = None
 
 
 def fused_plan(
@@ -777,13 +782,12 @@ def fused_plan(
     buf = getattr(kernels, kernel)(doc_lens, cp_size, num_pad, pad_to_multiple, validate)
     if buf[-1]:
         return None
-    max_tokens, max_send, exact, m, _ = buf[-5:].tolist()
+    max_tokens, max_send, max_work, total_work, any_work, m, _ = buf[-7:].tolist()
     n, o = cp_size, 1 + doc_lens.size
     end = o + 4 * m + n
-    floats = buf[end + 3 * n : end + 4 * n + 1].view(np.float64)
     sums = _RankSums(
-        buf[end : end + 3 * n], floats[:n], max_tokens, max_send,
-        float(floats[n]) if exact else None,
+        buf[end : end + 3 * n], buf[end + 3 * n : end + 4 * n], max_tokens, max_send, max_work,
+        total_work, any_work,
     )  # fmt: skip
     # the fields as Plan.__init__ would set them (an int, int64 arrays, JSON-clean info), without
     # its checks and copies (a few microseconds), plus what the kernel computed with the plan

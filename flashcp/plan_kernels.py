@@ -307,9 +307,11 @@ FUSED_STATUS = {
     2: "the total is not divisible as the layout needs",
     3: "the plan violates an invariant (plan_ok)",
     4: "a rank's pieces are not in (doc, start) order (make_plan merges them in general)",
+    5: "more than EXACT_TOKENS tokens",
 }
-#: contexts up to this many tokens have every per-rank workload and their total below 2^53, exact
-#: in float64 in any summation order (so the imbalance ratio here equals NumPy's)
+#: contexts up to this many tokens have every workload, per rank and in total, below 2^53: exact
+#: int64 here, and exact in float64 in any summation order (so the imbalance ratio computed from
+#: them equals NumPy's); the fused planners leave longer ones to the general path
 EXACT_TOKENS = 1 << 26
 
 
@@ -342,18 +344,38 @@ def _failed(status):
 
 
 @njit(cache=True)
+def _metrics(out, size, n, m):
+    """The tail of a fused planner's buffer (:func:`_finish`) from its per-rank rows: the maxima of
+    the doc and send tokens and of the workloads, the total workload, whether any rank has work,
+    the number of shards ``m`` and status 0."""
+    tokens = out[size : size + n]
+    send = out[size + n : size + 2 * n]
+    work = out[size + 3 * n : size + 4 * n]
+    max_tokens, max_send, max_work, total_work, any_work = tokens[0], send[0], work[0], 0, 0
+    for q in range(n):
+        max_tokens = max(max_tokens, tokens[q])
+        max_send = max(max_send, send[q])
+        max_work = max(max_work, work[q])
+        total_work += work[q]
+        if work[q] != 0:
+            any_work = 1
+    out[-7], out[-6], out[-5], out[-4] = max_tokens, max_send, max_work, total_work
+    out[-3], out[-2], out[-1] = any_work, m, 0
+
+
+@njit(cache=True)
 def _finish(doc_lens, cp_size, rank, doc, start, length, pad, validate):
     """:func:`flashcp.plan.make_plan` (the merge of :func:`merge_pieces`), :meth:`Plan.validate
     <flashcp.plan.Plan.validate>` (:func:`plan_ok`) and the per-rank sums (:func:`rank_sums`) of a
     layout's pieces, packed into one int64 buffer (:func:`flashcp.plan.fused_plan` reads it)::
 
         [cp_size, doc_lens (n_docs), rank, doc, start, length (m each), pad (N),   <- digest bytes
-         doc tokens, send tokens, shards (N each), workload (N, float64 bits),
-         imbalance ratio (float64 bits), max doc tokens, max send tokens, exact, m, status]
+         doc tokens, send tokens, shards, workload (N each),
+         max doc tokens, max send tokens, max workload, total workload, any work, m, status]
 
-    ``exact`` is 1 when the context has at most :data:`EXACT_TOKENS` tokens: the imbalance ratio is
-    then the one NumPy computes from the workloads. A status other than 0 (:data:`FUSED_STATUS`)
-    comes in a 2-entry buffer; ``validate`` False skips the check."""
+    (all int64: a context of at most :data:`EXACT_TOKENS` tokens, status 5 for a longer one). A
+    status other than 0 (:data:`FUSED_STATUS`) comes in a 2-entry buffer; ``validate`` False skips
+    the check."""
     n = cp_size
     merged, cols = merge_pieces(rank, doc, start, length)
     if not merged:
@@ -366,41 +388,23 @@ def _finish(doc_lens, cp_size, rank, doc, start, length, pad, validate):
     if not ok:
         return _failed(3)
     size = 1 + nd + 4 * m + n
-    out = np.empty(size + 4 * n + 6, np.int64)
+    out = np.empty(size + 4 * n + 7, np.int64)
     out[0] = n
     out[1 : 1 + nd] = doc_lens
     for row in range(4):
         out[1 + nd + row * m : 1 + nd + (row + 1) * m] = cols[row]
     out[size - n : size] = pad
-    floats = np.empty(n + 1, np.float64)
-    total_tokens = 0
-    max_tokens = 0
-    max_send = 0
-    any_work = False
+    total = 0
     for q in range(n):
-        tokens, send = np.int64(sums[0, q]), np.int64(sums[2, q])
-        out[size + q] = tokens
-        out[size + n + q] = send
+        total += np.int64(sums[0, q]) + pad[q]
+    if total > EXACT_TOKENS:
+        return _failed(5)
+    for q in range(n):  # integers, exact in float64 (EXACT_TOKENS)
+        out[size + q] = np.int64(sums[0, q])
+        out[size + n + q] = np.int64(sums[2, q])
         out[size + 2 * n + q] = np.int64(sums[3, q])
-        floats[q] = sums[1, q]
-        total_tokens += tokens + pad[q]
-        if q == 0 or tokens > max_tokens:
-            max_tokens = tokens
-        if q == 0 or send > max_send:
-            max_send = send
-        if sums[1, q] != 0:
-            any_work = True
-    exact = total_tokens <= EXACT_TOKENS
-    floats[n] = 1.0
-    if exact and any_work:
-        w_max = floats[0]
-        w_sum = 0.0
-        for q in range(n):
-            w_max = max(w_max, floats[q])
-            w_sum += floats[q]
-        floats[n] = w_max / (w_sum / n)
-    out[size + 3 * n : size + 4 * n + 1] = floats.view(np.int64)
-    out[-5], out[-4], out[-3], out[-2], out[-1] = max_tokens, max_send, exact, m, 0
+        out[size + 3 * n + q] = np.int64(sums[1, q])
+    _metrics(out, size, n, m)
     return out
 
 
@@ -487,7 +491,9 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
             if row[r] != 0 and row[b] != 0 and starts[b, i] == starts[r, i] + row[r]:
                 m -= 1
     size = 1 + nd + 4 * m + n
-    out = np.empty(size + 4 * n + 6, np.int64)
+    if total > EXACT_TOKENS:
+        return _failed(5)
+    out = np.empty(size + 4 * n + 7, np.int64)
     out[0] = n
     out[1 : 1 + nd] = doc_lens
     o = 1 + nd
@@ -501,12 +507,12 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
     tokens = out[size : size + n]
     send = out[size + n : size + 2 * n]
     shards = out[size + 2 * n : size + 3 * n]
-    floats = np.zeros(n + 1, np.float64)
+    works = out[size + 3 * n : size + 4 * n]
     row_of = np.full((2 * n, nd), -1, np.int64)  # the shard holding chunk j of document i
     k = 0
     for r in range(n):
         b = 2 * n - 1 - r
-        tok, snd, cnt, work = 0, 0, 0, 0.0
+        tok, snd, cnt, work = 0, 0, 0, 0
         for i in range(nd):
             # the rank's pieces of document i: front chunk r, back chunk b, one shard when the
             # back continues the front (make_plan's merge), empty ones left out
@@ -523,11 +529,11 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
                 row_of[j, i] = k
                 k += 1
                 tok += s  # the per-rank sums in row order, as rank_sums
-                work += float((2 * p + s + 1) * s // 2)
+                work += (2 * p + s + 1) * s // 2  # exact: EXACT_TOKENS
                 cnt += 1
                 if p + s != doc_lens[i]:
                     snd += s
-        tokens[r], send[r], shards[r], floats[r] = tok, snd, cnt, work
+        tokens[r], send[r], shards[r], works[r] = tok, snd, cnt, work
         pad[r] = total // n - tok
     if validate:
         if k != m:
@@ -550,23 +556,5 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
                 return _failed(3)
         if seen != m:
             return _failed(3)
-    max_tokens = tokens[0]
-    max_send = send[0]
-    any_work = False
-    for q in range(n):
-        max_tokens = max(max_tokens, tokens[q])
-        max_send = max(max_send, send[q])
-        if floats[q] != 0:
-            any_work = True
-    exact = total <= EXACT_TOKENS
-    floats[n] = 1.0
-    if exact and any_work:
-        w_max = floats[0]
-        w_sum = 0.0
-        for q in range(n):
-            w_max = max(w_max, floats[q])
-            w_sum += floats[q]
-        floats[n] = w_max / (w_sum / n)
-    out[size + 3 * n : size + 4 * n + 1] = floats.view(np.int64)
-    out[-5], out[-4], out[-3], out[-2], out[-1] = max_tokens, max_send, exact, m, 0
+    _metrics(out, size, n, m)
     return out

@@ -287,10 +287,18 @@ def full_key(plan: Plan) -> tuple:
         plan.comm_tokens,
         plan.comm_tokens_full,
         plan.comm_saving,
-        plan.workload_per_rank.tolist(),
-        plan.doc_tokens_per_rank.tolist(),
-        plan.send_tokens_per_rank.tolist(),
-        plan.shards_per_rank.tolist(),
+        *[
+            (a.dtype.str, a.tolist())
+            for a in (
+                plan.workload_per_rank,
+                plan.doc_tokens_per_rank,
+                plan.send_tokens_per_rank,
+                plan.shards_per_rank,
+                plan.tokens_per_rank,
+            )
+        ],
+        type(plan.imbalance_ratio),
+        type(plan.comm_tokens),
         json.dumps(plan.to_dict(), sort_keys=True),
     )
 

@@ -458,9 +458,9 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
     :func:`per_doc_sizes`, rank r holding chunk r then chunk 2N-1-r of every document (empty ones
     left out, the two merged into one shard where they continue each other, as ``make_plan``
     merges them), the per-rank sums in row order (as :func:`rank_sums`) and, with ``validate``, the
-    invariants :func:`plan_ok` checks, read back from the columns: every shard non-empty, every
-    document tiled by its shards walked in chunk order (each shard once), pad >= 0 (which makes
-    every rank hold C / N tokens)."""
+    invariants :func:`plan_ok` checks, on the shards as they are written: every shard non-empty,
+    every document tiled by its shards (its front chunks from the start, its back chunks from the
+    end, meeting), pad >= 0 (which makes every rank hold C / N tokens)."""
     status, num_pad = _entry(doc_lens, cp_size, num_pad, pad_to_multiple, 1)
     if status:
         return _failed(status)
@@ -508,7 +508,12 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
     send = out[size + n : size + 2 * n]
     shards = out[size + 2 * n : size + 3 * n]
     works = out[size + 3 * n : size + 4 * n]
-    row_of = np.full((2 * n, nd), -1, np.int64)  # the shard holding chunk j of document i
+    # the check of the tiling as the shards are written: rank after rank, the front chunks of a
+    # document follow each other from its start (lo: where the next one must start) and the back
+    # chunks from its end (hi: where the next one must end); where they meet (lo == hi) every
+    # token is held exactly once
+    lo = np.zeros(nd, np.int64)
+    hi = doc_lens.copy()
     k = 0
     for r in range(n):
         b = 2 * n - 1 - r
@@ -520,13 +525,19 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
             if sf != 0 and sb != 0 and pb == pf + sf:
                 sf, sb = sf + sb, 0
             for half in range(2):
-                p, s, j = (pf, sf, r) if half == 0 else (pb, sb, b)
+                p, s = (pf, sf) if half == 0 else (pb, sb)
                 if s == 0:
                     continue
                 if k == m:  # more shards than counted: a bug; never write past the columns
                     return _failed(3)
+                if validate:
+                    if s < 0 or (p != lo[i] if half == 0 else p + s != hi[i]):
+                        return _failed(3)
+                    if half == 0:
+                        lo[i] = p + s
+                    else:
+                        hi[i] = p
                 rank[k], doc[k], start[k], length[k] = r, i, p, s
-                row_of[j, i] = k
                 k += 1
                 tok += s  # the per-rank sums in row order, as rank_sums
                 work += (2 * p + s + 1) * s // 2  # exact: EXACT_TOKENS
@@ -541,20 +552,8 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
         for r in range(n):
             if pad[r] < 0:
                 return _failed(3)
-        seen = 0
         for i in range(nd):
-            pos = 0
-            for j in range(2 * n):
-                t = row_of[j, i]
-                if t < 0:
-                    continue
-                if doc[t] != i or start[t] != pos or length[t] <= 0:
-                    return _failed(3)
-                pos += length[t]
-                seen += 1
-            if pos != doc_lens[i]:
+            if lo[i] != hi[i]:
                 return _failed(3)
-        if seen != m:
-            return _failed(3)
     _metrics(out, size, n, m)
     return out

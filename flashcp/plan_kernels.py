@@ -192,21 +192,35 @@ def rank_sums(cp_size, doc_lens, rank, doc, start, length):
 
 
 @njit(cache=True)
+def _doc_split(d, n):
+    """``(base, whole, part)`` of a document of length ``d`` in the rule of
+    :func:`flashcp.layout.per_doc_chunk_sizes`: every chunk gets ``base = d // 2N``, every rank
+    ``whole`` of the ``d % 2N`` extra tokens and ``part`` ranks from the first one one more
+    (``rem // n``, ``rem % n`` without dividing: 0 <= rem < 2N)."""
+    base, rem = d // (2 * n), d % (2 * n)
+    whole = 1 if rem >= n else 0
+    return base, whole, rem - n if whole else rem
+
+
+@njit(cache=True)
+def _rank_extra(r, n, first, whole, part, parity):
+    """``(extra, front)``: the extra tokens of rank r in a document whose first extra token goes to
+    rank ``first``, and those of them in its front chunk (``parity``: the rank's extra tokens from
+    the documents before); its back chunk gets ``extra - front``."""
+    offset = r - first if r >= first else r - first + n  # (r - first) % n: 0 <= r, first < n
+    extra = whole + (1 if offset < part else 0)
+    return extra, (extra + (1 if parity & 1 == 0 else 0)) >> 1  # extra >= 0
+
+
+@njit(cache=True)
 def _doc_chunk_sizes(d, n, first, parity, row):
     """The 2N chunk sizes of one document of length ``d`` into ``row`` ((2N,) int64), the rule of
     :func:`flashcp.layout.per_doc_chunk_sizes`: ``first`` is the rank of its first extra token,
     ``parity`` (N,) the extra tokens each rank got from the documents before (updated). Returns
     the next document's ``first``."""
-    base, rem = d // (2 * n), d % (2 * n)
-    # rem // n and rem % n (0 <= rem < 2N): every rank gets `whole`, `part` ranks from `first` one
-    # more
-    whole = 1 if rem >= n else 0
-    part = rem - n if whole else rem
+    base, whole, part = _doc_split(d, n)
     for r in range(n):
-        # (r - first) % n < part, without a division per rank: 0 <= r, first < n
-        offset = r - first if r >= first else r - first + n
-        extra = whole + (1 if offset < part else 0)
-        front = (extra + (1 if parity[r] & 1 == 0 else 0)) >> 1  # extra >= 0
+        extra, front = _rank_extra(r, n, first, whole, part, parity[r])
         row[r] = base + front
         row[2 * n - 1 - r] = base + extra - front
         parity[r] += extra
@@ -454,90 +468,69 @@ def llama3_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
 @njit(cache=True)
 def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
     """:func:`baselines.per_doc.per_doc_layout` (``per_doc``, ``zigzag``) of documents all of
-    length >= 1 in one call, written straight into :func:`_finish`'s buffer: the chunks of
-    :func:`per_doc_sizes`, rank r holding chunk r then chunk 2N-1-r of every document (empty ones
-    left out, the two merged into one shard where they continue each other, as ``make_plan``
-    merges them), the per-rank sums in row order (as :func:`rank_sums`) and, with ``validate``, the
-    invariants :func:`plan_ok` checks, on the shards as they are written: every shard non-empty,
-    every document tiled by its shards (its front chunks from the start, its back chunks from the
-    end, meeting), pad >= 0 (which makes every rank hold C / N tokens)."""
+    length >= 1 in one call, in :func:`_finish`'s buffer: rank after rank, document after document,
+    the rank's chunks r and 2N-1-r (:func:`per_doc_sizes`'s rule; empty ones left out, the two one
+    shard where they continue each other, as ``make_plan`` merges them), with the per-rank sums in
+    row order (as :func:`rank_sums`). A document's front chunks follow each other from its start
+    and its back chunks from its end, rank after rank, so a chunk starts where the rank before left
+    off (``lo``, ``hi``); with ``validate``, the invariants :func:`plan_ok` checks: pad >= 0 (every
+    rank holds C / N tokens) and every document's front and back chunks meet (``lo == hi``: each
+    token held once)."""
     status, num_pad = _entry(doc_lens, cp_size, num_pad, pad_to_multiple, 1)
     if status:
         return _failed(status)
     n = cp_size
     nd = doc_lens.size
-    # chunk j of document i: sizes[j, i] tokens from starts[j, i] (chunk-major: each rank reads
-    # its two rows in order below)
-    sizes = np.empty((2 * n, nd), np.int64)
-    starts = np.empty((2 * n, nd), np.int64)
-    row = np.empty(2 * n, np.int64)
-    parity = np.zeros(n, np.int64)
+    base = np.empty(nd, np.int64)  # per document: _doc_split and the rank of its first extra token
+    whole = np.empty(nd, np.int64)
+    part = np.empty(nd, np.int64)
+    firsts = np.empty(nd, np.int64)
     first = 0
     total = num_pad
-    m = 0  # shards: one per non-empty chunk, less the back chunks merged into their front
     for i in range(nd):
         total += doc_lens[i]
-        first = _doc_chunk_sizes(doc_lens[i], n, first, parity, row)
-        p = 0
-        for j in range(2 * n):
-            sizes[j, i], starts[j, i] = row[j], p
-            p += row[j]
-        if doc_lens[i] >= 2 * n:  # no chunk empty: only chunks N-1 and N continue each other
-            m += 2 * n - 1
-            continue
-        for r in range(n):
-            b = 2 * n - 1 - r
-            m += (row[r] != 0) + (row[b] != 0)
-            if row[r] != 0 and row[b] != 0 and starts[b, i] == starts[r, i] + row[r]:
-                m -= 1
-    size = 1 + nd + 4 * m + n
+        base[i], whole[i], part[i] = _doc_split(doc_lens[i], n)
+        firsts[i] = first
+        first += part[i]
+        if first >= n:
+            first -= n
     if total > EXACT_TOKENS:
         return _failed(5)
-    out = np.empty(size + 4 * n + 7, np.int64)
-    out[0] = n
-    out[1 : 1 + nd] = doc_lens
+    # shards at most (two per rank and document, one token each at least): the columns are
+    # written cap apart, then moved together
+    cap = min(2 * n * nd, total - num_pad)
     o = 1 + nd
-    rank, doc, start, length = (
-        out[o : o + m],
-        out[o + m : o + 2 * m],
-        out[o + 2 * m : o + 3 * m],
-        out[o + 3 * m : o + 4 * m],
-    )
-    pad = out[size - n : size]
-    tokens = out[size : size + n]
-    send = out[size + n : size + 2 * n]
-    shards = out[size + 2 * n : size + 3 * n]
-    works = out[size + 3 * n : size + 4 * n]
-    # the check of the tiling as the shards are written: rank after rank, the front chunks of a
-    # document follow each other from its start (lo: where the next one must start) and the back
-    # chunks from its end (hi: where the next one must end); where they meet (lo == hi) every
-    # token is held exactly once
-    lo = np.zeros(nd, np.int64)
-    hi = doc_lens.copy()
+    out = np.empty(o + 4 * cap + 5 * n + 7, np.int64)
+    out[0] = n
+    out[1:o] = doc_lens
+    lo = np.zeros(nd, np.int64)  # where the document's next front chunk starts
+    hi = doc_lens.copy()  # where its next back chunk ends
+    pad = np.empty(n, np.int64)
+    tokens = np.empty(n, np.int64)
+    send = np.empty(n, np.int64)
+    shards = np.empty(n, np.int64)
+    works = np.empty(n, np.int64)
     k = 0
     for r in range(n):
-        b = 2 * n - 1 - r
+        parity = 0
         tok, snd, cnt, work = 0, 0, 0, 0
         for i in range(nd):
-            # the rank's pieces of document i: front chunk r, back chunk b, one shard when the
-            # back continues the front (make_plan's merge), empty ones left out
-            pf, sf, pb, sb = starts[r, i], sizes[r, i], starts[b, i], sizes[b, i]
+            extra, front = _rank_extra(r, n, firsts[i], whole[i], part[i], parity)
+            parity += extra
+            pf, sf = lo[i], base[i] + front
+            sb = base[i] + extra - front
+            pb = hi[i] - sb
+            lo[i], hi[i] = pf + sf, pb
             if sf != 0 and sb != 0 and pb == pf + sf:
                 sf, sb = sf + sb, 0
             for half in range(2):
                 p, s = (pf, sf) if half == 0 else (pb, sb)
                 if s == 0:
                     continue
-                if k == m:  # more shards than counted: a bug; never write past the columns
-                    return _failed(3)
-                if validate:
-                    if s < 0 or (p != lo[i] if half == 0 else p + s != hi[i]):
-                        return _failed(3)
-                    if half == 0:
-                        lo[i] = p + s
-                    else:
-                        hi[i] = p
-                rank[k], doc[k], start[k], length[k] = r, i, p, s
+                out[o + k] = r
+                out[o + cap + k] = i
+                out[o + 2 * cap + k] = p
+                out[o + 3 * cap + k] = s
                 k += 1
                 tok += s  # the per-rank sums in row order, as rank_sums
                 work += (2 * p + s + 1) * s // 2  # exact: EXACT_TOKENS
@@ -547,13 +540,23 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
         tokens[r], send[r], shards[r], works[r] = tok, snd, cnt, work
         pad[r] = total // n - tok
     if validate:
-        if k != m:
-            return _failed(3)
         for r in range(n):
             if pad[r] < 0:
                 return _failed(3)
         for i in range(nd):
             if lo[i] != hi[i]:
                 return _failed(3)
-    _metrics(out, size, n, m)
-    return out
+    m = k
+    for row in range(1, 4):  # the columns one after the other (each moves left, in order)
+        src, dst = o + row * cap, o + row * m
+        for t in range(m):
+            out[dst + t] = out[src + t]
+    size = o + 4 * m + n
+    out[size - n : size] = pad
+    out[size : size + n] = tokens
+    out[size + n : size + 2 * n] = send
+    out[size + 2 * n : size + 3 * n] = shards
+    out[size + 3 * n : size + 4 * n] = works
+    res = out[: size + 4 * n + 7]
+    _metrics(res, size, n, m)
+    return res

@@ -15,7 +15,7 @@ from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner
 from flashcp.registry import MethodSpec
 
 
-@planner_entry("llama3", chunks_per_rank=2)
+@planner_entry("llama3", chunks_per_rank=2, fused="llama3_plan")
 def plan_llama3(doc_lens, cp_size: int, *, num_pad: int = 0, validate: bool = True) -> Plan:
     """Plan the Llama3 2N-chunk layout.
 

@@ -36,7 +36,7 @@ def per_doc_layout(doc_lens, cp_size: int, method: str, num_pad: int, validate: 
     return make_plan(method, cp_size, d, *cols, pad=pad, validate=validate)
 
 
-@planner_entry("per_doc")
+@planner_entry("per_doc", fused="per_doc_plan")
 def plan_per_doc(doc_lens, cp_size: int, *, num_pad: int = 0, validate: bool = True) -> Plan:
     """Plan the Per-Doc layout (each document in 2N chunks, remainders spread, no padding needed).
 

@@ -15,7 +15,7 @@ from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner
 from flashcp.registry import MethodSpec
 
 
-@planner_entry("ring")
+@planner_entry("ring", fused="ring_plan")
 def plan_ring(doc_lens, cp_size: int, *, num_pad: int = 0, validate: bool = True) -> Plan:
     """Plan the ring layout: N contiguous chunks of C/N tokens.
 

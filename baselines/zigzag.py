@@ -17,7 +17,7 @@ from flashcp.plan import Plan, planner_entry
 from flashcp.registry import MethodSpec
 
 
-@planner_entry("zigzag")
+@planner_entry("zigzag", fused="per_doc_plan")
 def plan_zigzag(doc_lens, cp_size: int, *, num_pad: int = 0, validate: bool = True) -> Plan:
     """Plan the zigzag layout (identical shards and pad to ``per_doc``; executed with ring P2P).
 

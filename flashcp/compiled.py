@@ -12,7 +12,8 @@ results.
 numba costs a process about 1.3 s before its first kernel runs (importing numba, loading the
 cached kernels), which pays off only for a process that plans many sequences (a sweep's worker:
 tens of thousands). So by default (``FLASHCP_COMPILED=auto``) the first :data:`WARMUP_CALLS`
-requests for kernels get None and run the reference (about a hundred plans), and only a process
+requests for kernels get None and run the reference (about a hundred plans, 500 of the baselines,
+whose fused kernels ask once per plan), and only a process
 that goes on planning loads numba: a one-shot ``flashcp plan``, a test's subprocess or a small
 sweep never does. ``FLASHCP_COMPILED=1`` uses the kernels from the first call (the benchmarks and
 the tests of the kernels), ``FLASHCP_COMPILED=0`` never. The mode only decides the speed: the
@@ -47,7 +48,7 @@ from types import ModuleType
 __all__ = ["RECHECK_CALLS", "WARMUP_CALLS", "enabled", "load", "warm_up"]
 
 #: requests for kernels answered None before ``FLASHCP_COMPILED=auto`` loads numba (a plan asks
-#: 2 to 6 times)
+#: 2 to 6 times; a baseline's fused kernel once)
 WARMUP_CALLS = 500
 #: requests so far in this process (``auto`` mode): a lazy load's counter, like a cache
 _REQUESTS = itertools.count()

@@ -54,6 +54,7 @@ __all__ = [
     "check_doc_lens",
     "cu_seqlens",
     "doc_workload",
+    "fused_plan",
     "json_value",
     "kv_bytes",
     "make_plan",
@@ -346,9 +347,10 @@ class Plan:
         return self.num_shards
 
     @functools.cached_property
-    def _rank_sums(self) -> tuple[np.ndarray, ...] | None:
-        """``(doc tokens, workload, send tokens, shards)`` per rank from one compiled pass
-        (:func:`flashcp.plan_kernels.rank_sums`), or None: the properties then use NumPy."""
+    def _rank_sums(self) -> _RankSums | None:
+        """Per-rank sums from one compiled pass (:func:`flashcp.plan_kernels.rank_sums`), or None:
+        the properties then use NumPy. A fused planner (:func:`fused_plan`) sets them, with the
+        metrics, when it builds the plan."""
         kernels = compiled.load("plan")
         if kernels is None or not _int64_arrays(self.doc_lens, *self._columns()[1:5]):
             return None
@@ -357,14 +359,19 @@ class Plan:
         )
         if not ok:
             return None
-        ints = sums.astype(np.int64)
-        return ints[0], sums[1], ints[2], ints[3]
+        counts = sums[_COUNT_ROWS].astype(np.int64).reshape(-1)
+        return _RankSums(counts, sums[1])
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (and copy) without the digest buffer of a fused planner: the copy's arrays are
+        no views of it (:meth:`digest` hashes them one by one)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_packed"}
 
     @property
     def doc_tokens_per_rank(self) -> np.ndarray:
         """(cp_size,) int64, document (non-pad) tokens held by each rank."""
         if self._rank_sums is not None:
-            return self._rank_sums[0].copy()
+            return self._rank_sums.counts[: self.cp_size].copy()
         return np.bincount(self.rank, weights=self.length, minlength=self.cp_size).astype(np.int64)
 
     @property
@@ -390,9 +397,10 @@ class Plan:
         its shards; in a head-parallel plan (:attr:`ulysses_degree` u > 1) every rank of a group
         attends over all of its group's tokens for 1/u of the heads, so the group's sum / u."""
         if self._rank_sums is not None:
-            w = self._rank_sums[1].copy()
+            w = np.array(self._rank_sums.work, dtype=np.float64)  # a copy (int64 when fused)
         else:
             w = np.bincount(self.rank, weights=self.shard_workload, minlength=self.cp_size)
+            w = w.astype(np.float64, copy=False)  # bincount of no shard is int64
         u = self.ulysses_degree
         if u == 1:
             return w
@@ -402,6 +410,10 @@ class Plan:
     def imbalance_ratio(self) -> float:
         """max over ranks of workload / mean over ranks of workload (1.0 is perfect; 1.0 also
         when there is no work at all)."""
+        sums = self._rank_sums
+        if sums is not None and sums.max_work is not None and self.ulysses_degree == 1:
+            # exact integers below 2^53: the same divisions as below, in Python floats
+            return sums.max_work / (sums.total_work / self.cp_size) if sums.any_work else 1.0
         w = self.workload_per_rank
         # w.sum() / w.size is w.mean() (the same sum, then the same division), without its wrapper
         return float(w.max() / (w.sum() / w.size)) if w.any() else 1.0
@@ -440,7 +452,8 @@ class Plan:
         """(cp_size,) int64, tokens of each rank's non-last shards: its share of the compact
         sharding-aware all-gather buffer (Eq. 5)."""
         if self._rank_sums is not None:
-            return self._rank_sums[2].copy()
+            n = self.cp_size
+            return self._rank_sums.counts[n : 2 * n].copy()
         w = np.where(self.is_last, 0, self.length)
         return np.bincount(self.rank, weights=w, minlength=self.cp_size).astype(np.int64)
 
@@ -449,6 +462,9 @@ class Plan:
         """Eq. 5: KV tokens each rank receives under sharding-aware all-gather, per K or V, per KV
         head, per pass: (N - 1) * max_j (non-last tokens of rank j). An all-gather pads every
         rank's contribution to the largest one."""
+        sums = self._rank_sums
+        if sums is not None and sums.max_send is not None:
+            return (self.cp_size - 1) * sums.max_send
         return int((self.cp_size - 1) * self.send_tokens_per_rank.max())
 
     @property
@@ -458,6 +474,9 @@ class Plan:
         Pad tokens are not sent: with pad, every rank's contribution is its document tokens,
         padded (as all-gather buffers are) to the largest rank's, ``(N - 1) * max_r`` of them.
         """
+        sums = self._rank_sums
+        if sums is not None and sums.max_tokens is not None:
+            return (self.cp_size - 1) * sums.max_tokens
         return (self.cp_size - 1) * int(self.doc_tokens_per_rank.max())
 
     @property
@@ -471,7 +490,8 @@ class Plan:
     def shards_per_rank(self) -> np.ndarray:
         """(cp_size,) int64, shards (= attention segments, one per shard) each rank holds."""
         if self._rank_sums is not None:
-            return self._rank_sums[3].copy()
+            n = self.cp_size
+            return self._rank_sums.counts[2 * n :].copy()
         return np.bincount(self.rank, minlength=self.cp_size).astype(np.int64)
 
     @property
@@ -502,6 +522,9 @@ class Plan:
     def digest(self) -> str:
         """A short hash of the layout (cp_size, doc_lens and every shard): ranks compare it before
         their first collective to make sure they execute the same plan."""
+        packed = self.__dict__.get("_packed")
+        if packed is not None:  # a fused planner's plan: these bytes, in this order, in one buffer
+            return hashlib.sha256(packed).hexdigest()[:16]
         h = hashlib.sha256()
         h.update(np.int64(self.cp_size).tobytes())
         for a in (self.doc_lens, self.rank, self.doc, self.start, self.length, self.pad):
@@ -695,6 +718,89 @@ class Plan:
         return plan
 
 
+#: rows of :func:`flashcp.plan_kernels.rank_sums`'s sums that are counts: doc tokens, send tokens,
+#: shards (row 1 is the workload)
+_COUNT_ROWS = [0, 2, 3]
+
+
+class _RankSums(NamedTuple):
+    """A plan's per-rank sums (:attr:`Plan._rank_sums`): ``counts`` (3 N,) int64, the doc tokens,
+    send tokens and shards of ranks 0..N-1 one after the other, ``work`` (N,), the workloads
+    (float64; int64, exact, from a fused planner), and, where a fused planner computed them with
+    the plan (else None), the maxima of the doc and send tokens and of the workloads, the total
+    workload and whether any rank has work (u = 1)."""
+
+    counts: np.ndarray
+    work: np.ndarray
+    max_tokens: int | None = None
+    max_send: int | None = None
+    max_work: int | None = None
+    total_work: int | None = None
+    any_work: bool | None = None
+
+
+def fused_plan(
+    kernel: str,
+    method: str,
+    doc_lens: Any,
+    cp_size: Any,
+    num_pad: Any,
+    pad_to_multiple: Any,
+    validate: Any,
+) -> Plan | None:
+    """A baseline's plan from one compiled call that checks the arguments, lays out the shards,
+    merges, validates and sums them (:func:`flashcp.plan_kernels.ring_plan` and the like), with its
+    metrics and digest buffer attached; or None, and the caller takes the general path (which
+    plans the same, or raises the error naming the bad value): kernels off, arguments of other
+    types, a zero-length document, a total not divisible as the layout needs, ...
+
+    Args:
+        kernel: name of the fused kernel in :mod:`flashcp.plan_kernels`.
+        method: planner name stored in the plan.
+        doc_lens: (n_docs,) int64 ndarray (anything else: None).
+        cp_size, num_pad: Python ints, >= 1 and >= 0.
+        pad_to_multiple, validate: Python bools.
+    Returns:
+        the :class:`Plan` ``planner_entry`` gives for these arguments (same arrays, digest,
+        metrics), or None.
+    """
+    if not (
+        type(doc_lens) is np.ndarray
+        and doc_lens.dtype == np.int64
+        and doc_lens.ndim == 1
+        and type(cp_size) is int
+        and type(num_pad) is int
+        and type(pad_to_multiple) is bool
+        and type(validate) is bool
+        and 1 <= cp_size < 1 << 31
+        and 0 <= num_pad < 1 << 62
+    ):
+        return None
+    kernels = compiled.load("plan")
+    if kernels is None:
+        return None
+    buf = getattr(kernels, kernel)(doc_lens, cp_size, num_pad, pad_to_multiple, validate)
+    if buf[-1]:
+        return None
+    max_tokens, max_send, max_work, total_work, any_work, m, _ = buf[-7:].tolist()
+    n, o = cp_size, 1 + doc_lens.size
+    end = o + 4 * m + n
+    sums = _RankSums(
+        buf[end : end + 3 * n], buf[end + 3 * n : end + 4 * n], max_tokens, max_send, max_work,
+        total_work, any_work,
+    )  # fmt: skip
+    # the fields as Plan.__init__ would set them (an int, int64 arrays, JSON-clean info), without
+    # its checks and copies (a few microseconds), plus what the kernel computed with the plan
+    plan = Plan.__new__(Plan)
+    plan.__dict__.update(
+        method=method, cp_size=n, doc_lens=buf[1:o], rank=buf[o : o + m],
+        doc=buf[o + m : o + 2 * m], start=buf[o + 2 * m : o + 3 * m],
+        length=buf[o + 3 * m : o + 4 * m], status="ok", info={}, pad=buf[end - n : end],
+        _rank_sums=sums, _packed=buf[:end],
+    )  # fmt: skip
+    return plan
+
+
 def _int64_arrays(*arrays: Any) -> bool:
     """True when every argument is a 1-D int64 ndarray (what the compiled kernels take)."""
     return all(type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == 1 for a in arrays)
@@ -810,7 +916,7 @@ def _restore_docs(plan: Plan, doc_lens: np.ndarray, kept: np.ndarray, pad_doc: b
     )  # fmt: skip
 
 
-def planner_entry(method: str, *, chunks_per_rank: int = 1):
+def planner_entry(method: str, *, chunks_per_rank: int = 1, fused: str | None = None):
     """Decorator giving a planner the input handling every planner shares (docs/design.md §2).
 
     The decorated planner ``planner(doc_lens, cp_size, *, num_pad=0, pad_to_multiple=False,
@@ -832,6 +938,10 @@ def planner_entry(method: str, *, chunks_per_rank: int = 1):
         method: the method name (stored in the all-empty plan).
         chunks_per_rank: equal chunks per rank the layout needs (2 for ``llama3``), so that the
             total must divide by ``chunks_per_rank * cp_size``.
+        fused: name of a kernel of :mod:`flashcp.plan_kernels` that computes the whole plan of
+            ``func`` in one call (:func:`fused_plan`): tried first when the compiled kernels are
+            on, for the common case (an int64 array of lengths >= 1, plain ints and bools, no
+            option but ``validate``); every other case takes the path described here.
     Raises (from the decorated planner):
         ValueError: a negative or non-integer length, a bad ``cp_size``, ``num_pad`` or
             ``pad_to_multiple``, or (padding off) a total not divisible as the layout needs; the
@@ -844,6 +954,13 @@ def planner_entry(method: str, *, chunks_per_rank: int = 1):
 
         @functools.wraps(func)
         def planner(doc_lens, cp_size, *, num_pad=0, pad_to_multiple=False, **options):
+            if fused is not None and (not options or options.keys() == {"validate"}):
+                validate = options.get("validate", True)
+                plan = fused_plan(
+                    fused, method, doc_lens, cp_size, num_pad, pad_to_multiple, validate
+                )
+                if plan is not None:
+                    return plan
             d = check_doc_lens(doc_lens)
             num_pad = _check_pad_args(num_pad, pad_to_multiple)
             check_cp_args(0, cp_size)  # cp_size itself

@@ -1,6 +1,13 @@
 """numba kernels of the plan data model (:mod:`flashcp.plan`): building, checking and summing a
 plan's shard columns in one pass each (:mod:`flashcp.compiled` says when they are used).
 
+The fused planners (:func:`ring_plan`, :func:`llama3_plan`, :func:`per_doc_plan`) do a baseline's
+whole plan in one call: the argument checks of :func:`flashcp.plan.planner_entry`, the layout,
+``make_plan``'s merge, the validation, the per-rank sums and the metrics, into one buffer whose head
+is the digest's bytes (:func:`flashcp.plan.fused_plan` reads it); every call from Python costs
+about a microsecond and a half before it runs, so one call instead of six saves most of a plan's
+time.
+
 Each kernel computes exactly what the NumPy code it stands in for computes (the reference in
 :mod:`flashcp.plan`); ``tests/test_compiled.py`` compares them. Arrays are (n_shards,) int64
 columns ``rank, doc, start, length`` as in :class:`~flashcp.plan.Plan`.
@@ -12,11 +19,15 @@ import numpy as np
 from numba import njit
 
 __all__ = [
+    "FUSED_STATUS",
+    "llama3_plan",
     "merge_pieces",
     "per_doc_layout",
+    "per_doc_plan",
     "per_doc_sizes",
     "plan_ok",
     "rank_sums",
+    "ring_plan",
     "split_packed",
 ]
 
@@ -181,6 +192,43 @@ def rank_sums(cp_size, doc_lens, rank, doc, start, length):
 
 
 @njit(cache=True)
+def _doc_split(d, n):
+    """``(base, whole, part)`` of a document of length ``d`` in the rule of
+    :func:`flashcp.layout.per_doc_chunk_sizes`: every chunk gets ``base = d // 2N``, every rank
+    ``whole`` of the ``d % 2N`` extra tokens and ``part`` ranks from the first one one more
+    (``rem // n``, ``rem % n`` without dividing: 0 <= rem < 2N)."""
+    base, rem = d // (2 * n), d % (2 * n)
+    whole = 1 if rem >= n else 0
+    return base, whole, rem - n if whole else rem
+
+
+@njit(cache=True)
+def _rank_extra(r, n, first, whole, part, parity):
+    """``(extra, front)``: the extra tokens of rank r in a document whose first extra token goes to
+    rank ``first``, and those of them in its front chunk (``parity``: the rank's extra tokens from
+    the documents before); its back chunk gets ``extra - front``."""
+    offset = r - first if r >= first else r - first + n  # (r - first) % n: 0 <= r, first < n
+    extra = whole + (1 if offset < part else 0)
+    return extra, (extra + (1 if parity & 1 == 0 else 0)) >> 1  # extra >= 0
+
+
+@njit(cache=True)
+def _doc_chunk_sizes(d, n, first, parity, row):
+    """The 2N chunk sizes of one document of length ``d`` into ``row`` ((2N,) int64), the rule of
+    :func:`flashcp.layout.per_doc_chunk_sizes`: ``first`` is the rank of its first extra token,
+    ``parity`` (N,) the extra tokens each rank got from the documents before (updated). Returns
+    the next document's ``first``."""
+    base, whole, part = _doc_split(d, n)
+    for r in range(n):
+        extra, front = _rank_extra(r, n, first, whole, part, parity[r])
+        row[r] = base + front
+        row[2 * n - 1 - r] = base + extra - front
+        parity[r] += extra
+    first += part  # (first + rem) % n: rem = whole * n + part, first + part < 2n
+    return first - n if first >= n else first
+
+
+@njit(cache=True)
 def per_doc_sizes(doc_lens, n, cursor):
     """:func:`flashcp.layout.per_doc_chunk_sizes` (its docstring says the rule) in one pass:
     ``(sizes, cursor)``, sizes (n_docs, 2N) int64."""
@@ -189,15 +237,7 @@ def per_doc_sizes(doc_lens, n, cursor):
     parity = np.zeros(n, np.int64)  # extra tokens each rank got from the documents before
     first = cursor % n
     for i in range(m):
-        d = doc_lens[i]
-        base, rem = d // (2 * n), d % (2 * n)
-        for r in range(n):
-            extra = rem // n + (1 if (r - first) % n < rem % n else 0)
-            front = (extra + (1 if parity[r] % 2 == 0 else 0)) // 2
-            sizes[i, r] = base + front
-            sizes[i, 2 * n - 1 - r] = base + extra - front
-            parity[r] += extra
-        first = (first + rem) % n
+        first = _doc_chunk_sizes(doc_lens[i], n, first, parity, sizes[i])
     return sizes, first if m else cursor
 
 
@@ -269,3 +309,254 @@ def per_doc_layout(doc_lens, n, num_pad):
                     rank[k], doc[k], start[k], length[k] = r, i, starts[i, j], s
                     k += 1
     return _stack(rank, doc, start, length, k), pad
+
+
+# ---- fused planners: layout, make_plan's merge, validation, per-rank sums and metrics, one call --
+
+#: what the last entry of a fused planner's buffer says (0: a plan; else the caller takes the
+#: general path, which plans the same or raises the error naming the bad value)
+FUSED_STATUS = {
+    0: "ok",
+    1: "no document, or a zero-length or negative one",
+    2: "the total is not divisible as the layout needs",
+    3: "the plan violates an invariant (plan_ok)",
+    4: "a rank's pieces are not in (doc, start) order (make_plan merges them in general)",
+    5: "more than EXACT_TOKENS tokens",
+}
+#: contexts up to this many tokens have every workload, per rank and in total, below 2^53: exact
+#: int64 here, and exact in float64 in any summation order (so the imbalance ratio computed from
+#: them equals NumPy's); the fused planners leave longer ones to the general path
+EXACT_TOKENS = 1 << 26
+
+
+@njit(cache=True)
+def _entry(doc_lens, cp_size, num_pad, pad_to_multiple, chunks_per_rank):
+    """:func:`flashcp.plan.planner_entry`'s checks for the fused path: ``(status, num_pad)``,
+    status 1 (no document, or one of length <= 0) or 2 (the total, pad included, not divisible by
+    ``chunks_per_rank * cp_size``), else 0 and ``num_pad`` after ``pad_to_multiple``."""
+    if doc_lens.size == 0:
+        return 1, num_pad
+    real = 0
+    for i in range(doc_lens.size):
+        if doc_lens[i] <= 0:
+            return 1, num_pad
+        real += doc_lens[i]
+    k = chunks_per_rank * cp_size
+    if pad_to_multiple:
+        num_pad += (k - (real + num_pad) % k) % k
+    total = real + num_pad
+    if total % cp_size or total % k:
+        return 2, num_pad
+    return 0, num_pad
+
+
+@njit(cache=True)
+def _failed(status):
+    out = np.zeros(2, np.int64)
+    out[1] = status
+    return out
+
+
+@njit(cache=True)
+def _metrics(out, size, n, m):
+    """The tail of a fused planner's buffer (:func:`_finish`) from its per-rank rows: the maxima of
+    the doc and send tokens and of the workloads, the total workload, whether any rank has work,
+    the number of shards ``m`` and status 0."""
+    tokens = out[size : size + n]
+    send = out[size + n : size + 2 * n]
+    work = out[size + 3 * n : size + 4 * n]
+    max_tokens, max_send, max_work, total_work, any_work = tokens[0], send[0], work[0], 0, 0
+    for q in range(n):
+        max_tokens = max(max_tokens, tokens[q])
+        max_send = max(max_send, send[q])
+        max_work = max(max_work, work[q])
+        total_work += work[q]
+        if work[q] != 0:
+            any_work = 1
+    out[-7], out[-6], out[-5], out[-4] = max_tokens, max_send, max_work, total_work
+    out[-3], out[-2], out[-1] = any_work, m, 0
+
+
+@njit(cache=True)
+def _finish(doc_lens, cp_size, rank, doc, start, length, pad, validate):
+    """:func:`flashcp.plan.make_plan` (the merge of :func:`merge_pieces`), :meth:`Plan.validate
+    <flashcp.plan.Plan.validate>` (:func:`plan_ok`) and the per-rank sums (:func:`rank_sums`) of a
+    layout's pieces, packed into one int64 buffer (:func:`flashcp.plan.fused_plan` reads it)::
+
+        [cp_size, doc_lens (n_docs), rank, doc, start, length (m each), pad (N),   <- digest bytes
+         doc tokens, send tokens, shards, workload (N each),
+         max doc tokens, max send tokens, max workload, total workload, any work, m, status]
+
+    (all int64: a context of at most :data:`EXACT_TOKENS` tokens, status 5 for a longer one). A
+    status other than 0 (:data:`FUSED_STATUS`) comes in a 2-entry buffer; ``validate`` False skips
+    the check."""
+    n = cp_size
+    merged, cols = merge_pieces(rank, doc, start, length)
+    if not merged:
+        return _failed(4)
+    m = cols.shape[1]
+    nd = doc_lens.size
+    if validate and not plan_ok(n, doc_lens, cols[0], cols[1], cols[2], cols[3], pad):
+        return _failed(3)
+    ok, sums = rank_sums(n, doc_lens, cols[0], cols[1], cols[2], cols[3])
+    if not ok:
+        return _failed(3)
+    size = 1 + nd + 4 * m + n
+    out = np.empty(size + 4 * n + 7, np.int64)
+    out[0] = n
+    out[1 : 1 + nd] = doc_lens
+    for row in range(4):
+        out[1 + nd + row * m : 1 + nd + (row + 1) * m] = cols[row]
+    out[size - n : size] = pad
+    total = 0
+    for q in range(n):
+        total += np.int64(sums[0, q]) + pad[q]
+    if total > EXACT_TOKENS:
+        return _failed(5)
+    for q in range(n):  # integers, exact in float64 (EXACT_TOKENS)
+        out[size + q] = np.int64(sums[0, q])
+        out[size + n + q] = np.int64(sums[2, q])
+        out[size + 2 * n + q] = np.int64(sums[3, q])
+        out[size + 3 * n + q] = np.int64(sums[1, q])
+    _metrics(out, size, n, m)
+    return out
+
+
+@njit(cache=True)
+def ring_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
+    """:func:`baselines.ring.plan_ring` of documents all of length >= 1 in one call: N contiguous
+    chunks (:func:`split_packed`), chunk r on rank r, then :func:`_finish` (its buffer)."""
+    status, num_pad = _entry(doc_lens, cp_size, num_pad, pad_to_multiple, 1)
+    if status:
+        return _failed(status)
+    cols, pad = split_packed(doc_lens, cp_size, num_pad)
+    return _finish(doc_lens, cp_size, cols[0], cols[1], cols[2], cols[3], pad, validate)
+
+
+@njit(cache=True)
+def llama3_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
+    """:func:`baselines.llama3.plan_llama3` of documents all of length >= 1 in one call: 2N equal
+    chunks (:func:`split_packed`), rank r holding the pieces of chunk r then those of chunk
+    2N-1-r (each in packed order, as the planner's stable sort by (rank, back) orders them), then
+    :func:`_finish` (its buffer)."""
+    n = cp_size
+    status, num_pad = _entry(doc_lens, n, num_pad, pad_to_multiple, 2)
+    if status:
+        return _failed(status)
+    cols, chunk_pad = split_packed(doc_lens, 2 * n, num_pad)
+    k = cols.shape[1]
+    first = np.zeros(2 * n + 1, np.int64)  # pieces of chunk c: first[c]:first[c + 1]
+    for i in range(k):
+        first[cols[0, i] + 1] += 1
+    for c in range(2 * n):
+        first[c + 1] += first[c]
+    rank = np.empty(k, np.int64)
+    doc = np.empty(k, np.int64)
+    start = np.empty(k, np.int64)
+    length = np.empty(k, np.int64)
+    pad = np.empty(n, np.int64)
+    j = 0
+    for r in range(n):
+        pad[r] = chunk_pad[r] + chunk_pad[2 * n - 1 - r]
+        for c in (r, 2 * n - 1 - r):
+            for i in range(first[c], first[c + 1]):
+                rank[j], doc[j], start[j], length[j] = r, cols[1, i], cols[2, i], cols[3, i]
+                j += 1
+    return _finish(doc_lens, n, rank, doc, start, length, pad, validate)
+
+
+@njit(cache=True)
+def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
+    """:func:`baselines.per_doc.per_doc_layout` (``per_doc``, ``zigzag``) of documents all of
+    length >= 1 in one call, in :func:`_finish`'s buffer: rank after rank, document after document,
+    the rank's chunks r and 2N-1-r (:func:`per_doc_sizes`'s rule; empty ones left out, the two one
+    shard where they continue each other, as ``make_plan`` merges them), with the per-rank sums in
+    row order (as :func:`rank_sums`). A document's front chunks follow each other from its start
+    and its back chunks from its end, rank after rank, so a chunk starts where the rank before left
+    off (``lo``, ``hi``); with ``validate``, the invariants :func:`plan_ok` checks: pad >= 0 (every
+    rank holds C / N tokens) and every document's front and back chunks meet (``lo == hi``: each
+    token held once)."""
+    status, num_pad = _entry(doc_lens, cp_size, num_pad, pad_to_multiple, 1)
+    if status:
+        return _failed(status)
+    n = cp_size
+    nd = doc_lens.size
+    base = np.empty(nd, np.int64)  # per document: _doc_split and the rank of its first extra token
+    whole = np.empty(nd, np.int64)
+    part = np.empty(nd, np.int64)
+    firsts = np.empty(nd, np.int64)
+    first = 0
+    total = num_pad
+    for i in range(nd):
+        total += doc_lens[i]
+        base[i], whole[i], part[i] = _doc_split(doc_lens[i], n)
+        firsts[i] = first
+        first += part[i]
+        if first >= n:
+            first -= n
+    if total > EXACT_TOKENS:
+        return _failed(5)
+    # shards at most (two per rank and document, one token each at least): the columns are
+    # written cap apart, then moved together
+    cap = min(2 * n * nd, total - num_pad)
+    o = 1 + nd
+    out = np.empty(o + 4 * cap + 5 * n + 7, np.int64)
+    out[0] = n
+    out[1:o] = doc_lens
+    lo = np.zeros(nd, np.int64)  # where the document's next front chunk starts
+    hi = doc_lens.copy()  # where its next back chunk ends
+    pad = np.empty(n, np.int64)
+    tokens = np.empty(n, np.int64)
+    send = np.empty(n, np.int64)
+    shards = np.empty(n, np.int64)
+    works = np.empty(n, np.int64)
+    k = 0
+    for r in range(n):
+        parity = 0
+        tok, snd, cnt, work = 0, 0, 0, 0
+        for i in range(nd):
+            extra, front = _rank_extra(r, n, firsts[i], whole[i], part[i], parity)
+            parity += extra
+            pf, sf = lo[i], base[i] + front
+            sb = base[i] + extra - front
+            pb = hi[i] - sb
+            lo[i], hi[i] = pf + sf, pb
+            if sf != 0 and sb != 0 and pb == pf + sf:
+                sf, sb = sf + sb, 0
+            for half in range(2):
+                p, s = (pf, sf) if half == 0 else (pb, sb)
+                if s == 0:
+                    continue
+                out[o + k] = r
+                out[o + cap + k] = i
+                out[o + 2 * cap + k] = p
+                out[o + 3 * cap + k] = s
+                k += 1
+                tok += s  # the per-rank sums in row order, as rank_sums
+                work += (2 * p + s + 1) * s // 2  # exact: EXACT_TOKENS
+                cnt += 1
+                if p + s != doc_lens[i]:
+                    snd += s
+        tokens[r], send[r], shards[r], works[r] = tok, snd, cnt, work
+        pad[r] = total // n - tok
+    if validate:
+        for r in range(n):
+            if pad[r] < 0:
+                return _failed(3)
+        for i in range(nd):
+            if lo[i] != hi[i]:
+                return _failed(3)
+    m = k
+    for row in range(1, 4):  # the columns one after the other (each moves left, in order)
+        src, dst = o + row * cap, o + row * m
+        for t in range(m):
+            out[dst + t] = out[src + t]
+    size = o + 4 * m + n
+    out[size - n : size] = pad
+    out[size : size + n] = tokens
+    out[size + n : size + 2 * n] = send
+    out[size + 2 * n : size + 3 * n] = shards
+    out[size + 3 * n : size + 4 * n] = works
+    res = out[: size + 4 * n + 7]
+    _metrics(res, size, n, m)
+    return res

@@ -8,14 +8,19 @@ references: identical plans (digest, status, info, metrics) on sampled and adver
   :func:`flashcp.refined.plan_flashcp_refined_reference` likewise on 2,010 sequences (2K-128K).
 * every planner: the plan built with every kernel (layouts, ``make_plan``'s merge, the checks,
   the per-rank sums) against the one built with none (NumPy, as without numba).
+* the baselines' fused kernels (one call: checks, layout, merge, validation, sums, metrics;
+  :func:`flashcp.plan.fused_plan`) against the reference on 2,700 sampled sequences (CP 2-16,
+  pad), and bad input: the same errors.
 * ``Plan.validate``: the compiled check rejects every broken plan the NumPy one rejects.
 * without numba (the GPU image, ``tests/device_image``) the planners fall back to the same plans.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -311,3 +316,122 @@ def test_planners_fall_back_without_numba():
         p = get_planner(m)(np.array(d, dtype=np.int64), n, num_pad=pad, pad_to_multiple=True)
         want.append([p.digest(), p.status, p.info])
     assert got == want
+
+
+#: the baselines with a fused kernel (:func:`flashcp.plan.fused_plan`)
+FUSED = ("llama3", "per_doc", "ring", "zigzag")
+
+
+def full_key(plan: Plan) -> tuple:
+    """Everything a plan holds and the metrics the benchmarks and sweeps read."""
+    return (
+        *key(plan),
+        plan.method,
+        plan.cp_size,
+        [a.tolist() for a in plan._columns()],
+        [a.dtype.str for a in plan._columns()],
+        plan.imbalance_ratio,
+        plan.comm_tokens,
+        plan.comm_tokens_full,
+        plan.comm_saving,
+        *[
+            (a.dtype.str, a.tolist())
+            for a in (
+                plan.workload_per_rank,
+                plan.doc_tokens_per_rank,
+                plan.send_tokens_per_rank,
+                plan.shards_per_rank,
+                plan.tokens_per_rank,
+            )
+        ],
+        type(plan.imbalance_ratio),
+        type(plan.comm_tokens),
+        json.dumps(plan.to_dict(), sort_keys=True),
+    )
+
+
+def test_fused_baselines_equal_reference_on_sampled_sequences(monkeypatch):
+    """2,700 sampled sequences (three datasets, 2K-128K, CP 2-16, pad, pad_to_multiple, validate
+    on and off) x the four baselines: the fused plan equals the reference's (NumPy, no kernel) in
+    every array, the digest and every metric."""
+    rng = np.random.default_rng(23)
+    cases = []
+    for context_len, count in ((2048, 400), (8192, 300), (32768, 150), (131072, 50)):
+        for ds in DATASETS:
+            dist = load_distribution(ds, context_len=context_len)
+            for d in sample_sequences(dist, count, context_len, seed=context_len + 7):
+                n = int(rng.integers(2, 17))
+                kw = {"num_pad": int(rng.integers(0, 3 * n)), "pad_to_multiple": True}
+                if rng.random() < 0.3:  # a pad that fits (no pad_to_multiple), or none
+                    kw = {"num_pad": int(-d.sum() % (2 * n))} if rng.random() < 0.7 else {}
+                if rng.random() < 0.2:
+                    kw["validate"] = False
+                cases.append((str(rng.choice(FUSED)), d, n, kw))
+    fused, skipped = [], 0
+    for method, d, n, kw in cases:
+        try:
+            plan = get_planner(method)(d, n, **kw)
+        except ValueError:  # no pad and not divisible: compared below as an error
+            fused.append(None)
+            continue
+        skipped += "_packed" not in plan.__dict__
+        fused.append(full_key(plan))
+    assert skipped == 0  # every plan came from a fused kernel
+    monkeypatch.setattr(compiled, "load", lambda name: None)
+    for (method, d, n, kw), want in zip(cases, fused, strict=True):
+        if want is None:
+            with pytest.raises(ValueError):
+                get_planner(method)(d, n, **kw)
+        else:
+            assert full_key(get_planner(method)(d, n, **kw)) == want, (method, n, kw, d.tolist())
+    assert len(cases) == 2700
+
+
+def errors(method: str) -> list[str]:
+    """The messages of the planner's errors on bad input."""
+    bad = [
+        (np.array([5, -1, 4]), 2, {}),
+        (np.array([5, 3, 4]), 5, {}),
+        (np.array([6, 6]), 0, {}),
+        (np.array([6, 6]), 2, {"num_pad": -1}),
+        (np.array([6, 6]), 2, {"num_pad": 1}),
+        (np.array([6, 6]), 2, {"pad_to_multiple": 1}),
+        (np.array([6, 6]), 2.0, {}),
+        (np.array([6, 6]), True, {}),
+        (np.array([[6, 6]]), 2, {}),
+        (np.array([6.5, 6]), 2, {}),
+        (np.array([7, 6]), 3, {"num_pad": 1, "validate": False}),
+        (np.array([7, 6]), 4, {"num_pad": 1, "pad_to_multiple": False}),
+    ]
+    out = []
+    for d, n, kw in bad:
+        with pytest.raises(ValueError) as exc:
+            get_planner(method)(d, n, **kw)
+        out.append(str(exc.value))
+    return out
+
+
+@pytest.mark.parametrize("method", FUSED)
+def test_fused_baselines_same_errors_and_edge_cases(method, monkeypatch):
+    """Bad input raises the reference's ValueError (the fused path defers to it); zero-length
+    documents, pad only and other dtypes give the reference's plans; a pickled or copied plan has
+    the same digest and metrics."""
+    edge = [
+        (np.array([0, 9, 0, 7]), 4, {}),
+        (np.zeros(3, np.int64), 4, {"num_pad": 8}),
+        (np.array([], np.int64), 2, {"num_pad": 4}),
+        (np.array([9, 7], np.int32), 4, {}),
+        ([9, 7], 4, {}),
+        (np.array([9, 7]), np.int64(4), {}),
+        (np.array([1, 1, 1]), 1, {"num_pad": 1}),
+        (np.array([3]), 16, {"pad_to_multiple": True}),
+    ]
+    got = [full_key(get_planner(method)(d, n, **kw)) for d, n, kw in edge]
+    plan = get_planner(method)(np.array([900, 300, 41, 7]), 4, num_pad=8)
+    assert "_packed" in plan.__dict__
+    for copied in (pickle.loads(pickle.dumps(plan)), copy.deepcopy(plan)):
+        assert "_packed" not in copied.__dict__ and full_key(copied) == full_key(plan)
+    fast_errors = errors(method)
+    monkeypatch.setattr(compiled, "load", lambda name: None)
+    assert [full_key(get_planner(method)(d, n, **kw)) for d, n, kw in edge] == got
+    assert errors(method) == fast_errors

@@ -22,7 +22,7 @@ plans are the same.
 The kernels are compiled with ``cache=True`` and written beside their sources (``__pycache__``),
 once per machine (a minute or more on 2 busy cores). In ``auto`` mode that compile is kept off the
 command that needs it: a process that finds the cache cold starts :func:`warm_up` in a detached
-background process at the lowest CPU priority (``python -m flashcp.compiled``; one per checkout,
+background process at the lowest CPU priority (:data:`WARM_UP_COMMAND`; one per checkout,
 under a lock file) and goes on with the references; it looks again every :data:`RECHECK_CALLS`
 requests and switches to the kernels once the background compile has marked the cache ready
 (``__pycache__/kernels-<key>.ready``, the key hashing the Python and numba versions and the
@@ -54,6 +54,8 @@ WARMUP_CALLS = 500
 _REQUESTS = itertools.count()
 #: requests between two looks for the ready marker while the cache is cold (``auto`` mode)
 RECHECK_CALLS = 2000
+#: what the background compile runs (``python -c ... MARKER``; also by hand, without a marker)
+WARM_UP_COMMAND = "import sys; from flashcp.compiled import _main; sys.exit(_main(sys.argv[1:]))"
 #: a background compile's lock older than this (seconds) is taken to be dead
 LOCK_TIMEOUT_S = 900.0
 #: this process's view of the cache (``auto`` mode): ready, requests since the last look, and
@@ -165,7 +167,7 @@ def _cache_ready() -> bool:
 
 
 def _spawn_warm_up(marker: Path) -> bool:
-    """Start ``python -m flashcp.compiled`` detached, at the lowest CPU priority, unless another
+    """Start :data:`WARM_UP_COMMAND` detached, at the lowest CPU priority, unless another
     process holds a live lock on this cache. Returns True when one was started."""
     lock = marker.with_suffix(".lock")
     try:
@@ -186,7 +188,7 @@ def _spawn_warm_up(marker: Path) -> bool:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     try:
         subprocess.Popen(
-            [sys.executable, "-m", "flashcp.compiled", str(marker)],
+            [sys.executable, "-c", WARM_UP_COMMAND, str(marker)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env=env, start_new_session=True, preexec_fn=lambda: os.nice(19),
         )  # fmt: skip
@@ -230,7 +232,7 @@ def warm_up(marker: Path | None = None) -> float:
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m flashcp.compiled [MARKER]``: :func:`warm_up`, then drop the lock next to the
+    """:data:`WARM_UP_COMMAND` ``[MARKER]``: :func:`warm_up`, then drop the lock next to the
     marker (the background compile of :func:`_spawn_warm_up`)."""
     marker = Path(argv[0]) if argv else _marker()
     try:
@@ -240,7 +242,3 @@ def _main(argv: list[str]) -> int:
             marker.with_suffix(".lock").unlink(missing_ok=True)
     print(f"flashcp kernels ready in {seconds:.1f} s")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))

@@ -274,15 +274,15 @@ def test_background_compile_takes_the_lock_once(monkeypatch, tmp_path):
     old = lock.stat().st_mtime - compiled.LOCK_TIMEOUT_S - 1
     os.utime(lock, (old, old))
     assert compiled._spawn_warm_up(marker)
-    assert started and started[0][1:3] == ["-m", "flashcp.compiled"] and lock.exists()
+    assert started and started[0][1:3] == ["-c", compiled.WARM_UP_COMMAND] and lock.exists()
 
 
 def test_background_compile_marks_the_cache_ready(tmp_path):
-    """``python -m flashcp.compiled MARKER`` (what the background process runs) loads or compiles
+    """``python -c WARM_UP_COMMAND MARKER`` (what the background process runs) loads or compiles
     every kernel, writes the marker and drops the lock."""
     marker = tmp_path / "kernels-test.ready"
     marker.with_suffix(".lock").touch()
-    out = subprocess.run([sys.executable, "-m", "flashcp.compiled", str(marker)],
+    out = subprocess.run([sys.executable, "-c", compiled.WARM_UP_COMMAND, str(marker)],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "kernels ready" in out.stdout

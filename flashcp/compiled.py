@@ -21,7 +21,8 @@ plans are the same.
 
 The kernels are compiled with ``cache=True`` and written beside their sources (``__pycache__``),
 once per machine (a minute or more on 2 busy cores). In ``auto`` mode that compile is kept off the
-command that needs it: a process that finds the cache cold starts :func:`warm_up` in a detached
+command that needs it: a process that finds the cache cold starts
+:func:`flashcp.compile_cache.warm_up` in a detached
 background process at the lowest CPU priority (:data:`WARM_UP_COMMAND`; one per checkout,
 under a lock file) and goes on with the references; it looks again every :data:`RECHECK_CALLS`
 requests and switches to the kernels once the background compile has marked the cache ready
@@ -45,7 +46,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["RECHECK_CALLS", "WARMUP_CALLS", "enabled", "load", "warm_up"]
+__all__ = ["RECHECK_CALLS", "WARMUP_CALLS", "WARM_UP_COMMAND", "enabled", "load", "marker"]
 
 #: requests for kernels answered None before ``FLASHCP_COMPILED=auto`` loads numba (a plan asks
 #: 2 to 6 times; a baseline's fused kernel once)
@@ -55,7 +56,7 @@ _REQUESTS = itertools.count()
 #: requests between two looks for the ready marker while the cache is cold (``auto`` mode)
 RECHECK_CALLS = 2000
 #: what the background compile runs (``python -c ... MARKER``; also by hand, without a marker)
-WARM_UP_COMMAND = "import sys; from flashcp.compiled import _main; sys.exit(_main(sys.argv[1:]))"
+WARM_UP_COMMAND = "import sys; from flashcp.compile_cache import main; sys.exit(main(sys.argv[1:]))"
 #: a background compile's lock older than this (seconds) is taken to be dead
 LOCK_TIMEOUT_S = 900.0
 #: this process's view of the cache (``auto`` mode): ready, requests since the last look, and
@@ -125,7 +126,7 @@ def _import(name: str) -> ModuleType | None:
     return importlib.import_module(_MODULES[name]) if _numba_available() else None
 
 
-def _marker() -> Path | None:
+def marker() -> Path | None:
     """The ready marker of this checkout's kernels cache, or None when it cannot be written (then
     the kernels compile in the process that needs them) or numba is not installed."""
     try:
@@ -156,13 +157,13 @@ def _cache_ready() -> bool:
         _CACHE["since_look"] = (_CACHE["since_look"] + 1) % RECHECK_CALLS
         return False
     _CACHE["since_look"] = 1
-    marker = _marker()
-    if marker is None or marker.exists():
+    ready = marker()
+    if ready is None or ready.exists():
         _CACHE["ready"] = True
         return True
     if not _CACHE["spawned"]:
         _CACHE["spawned"] = True
-        _spawn_warm_up(marker)
+        _spawn_warm_up(ready)
     return False
 
 
@@ -196,49 +197,3 @@ def _spawn_warm_up(marker: Path) -> bool:
         lock.unlink(missing_ok=True)
         return False
     return True
-
-
-def warm_up(marker: Path | None = None) -> float:
-    """Compile (or load from numba's cache) every kernel in this process by planning and pricing a
-    few small plans with every compiled path, then mark the cache ready.
-
-    Args:
-        marker: the ready marker to write (default: this checkout's, when it can be written).
-    Returns:
-        Seconds it took (0.0 when numba is not installed: nothing to compile).
-    """
-    if not _numba_available():
-        return 0.0
-    t0 = time.perf_counter()
-    old = os.environ.get("FLASHCP_COMPILED")
-    os.environ["FLASHCP_COMPILED"] = "1"  # kernels from the first call
-    try:
-        from flashcp.comm import AttnShape
-        from flashcp.registry import make_plan_for
-        from flashcp.sim.cost_model import price_plans
-
-        methods = ("llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined")
-        plans = [make_plan_for(method, [3000, 1000, 64, 32], 4) for method in methods]
-        price_plans(plans, [AttnShape(4, 4, 64, "bfloat16")], ["train"], "h100_sxm")
-    finally:
-        if old is None:
-            del os.environ["FLASHCP_COMPILED"]
-        else:
-            os.environ["FLASHCP_COMPILED"] = old
-    marker = marker if marker is not None else _marker()
-    if marker is not None:
-        marker.touch()
-    return time.perf_counter() - t0
-
-
-def _main(argv: list[str]) -> int:
-    """:data:`WARM_UP_COMMAND` ``[MARKER]``: :func:`warm_up`, then drop the lock next to the
-    marker (the background compile of :func:`_spawn_warm_up`)."""
-    marker = Path(argv[0]) if argv else _marker()
-    try:
-        seconds = warm_up(marker)
-    finally:
-        if marker is not None:
-            marker.with_suffix(".lock").unlink(missing_ok=True)
-    print(f"flashcp kernels ready in {seconds:.1f} s")
-    return 0

@@ -231,7 +231,7 @@ def test_auto_mode_warms_up_on_the_reference(monkeypatch):
     monkeypatch.setenv("FLASHCP_COMPILED", "auto")
     monkeypatch.setattr(compiled, "_REQUESTS", iter(range(10**9)))
     monkeypatch.setattr(compiled, "_CACHE", {"ready": False, "since_look": 0, "spawned": False})
-    assert compiled._marker().exists()  # the session's warm_up (conftest) marked the cache ready
+    assert compiled.marker().exists()  # the session's warm_up (conftest) marked the cache ready
     d = np.array([900, 300, 40, 8])
     first = [compiled.load("plan") for _ in range(compiled.WARMUP_CALLS)]
     assert first == [None] * compiled.WARMUP_CALLS
@@ -252,7 +252,7 @@ def test_auto_mode_compiles_in_the_background_when_the_cache_is_cold(monkeypatch
     monkeypatch.setenv("FLASHCP_COMPILED", "auto")
     monkeypatch.setattr(compiled, "_REQUESTS", iter(range(compiled.WARMUP_CALLS, 10**9)))
     monkeypatch.setattr(compiled, "_CACHE", {"ready": False, "since_look": 0, "spawned": False})
-    monkeypatch.setattr(compiled, "_marker", lambda: marker)
+    monkeypatch.setattr(compiled, "marker", lambda: marker)
     monkeypatch.setattr(compiled, "_spawn_warm_up", spawned.append)
     assert [compiled.load("plan") for _ in range(compiled.RECHECK_CALLS)] == [None] * (
         compiled.RECHECK_CALLS
@@ -278,7 +278,8 @@ def test_background_compile_takes_the_lock_once(monkeypatch, tmp_path):
 
 
 def test_background_compile_marks_the_cache_ready(tmp_path):
-    """``python -c WARM_UP_COMMAND MARKER`` (what the background process runs) loads or compiles
+    """``python -c WARM_UP_COMMAND MARKER`` (what the background process runs:
+    :func:`flashcp.compile_cache.main`) loads or compiles
     every kernel, writes the marker and drops the lock."""
     marker = tmp_path / "kernels-test.ready"
     marker.with_suffix(".lock").touch()

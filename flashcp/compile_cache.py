@@ -1,0 +1,67 @@
+"""Compile the numba kernels once and mark their cache ready (:mod:`flashcp.compiled`).
+
+``flashcp.compiled`` starts this in a background process when it finds the cache cold
+(:data:`flashcp.compiled.WARM_UP_COMMAND`); by hand::
+
+    python -c "from flashcp.compile_cache import warm_up; print(warm_up())"
+
+It lives apart from :mod:`flashcp.compiled` because it plans and prices (it imports the registry and
+the cost model, which import :mod:`flashcp.compiled`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from flashcp import compiled
+
+__all__ = ["main", "warm_up"]
+
+
+def warm_up(marker: Path | None = None) -> float:
+    """Compile (or load from numba's cache) every kernel in this process by planning and pricing a
+    few small plans with every compiled path, then mark the cache ready.
+
+    Args:
+        marker: the ready marker to write (default: this checkout's,
+            :func:`flashcp.compiled.marker`, when it can be written).
+    Returns:
+        Seconds it took (0.0 when numba is not installed: nothing to compile).
+    """
+    t0 = time.perf_counter()
+    old = os.environ.get("FLASHCP_COMPILED")
+    os.environ["FLASHCP_COMPILED"] = "1"  # kernels from the first call
+    try:
+        if not compiled.enabled():  # numba is not installed: nothing to compile
+            return 0.0
+        from flashcp.comm import AttnShape
+        from flashcp.registry import make_plan_for
+        from flashcp.sim.cost_model import price_plans
+
+        methods = ("llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined")
+        plans = [make_plan_for(method, [3000, 1000, 64, 32], 4) for method in methods]
+        price_plans(plans, [AttnShape(4, 4, 64, "bfloat16")], ["train"], "h100_sxm")
+    finally:
+        if old is None:
+            del os.environ["FLASHCP_COMPILED"]
+        else:
+            os.environ["FLASHCP_COMPILED"] = old
+    marker = marker if marker is not None else compiled.marker()
+    if marker is not None:
+        marker.touch()
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str]) -> int:
+    """:data:`flashcp.compiled.WARM_UP_COMMAND` ``[MARKER]``: :func:`warm_up`, then drop the lock
+    next to the marker (the background compile that :mod:`flashcp.compiled` starts)."""
+    marker = Path(argv[0]) if argv else compiled.marker()
+    try:
+        seconds = warm_up(marker)
+    finally:
+        if marker is not None:
+            marker.with_suffix(".lock").unlink(missing_ok=True)
+    print(f"flashcp kernels ready in {seconds:.1f} s")
+    return 0

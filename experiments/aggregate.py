@@ -158,11 +158,15 @@ def _merge(
 
 
 def _t95(n) -> np.ndarray:
-    """Two-sided 95% Student-t quantile for ``n`` samples (NaN where ``n < 2``)."""
-    from scipy.stats import t
+    """Two-sided 95% Student-t quantile for ``n`` samples (NaN where ``n < 2``).
+
+    ``scipy.special.stdtrit`` is the inverse of Student's t distribution function, what
+    ``scipy.stats.t.ppf`` evaluates (the same numbers), without importing ``scipy.stats`` (about
+    a second, more than the rest of a small merge)."""
+    from scipy.special import stdtrit
 
     n = np.asarray(n, dtype="float64")
-    return np.where(n >= 2, t.ppf(0.975, np.maximum(n - 1, 1)), np.nan)
+    return np.where(n >= 2, stdtrit(np.maximum(n - 1, 1), 0.975), np.nan)
 
 
 def _ratio_halfwidth(per_seq: pd.DataFrame, keys: list[str]) -> pd.Series:

@@ -17,16 +17,21 @@ from pathlib import Path
 
 from flashcp import compiled
 
-__all__ = ["main", "warm_up"]
+__all__ = ["PRELOAD_PLANS", "main", "preload", "warm_up"]
+
+#: plans a job makes from which it loads every kernel before its first plan (:func:`preload`):
+#: about a second's work of the references, what loading the kernels costs
+PRELOAD_PLANS = 2000
 
 
-def warm_up(marker: Path | None = None) -> float:
+def warm_up(marker: Path | None = None, *, mark: bool = True) -> float:
     """Compile (or load from numba's cache) every kernel in this process by planning and pricing a
     few small plans with every compiled path, then mark the cache ready.
 
     Args:
         marker: the ready marker to write (default: this checkout's,
             :func:`flashcp.compiled.marker`, when it can be written).
+        mark: False: write no marker (:func:`preload`, on a cache already marked).
     Returns:
         Seconds it took (0.0 when numba is not installed: nothing to compile).
     """
@@ -49,9 +54,30 @@ def warm_up(marker: Path | None = None) -> float:
         else:
             os.environ["FLASHCP_COMPILED"] = old
     marker = marker if marker is not None else compiled.marker()
-    if marker is not None:
+    if mark and marker is not None:
         marker.touch()
     return time.perf_counter() - t0
+
+
+def preload() -> bool:
+    """Load every kernel into this process now, when the cache is ready (about 1.3 s: importing
+    numba and loading the cached kernels), so that this process and the worker processes it forks
+    afterwards plan and price with the kernels from their first call, without the
+    :data:`flashcp.compiled.WARMUP_CALLS` requests of references each would otherwise run and
+    the load each would pay (``executor=sim`` on a job of at least :data:`PRELOAD_PLANS` plans).
+
+    Returns:
+        True when the kernels were loaded; False when they are off (``FLASHCP_COMPILED=0``,
+        numba not installed) or the cache is still cold (the background compile is then started,
+        as by :func:`flashcp.compiled.load`, and the references run meanwhile).
+    """
+    if compiled.skipping_warmup():  # loaded already (an earlier job of this process)
+        return True
+    if not compiled.ready_now():
+        return False
+    warm_up(mark=False)
+    compiled.skip_warmup()
+    return True
 
 
 def main(argv: list[str]) -> int:

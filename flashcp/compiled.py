@@ -46,7 +46,17 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["RECHECK_CALLS", "WARMUP_CALLS", "WARM_UP_COMMAND", "enabled", "load", "marker"]
+__all__ = [
+    "RECHECK_CALLS",
+    "WARMUP_CALLS",
+    "WARM_UP_COMMAND",
+    "enabled",
+    "load",
+    "marker",
+    "ready_now",
+    "skip_warmup",
+    "skipping_warmup",
+]
 
 #: requests for kernels answered None before ``FLASHCP_COMPILED=auto`` loads numba (a plan asks
 #: 2 to 6 times; a baseline's fused kernel once)
@@ -61,7 +71,7 @@ WARM_UP_COMMAND = "import sys; from flashcp.compile_cache import main; sys.exit(
 LOCK_TIMEOUT_S = 900.0
 #: this process's view of the cache (``auto`` mode): ready, requests since the last look, and
 #: whether it has started a background compile
-_CACHE = {"ready": False, "since_look": 0, "spawned": False}
+_CACHE = {"ready": False, "since_look": 0, "spawned": False, "skip": False}
 
 #: modules of kernels, by the name callers ask for
 _MODULES = {
@@ -113,12 +123,37 @@ def load(name: str) -> ModuleType | None:
     mode = _mode()
     if mode == "0":
         return None
-    if mode == "auto":
+    if mode == "auto" and not _CACHE["skip"]:
         if next(_REQUESTS) < WARMUP_CALLS:
             return None
         if not _CACHE["ready"] and not _cache_ready():
             return None
     return _import(name)
+
+
+def ready_now() -> bool:
+    """True when :func:`load` may give the kernels from the next request on: they are enabled and,
+    in ``auto`` mode, the cache is marked ready (a cold cache starts the background compile, as in
+    :func:`load`, and gives False)."""
+    if not enabled():
+        return False
+    if _mode() == "1" or _CACHE["ready"]:
+        return True
+    _CACHE["since_look"] = 0  # look now
+    return _cache_ready()
+
+
+def skipping_warmup() -> bool:
+    """True once :func:`skip_warmup` was called in this process (or the process it forked from)."""
+    return _CACHE["skip"]
+
+
+def skip_warmup() -> None:
+    """From now on :func:`load` answers the kernels at once in ``auto`` mode (no
+    :data:`WARMUP_CALLS` requests of references): for a process that has just loaded every
+    kernel (:func:`flashcp.compile_cache.preload`). Worker processes forked afterwards inherit
+    it, with the loaded kernels."""
+    _CACHE["skip"] = True
 
 
 @functools.cache

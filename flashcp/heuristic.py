@@ -49,6 +49,7 @@ from flashcp.plan import (
     check_doc_lens,
     doc_workload,
     make_plan,
+    packed_plan,
     planner_entry,
     shard_workload,
 )
@@ -292,6 +293,10 @@ def _plan(
         "iterations": len(per_doc) + 1,
         "target_imbalance": float(target_imbalance),
     }
+    if kernels is not None:  # the compiled search's columns: merged and summed in one call
+        return packed_plan(
+            "flashcp", int(n), d, cols, pad, status=status, info=info, validate=bool(validate)
+        )
     return make_plan("flashcp", n, d, *cols, status=status, info=info, pad=pad, validate=validate)
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "json_value",
     "kv_bytes",
     "make_plan",
+    "packed_plan",
     "planner_entry",
     "shard_workload",
 ]
@@ -320,12 +321,13 @@ class Plan:
         return (self.doc_lens, self.rank, self.doc, self.start, self.length, self.pad)
 
     # ---- sizes -------------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def context_len(self) -> int:
-        """C, total tokens of the packed sequence: document tokens plus ``num_pad``."""
+        """C, total tokens of the packed sequence: document tokens plus ``num_pad`` (computed once:
+        a plan's arrays are not changed after it is built)."""
         return int(self.doc_lens.sum()) + self.num_pad
 
-    @property
+    @functools.cached_property
     def num_pad(self) -> int:
         """Pad tokens of the packed sequence (after its last document; no document's)."""
         return int(self.pad.sum())
@@ -352,15 +354,21 @@ class Plan:
         the properties then use NumPy. A fused planner (:func:`fused_plan`) sets them, with the
         metrics, when it builds the plan."""
         kernels = compiled.load("plan")
-        if kernels is None or not _int64_arrays(self.doc_lens, *self._columns()[1:5]):
+        if kernels is None or not _int64_arrays(self.doc_lens, *self._columns()[1:]):
             return None
-        ok, sums = kernels.rank_sums(
-            self.cp_size, self.doc_lens, self.rank, self.doc, self.start, self.length
+        status, sums, stats = kernels.plan_stats(
+            self.cp_size, self.doc_lens, self.rank, self.doc, self.start, self.length, self.pad
         )
-        if not ok:
+        if not status:
             return None
         counts = sums[_COUNT_ROWS].astype(np.int64).reshape(-1)
-        return _RankSums(counts, sums[1])
+        if status == 1:  # a context too long for exact integer metrics: the sums only
+            return _RankSums(counts, sums[1])
+        max_tokens, max_send, max_work, total_work, any_work, num_split, max_shards = stats.tolist()
+        return _RankSums(
+            counts, sums[1], max_tokens, max_send, max_work, total_work, bool(any_work),
+            num_split, max_shards,
+        )  # fmt: skip
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle (and copy) without the digest buffer of a fused planner: the copy's arrays are
@@ -493,6 +501,22 @@ class Plan:
             n = self.cp_size
             return self._rank_sums.counts[2 * n :].copy()
         return np.bincount(self.rank, minlength=self.cp_size).astype(np.int64)
+
+    @property
+    def max_shards_per_rank(self) -> int:
+        """The most shards (attention segments) one rank holds (0 for a plan with no shard)."""
+        sums = self._rank_sums
+        if sums is not None and sums.max_shards is not None:
+            return sums.max_shards
+        return int(self.shards_per_rank.max())
+
+    @property
+    def num_split_docs(self) -> int:
+        """Documents cut into more than one shard (the size of :attr:`split_docs`)."""
+        sums = self._rank_sums
+        if sums is not None and sums.num_split is not None:
+            return sums.num_split
+        return int(self.split_docs.size)
 
     @property
     def split_docs(self) -> np.ndarray:
@@ -639,9 +663,9 @@ class Plan:
             "comm_tokens_full": full,
             "comm_saving": 1.0 - moved / full if full else 0.0,
             "comm_tokens_sharded": across.comm_tokens,
-            "num_split_docs": int(across.split_docs.size),
+            "num_split_docs": across.num_split_docs,
             "num_pieces": across.num_pieces,
-            "max_shards_per_rank": int(across.shards_per_rank.max()),
+            "max_shards_per_rank": across.max_shards_per_rank,
         }
 
     def to_dict(self, comm_kind: CommKind | str = CommKind.ALLGATHER_SHARDED) -> dict[str, Any]:
@@ -726,9 +750,11 @@ _COUNT_ROWS = [0, 2, 3]
 class _RankSums(NamedTuple):
     """A plan's per-rank sums (:attr:`Plan._rank_sums`): ``counts`` (3 N,) int64, the doc tokens,
     send tokens and shards of ranks 0..N-1 one after the other, ``work`` (N,), the workloads
-    (float64; int64, exact, from a fused planner), and, where a fused planner computed them with
-    the plan (else None), the maxima of the doc and send tokens and of the workloads, the total
-    workload and whether any rank has work (u = 1)."""
+    (float64; int64, exact, from a fused planner), and, computed with them as exact integers
+    where the context has at most :data:`flashcp.plan_kernels.EXACT_TOKENS` tokens (else None),
+    the maxima of the doc and send tokens and of the workloads, the total workload, whether any
+    rank has work (u = 1), the documents cut into more than one shard and the most shards on a
+    rank."""
 
     counts: np.ndarray
     work: np.ndarray
@@ -737,6 +763,8 @@ class _RankSums(NamedTuple):
     max_work: int | None = None
     total_work: int | None = None
     any_work: bool | None = None
+    num_split: int | None = None
+    max_shards: int | None = None
 
 
 def fused_plan(
@@ -765,9 +793,7 @@ def fused_plan(
         metrics), or None.
     """
     if not (
-        type(doc_lens) is np.ndarray
-        and doc_lens.dtype == np.int64
-        and doc_lens.ndim == 1
+        _int64_arrays(doc_lens)
         and type(cp_size) is int
         and type(num_pad) is int
         and type(pad_to_multiple) is bool
@@ -782,12 +808,21 @@ def fused_plan(
     buf = getattr(kernels, kernel)(doc_lens, cp_size, num_pad, pad_to_multiple, validate)
     if buf[-1]:
         return None
-    max_tokens, max_send, max_work, total_work, any_work, m, _ = buf[-7:].tolist()
-    n, o = cp_size, 1 + doc_lens.size
+    return _buffer_plan(buf, method, cp_size, doc_lens.size, "ok", {})
+
+
+def _buffer_plan(buf: np.ndarray, method: str, n: int, nd: int, status: str, info: dict) -> Plan:
+    """The :class:`Plan` a fused kernel's buffer holds (:func:`flashcp.plan_kernels.finish_plan`
+    describes it; status 0), its arrays views of the buffer, with its metrics and digest bytes;
+    ``info`` already JSON-clean (:func:`json_value`)."""
+    max_tokens, max_send, max_work, total_work, any_work, num_split, max_shards, m, _ = buf[
+        -9:
+    ].tolist()
+    o = 1 + nd
     end = o + 4 * m + n
     sums = _RankSums(
         buf[end : end + 3 * n], buf[end + 3 * n : end + 4 * n], max_tokens, max_send, max_work,
-        total_work, any_work,
+        total_work, any_work, num_split, max_shards,
     )  # fmt: skip
     # the fields as Plan.__init__ would set them (an int, int64 arrays, JSON-clean info), without
     # its checks and copies (a few microseconds), plus what the kernel computed with the plan
@@ -795,15 +830,68 @@ def fused_plan(
     plan.__dict__.update(
         method=method, cp_size=n, doc_lens=buf[1:o], rank=buf[o : o + m],
         doc=buf[o + m : o + 2 * m], start=buf[o + 2 * m : o + 3 * m],
-        length=buf[o + 3 * m : o + 4 * m], status="ok", info={}, pad=buf[end - n : end],
+        length=buf[o + 3 * m : o + 4 * m], status=status, info=info, pad=buf[end - n : end],
         _rank_sums=sums, _packed=buf[:end],
     )  # fmt: skip
     return plan
 
 
+def packed_plan(
+    method: str,
+    cp_size: int,
+    doc_lens: np.ndarray,
+    cols: np.ndarray,
+    pad: np.ndarray,
+    *,
+    status: str = "ok",
+    info: dict | None = None,
+    validate: bool = True,
+) -> Plan:
+    """``make_plan(method, cp_size, doc_lens, *cols, status=status, info=info, pad=pad,
+    validate=validate)`` in one compiled call (:func:`flashcp.plan_kernels.finish_plan`: the
+    merge, the validation, the per-rank sums and the metrics), for a compiled planner's output:
+    the same plan (arrays, digest, metrics), with its metrics and digest bytes attached as a
+    fused planner's. Where the kernel does not take the input (kernels off, other dtypes, a
+    context over :data:`flashcp.plan_kernels.EXACT_TOKENS` tokens) or finds it invalid,
+    :func:`make_plan` builds the plan (and raises its error).
+
+    Args:
+        method, cp_size, status, info, validate: as :func:`make_plan`.
+        doc_lens: (n_docs,) int64. cols: (4, n) int64, the pieces' rank, doc, start, length in
+            each rank's local order. pad: (cp_size,) int64.
+    Raises:
+        ValueError: when ``validate`` and an invariant is violated (:meth:`Plan.validate`).
+    """
+    kernels = compiled.load("plan")
+    if (
+        kernels is not None
+        and type(cp_size) is int
+        and _int64_arrays(doc_lens, pad)
+        and type(cols) is np.ndarray
+        and cols.dtype == np.int64
+        and cols.ndim == 2
+        and cols.shape[0] == 4
+        and cols.flags.c_contiguous
+        and pad.size == cp_size
+    ):
+        buf = kernels.finish_plan(
+            doc_lens, cp_size, cols[0], cols[1], cols[2], cols[3], pad, bool(validate)
+        )
+        if not buf[-1]:
+            clean = json_value(dict(info or {}), "plan.info")
+            return _buffer_plan(buf, method, cp_size, doc_lens.size, status, clean)
+    return make_plan(
+        method, cp_size, doc_lens, *cols, status=status, info=info, pad=pad, validate=validate
+    )
+
+
 def _int64_arrays(*arrays: Any) -> bool:
-    """True when every argument is a 1-D int64 ndarray (what the compiled kernels take)."""
-    return all(type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == 1 for a in arrays)
+    """True when every argument is a 1-D C-contiguous int64 ndarray (what the compiled kernels are
+    compiled for: a strided view would compile another specialisation on its first call)."""
+    return all(
+        type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == 1 and a.flags.c_contiguous
+        for a in arrays
+    )
 
 
 def make_plan(

@@ -20,12 +20,14 @@ from numba import njit
 
 __all__ = [
     "FUSED_STATUS",
+    "finish_plan",
     "llama3_plan",
     "merge_pieces",
     "per_doc_layout",
     "per_doc_plan",
     "per_doc_sizes",
     "plan_ok",
+    "plan_stats",
     "rank_sums",
     "ring_plan",
     "split_packed",
@@ -358,34 +360,101 @@ def _failed(status):
 
 
 @njit(cache=True)
-def _metrics(out, size, n, m):
-    """The tail of a fused planner's buffer (:func:`_finish`) from its per-rank rows: the maxima of
+def _metrics(out, size, n, m, doc, nd):
+    """The tail of a fused planner's buffer (:func:`finish_plan`) from its per-rank rows: the maxima of
     the doc and send tokens and of the workloads, the total workload, whether any rank has work,
-    the number of shards ``m`` and status 0."""
+    the documents cut into more than one shard (of ``doc``, the m shards' documents, among
+    ``nd``), the most shards on a rank, the number of shards ``m`` and status 0."""
     tokens = out[size : size + n]
     send = out[size + n : size + 2 * n]
+    shards = out[size + 2 * n : size + 3 * n]
     work = out[size + 3 * n : size + 4 * n]
     max_tokens, max_send, max_work, total_work, any_work = tokens[0], send[0], work[0], 0, 0
+    max_shards = shards[0]
     for q in range(n):
         max_tokens = max(max_tokens, tokens[q])
         max_send = max(max_send, send[q])
         max_work = max(max_work, work[q])
+        max_shards = max(max_shards, shards[q])
         total_work += work[q]
         if work[q] != 0:
             any_work = 1
-    out[-7], out[-6], out[-5], out[-4] = max_tokens, max_send, max_work, total_work
-    out[-3], out[-2], out[-1] = any_work, m, 0
+    out[-9], out[-8], out[-7], out[-6] = max_tokens, max_send, max_work, total_work
+    out[-5], out[-4], out[-3] = any_work, _num_split(doc, nd), max_shards
+    out[-2], out[-1] = m, 0
 
 
 @njit(cache=True)
-def _finish(doc_lens, cp_size, rank, doc, start, length, pad, validate):
+def _num_split(doc, nd):
+    """Documents (indices in [0, nd)) that appear more than once in ``doc``: those cut into more
+    than one shard (:attr:`flashcp.plan.Plan.split_docs`)."""
+    seen = np.zeros(nd, np.int64)
+    split = 0
+    for i in range(doc.size):
+        seen[doc[i]] += 1
+        if seen[doc[i]] == 2:
+            split += 1
+    return split
+
+
+@njit(cache=True)
+def plan_stats(cp_size, doc_lens, rank, doc, start, length, pad):
+    """:func:`rank_sums` and, for a context of at most :data:`EXACT_TOKENS` tokens, the plan's
+    metrics from them as int64, exact (what :attr:`flashcp.plan.Plan._rank_sums` keeps for a plan
+    a fused planner did not make).
+
+    Args:
+        cp_size: N. doc_lens: (n_docs,) int64. rank, doc, start, length: (n_shards,) int64.
+        pad: (N,) int64.
+    Returns:
+        ``(status, sums, stats)``: status 0 (a rank or document index out of range: nothing
+        computed), 1 (a longer context: ``sums`` only) or 2; ``sums`` as :func:`rank_sums`;
+        ``stats`` (7,) int64: the maxima of the doc tokens, send tokens and workloads, the total
+        workload, whether any rank has work, the documents cut into more than one shard, the most
+        shards on a rank.
+    """
+    stats = np.zeros(7, np.int64)
+    ok, sums = rank_sums(cp_size, doc_lens, rank, doc, start, length)
+    if not ok:
+        return 0, sums, stats
+    total = 0
+    for q in range(cp_size):
+        total += np.int64(sums[0, q]) + pad[q]
+    if total > EXACT_TOKENS:
+        return 1, sums, stats
+    for q in range(cp_size):  # integers, exact in float64 (EXACT_TOKENS)
+        t, w, s, k = (
+            np.int64(sums[0, q]),
+            np.int64(sums[1, q]),
+            np.int64(sums[2, q]),
+            np.int64(sums[3, q]),
+        )
+        if q == 0 or t > stats[0]:
+            stats[0] = t
+        if q == 0 or s > stats[1]:
+            stats[1] = s
+        if q == 0 or w > stats[2]:
+            stats[2] = w
+        if q == 0 or k > stats[6]:
+            stats[6] = k
+        stats[3] += w
+        if w != 0:
+            stats[4] = 1
+    stats[5] = _num_split(doc, doc_lens.size)
+    return 2, sums, stats
+
+
+@njit(cache=True)
+def finish_plan(doc_lens, cp_size, rank, doc, start, length, pad, validate):
     """:func:`flashcp.plan.make_plan` (the merge of :func:`merge_pieces`), :meth:`Plan.validate
     <flashcp.plan.Plan.validate>` (:func:`plan_ok`) and the per-rank sums (:func:`rank_sums`) of a
-    layout's pieces, packed into one int64 buffer (:func:`flashcp.plan.fused_plan` reads it)::
+    layout's pieces, packed into one int64 buffer (:func:`flashcp.plan.fused_plan` and
+    :func:`flashcp.plan.packed_plan` read it)::
 
         [cp_size, doc_lens (n_docs), rank, doc, start, length (m each), pad (N),   <- digest bytes
          doc tokens, send tokens, shards, workload (N each),
-         max doc tokens, max send tokens, max workload, total workload, any work, m, status]
+         max doc tokens, max send tokens, max workload, total workload, any work,
+         split documents, max shards per rank, m, status]
 
     (all int64: a context of at most :data:`EXACT_TOKENS` tokens, status 5 for a longer one). A
     status other than 0 (:data:`FUSED_STATUS`) comes in a 2-entry buffer; ``validate`` False skips
@@ -402,7 +471,7 @@ def _finish(doc_lens, cp_size, rank, doc, start, length, pad, validate):
     if not ok:
         return _failed(3)
     size = 1 + nd + 4 * m + n
-    out = np.empty(size + 4 * n + 7, np.int64)
+    out = np.empty(size + 4 * n + 9, np.int64)
     out[0] = n
     out[1 : 1 + nd] = doc_lens
     for row in range(4):
@@ -418,19 +487,19 @@ def _finish(doc_lens, cp_size, rank, doc, start, length, pad, validate):
         out[size + n + q] = np.int64(sums[2, q])
         out[size + 2 * n + q] = np.int64(sums[3, q])
         out[size + 3 * n + q] = np.int64(sums[1, q])
-    _metrics(out, size, n, m)
+    _metrics(out, size, n, m, cols[1], nd)
     return out
 
 
 @njit(cache=True)
 def ring_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
     """:func:`baselines.ring.plan_ring` of documents all of length >= 1 in one call: N contiguous
-    chunks (:func:`split_packed`), chunk r on rank r, then :func:`_finish` (its buffer)."""
+    chunks (:func:`split_packed`), chunk r on rank r, then :func:`finish_plan` (its buffer)."""
     status, num_pad = _entry(doc_lens, cp_size, num_pad, pad_to_multiple, 1)
     if status:
         return _failed(status)
     cols, pad = split_packed(doc_lens, cp_size, num_pad)
-    return _finish(doc_lens, cp_size, cols[0], cols[1], cols[2], cols[3], pad, validate)
+    return finish_plan(doc_lens, cp_size, cols[0], cols[1], cols[2], cols[3], pad, validate)
 
 
 @njit(cache=True)
@@ -438,7 +507,7 @@ def llama3_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
     """:func:`baselines.llama3.plan_llama3` of documents all of length >= 1 in one call: 2N equal
     chunks (:func:`split_packed`), rank r holding the pieces of chunk r then those of chunk
     2N-1-r (each in packed order, as the planner's stable sort by (rank, back) orders them), then
-    :func:`_finish` (its buffer)."""
+    :func:`finish_plan` (its buffer)."""
     n = cp_size
     status, num_pad = _entry(doc_lens, n, num_pad, pad_to_multiple, 2)
     if status:
@@ -462,13 +531,13 @@ def llama3_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
             for i in range(first[c], first[c + 1]):
                 rank[j], doc[j], start[j], length[j] = r, cols[1, i], cols[2, i], cols[3, i]
                 j += 1
-    return _finish(doc_lens, n, rank, doc, start, length, pad, validate)
+    return finish_plan(doc_lens, n, rank, doc, start, length, pad, validate)
 
 
 @njit(cache=True)
 def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
     """:func:`baselines.per_doc.per_doc_layout` (``per_doc``, ``zigzag``) of documents all of
-    length >= 1 in one call, in :func:`_finish`'s buffer: rank after rank, document after document,
+    length >= 1 in one call, in :func:`finish_plan`'s buffer: rank after rank, document after document,
     the rank's chunks r and 2N-1-r (:func:`per_doc_sizes`'s rule; empty ones left out, the two one
     shard where they continue each other, as ``make_plan`` merges them), with the per-rank sums in
     row order (as :func:`rank_sums`). A document's front chunks follow each other from its start
@@ -500,7 +569,7 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
     # written cap apart, then moved together
     cap = min(2 * n * nd, total - num_pad)
     o = 1 + nd
-    out = np.empty(o + 4 * cap + 5 * n + 7, np.int64)
+    out = np.empty(o + 4 * cap + 5 * n + 9, np.int64)
     out[0] = n
     out[1:o] = doc_lens
     lo = np.zeros(nd, np.int64)  # where the document's next front chunk starts
@@ -557,6 +626,6 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
     out[size + n : size + 2 * n] = send
     out[size + 2 * n : size + 3 * n] = shards
     out[size + 3 * n : size + 4 * n] = works
-    res = out[: size + 4 * n + 7]
-    _metrics(res, size, n, m)
+    res = out[: size + 4 * n + 9]
+    _metrics(res, size, n, m, res[o + m : o + 2 * m], nd)
     return res

@@ -230,7 +230,9 @@ def test_auto_mode_warms_up_on_the_reference(monkeypatch):
     """``auto``: the first requests run the reference, later ones the kernels, same plans."""
     monkeypatch.setenv("FLASHCP_COMPILED", "auto")
     monkeypatch.setattr(compiled, "_REQUESTS", iter(range(10**9)))
-    monkeypatch.setattr(compiled, "_CACHE", {"ready": False, "since_look": 0, "spawned": False})
+    monkeypatch.setattr(
+        compiled, "_CACHE", {"ready": False, "since_look": 0, "spawned": False, "skip": False}
+    )
     assert compiled.marker().exists()  # the session's warm_up (conftest) marked the cache ready
     d = np.array([900, 300, 40, 8])
     first = [compiled.load("plan") for _ in range(compiled.WARMUP_CALLS)]
@@ -251,7 +253,9 @@ def test_auto_mode_compiles_in_the_background_when_the_cache_is_cold(monkeypatch
     spawned = []
     monkeypatch.setenv("FLASHCP_COMPILED", "auto")
     monkeypatch.setattr(compiled, "_REQUESTS", iter(range(compiled.WARMUP_CALLS, 10**9)))
-    monkeypatch.setattr(compiled, "_CACHE", {"ready": False, "since_look": 0, "spawned": False})
+    monkeypatch.setattr(
+        compiled, "_CACHE", {"ready": False, "since_look": 0, "spawned": False, "skip": False}
+    )
     monkeypatch.setattr(compiled, "marker", lambda: marker)
     monkeypatch.setattr(compiled, "_spawn_warm_up", spawned.append)
     assert [compiled.load("plan") for _ in range(compiled.RECHECK_CALLS)] == [None] * (
@@ -261,6 +265,34 @@ def test_auto_mode_compiles_in_the_background_when_the_cache_is_cold(monkeypatch
     marker.touch()  # the background compile is done
     assert compiled.load("plan") is not None
     assert compiled.load("heuristic") is not None and spawned == [marker]
+
+
+def test_preload_loads_the_kernels_once_for_a_big_job(monkeypatch, tmp_path):
+    """``preload`` (a big sim job, before its workers fork): with a ready cache the kernels from
+    the next request on, loaded once; off or with a cold cache nothing is loaded (the cold cache
+    starts the background compile) and the warm-up requests stay."""
+    from flashcp import compile_cache
+
+    monkeypatch.setenv("FLASHCP_COMPILED", "auto")
+    monkeypatch.setattr(compiled, "_REQUESTS", iter(range(10**9)))
+    monkeypatch.setattr(
+        compiled, "_CACHE", {"ready": False, "since_look": 0, "spawned": False, "skip": False}
+    )
+    warmed = []
+    monkeypatch.setattr(compile_cache, "warm_up", lambda **kw: warmed.append(kw) or 0.0)
+    monkeypatch.setenv("FLASHCP_COMPILED", "0")
+    assert not compile_cache.preload() and not warmed
+    monkeypatch.setenv("FLASHCP_COMPILED", "auto")
+    cold = tmp_path / "kernels-test.ready"
+    spawned = []
+    monkeypatch.setattr(compiled, "marker", lambda: cold)
+    monkeypatch.setattr(compiled, "_spawn_warm_up", spawned.append)
+    assert not compile_cache.preload() and not warmed and spawned == [cold]
+    assert compiled.load("plan") is None  # still the warm-up requests
+    cold.touch()  # the background compile is done
+    assert compile_cache.preload() and warmed == [{"mark": False}]
+    assert compiled.load("plan") is not None  # at once: no warm-up requests left to run
+    assert compile_cache.preload() and len(warmed) == 1  # loaded once per process
 
 
 def test_background_compile_takes_the_lock_once(monkeypatch, tmp_path):

@@ -140,6 +140,7 @@ def execute(
         ValueError: ``workers`` < 1, an unknown mode, hardware profile or impl of a run.
     """
     from flashcp.comm import check_mode
+    from flashcp.compile_cache import PRELOAD_PLANS, preload
     from flashcp.sim import load_hardware
     from flashcp.sim.impl import check_impl
 
@@ -154,6 +155,8 @@ def execute(
         if id(r.hardware) not in loaded:
             loaded[id(r.hardware)] = load_hardware(r.hardware)
         specs.append(_replace_hw(r, loaded[id(r.hardware)]))
+    if len(seqs) * len({r.plan_key for r in runs}) >= PRELOAD_PLANS:
+        preload()  # once, before the workers fork (Linux): they inherit the loaded kernels
     jobs = [(specs, seqs[i : i + CHUNK], i) for i in range(0, len(seqs), CHUNK)]
     parts: list[pd.DataFrame] = []
     seconds = {"plan_s": 0.0, "price_s": 0.0}

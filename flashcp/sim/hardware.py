@@ -31,6 +31,7 @@ fraction stays constant. A profile without a table prices both collectives as be
 
 from __future__ import annotations
 
+import copy
 import csv
 import functools
 import math
@@ -564,6 +565,21 @@ def list_hardware() -> list[str]:
     return sorted(p.stem for p in hardware_dir().glob("*.yaml"))
 
 
+def _read_yaml(path: Path) -> Any:
+    """``yaml.safe_load`` of ``path``, a fresh copy each call, parsed once per version of the file
+    (a sweep loads the same profile and fitted constants for every job and run)."""
+    st = path.stat()
+    return copy.deepcopy(_parse_yaml(str(path), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_yaml(path: str, mtime_ns: int, size: int) -> Any:
+    import yaml
+
+    with open(path) as fh:
+        return yaml.safe_load(fh)
+
+
 def read_profile(name: str) -> dict[str, Any]:
     """The constants of ``conf/hardware/<name>.yaml`` as Hydra composes them (its ``calibration``
     key included, and the defaults of the constants it may leave out, e.g. no collective table),
@@ -578,7 +594,6 @@ def read_profile(name: str) -> dict[str, Any]:
         ValueError: unknown profile name (listing the valid ones), a file that is not a mapping,
             or a defaults list that loops.
     """
-    import yaml
 
     def read(name: str, seen: tuple[str, ...]) -> dict[str, Any]:
         path = hardware_dir() / f"{name}.yaml"
@@ -588,8 +603,7 @@ def read_profile(name: str) -> dict[str, Any]:
             )
         if name in seen:
             raise ValueError(f"hardware profiles extend each other in a loop: {' -> '.join(seen)}")
-        with path.open() as fh:
-            data = yaml.safe_load(fh)
+        data = _read_yaml(path)
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a mapping of constants")
         defaults = data.pop("defaults", None) or []
@@ -622,16 +636,13 @@ def read_fitted(sections) -> dict[str, float]:
     Raises:
         ValueError: the file is missing or lacks a section (rerun the calibration experiment).
     """
-    import yaml
-
     path = fitted_path()
     if not path.is_file():
         raise ValueError(
             f"{path} is missing: run `flashcp-calibration`, or load the profile with "
             "calibrated=False"
         )
-    with path.open() as fh:
-        data = yaml.safe_load(fh) or {}
+    data = _read_yaml(path) or {}
     out: dict[str, float] = {}
     for sec in sections:
         if sec not in data.get("sections", {}):

@@ -482,18 +482,20 @@ def finish_rows(
         "launcher": job.get("launcher", "direct"), "overrides": job["overrides"],
         "run_id": identity_hash(ident), **ident,
     }  # fmt: skip
-    df = pd.DataFrame(rows).drop(columns="run_idx", errors="ignore").reset_index(drop=True)
-    body = df.drop(columns=[k for k in front if k in df])
-    n = len(body)
-    cols = {k: np.repeat(np.array([v], dtype=object), n) for k, v in front.items()}
-    out = pd.concat([pd.DataFrame(cols, index=body.index), body], axis=1)
-    extra = {k: v for k, v in prov.items() if k not in out}
+    df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows)
+    n = len(df)
+    # every column at once (one DataFrame, no concatenation or insertion one column at a time):
+    # the job and identity columns, the executor's (each keeping its dtype), then provenance
+    cols: dict[str, Any] = {k: np.repeat(np.array([v], dtype=object), n) for k, v in front.items()}
+    cols.update((c, df[c].array) for c in df.columns if c != "run_idx" and c not in front)
+    extra = {k: v for k, v in prov.items() if k not in cols}
     extra["config_hash"] = chash
     for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
-        if col not in out:
+        if col not in cols:
             extra[col] = np.nan
     for k, v in extra.items():
-        out[k] = v
+        cols[k] = np.repeat(np.array([v], dtype=object if isinstance(v, str) else None), n)
+    out = pd.DataFrame(cols, index=pd.RangeIndex(n))
     return typed(out) if check_types else out  # an integer holding a fraction: raise here
 
 

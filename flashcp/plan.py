@@ -815,9 +815,8 @@ def _buffer_plan(buf: np.ndarray, method: str, n: int, nd: int, status: str, inf
     """The :class:`Plan` a fused kernel's buffer holds (:func:`flashcp.plan_kernels.finish_plan`
     describes it; status 0), its arrays views of the buffer, with its metrics and digest bytes;
     ``info`` already JSON-clean (:func:`json_value`)."""
-    max_tokens, max_send, max_work, total_work, any_work, num_split, max_shards, m, _ = buf[
-        -9:
-    ].tolist()
+    doc_tokens, num_pad, max_tokens, max_send, max_work, total_work, any_work = buf[-11:-4].tolist()
+    num_split, max_shards, m, _ = buf[-4:].tolist()
     o = 1 + nd
     end = o + 4 * m + n
     sums = _RankSums(
@@ -831,7 +830,7 @@ def _buffer_plan(buf: np.ndarray, method: str, n: int, nd: int, status: str, inf
         method=method, cp_size=n, doc_lens=buf[1:o], rank=buf[o : o + m],
         doc=buf[o + m : o + 2 * m], start=buf[o + 2 * m : o + 3 * m],
         length=buf[o + 3 * m : o + 4 * m], status=status, info=info, pad=buf[end - n : end],
-        _rank_sums=sums, _packed=buf[:end],
+        _rank_sums=sums, _packed=buf[:end], num_pad=num_pad, context_len=doc_tokens + num_pad,
     )  # fmt: skip
     return plan
 

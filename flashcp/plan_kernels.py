@@ -361,8 +361,9 @@ def _failed(status):
 
 @njit(cache=True)
 def _metrics(out, size, n, m, doc, nd):
-    """The tail of a fused planner's buffer (:func:`finish_plan`) from its per-rank rows: the maxima of
-    the doc and send tokens and of the workloads, the total workload, whether any rank has work,
+    """The tail of a fused planner's buffer (:func:`finish_plan`) from its per-rank rows: the
+    document tokens and the pad tokens of the sequence, the maxima of the doc and send tokens and
+    of the workloads, the total workload, whether any rank has work,
     the documents cut into more than one shard (of ``doc``, the m shards' documents, among
     ``nd``), the most shards on a rank, the number of shards ``m`` and status 0."""
     tokens = out[size : size + n]
@@ -379,6 +380,13 @@ def _metrics(out, size, n, m, doc, nd):
         total_work += work[q]
         if work[q] != 0:
             any_work = 1
+    doc_tokens = 0
+    for i in range(nd):
+        doc_tokens += out[1 + i]
+    num_pad = 0
+    for q in range(n):
+        num_pad += out[size - n + q]
+    out[-11], out[-10] = doc_tokens, num_pad
     out[-9], out[-8], out[-7], out[-6] = max_tokens, max_send, max_work, total_work
     out[-5], out[-4], out[-3] = any_work, _num_split(doc, nd), max_shards
     out[-2], out[-1] = m, 0
@@ -453,7 +461,7 @@ def finish_plan(doc_lens, cp_size, rank, doc, start, length, pad, validate):
 
         [cp_size, doc_lens (n_docs), rank, doc, start, length (m each), pad (N),   <- digest bytes
          doc tokens, send tokens, shards, workload (N each),
-         max doc tokens, max send tokens, max workload, total workload, any work,
+         sum of doc_lens, sum of pad, max doc tokens, max send tokens, max workload, total workload, any work,
          split documents, max shards per rank, m, status]
 
     (all int64: a context of at most :data:`EXACT_TOKENS` tokens, status 5 for a longer one). A
@@ -471,7 +479,7 @@ def finish_plan(doc_lens, cp_size, rank, doc, start, length, pad, validate):
     if not ok:
         return _failed(3)
     size = 1 + nd + 4 * m + n
-    out = np.empty(size + 4 * n + 9, np.int64)
+    out = np.empty(size + 4 * n + 11, np.int64)
     out[0] = n
     out[1 : 1 + nd] = doc_lens
     for row in range(4):
@@ -569,7 +577,7 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
     # written cap apart, then moved together
     cap = min(2 * n * nd, total - num_pad)
     o = 1 + nd
-    out = np.empty(o + 4 * cap + 5 * n + 9, np.int64)
+    out = np.empty(o + 4 * cap + 5 * n + 11, np.int64)
     out[0] = n
     out[1:o] = doc_lens
     lo = np.zeros(nd, np.int64)  # where the document's next front chunk starts
@@ -626,6 +634,6 @@ def per_doc_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
     out[size + n : size + 2 * n] = send
     out[size + 2 * n : size + 3 * n] = shards
     out[size + 3 * n : size + 4 * n] = works
-    res = out[: size + 4 * n + 9]
+    res = out[: size + 4 * n + 11]
     _metrics(res, size, n, m, res[o + m : o + 2 * m], nd)
     return res

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from flashcp.kinds import CommKind
 from flashcp.plan import Plan
 from flashcp.results import COMM_COLUMNS, ILP_INFO_COLUMNS, PHASE_COLUMNS, ROW_SCHEMA
 
@@ -94,15 +95,27 @@ def plan_metrics(plan: Plan) -> dict[str, Any]:
     :data:`flashcp.results.ILP_INFO_COLUMNS` (status, gap, objective, best bound, threads,
     warm-start flags, fallback heuristic).
     """
-    from flashcp.kinds import CommKind
-    from flashcp.registry import COMM_KIND, get_method
-
-    s = plan.summary(COMM_KIND.get(plan.method, CommKind.ALLGATHER_SHARDED))
-    out = {k: s[k] for k in PLAN_COLUMNS[3:]}
-    if plan.method in COMM_KIND and get_method(plan.method).reports_solve:  # e.g. the ILP's
+    spec = _method_spec(plan.method)
+    s = plan.summary(spec.comm_kind if spec is not None else CommKind.ALLGATHER_SHARDED)
+    out = {k: s[k] for k in _METRIC_COLUMNS}
+    if spec is not None and spec.reports_solve:  # e.g. the ILP's
         for k in ILP_INFO_COLUMNS:
             out[f"ilp_{k}"] = plan.info.get(k)
     return out
+
+
+#: the plan columns :func:`plan_metrics` reads from the summary
+_METRIC_COLUMNS = PLAN_COLUMNS[3:]
+
+
+def _method_spec(method: str) -> Any:
+    """The registry's spec of ``method``, or None for a name it does not hold."""
+    from flashcp.registry import get_method
+
+    try:
+        return get_method(method)
+    except ValueError:
+        return None
 
 
 def check_comm(result: dict, plan: Plan, shape, mode: str) -> dict[str, int]:

@@ -63,14 +63,21 @@ def test_rows_equal_simulate_per_plan(seqs, method, impl):
                 assert row["pad_tokens"] == pad
 
 
-def test_workers_give_the_same_rows(seqs):
+def test_workers_give_the_same_rows(seqs, monkeypatch):
+    """One chunk in this process, one per worker, and chunks of CHUNK (more than the workers):
+    the same rows (a plan is priced the same whatever batch it is in)."""
+    from flashcp.executors import sim
+
     runs = [RunSpec(m, 4, SHAPES[0], ("train",), hardware="h100_sxm") for m in ("ring", "flashcp")]
     seqs = list(seqs) * 50
-    assert len(seqs) > CHUNK  # several chunks, in two processes
+    assert len(seqs) < CHUNK  # one chunk per worker
     one = execute("sim", runs, seqs)
     two = execute("sim", runs, seqs, workers=2)
+    monkeypatch.setattr(sim, "CHUNK", 37)  # several chunks per worker
+    many = execute("sim", runs, seqs, workers=2)
     cols = ["run_idx", "seq_idx", "mode", *PHASE_COLUMNS, *COMM_COLUMNS]
     pd.testing.assert_frame_equal(one[cols], two[cols])
+    pd.testing.assert_frame_equal(one[cols], many[cols])
 
 
 def test_a_failing_sequence_is_a_row(seqs):

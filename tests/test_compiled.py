@@ -216,6 +216,91 @@ def broken_plans() -> list[Plan]:
     ]  # fmt: skip
 
 
+def _view(plan: Plan) -> tuple:
+    """Everything a caller reads of a plan: key (digest, status, info, summary), the arrays with
+    their dtypes, the per-rank sums, the pickled copy's key and the JSON view."""
+    arrays = [(a.dtype.str, a.tolist()) for a in plan._columns()]
+    sums = (
+        plan.tokens_per_rank.tolist(), plan.workload_per_rank.tolist(),
+        plan.send_tokens_per_rank.tolist(), plan.shards_per_rank.tolist(),
+        plan.split_docs.tolist(), plan.context_len, plan.num_pad,
+    )  # fmt: skip
+    return key(plan), arrays, sums, key(pickle.loads(pickle.dumps(plan))), plan.to_dict()
+
+
+def test_packed_plan_equals_make_plan():
+    """``packed_plan`` (one compiled call: merge, validation, sums, metrics, digest bytes) builds
+    the plan ``make_plan`` builds from the same columns: shards out of order, pieces continuing
+    each other, pad, validation off; invalid columns raise make_plan's error."""
+    from flashcp.plan import packed_plan
+
+    rng = np.random.default_rng(11)
+    checked = 0
+    for d, n, pad in mixed_cases()[:300]:
+        good = plan_flashcp(d, n, num_pad=pad, pad_to_multiple=True)
+        cols = np.stack([good.rank, good.doc, good.start, good.length])
+        order = rng.permutation(cols.shape[1])
+        cut = cols[:, order].copy()  # out of order, one piece cut in two where possible
+        if cut.shape[1] and cut[3, 0] > 1:
+            head = cut[:, :1].copy()
+            head[3, 0] = 1
+            cut[2, 0] += 1
+            cut[3, 0] -= 1
+            cut = np.ascontiguousarray(np.concatenate([cut, head], axis=1))
+        info = {"per_doc_docs": [0], "target_imbalance": 1.05}
+        for validate in (True, False):
+            args = ("flashcp", good.cp_size, good.doc_lens)
+            packed = packed_plan(
+                *args, cut, good.pad.copy(), status="s", info=info, validate=validate
+            )
+            made = make_plan(
+                *args, *cut, pad=good.pad.copy(), status="s", info=info, validate=validate
+            )
+            assert _view(packed) == _view(made)  # (merge_pieces takes some orders, not all)
+            checked += 1
+        # the columns as the compiled Algorithm 1 gives them: the one-call path itself
+        same = packed_plan(
+            "flashcp", good.cp_size, good.doc_lens, cols, good.pad.copy(), status=good.status,
+            info=good.info,
+        )  # fmt: skip
+        assert "_packed" in same.__dict__ and _view(same) == _view(good)
+    assert checked == 2 * len(mixed_cases()[:300]) >= 100
+    broken = broken_plans()
+    for i, plan in enumerate(broken[:8]):  # column faults (the pad faults: pad of another size)
+        cols = np.stack([plan.rank, plan.doc, plan.start, plan.length])
+        with pytest.raises(ValueError) as packed_err:
+            packed_plan("flashcp", 4, plan.doc_lens, cols, plan.pad)
+        with pytest.raises(ValueError) as made_err:
+            make_plan("flashcp", 4, plan.doc_lens, *cols, pad=plan.pad)
+        assert str(packed_err.value) == str(made_err.value), i
+    # a context too long for the exact integer metrics: the general path, the same plan
+    d = np.array([1 << 26, 1 << 25, 4096], np.int64)
+    long = plan_flashcp(d, 4, num_pad=-int(d.sum()) % 4)
+    cols = np.stack([long.rank, long.doc, long.start, long.length])
+    packed = packed_plan(
+        "flashcp", 4, long.doc_lens, cols, long.pad, status=long.status, info=long.info
+    )
+    assert "_packed" not in packed.__dict__ and _view(packed) == _view(long)
+
+
+def test_plan_stats_equal_numpy_metrics(monkeypatch):
+    """The exact integer metrics of ``plan_stats`` (any plan not made by a fused planner) equal
+    the NumPy ones, within and beyond 2^26 tokens (beyond: the sums only, float maxima)."""
+    cases = [(np.array(d), n) for d, n in [
+        ([700, 300, 20, 4], 4), ([1 << 26, 1 << 25, 4096], 4), ([5, 0, 7, 4], 2), ([8], 8),
+    ]]  # fmt: skip
+    cases += [(d, n) for d, n, _ in mixed_cases()[:100]]
+    plans = []
+    for d, n in cases:
+        d = np.append(d, -int(d.sum()) % n) if d.sum() % n else d
+        plans.append(make_plan("x", n, d, *plan_flashcp(d, n)._columns()[1:5]))
+    stats = [plans[1]._rank_sums.max_work is None, plans[0]._rank_sums.max_work is not None]
+    fast = [_view(p) for p in plans]
+    monkeypatch.setattr(compiled, "load", lambda name: None)
+    slow = [_view(make_plan("x", p.cp_size, p.doc_lens, *p._columns()[1:5])) for p in plans]
+    assert stats == [True, True] and fast == slow
+
+
 def test_compiled_validate_rejects_every_broken_plan():
     assert compiled.load("plan").plan_ok(
         4, *plan_flashcp(np.array([700, 300, 20, 4]), 4)._columns()

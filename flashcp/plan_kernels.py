@@ -406,29 +406,46 @@ def _num_split(doc, nd):
 
 
 @njit(cache=True)
+def _within_exact(start, length):
+    """Every shard inside ``[0, EXACT_TOKENS]`` (a valid plan of at most EXACT_TOKENS tokens is;
+    with validation off, a plan may not be, and its workloads need not be exact integers)."""
+    for i in range(start.size):
+        if start[i] < 0 or length[i] < 0 or start[i] + length[i] > EXACT_TOKENS:
+            return False
+    return True
+
+
+@njit(cache=True)
 def plan_stats(cp_size, doc_lens, rank, doc, start, length, pad):
-    """:func:`rank_sums` and, for a context of at most :data:`EXACT_TOKENS` tokens, the plan's
-    metrics from them as int64, exact (what :attr:`flashcp.plan.Plan._rank_sums` keeps for a plan
+    """:func:`rank_sums` and, for at most :data:`EXACT_TOKENS` tokens held, the plan's metrics
+    from them as int64, exact (what :attr:`flashcp.plan.Plan._rank_sums` keeps for a plan
     a fused planner did not make).
 
     Args:
         cp_size: N. doc_lens: (n_docs,) int64. rank, doc, start, length: (n_shards,) int64.
         pad: (N,) int64.
     Returns:
-        ``(status, sums, stats)``: status 0 (a rank or document index out of range: nothing
-        computed), 1 (a longer context: ``sums`` only) or 2; ``sums`` as :func:`rank_sums`;
+        ``(status, sums, stats)``: status 0 (a rank or document index out of range, or ``pad``
+        not of N entries: nothing computed), 1 (more than :data:`EXACT_TOKENS` tokens held, or a
+        shard outside ``[0, EXACT_TOKENS]``: ``sums`` only) or 2; ``sums`` as :func:`rank_sums`;
         ``stats`` (7,) int64: the maxima of the doc tokens, send tokens and workloads, the total
         workload, whether any rank has work, the documents cut into more than one shard, the most
         shards on a rank.
     """
     stats = np.zeros(7, np.int64)
+    if pad.size != cp_size:
+        return 0, np.zeros((4, cp_size), np.float64), stats
     ok, sums = rank_sums(cp_size, doc_lens, rank, doc, start, length)
     if not ok:
         return 0, sums, stats
-    total = 0
+    # exact: every shard inside [0, EXACT_TOKENS] and at most EXACT_TOKENS tokens held (so every
+    # workload sum is an integer below 2^53 in any order; a plan that is not valid may break it)
+    held = 0
     for q in range(cp_size):
-        total += np.int64(sums[0, q]) + pad[q]
-    if total > EXACT_TOKENS:
+        held += np.int64(sums[0, q])
+    if held > EXACT_TOKENS:
+        return 1, sums, stats
+    if not _within_exact(start, length):
         return 1, sums, stats
     for q in range(cp_size):  # integers, exact in float64 (EXACT_TOKENS)
         t, w, s, k = (
@@ -488,7 +505,9 @@ def finish_plan(doc_lens, cp_size, rank, doc, start, length, pad, validate):
     total = 0
     for q in range(n):
         total += np.int64(sums[0, q]) + pad[q]
-    if total > EXACT_TOKENS:
+        if pad[q] < 0:  # (validate off) then the tokens held may pass EXACT_TOKENS
+            return _failed(5)
+    if total > EXACT_TOKENS or not _within_exact(cols[2], cols[3]):
         return _failed(5)
     for q in range(n):  # integers, exact in float64 (EXACT_TOKENS)
         out[size + q] = np.int64(sums[0, q])

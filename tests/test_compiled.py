@@ -301,6 +301,36 @@ def test_plan_stats_equal_numpy_metrics(monkeypatch):
     assert stats == [True, True] and fast == slow
 
 
+def test_metrics_of_invalid_plans_equal_numpy(monkeypatch):
+    """Plans built without validation that break an invariant (a pad of the wrong size, a shard
+    out of its document or of range, a negative length): every metric the kernels give equals
+    NumPy's, or both raise the same error."""
+
+    def metrics(plan: Plan) -> list:
+        out = []
+        for name in ("tokens_per_rank", "workload_per_rank", "send_tokens_per_rank",
+                     "shards_per_rank", "imbalance_ratio", "comm_tokens", "comm_tokens_full",
+                     "num_split_docs", "max_shards_per_rank"):  # fmt: skip
+            try:
+                v = getattr(plan, name)
+                out.append(v.tolist() if isinstance(v, np.ndarray) else v)
+            except Exception as exc:  # the same error both ways
+                out.append((type(exc).__name__, str(exc)))
+        return out
+
+    def fresh(plan: Plan) -> Plan:
+        return Plan(plan.method, plan.cp_size, plan.doc_lens, *plan._columns()[1:5], pad=plan.pad)
+
+    plans = broken_plans()
+    big = plan_flashcp(np.array([700, 300, 20, 4]), 4)
+    far = big.start.copy()
+    far[0] = (1 << 26) + 5  # a shard beyond EXACT_TOKENS: the float sums, not the integers
+    plans.append(Plan("flashcp", 4, big.doc_lens, big.rank, big.doc, far, big.length))
+    fast = [metrics(fresh(p)) for p in plans]
+    monkeypatch.setattr(compiled, "load", lambda name: None)
+    assert [metrics(fresh(p)) for p in plans] == fast
+
+
 def test_compiled_validate_rejects_every_broken_plan():
     assert compiled.load("plan").plan_ok(
         4, *plan_flashcp(np.array([700, 300, 20, 4]), 4)._columns()

@@ -5,9 +5,12 @@ Plans are made once per (sequence, method, impl, cp_size, options) (:attr:`RunSp
 their shape- and mode-independent statistics once per (chunk of plans, hardware tile shape)
 (:class:`flashcp.sim.cost_model.PlanBatch`); every run sharing the plans (another model, another
 hardware profile) and every mode is then priced from them. A worker process takes a chunk of
-at most :data:`CHUNK` sequences, plans them, and prices each run of the chunk, all its modes, in one call
-of :func:`flashcp.sim.cost_model.price_plans` (numpy operations over the chunk's plans and ranks;
-equal to :func:`flashcp.sim.simulate` per plan, tested to 1e-12). Rows are built as columns.
+at most :data:`CHUNK` sequences (at least one chunk per worker), plans them, and prices each run
+of the chunk, all its modes, in one call of :func:`flashcp.sim.cost_model.price_plans` (numpy
+operations over the chunk's plans and ranks; equal to :func:`flashcp.sim.simulate` per plan,
+tested to 1e-12). Rows are built as columns. A job of at least
+:data:`flashcp.compile_cache.PRELOAD_PLANS` plans loads the compiled kernels once, before its
+workers fork (:func:`flashcp.compile_cache.preload`).
 """
 
 from __future__ import annotations

@@ -360,19 +360,12 @@ def _failed(status):
 
 
 @njit(cache=True)
-def _metrics(out, size, n, m, doc, nd):
-    """The tail of a fused planner's buffer (:func:`finish_plan`) from its per-rank rows: the
-    document tokens and the pad tokens of the sequence, the maxima of the doc and send tokens and
-    of the workloads, the total workload, whether any rank has work,
-    the documents cut into more than one shard (of ``doc``, the m shards' documents, among
-    ``nd``), the most shards on a rank, the number of shards ``m`` and status 0."""
-    tokens = out[size : size + n]
-    send = out[size + n : size + 2 * n]
-    shards = out[size + 2 * n : size + 3 * n]
-    work = out[size + 3 * n : size + 4 * n]
+def _rank_maxima(tokens, send, shards, work):
+    """From a plan's per-rank int64 rows: ``(max doc tokens, max send tokens, max workload, total
+    workload, any rank with work (0/1), max shards)``."""
     max_tokens, max_send, max_work, total_work, any_work = tokens[0], send[0], work[0], 0, 0
     max_shards = shards[0]
-    for q in range(n):
+    for q in range(tokens.size):
         max_tokens = max(max_tokens, tokens[q])
         max_send = max(max_send, send[q])
         max_work = max(max_work, work[q])
@@ -380,6 +373,19 @@ def _metrics(out, size, n, m, doc, nd):
         total_work += work[q]
         if work[q] != 0:
             any_work = 1
+    return max_tokens, max_send, max_work, total_work, any_work, max_shards
+
+
+@njit(cache=True)
+def _metrics(out, size, n, m, doc, nd):
+    """The tail of a fused planner's buffer (:func:`finish_plan`) from its per-rank rows: the
+    document tokens and the pad tokens of the sequence, :func:`_rank_maxima`, the documents cut
+    into more than one shard (of ``doc``, the m shards' documents, among ``nd``), the number of
+    shards ``m`` and status 0."""
+    max_tokens, max_send, max_work, total_work, any_work, max_shards = _rank_maxima(
+        out[size : size + n], out[size + n : size + 2 * n], out[size + 2 * n : size + 3 * n],
+        out[size + 3 * n : size + 4 * n],
+    )  # fmt: skip
     doc_tokens = 0
     for i in range(nd):
         doc_tokens += out[1 + i]
@@ -447,25 +453,12 @@ def plan_stats(cp_size, doc_lens, rank, doc, start, length, pad):
         return 1, sums, stats
     if not _within_exact(start, length):
         return 1, sums, stats
-    for q in range(cp_size):  # integers, exact in float64 (EXACT_TOKENS)
-        t, w, s, k = (
-            np.int64(sums[0, q]),
-            np.int64(sums[1, q]),
-            np.int64(sums[2, q]),
-            np.int64(sums[3, q]),
-        )
-        if q == 0 or t > stats[0]:
-            stats[0] = t
-        if q == 0 or s > stats[1]:
-            stats[1] = s
-        if q == 0 or w > stats[2]:
-            stats[2] = w
-        if q == 0 or k > stats[6]:
-            stats[6] = k
-        stats[3] += w
-        if w != 0:
-            stats[4] = 1
-    stats[5] = _num_split(doc, doc_lens.size)
+    rows = sums.astype(np.int64)  # integers, exact in float64 (EXACT_TOKENS)
+    max_tokens, max_send, max_work, total_work, any_work, max_shards = _rank_maxima(
+        rows[0], rows[2], rows[3], rows[1]
+    )
+    stats[0], stats[1], stats[2], stats[3] = max_tokens, max_send, max_work, total_work
+    stats[4], stats[5], stats[6] = any_work, _num_split(doc, doc_lens.size), max_shards
     return 2, sums, stats
 
 
@@ -478,8 +471,8 @@ def finish_plan(doc_lens, cp_size, rank, doc, start, length, pad, validate):
 
         [cp_size, doc_lens (n_docs), rank, doc, start, length (m each), pad (N),   <- digest bytes
          doc tokens, send tokens, shards, workload (N each),
-         sum of doc_lens, sum of pad, max doc tokens, max send tokens, max workload, total workload, any work,
-         split documents, max shards per rank, m, status]
+         sum of doc_lens, sum of pad, max doc tokens, max send tokens, max workload,
+         total workload, any work, split documents, max shards per rank, m, status]
 
     (all int64: a context of at most :data:`EXACT_TOKENS` tokens, status 5 for a longer one). A
     status other than 0 (:data:`FUSED_STATUS`) comes in a 2-entry buffer; ``validate`` False skips

@@ -45,9 +45,11 @@ from flashcp.kinds import CommKind, OpFamily
 from flashcp.layout import per_doc_chunk_sizes
 from flashcp.plan import (
     Plan,
+    buffer_plan,
     check_cp_args,
     check_doc_lens,
     doc_workload,
+    fused_args,
     make_plan,
     packed_plan,
     planner_entry,
@@ -55,7 +57,10 @@ from flashcp.plan import (
 )
 from flashcp.registry import MethodSpec
 
-__all__ = ["plan_flashcp", "plan_flashcp_reference"]
+__all__ = ["TARGET_IMBALANCE", "plan_flashcp", "plan_flashcp_reference"]
+
+#: the paper's target imbalance ratio R (§3.3), the planners' default
+TARGET_IMBALANCE = 1.05
 
 
 def _later_needs(deficits: list[int], surplus: int) -> set[int]:
@@ -274,11 +279,7 @@ def _plan(
     d = check_doc_lens(doc_lens)
     n = cp_size
     check_cp_args(int(d.sum()) + num_pad, n)
-    try:
-        ok = np.isfinite(float(target_imbalance)) and float(target_imbalance) >= 1.0
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
+    if not _target_ok(target_imbalance):
         raise ValueError(f"target_imbalance must be a number >= 1, got {target_imbalance!r}")
     tpr = (int(d.sum()) + num_pad) // n
     kernels = compiled.load("heuristic") if compiled_ok else None
@@ -376,12 +377,50 @@ _DOC = """Plan FlashCP's hybrid Whole-Doc / Per-Doc layout with the paper's heur
     """
 
 
-@planner_entry("flashcp")
+def _target_ok(target_imbalance) -> bool:
+    """``target_imbalance`` is a finite number >= 1."""
+    try:
+        return bool(np.isfinite(float(target_imbalance)) and float(target_imbalance) >= 1.0)
+    except (TypeError, ValueError):
+        return False
+
+
+def _fused(doc_lens, cp_size, num_pad, pad_to_multiple, options: dict) -> Plan | None:
+    """:func:`plan_flashcp` in one compiled call (:func:`flashcp.heuristic_compiled.flashcp_plan`:
+    the checks, Algorithm 1, the merge, validation and metrics) for the common case: the kernels
+    on, arguments the fused kernels take as they are (:func:`~flashcp.plan.fused_args`), a float
+    or int target >= 1, no other option, documents all of length >= 1, at most
+    :data:`~flashcp.plan_kernels.EXACT_TOKENS` tokens. None for every other case, which
+    :func:`_plan` plans the same way (or rejects)."""
+    if not options.keys() <= {"validate", "target_imbalance"}:
+        return None
+    target = options.get("target_imbalance", TARGET_IMBALANCE)
+    validate = options.get("validate", True)
+    if type(target) not in (float, int) or not _target_ok(target):
+        return None
+    if not fused_args(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
+        return None
+    kernels = compiled.load("heuristic")
+    if kernels is None:
+        return None
+    target = float(target)
+    buf, ratio, per_doc = kernels.flashcp_plan(
+        doc_lens, cp_size, num_pad, pad_to_multiple, validate, target
+    )
+    if buf[-1]:
+        return None
+    per_doc = per_doc.tolist()
+    info = {"per_doc_docs": per_doc, "iterations": len(per_doc) + 1, "target_imbalance": target}
+    status = "ok" if ratio <= target else "target_not_met"
+    return buffer_plan(buf, "flashcp", cp_size, doc_lens.size, status, info)
+
+
+@planner_entry("flashcp", fused=_fused)
 def plan_flashcp(
     doc_lens,
     cp_size: int,
     *,
-    target_imbalance: float = 1.05,
+    target_imbalance: float = TARGET_IMBALANCE,
     num_pad: int = 0,
     validate: bool = True,
 ) -> Plan:
@@ -393,7 +432,7 @@ def plan_flashcp_reference(
     doc_lens,
     cp_size: int,
     *,
-    target_imbalance: float = 1.05,
+    target_imbalance: float = TARGET_IMBALANCE,
     num_pad: int = 0,
     validate: bool = True,
 ) -> Plan:

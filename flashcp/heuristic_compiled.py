@@ -7,7 +7,10 @@ Each rank's whole-document pieces are rows of (N, cap) arrays ``pdoc, pstart, pl
 ``cnt[r]`` of them in use, kept in the order the reference's lists hold them (append at the end;
 a piece moved off whole is removed, the others keep their order), because that order breaks the
 ties of the stable sorts in step 2b. ``cap`` bounds the pieces of a rank: every document once,
-plus one per cut (at most N - 1 receivers in each of at most N donor rounds).
+plus one per cut (at most N - 1 receivers in each of at most N donor rounds). Three sets of these
+buffers are allocated once per call: the best plan so far and the two step-2b variants of the
+current Per-Doc set. :func:`flashcp_plan` is the whole planner in one call (the argument checks,
+this search, the merge, validation and metrics of :func:`flashcp.plan_kernels.finish_plan`).
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from flashcp.plan_kernels import _stack, per_doc_sizes
+from flashcp.plan_kernels import _entry, _failed, _stack, finish_plan, per_doc_sizes
 
-__all__ = ["algorithm1"]
+__all__ = ["algorithm1", "flashcp_plan"]
 
 
 @njit(cache=True, inline="always")
@@ -27,27 +30,26 @@ def _workload(p, s):
 
 
 @njit(cache=True)
-def _greedy(whole, lens, base_tokens, base_work, n, cap):
-    """Step 2a (reference ``_greedy``): each document of ``whole`` to the first rank of least
-    workload."""
-    work = base_work.copy()
-    tokens = base_tokens.copy()
-    pdoc = np.empty((n, cap), np.int64)
-    pstart = np.empty((n, cap), np.int64)
-    plen = np.empty((n, cap), np.int64)
-    cnt = np.zeros(n, np.int64)
+def _greedy(whole, lens, base_tokens, base_work, pdoc, pstart, plen, cnt, work, tokens):
+    """Step 2a (reference ``_greedy``) into the given buffers: each document of ``whole`` to the
+    first rank of least workload, on top of the Per-Doc ``base_tokens`` / ``base_work``."""
+    n = cnt.size
+    for r in range(n):
+        work[r], tokens[r], cnt[r] = base_work[r], base_tokens[r], 0
     for doc in whole:
         r = 0
+        least = work[0]
         for q in range(1, n):
-            if work[q] < work[r]:
-                r = q
+            wq = work[q]
+            better = wq < least
+            least = wq if better else least
+            r = q if better else r
         d = lens[doc]
         c = cnt[r]
         pdoc[r, c], pstart[r, c], plen[r, c] = doc, 0, d
         cnt[r] = c + 1
         work[r] += _workload(0, d)
         tokens[r] += d
-    return pdoc, pstart, plen, cnt, work, tokens
 
 
 @njit(cache=True)
@@ -59,27 +61,29 @@ def _has_bit(bits, top, t):
 
 
 @njit(cache=True)
-def _exact_subset(own, plen_row, need):
-    """Reference ``_exact_subset``: indices (into the donor's pieces) of pieces, taken from
-    ``own`` (indices in length order), whose lengths sum to exactly ``need``, in the reference's
-    order; an empty array when none do."""
-    for i in own:
+def _exact_subset(own, c, plen_row, need, small, out):
+    """Reference ``_exact_subset``: writes to ``out`` the indices (into the donor's pieces) of
+    pieces, taken from ``own[:c]`` (indices in length order), whose lengths sum to exactly
+    ``need``, in the reference's order, and returns how many (0 when none do). ``small`` is
+    scratch of at least ``c`` entries."""
+    for j in range(c):
+        i = own[j]
         if plen_row[i] == need:
-            out = np.empty(1, np.int64)
             out[0] = i
-            return out
-    small = np.empty(own.size, np.int64)
+            return 1
     m = 0
     total = 0
-    for i in own:
+    for j in range(c):
+        i = own[j]
         if plen_row[i] < need:
             small[m] = i
             m += 1
             total += plen_row[i]
     if total <= need:
         if total == need:
-            return small[:m].copy()
-        return np.empty(0, np.int64)
+            out[:m] = small[:m]
+            return m
+        return 0
     # subset sum on bitsets: bit t of reach[i] says t tokens are reachable with small[:i]; only
     # the words up to top[i] (no bit is set above it) are written
     words = (need >> 6) + 1
@@ -105,60 +109,64 @@ def _exact_subset(own, plen_row, need):
             rows = i + 1
             break
     if not _has_bit(reach[rows], top[rows], need):
-        return np.empty(0, np.int64)
-    chosen = np.empty(rows, np.int64)
-    c = 0
+        return 0
+    k = 0
     rem = need
     for i in range(rows, 0, -1):
         if rem and not _has_bit(reach[i - 1], top[i - 1], rem):  # rem needs piece i-1
-            chosen[c] = small[i - 1]
-            c += 1
+            out[k] = small[i - 1]
+            k += 1
             rem -= plen_row[small[i - 1]]
-    return chosen[:c].copy()
+    return k
 
 
 @njit(cache=True)
-def _choose_moves(plen_row, count, need, later, fewest_cuts):
-    """Reference ``_choose_moves``: ``(pieces, takes)``, indices into the donor's pieces and the
-    tokens each moves, in moving order."""
-    own = np.argsort(plen_row[:count], kind="mergesort")  # stable: ties keep the list order
+def _choose_moves(plen_row, own, c, need, later, nl, fewest_cuts, idx, takes, small):
+    """Reference ``_choose_moves``: writes ``idx`` (indices into the donor's pieces) and
+    ``takes`` (the tokens each moves) in moving order and returns how many; ``own[:c]`` are the
+    donor's pieces in the order of a stable sort by length."""
     if fewest_cuts:
-        exact = _exact_subset(own, plen_row, need)
-        if exact.size:
-            takes = np.empty(exact.size, np.int64)
-            for j in range(exact.size):
-                takes[j] = plen_row[exact[j]]
-            return exact, takes
-        for i in own:
+        m = _exact_subset(own, c, plen_row, need, small, idx)
+        if m:
+            for j in range(m):
+                takes[j] = plen_row[idx[j]]
+            return m
+        for j in range(c):
+            i = own[j]
             s = plen_row[i]
             if s > need:
-                for x in later:
-                    if s - need == x:
-                        out = np.empty(1, np.int64)
-                        out[0] = i
-                        t = np.empty(1, np.int64)
-                        t[0] = need
-                        return out, t
-    idx = np.empty(count, np.int64)
-    takes = np.empty(count, np.int64)
+                for q in range(nl):
+                    if s - need == later[q]:
+                        idx[0], takes[0] = i, need
+                        return 1
     m = 0
     moved = 0
-    for i in own:
+    for j in range(c):
         if moved == need:
             break
+        i = own[j]
         take = min(plen_row[i], need - moved)
         idx[m], takes[m] = i, take
         m += 1
         moved += take
-    return idx[:m].copy(), takes[:m].copy()
+    return m
 
 
 @njit(cache=True)
-def _equalise(pdoc, pstart, plen, cnt, work, tokens, tpr, fewest_cuts):
-    """Step 2b in place (reference ``_equalise``); returns the number of documents cut."""
+def _equalise(pdoc, pstart, plen, cnt, work, tokens, tpr, fewest_cuts, scratch, later, recv):
+    """Step 2b in place (reference ``_equalise``); returns the number of documents cut.
+
+    The donor's pieces in length order (the reference sorts them for every receiver) are sorted
+    once per donor and kept in order as pieces leave and one is cut: a stable sort by length is
+    the order of the key (length, index), which dropping pieces (the others' indices keep their
+    order) does not change, and a cut only shortens one piece, which moves it left.
+    ``scratch`` is (6, cap) int64 work space, ``later`` and ``recv`` (N,) int64.
+    """
     n = tokens.size
     cuts = 0
-    removed = np.zeros(pdoc.shape[1], np.bool_)
+    own, idx, takes, small, newpos, removed = (
+        scratch[0], scratch[1], scratch[2], scratch[3], scratch[4], scratch[5],
+    )  # fmt: skip
     while True:
         donor = 0
         for q in range(1, n):
@@ -167,36 +175,46 @@ def _equalise(pdoc, pstart, plen, cnt, work, tokens, tpr, fewest_cuts):
         surplus = tokens[donor] - tpr
         if surplus <= 0:
             return cuts
+        # receivers: ranks short of C/N, least workload first (stable: ties by rank)
         nrec = 0
-        cand = np.empty(n, np.int64)
         for q in range(n):
             if tokens[q] < tpr:
-                cand[nrec] = q
+                j = nrec
+                while j > 0 and work[recv[j - 1]] > work[q]:
+                    recv[j] = recv[j - 1]
+                    j -= 1
+                recv[j] = q
                 nrec += 1
-        open_ranks = cand[:nrec]
-        receivers = open_ranks[np.argsort(work[open_ranks], kind="mergesort")]
-        deficits = tpr - tokens[receivers]
+        c = cnt[donor]
+        prow = plen[donor]
+        for q in range(c):  # insertion sort, stable: ties keep the list order
+            j = q
+            s = prow[q]
+            while j > 0 and prow[own[j - 1]] > s:
+                own[j] = own[j - 1]
+                j -= 1
+            own[j] = q
         for i in range(nrec):
             if surplus == 0:
                 break
-            rec = receivers[i]
-            need = min(surplus, deficits[i])
+            rec = recv[i]
+            need = min(surplus, tpr - tokens[rec])
             # reference _later_needs: what the next receivers will ask for
-            later = np.empty(nrec, np.int64)
             nl = 0
             left = surplus - need
             if fewest_cuts:
                 for j in range(i + 1, nrec):
                     if left <= 0:
                         break
-                    later[nl] = min(deficits[j], left)
+                    deficit = tpr - tokens[recv[j]]
+                    later[nl] = min(deficit, left)
                     nl += 1
-                    left -= deficits[j]
-            c = cnt[donor]
-            idx, takes = _choose_moves(plen[donor], c, need, later[:nl], fewest_cuts)
+                    left -= deficit
+            nm = _choose_moves(prow, own, c, need, later, nl, fewest_cuts, idx, takes, small)
             moved = 0
             any_removed = False
-            for j in range(idx.size):
+            cut = -1
+            for j in range(nm):
                 pc, take = idx[j], takes[j]
                 doc, p, s = pdoc[donor, pc], pstart[donor, pc], plen[donor, pc]
                 w_head = _workload(p, take)
@@ -204,11 +222,12 @@ def _equalise(pdoc, pstart, plen, cnt, work, tokens, tpr, fewest_cuts):
                 pdoc[rec, cr], pstart[rec, cr], plen[rec, cr] = doc, p, take
                 cnt[rec] = cr + 1
                 if take == s:
-                    removed[pc] = True
+                    removed[pc] = 1
                     any_removed = True
                 else:  # donor keeps the tail
                     pstart[donor, pc], plen[donor, pc] = p + take, s - take
                     cuts += 1
+                    cut = pc
                 work[donor] -= w_head
                 work[rec] += w_head
                 moved += take
@@ -216,33 +235,73 @@ def _equalise(pdoc, pstart, plen, cnt, work, tokens, tpr, fewest_cuts):
                 m = 0
                 for j in range(c):
                     if removed[j]:
-                        removed[j] = False
+                        newpos[j] = -1
                     else:
+                        newpos[j] = m
                         pdoc[donor, m], pstart[donor, m], plen[donor, m] = (
                             pdoc[donor, j], pstart[donor, j], plen[donor, j],
                         )  # fmt: skip
                         m += 1
                 cnt[donor] = m
+                w = 0
+                for j in range(c):
+                    o = own[j]
+                    if removed[o]:
+                        removed[o] = 0
+                    else:
+                        own[w] = newpos[o]
+                        w += 1
+                c = m
+                if cut >= 0:
+                    cut = newpos[cut]
+            if cut >= 0:  # the shortened piece moves left to its place in (length, index) order
+                pos = 0
+                while own[pos] != cut:
+                    pos += 1
+                s = prow[cut]
+                while pos > 0 and (
+                    prow[own[pos - 1]] > s or (prow[own[pos - 1]] == s and own[pos - 1] > cut)
+                ):
+                    own[pos] = own[pos - 1]
+                    pos -= 1
+                own[pos] = cut
             tokens[donor] -= moved
             tokens[rec] += moved
             surplus -= moved
 
 
 @njit(cache=True)
-def _fewest_cuts_pass(whole, lens, base_tokens, base_work, n, tpr, target, mean_work, cap):
-    """Steps 2a and 2b for one Per-Doc set (reference ``_fewest_cuts_pass``): ``(ratio, pdoc,
-    pstart, plen, cnt)`` of the kept variant."""
-    pdoc, pstart, plen, cnt, work, tokens = _greedy(whole, lens, base_tokens, base_work, n, cap)
-    if tokens.max() <= tpr:  # nothing to equalise
-        return work.max() / mean_work, pdoc, pstart, plen, cnt
-    plain = (pdoc.copy(), pstart.copy(), plen.copy(), cnt.copy(), work.copy(), tokens.copy())
-    cuts = _equalise(pdoc, pstart, plen, cnt, work, tokens, tpr, True)
-    ratio = work.max() / mean_work
+def _copy_set(src, dst, pdoc, pstart, plen, cnt, work, tokens):
+    """Buffer set ``dst`` := buffer set ``src`` (the pieces in use)."""
+    for r in range(cnt.shape[1]):
+        c = cnt[src, r]
+        pdoc[dst, r, :c] = pdoc[src, r, :c]
+        pstart[dst, r, :c] = pstart[src, r, :c]
+        plen[dst, r, :c] = plen[src, r, :c]
+        cnt[dst, r], work[dst, r], tokens[dst, r] = c, work[src, r], tokens[src, r]
+
+
+@njit(cache=True)
+def _fewest_cuts_pass(
+    whole, lens, base_tokens, base_work, tpr, target, mean_work, a, b, bufs, scratch, later, recv
+):
+    """Steps 2a and 2b for one Per-Doc set (reference ``_fewest_cuts_pass``) in buffer sets
+    ``a`` and ``b`` of ``bufs = (pdoc, pstart, plen, cnt, work, tokens)``: ``(ratio, kept)``, the
+    kept variant's imbalance ratio and buffer set."""
+    pdoc, pstart, plen, cnt, work, tokens = bufs
+    _greedy(whole, lens, base_tokens, base_work, pdoc[a], pstart[a], plen[a], cnt[a], work[a],
+            tokens[a])  # fmt: skip
+    if tokens[a].max() <= tpr:  # nothing to equalise
+        return work[a].max() / mean_work, a
+    _copy_set(a, b, pdoc, pstart, plen, cnt, work, tokens)  # the plain variant starts from here
+    cuts = _equalise(pdoc[a], pstart[a], plen[a], cnt[a], work[a], tokens[a], tpr, True,
+                     scratch, later, recv)  # fmt: skip
+    ratio = work[a].max() / mean_work
     if cuts == 0 and ratio <= target:
-        return ratio, pdoc, pstart, plen, cnt
-    pdoc2, pstart2, plen2, cnt2, work2, tokens2 = plain
-    cuts2 = _equalise(pdoc2, pstart2, plen2, cnt2, work2, tokens2, tpr, False)
-    ratio2 = work2.max() / mean_work
+        return ratio, a
+    cuts2 = _equalise(pdoc[b], pstart[b], plen[b], cnt[b], work[b], tokens[b], tpr, False,
+                      scratch, later, recv)  # fmt: skip
+    ratio2 = work[b].max() / mean_work
     # min over (misses target, cuts if it meets it else ratio): the first of equal keys
     miss, miss2 = ratio > target, ratio2 > target
     if miss != miss2:
@@ -252,8 +311,8 @@ def _fewest_cuts_pass(whole, lens, base_tokens, base_work, n, tpr, target, mean_
     else:
         second = ratio2 < ratio
     if second:
-        return ratio2, pdoc2, pstart2, plen2, cnt2
-    return ratio, pdoc, pstart, plen, cnt
+        return ratio2, b
+    return ratio, a
 
 
 @njit(cache=True)
@@ -278,11 +337,18 @@ def algorithm1(lens, n, tpr, target):
     mean_work = total / n
     sizes_sorted, _ = per_doc_sizes(lens[order], n, 0)
     cap = m + n * n + 1
+    # three buffer sets of pieces: the best plan so far and the two variants of step 2b
+    pdoc = np.empty((3, n, cap), np.int64)
+    pstart = np.empty((3, n, cap), np.int64)
+    plen = np.empty((3, n, cap), np.int64)
+    bufs = (pdoc, pstart, plen, np.zeros((3, n), np.int64), np.zeros((3, n), np.int64),
+            np.zeros((3, n), np.int64))  # fmt: skip
+    scratch = np.zeros((6, cap), np.int64)
+    later = np.empty(n, np.int64)
+    recv = np.empty(n, np.int64)
     base_tokens = np.zeros(n, np.int64)
     base_work = np.zeros(n, np.int64)
-    best_ratio, best_k = np.inf, -1
-    best = (np.empty((n, 0), np.int64), np.empty((n, 0), np.int64), np.empty((n, 0), np.int64),
-            np.zeros(n, np.int64))  # fmt: skip
+    best_ratio, best_k, bi = np.inf, -1, 2
     for k in range(m + 1):
         if k > 0:  # move the k-th longest document to the Per-Doc set
             p = 0
@@ -292,16 +358,17 @@ def algorithm1(lens, n, tpr, target):
                 base_tokens[r] += s
                 base_work[r] += _workload(p, s)
                 p += s
-        ratio, pdoc, pstart, plen, cnt = _fewest_cuts_pass(
-            order[k:], lens, base_tokens, base_work, n, tpr, target, mean_work, cap
-        )
+        a, b = (1, 2) if bi == 0 else ((0, 2) if bi == 1 else (0, 1))
+        ratio, kept = _fewest_cuts_pass(
+            order[k:], lens, base_tokens, base_work, tpr, target, mean_work, a, b, bufs,
+            scratch, later, recv,
+        )  # fmt: skip
         if best_k < 0 or ratio < best_ratio or ratio <= target:
-            best_ratio, best_k = ratio, k
-            best = (pdoc, pstart, plen, cnt)
+            best_ratio, best_k, bi = ratio, k, kept
         if ratio <= target:
             break
     k = best_k
-    pdoc, pstart, plen, cnt = best
+    pdoc, pstart, plen, cnt = pdoc[bi], pstart[bi], plen[bi], bufs[3][bi]
     # emit shards: the Per-Doc chunks, then each rank's pieces; sorted by (rank, doc, start)
     rows = 2 * n * k + cnt.sum()
     rank = np.empty(rows, np.int64)
@@ -334,3 +401,28 @@ def algorithm1(lens, n, tpr, target):
     for j in range(i):
         pad[rank[j]] -= length[j]
     return best_ratio, np.sort(order[:k]), _stack(rank, doc, start, length, i), pad
+
+
+@njit(cache=True)
+def flashcp_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate, target):
+    """:func:`flashcp.heuristic.plan_flashcp` of documents all of length >= 1 in one call: the
+    checks of :func:`flashcp.plan.planner_entry`, :func:`algorithm1` and
+    :func:`flashcp.plan_kernels.finish_plan`.
+
+    Args:
+        doc_lens: (n_docs,) int64. cp_size: N >= 1. num_pad: pad tokens >= 0.
+        pad_to_multiple, validate: as the planner's. target: R >= 1 (checked by the caller).
+    Returns:
+        ``(buf, ratio, per_doc)``: ``finish_plan``'s buffer (a 2-entry one with its status where
+        the fused path does not take the input: :data:`flashcp.plan_kernels.FUSED_STATUS`), the
+        plan's imbalance ratio and its Per-Doc documents (sorted).
+    """
+    status, num_pad = _entry(doc_lens, cp_size, num_pad, pad_to_multiple, 1)
+    if status:
+        return _failed(status), 0.0, np.empty(0, np.int64)
+    real = 0
+    for x in doc_lens:
+        real += x
+    ratio, per_doc, cols, pad = algorithm1(doc_lens, cp_size, (real + num_pad) // cp_size, target)
+    buf = finish_plan(doc_lens, cp_size, cols[0], cols[1], cols[2], cols[3], pad, validate)
+    return buf, ratio, per_doc

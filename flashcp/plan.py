@@ -50,10 +50,12 @@ from flashcp.kinds import CommKind
 __all__ = [
     "Plan",
     "Shard",
+    "buffer_plan",
     "check_cp_args",
     "check_doc_lens",
     "cu_seqlens",
     "doc_workload",
+    "fused_args",
     "fused_plan",
     "json_value",
     "kv_bytes",
@@ -792,15 +794,7 @@ def fused_plan(
         the :class:`Plan` ``planner_entry`` gives for these arguments (same arrays, digest,
         metrics), or None.
     """
-    if not (
-        _int64_arrays(doc_lens)
-        and type(cp_size) is int
-        and type(num_pad) is int
-        and type(pad_to_multiple) is bool
-        and type(validate) is bool
-        and 1 <= cp_size < 1 << 31
-        and 0 <= num_pad < 1 << 62
-    ):
+    if not fused_args(doc_lens, cp_size, num_pad, pad_to_multiple, validate):
         return None
     kernels = compiled.load("plan")
     if kernels is None:
@@ -808,10 +802,28 @@ def fused_plan(
     buf = getattr(kernels, kernel)(doc_lens, cp_size, num_pad, pad_to_multiple, validate)
     if buf[-1]:
         return None
-    return _buffer_plan(buf, method, cp_size, doc_lens.size, "ok", {})
+    return buffer_plan(buf, method, cp_size, doc_lens.size, "ok", {})
 
 
-def _buffer_plan(buf: np.ndarray, method: str, n: int, nd: int, status: str, info: dict) -> Plan:
+def fused_args(
+    doc_lens: Any, cp_size: Any, num_pad: Any, pad_to_multiple: Any, validate: Any
+) -> bool:
+    """Whether a fused kernel takes these planner arguments as they are: ``doc_lens`` a 1-D
+    C-contiguous int64 ndarray, ``cp_size`` and ``num_pad`` Python ints in range (>= 1 and below
+    2^31, >= 0 and below 2^62), ``pad_to_multiple`` and ``validate`` Python bools (anything else
+    takes the general path, which converts it or raises the error naming it)."""
+    return (
+        _int64_arrays(doc_lens)
+        and type(cp_size) is int
+        and type(num_pad) is int
+        and type(pad_to_multiple) is bool
+        and type(validate) is bool
+        and 1 <= cp_size < 1 << 31
+        and 0 <= num_pad < 1 << 62
+    )
+
+
+def buffer_plan(buf: np.ndarray, method: str, n: int, nd: int, status: str, info: dict) -> Plan:
     """The :class:`Plan` a fused kernel's buffer holds (:func:`flashcp.plan_kernels.finish_plan`
     describes it; status 0), its arrays views of the buffer, with its metrics and digest bytes;
     ``info`` already JSON-clean (:func:`json_value`)."""
@@ -878,7 +890,7 @@ def packed_plan(
         )
         if not buf[-1]:
             clean = json_value(dict(info or {}), "plan.info")
-            return _buffer_plan(buf, method, cp_size, doc_lens.size, status, clean)
+            return buffer_plan(buf, method, cp_size, doc_lens.size, status, clean)
     return make_plan(
         method, cp_size, doc_lens, *cols, status=status, info=info, pad=pad, validate=validate
     )
@@ -1028,7 +1040,10 @@ def planner_entry(method: str, *, chunks_per_rank: int = 1, fused: str | None = 
         fused: name of a kernel of :mod:`flashcp.plan_kernels` that computes the whole plan of
             ``func`` in one call (:func:`fused_plan`): tried first when the compiled kernels are
             on, for the common case (an int64 array of lengths >= 1, plain ints and bools, no
-            option but ``validate``); every other case takes the path described here.
+            option but ``validate``); every other case takes the path described here. Or a
+            function ``fused(doc_lens, cp_size, num_pad, pad_to_multiple, options) -> Plan |
+            None`` (``options`` the planner's keyword options) that plans the cases it takes as
+            ``func`` would and returns None for the others.
     Raises (from the decorated planner):
         ValueError: a negative or non-integer length, a bad ``cp_size``, ``num_pad`` or
             ``pad_to_multiple``, or (padding off) a total not divisible as the layout needs; the
@@ -1041,7 +1056,11 @@ def planner_entry(method: str, *, chunks_per_rank: int = 1, fused: str | None = 
 
         @functools.wraps(func)
         def planner(doc_lens, cp_size, *, num_pad=0, pad_to_multiple=False, **options):
-            if fused is not None and (not options or options.keys() == {"validate"}):
+            if callable(fused):
+                plan = fused(doc_lens, cp_size, num_pad, pad_to_multiple, options)
+                if plan is not None:
+                    return plan
+            elif fused is not None and (not options or options.keys() == {"validate"}):
                 validate = options.get("validate", True)
                 plan = fused_plan(
                     fused, method, doc_lens, cp_size, num_pad, pad_to_multiple, validate

@@ -283,6 +283,43 @@ def test_packed_plan_equals_make_plan():
     assert "_packed" not in packed.__dict__ and _view(packed) == _view(long)
 
 
+def test_fused_flashcp_is_the_general_path(monkeypatch):
+    """``plan_flashcp``'s one-call path (checks, Algorithm 1, merge, validation and metrics in
+    one compiled call) gives the plan of the general path (``_plan``: Algorithm 1 compiled, then
+    ``packed_plan``), and takes only the inputs it can: lists, zero-length documents, other
+    options and non-numeric targets go the general way (and raise its errors)."""
+    import flashcp.heuristic as heuristic
+
+    cases = mixed_cases()[:300]
+    fused = [_view(plan_flashcp(d, n, num_pad=pad, pad_to_multiple=True)) for d, n, pad in cases]
+    calls = []
+    general = heuristic._plan
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return general(*args, **kwargs)
+
+    monkeypatch.setattr(heuristic, "_plan", spy)
+    # the lengths as a list: the same plan by the general path
+    slow = [
+        _view(plan_flashcp(d.tolist(), n, num_pad=pad, pad_to_multiple=True)) for d, n, pad in cases
+    ]
+    assert fused == slow
+    assert len(calls) == sum(bool(d.any()) for d, _, _ in cases)  # all-empty: no planning
+    calls.clear()
+    d = np.array([4000, 100, 20, 4], np.int64)
+    for target in (1.05, 1, 1.3):
+        plan_flashcp(d, 4, target_imbalance=target, validate=False)
+    assert calls == []  # every one fused
+    plan_flashcp(d.tolist(), 4)
+    plan_flashcp(np.array([4000, 0, 120, 4]), 4)
+    plan_flashcp(d, 4, target_imbalance=np.float64(1.1))
+    assert len(calls) == 3
+    for bad in (0.99, float("nan"), float("inf"), "x", None):
+        with pytest.raises(ValueError, match="target_imbalance"):
+            plan_flashcp(d, 4, target_imbalance=bad)
+
+
 def test_plan_stats_equal_numpy_metrics(monkeypatch):
     """The exact integer metrics of ``plan_stats`` (any plan not made by a fused planner) equal
     the NumPy ones, within and beyond 2^26 tokens (beyond: the sums only, float maxima)."""

@@ -381,7 +381,7 @@ def _target_ok(target_imbalance) -> bool:
     """``target_imbalance`` is a finite number >= 1."""
     try:
         return bool(np.isfinite(float(target_imbalance)) and float(target_imbalance) >= 1.0)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return False
 
 

@@ -315,7 +315,7 @@ def test_fused_flashcp_is_the_general_path(monkeypatch):
     plan_flashcp(np.array([4000, 0, 120, 4]), 4)
     plan_flashcp(d, 4, target_imbalance=np.float64(1.1))
     assert len(calls) == 3
-    for bad in (0.99, float("nan"), float("inf"), "x", None):
+    for bad in (0.99, float("nan"), float("inf"), "x", None, 10**400):
         with pytest.raises(ValueError, match="target_imbalance"):
             plan_flashcp(d, 4, target_imbalance=bad)
 

@@ -39,6 +39,7 @@ import hashlib
 import inspect
 import json
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -1015,7 +1016,9 @@ def _restore_docs(plan: Plan, doc_lens: np.ndarray, kept: np.ndarray, pad_doc: b
     )  # fmt: skip
 
 
-def planner_entry(method: str, *, chunks_per_rank: int = 1, fused: str | None = None):
+def planner_entry(
+    method: str, *, chunks_per_rank: int = 1, fused: str | Callable[..., Plan | None] | None = None
+):
     """Decorator giving a planner the input handling every planner shares (docs/design.md §2).
 
     The decorated planner ``planner(doc_lens, cp_size, *, num_pad=0, pad_to_multiple=False,

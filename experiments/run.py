@@ -75,6 +75,7 @@ from flashcp.results import (
     identity_hash,
     provenance,
     read_rows,
+    runs_table,
     typed,
     write_rows_atomic,
 )
@@ -464,6 +465,30 @@ def launcher_name(hydra_cfg: Any) -> str:
     return LAUNCHERS.get(cls, cls or "unknown")
 
 
+def run_constants(
+    cfg: DictConfig,
+    ident: dict[str, Any],
+    job: dict[str, Any],
+    prov: dict[str, Any],
+    chash: str,
+    row_columns,
+) -> dict[str, Any]:
+    """The columns one run's rows share (docs/design.md §7), by name in order: the job columns
+    and the run identity (these win over a row column of the same name), then the provenance,
+    ``config_hash`` and every phase and communication column the rows lack (NaN), none of which
+    is in ``row_columns`` (the executor's columns)."""
+    out: dict[str, Any] = {
+        "name": cfg.name, "sweep_id": job["sweep_id"], "job_num": job["job_num"],
+        "launcher": job.get("launcher", "direct"), "overrides": job["overrides"],
+        "run_id": identity_hash(ident), **ident,
+    }  # fmt: skip
+    have = set(out) | set(row_columns)
+    out.update((k, v) for k, v in prov.items() if k not in have)
+    out["config_hash"] = chash
+    out.update((c, np.nan) for c in (*PHASE_COLUMNS, *COMM_COLUMNS) if c not in have)
+    return out
+
+
 def finish_rows(
     cfg: DictConfig,
     rows: pd.DataFrame | list[dict[str, Any]],
@@ -474,27 +499,21 @@ def finish_rows(
     check_types: bool = True,
 ) -> pd.DataFrame:
     """Attach the job columns, the run identity and provenance to every row of one run
-    (docs/design.md §7) and order the columns: job, identity, measurements, provenance.
+    (:func:`run_constants`) and order the columns: job, identity, measurements, provenance.
     ``check_types``: give the columns their types (:func:`flashcp.results.typed`); a caller that
     concatenates several runs does it once on the result."""
-    front = {
-        "name": cfg.name, "sweep_id": job["sweep_id"], "job_num": job["job_num"],
-        "launcher": job.get("launcher", "direct"), "overrides": job["overrides"],
-        "run_id": identity_hash(ident), **ident,
-    }  # fmt: skip
     df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows)
     n = len(df)
+    data = [c for c in df.columns if c != "run_idx"]
+    const = run_constants(cfg, ident, job, prov, chash, data)
     # every column at once (one DataFrame, no concatenation or insertion one column at a time):
     # the job and identity columns, the executor's (each keeping its dtype), then provenance
-    cols: dict[str, Any] = {k: np.repeat(np.array([v], dtype=object), n) for k, v in front.items()}
-    cols.update((c, df[c].array) for c in df.columns if c != "run_idx" and c not in front)
-    extra = {k: v for k, v in prov.items() if k not in cols}
-    extra["config_hash"] = chash
-    for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
-        if col not in cols:
-            extra[col] = np.nan
-    for k, v in extra.items():
-        cols[k] = np.repeat(np.array([v], dtype=object if isinstance(v, str) else None), n)
+    rep = {k: np.repeat(np.array([v], dtype=object if isinstance(v, str) else None), n)
+           for k, v in const.items()}  # fmt: skip
+    front = (*JOB_COLUMNS, *ident)
+    cols: dict[str, Any] = {k: rep[k] for k in front}
+    cols.update((c, df[c].array) for c in data if c not in cols)
+    cols.update((k, v) for k, v in rep.items() if k not in cols)
     out = pd.DataFrame(cols, index=pd.RangeIndex(n))
     return typed(out) if check_types else out  # an integer holding a fraction: raise here
 
@@ -622,17 +641,23 @@ def run(cfg: DictConfig) -> Path | None:
     idx = rows["seq_idx"].to_numpy(dtype=np.int64)
     for col in ov:
         rows[col] = ov[col].to_numpy()[idx]
-    parts = [
-        finish_rows(r, part, ident, job, prov, _resolved_hash(r), check_types=False)
-        for (r, ident), (_, part) in zip(
-            zip(runs, idents, strict=True), rows.groupby("run_idx", sort=True), strict=True
-        )
-    ]
-    df = typed(pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0])
-    write_rows_atomic(df, out)
+    # rows sorted by run (the executor's order); each run's shared columns once, expanded in Arrow
+    data = [c for c in rows.columns if c != "run_idx"]
+    run_of_row = rows["run_idx"].to_numpy(dtype=np.int64)
+    if len(np.unique(run_of_row)) != len(runs):
+        raise RuntimeError(f"the executor returned rows of {len(np.unique(run_of_row))} of "
+                           f"{len(runs)} runs")  # fmt: skip
+    per_run = pd.DataFrame(
+        [
+            run_constants(r, ident, job, prov, _resolved_hash(r), data)
+            for r, ident in zip(runs, idents, strict=True)
+        ]
+    )
+    table = runs_table(rows[data], per_run, run_of_row)
+    write_rows_atomic(table, out)
     t3 = time.perf_counter()
     sec = rows.attrs.get("seconds", {})
-    ok = (df["status"] == "ok").sum()
+    ok = int(table["status"].to_pandas().eq("ok").sum())
     # the sim executor reports its planning and pricing CPU-seconds; dist and emulate do not
     inner = (
         f"planning {sec['plan_s']:.2f}, pricing {sec['price_s']:.2f} (CPU-s in workers), "
@@ -642,7 +667,7 @@ def run(cfg: DictConfig) -> Path | None:
     log.info(
         "%s: %d runs, %d rows (%d ok) in %.1f s -> %s; seconds: sampling %.2f, %sexecutor %.2f, "
         "writing %.2f",
-        cfg.run_key, len(runs), len(df), ok, t3 - t0, out, t1 - t0, inner, t2 - t1, t3 - t2,
+        cfg.run_key, len(runs), table.num_rows, ok, t3 - t0, out, t1 - t0, inner, t2 - t1, t3 - t2,
     )  # fmt: skip
     return out
 

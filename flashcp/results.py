@@ -18,6 +18,7 @@ are Parquet files; summaries and small tables are CSV.
 
 from __future__ import annotations
 
+import functools
 from types import MappingProxyType
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "markdown_table",
     "provenance",
     "read_rows",
+    "runs_table",
     "typed",
     "write_csv_atomic",
     "write_rows_atomic",
@@ -322,13 +324,7 @@ def conform_rows(df):
         if col not in df:
             cols[col] = pd.Series(None, index=df.index, dtype=_PANDAS_DTYPES[kind])
             continue
-        s = df[col]
-        try:
-            if kind in ("int", "float"):
-                s = pd.to_numeric(s)
-            cols[col] = s.astype(_PANDAS_DTYPES[kind])
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"row column {col!r} must hold {kind} values: {exc}") from None
+        cols[col] = _conformed(df[col], col, kind)
     return pd.DataFrame(cols, index=df.index)
 
 
@@ -340,15 +336,103 @@ def arrow_row_schema():
     return pa.schema([pa.field(c, types[kind]) for c, kind in ROW_SCHEMA.items()])
 
 
+def _conformed(s, col: str, kind: str):
+    """One column ``s`` (a pandas Series) as :func:`conform_rows` gives it."""
+    import pandas as pd
+
+    try:
+        if kind in ("int", "float"):
+            s = pd.to_numeric(s)
+        return s.astype(_PANDAS_DTYPES[kind])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"row column {col!r} must hold {kind} values: {exc}") from None
+
+
+@functools.cache
+def _arrow_pandas_schema():
+    """:func:`arrow_row_schema` with the pandas metadata ``Table.from_pandas`` gives a
+    :func:`conform_rows` frame (the column dtypes ``Int64``, ``string``...; no index), so a table
+    built from arrays reads back through pandas as one written from a DataFrame does."""
+    import pandas as pd
+    import pyarrow as pa
+
+    empty = conform_rows(pd.DataFrame(index=pd.RangeIndex(0)))
+    return pa.Table.from_pandas(empty, schema=arrow_row_schema(), preserve_index=False).schema
+
+
+def runs_table(rows, per_run, run_of_row):
+    """The row table of several runs (the :data:`ROW_SCHEMA` table :func:`write_rows_atomic`
+    writes), built from the runs' per-row columns and their per-run constants without
+    repeating the constants as Python objects: each constant column is conformed once per run
+    and expanded by index in Arrow.
+
+    The result equals ``pyarrow.Table.from_pandas(conform_rows(df), schema=...)`` of the frame
+    ``df`` holding ``rows``' columns and, on each row, its run's ``per_run`` values (its schema
+    metadata included), in ``rows``' order.
+
+    Args:
+        rows: pandas DataFrame of R rows, the per-row columns (a :data:`ROW_SCHEMA` column each).
+        per_run: pandas DataFrame of U rows, one per run, the columns constant within a run
+            (job, identity, provenance); none of them also in ``rows``.
+        run_of_row: (R,) integer array, each row's run: a position in ``per_run``, in [0, U).
+    Returns:
+        ``pyarrow.Table`` of R rows with the columns of :data:`ROW_SCHEMA` in its order; a column
+        in neither frame is all nulls of its type.
+    Raises:
+        ValueError: a column :data:`ROW_SCHEMA` does not name, a column in both frames, a value
+            that does not fit its column's type (naming the column, as :func:`conform_rows`), or
+            ``run_of_row`` not R positions in [0, U).
+    """
+    import numpy as np
+    import pyarrow as pa
+
+    unknown = [c for c in (*rows.columns, *per_run.columns) if c not in ROW_SCHEMA]
+    if unknown:
+        raise ValueError(
+            f"row columns {unknown} are not in flashcp.results.ROW_SCHEMA (add them there, with "
+            "their type, so every row file keeps one schema)"
+        )
+    both = sorted(set(rows.columns) & set(per_run.columns))
+    if both:
+        raise ValueError(f"columns {both} are given both per row and per run")
+    idx = np.asarray(run_of_row)
+    if idx.shape != (len(rows),) or not np.issubdtype(idx.dtype, np.integer):
+        raise ValueError(
+            f"run_of_row must be {len(rows)} integer positions (one per row); got shape "
+            f"{idx.shape}, dtype {idx.dtype}"
+        )
+    if idx.size and (idx.min() < 0 or idx.max() >= len(per_run)):
+        raise ValueError(
+            f"run_of_row holds positions outside [0, {len(per_run)}): {idx.min()}..{idx.max()}"
+        )
+    schema = _arrow_pandas_schema()
+    take = pa.array(idx.astype(np.int64, copy=False))
+    arrays = []
+    for field in schema:
+        col, kind = field.name, ROW_SCHEMA[field.name]
+        if col in rows:
+            s = _conformed(rows[col], col, kind)
+            arrays.append(pa.Array.from_pandas(s, type=field.type))
+        elif col in per_run:
+            s = _conformed(per_run[col], col, kind)
+            arrays.append(pa.Array.from_pandas(s, type=field.type).take(take))
+        else:
+            arrays.append(pa.nulls(len(rows), type=field.type))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
 def write_rows_atomic(df, path) -> None:
     """Write rows to ``path`` (``.parquet``, or ``.csv`` through :func:`write_csv_atomic`) through
     a temporary file and an atomic rename, in the one row schema (:func:`conform_rows`: every
     column of :data:`ROW_SCHEMA`, absent ones as typed nulls). Parquet keeps the column types
     (``Int64`` with missing values, text) exactly.
 
+    Args:
+        df: the rows, a pandas DataFrame, or a ``pyarrow.Table`` of :data:`ROW_SCHEMA`'s schema
+            (:func:`runs_table`), written as it is.
     Raises:
-        ValueError: ``path`` is neither ``.parquet`` nor ``.csv``, or the rows do not fit
-            :data:`ROW_SCHEMA` (:func:`conform_rows`).
+        ValueError: ``path`` is neither ``.parquet`` nor ``.csv``, the rows do not fit
+            :data:`ROW_SCHEMA` (:func:`conform_rows`), or a table has another schema.
     """
     import os
     from pathlib import Path
@@ -359,12 +443,21 @@ def write_rows_atomic(df, path) -> None:
     path = Path(path)
     if path.suffix not in (".csv", ".parquet"):
         raise ValueError(f"{path}: rows are written as .parquet or .csv files")
-    rows = conform_rows(df)
+    if isinstance(df, pa.Table):
+        if df.schema != arrow_row_schema():
+            raise ValueError(f"{path}: a row table must have flashcp.results.ROW_SCHEMA's schema")
+        if path.suffix == ".csv":
+            df = df.to_pandas()
+        table = df
+    else:
+        df = conform_rows(df)
+        table = None
     if path.suffix == ".csv":
-        write_csv_atomic(rows, path)
+        write_csv_atomic(df, path)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    table = pa.Table.from_pandas(rows, schema=arrow_row_schema(), preserve_index=False)
+    if table is None:
+        table = pa.Table.from_pandas(df, schema=arrow_row_schema(), preserve_index=False)
     pq.write_table(table, tmp)
     os.replace(tmp, path)

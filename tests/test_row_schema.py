@@ -22,6 +22,7 @@ from flashcp.results import (
     arrow_row_schema,
     conform_rows,
     read_rows,
+    runs_table,
     write_csv_atomic,
     write_rows_atomic,
 )
@@ -128,6 +129,46 @@ def test_conform_rows_refuses_what_the_schema_does_not_name():
     out = conform_rows(pd.DataFrame({"cp_size": [4.0], "pad_tokens": [None]}))
     assert list(out.columns) == list(ROW_SCHEMA) and out["cp_size"].dtype == "Int64"
     assert out["pad_tokens"].dtype == "Int64" and out["ilp_warm_start_given"].dtype == "boolean"
+
+
+def test_runs_table_equals_the_frame_of_repeated_constants(tmp_path):
+    """The per-run columns expanded in Arrow give the table (and the file) that repeating them
+    on every row and conforming the frame gives: values, nulls, types, pandas metadata."""
+    import numpy as np
+
+    rows = pd.DataFrame({
+        "seq_idx": pd.array([0, 1, 2, 0, 1], dtype="Int64"),
+        "mode": pd.array(["train", "infer", None, "train", "train"], dtype="string"),
+        "total_ms": [1.5, np.nan, 2.0, 3.25, 0.0],
+        "comm_bytes": pd.array([10, None, 3, 4, 5], dtype="Int64"),
+    })  # fmt: skip
+    per_run = pd.DataFrame({
+        "run_id": ["a", "b", "c"], "cp_size": [4, 8, 16], "git_dirty": [True, False, True],
+        "dataset_path": [None, "x.csv", None], "p2p_ms": [np.nan] * 3, "num_heads": [16.0] * 3,
+    })  # fmt: skip
+    run_of_row = np.array([0, 0, 2, 2, 2])
+    table = runs_table(rows, per_run, run_of_row)
+    frame = pd.concat([rows, per_run.iloc[run_of_row].reset_index(drop=True)], axis=1)
+    want = pa.Table.from_pandas(conform_rows(frame), schema=arrow_row_schema(),
+                                preserve_index=False)  # fmt: skip
+    assert table.equals(want, check_metadata=True)
+    write_rows_atomic(table, tmp_path / "a.parquet")
+    write_rows_atomic(frame, tmp_path / "b.parquet")
+    a, b = read_rows(tmp_path / "a.parquet"), read_rows(tmp_path / "b.parquet")
+    pd.testing.assert_frame_equal(a, b)
+    assert a["cp_size"].tolist() == [4, 4, 16, 16, 16] and a["cp_size"].dtype == "Int64"
+    with pytest.raises(ValueError, match="'cp_size' must hold int"):
+        runs_table(rows, per_run.assign(cp_size=[4, 8.5, 16]), run_of_row)
+    with pytest.raises(ValueError, match=r"\['bogus'\].*ROW_SCHEMA"):
+        runs_table(rows, per_run.assign(bogus=1), run_of_row)
+    with pytest.raises(ValueError, match=r"\['mode'\] are given both"):
+        runs_table(rows, per_run.assign(mode="x"), run_of_row)
+    with pytest.raises(ValueError, match=r"outside \[0, 3\): 0\.\.3"):
+        runs_table(rows, per_run, np.array([0, 0, 1, 3, 1]))
+    with pytest.raises(ValueError, match="5 integer positions"):
+        runs_table(rows, per_run, np.zeros(5))
+    with pytest.raises(ValueError, match="ROW_SCHEMA's schema"):
+        write_rows_atomic(pa.table({"x": [1]}), tmp_path / "c.parquet")
 
 
 def test_table2_rows_carry_the_solve():

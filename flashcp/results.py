@@ -313,12 +313,7 @@ def conform_rows(df):
     """
     import pandas as pd
 
-    unknown = [c for c in df.columns if c not in ROW_SCHEMA]
-    if unknown:
-        raise ValueError(
-            f"row columns {unknown} are not in flashcp.results.ROW_SCHEMA (add them there, with "
-            "their type, so every row file keeps one schema)"
-        )
+    _check_known(df.columns)
     cols = {}
     for col, kind in ROW_SCHEMA.items():
         if col not in df:
@@ -334,6 +329,16 @@ def arrow_row_schema():
 
     types = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "text": pa.string()}
     return pa.schema([pa.field(c, types[kind]) for c, kind in ROW_SCHEMA.items()])
+
+
+def _check_known(columns) -> None:
+    """Raise ValueError naming the ``columns`` :data:`ROW_SCHEMA` does not name."""
+    unknown = [c for c in columns if c not in ROW_SCHEMA]
+    if unknown:
+        raise ValueError(
+            f"row columns {unknown} are not in flashcp.results.ROW_SCHEMA (add them there, with "
+            "their type, so every row file keeps one schema)"
+        )
 
 
 def _conformed(s, col: str, kind: str):
@@ -386,12 +391,7 @@ def runs_table(rows, per_run, run_of_row):
     import numpy as np
     import pyarrow as pa
 
-    unknown = [c for c in (*rows.columns, *per_run.columns) if c not in ROW_SCHEMA]
-    if unknown:
-        raise ValueError(
-            f"row columns {unknown} are not in flashcp.results.ROW_SCHEMA (add them there, with "
-            "their type, so every row file keeps one schema)"
-        )
+    _check_known((*rows.columns, *per_run.columns))
     both = sorted(set(rows.columns) & set(per_run.columns))
     if both:
         raise ValueError(f"columns {both} are given both per row and per run")
@@ -446,18 +446,15 @@ def write_rows_atomic(df, path) -> None:
     if isinstance(df, pa.Table):
         if df.schema != arrow_row_schema():
             raise ValueError(f"{path}: a row table must have flashcp.results.ROW_SCHEMA's schema")
-        if path.suffix == ".csv":
-            df = df.to_pandas()
-        table = df
+        table, rows = df, None
     else:
-        df = conform_rows(df)
-        table = None
+        table, rows = None, conform_rows(df)
     if path.suffix == ".csv":
-        write_csv_atomic(df, path)
+        write_csv_atomic(table.to_pandas() if rows is None else rows, path)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     if table is None:
-        table = pa.Table.from_pandas(df, schema=arrow_row_schema(), preserve_index=False)
+        table = pa.Table.from_pandas(rows, schema=arrow_row_schema(), preserve_index=False)
     pq.write_table(table, tmp)
     os.replace(tmp, path)

@@ -1,4 +1,5 @@
-"""No import circle in the project's packages (flashcp, baselines, experiments).
+"""No import circle in the project's packages (flashcp, baselines, experiments), and no
+``from m import name`` of a project module m that lacks the name.
 
 The graph is static: every module is parsed (never imported) and every ``import x`` /
 ``from x import y`` in it is an edge, relative imports resolved against the module's package.
@@ -9,6 +10,10 @@ deferred ones. An edge goes to the deepest module the statement names (``from a.
 an edge to ``a.b.c`` when that is a module, else to ``a.b``); the packages above it are not
 edges, since Python runs their ``__init__`` whatever the importer. Imports of names outside the
 three packages, and imports by string (``importlib.import_module``), are not edges.
+
+A deferred ``from m import name`` runs only when its function does: one naming what m does not
+have (moved or renamed since) passes every test that does not call it and fails the first user
+who does. :func:`unresolved_from_imports` reads every such statement and m's top-level names.
 """
 
 from __future__ import annotations
@@ -52,6 +57,16 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
+def _from_base(node: ast.ImportFrom, package: str) -> str:
+    """The dotted module a ``from ... import`` statement in ``package`` imports from (relative
+    levels resolved)."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    parts = parts[: len(parts) - (node.level - 1)]
+    return ".".join(p for p in [*parts, node.module or ""] if p)
+
+
 def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The modules of ``modules`` that ``module`` (its source at ``path``) imports anywhere in
     its body, functions and conditionals included (see the module docstring)."""
@@ -62,12 +77,7 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base_parts = package.split(".")
-                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
-                base = ".".join(p for p in [*base_parts, node.module or ""] if p)
-            else:
-                base = node.module or ""
+            base = _from_base(node, package)
             # ``from a import b``: b may be a submodule (an edge to it) or a name in a
             names = [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"] or [base]
         else:
@@ -77,6 +87,70 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
             if target is not None and target != module:
                 found.add(target)
     return found
+
+
+def top_level_names(path: Path) -> set[str] | None:
+    """The names a module binds at its top level (definitions, assignments, imports, also inside
+    top-level ``if`` / ``try`` / ``with`` blocks), or None when it can bind names the parse does
+    not show (a ``from x import *`` or a module ``__getattr__``)."""
+    names: set[str] = set()
+    todo = list(ast.parse(path.read_text(), filename=str(path)).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if node.name == "__getattr__":
+                return None
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                names.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign | ast.For):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.If | ast.Try | ast.With):
+            todo += node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", [])
+            todo += [s for h in getattr(node, "handlers", []) for s in h.body]
+    return names
+
+
+def unresolved_from_imports(root: Path = REPO, packages: Iterable[str] = PACKAGES) -> list[str]:
+    """Every ``from m import name`` of a project module m, anywhere in the packages (functions
+    included), where ``name`` is neither a submodule of m nor bound at m's top level: an
+    ImportError waiting for the one call that runs it. ``file:line: from m import name`` each."""
+    modules = module_files(root, packages)
+    bound = {m: top_level_names(p) for m, p in modules.items()}
+    out = []
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = _from_base(node, package)
+            if base not in modules or bound[base] is None:
+                continue
+            for alias in node.names:
+                if f"{base}.{alias.name}" not in modules and alias.name not in bound[base]:
+                    rel = path.relative_to(root)
+                    out.append(f"{rel}:{node.lineno}: from {base} import {alias.name}")
+    return out
+
+
+def test_every_from_import_of_a_project_module_names_something_it_has():
+    missing = unresolved_from_imports()
+    assert not missing, "names their modules do not have:\n" + "\n".join(missing)
+
+
+def test_the_name_check_finds_a_deferred_import_of_a_missing_name(tmp_path):
+    _write(tmp_path, {
+        "p/__init__.py": "",
+        "p/a.py": "X = 1\nif True:\n    Y = 2\ndef f():\n    pass\n",
+        "p/b.py": "from p.a import X, Y, f\ndef g():\n    from p.a import Z\n    from . import a\n",
+        "p/c.py": "def __getattr__(name):\n    return name\n",
+        "p/d.py": "from p.c import anything\n",
+    })  # fmt: skip
+    assert unresolved_from_imports(tmp_path, ["p"]) == ["p/b.py:3: from p.a import Z"]
 
 
 def import_graph(root: Path = REPO, packages: Iterable[str] = PACKAGES) -> dict[str, set[str]]:

@@ -234,7 +234,7 @@ def bench_wlb_cp8(
     rounding and neighbourhood search, one thread). Per sequence and ``lns_max_size``: proven
     within ``gap`` (status ``ok``), the gap at the limit, the solve's time (the time to the proof
     when proven), nodes, simplex iterations and the load average before and after."""
-    from flashcp.config import DEFAULT_HIGHS_OPTIONS
+    from experiments.table2 import DEFAULT_HIGHS_OPTIONS
     from flashcp.data import sample_dataset
 
     rows = []

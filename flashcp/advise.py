@@ -287,6 +287,11 @@ def advise(
     hw = load_hardware(hardware)
     explicit = methods is not None
     if explicit:
+        if isinstance(methods, str):
+            raise ValueError(
+                f"methods must be a sequence of method names (e.g. {methods.split(',')}), got the "
+                f"string {methods!r}"
+            )
         for m in methods:
             get_method(m)  # ValueError naming the known methods
         wanted = [m for m in method_names() if m == "llama3" or m in set(methods)]

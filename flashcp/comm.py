@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
+import numpy as np
+
 from flashcp.plan import Plan, kv_bytes
 
 __all__ = [
@@ -66,6 +68,12 @@ class AttnShape:
         num_kv_heads: KV heads (GQA), divides ``num_heads``.
         head_dim: D.
         dtype: element type of Q, K, V and of communicated buffers (a key of ``DTYPE_BYTES``).
+
+    The three sizes take Python or NumPy integers and are kept as Python ints.
+
+    Raises:
+        ValueError: a size that is not a positive integer, ``num_kv_heads`` not dividing
+            ``num_heads``, or an unknown dtype.
     """
 
     num_heads: int = 32
@@ -76,8 +84,9 @@ class AttnShape:
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            object.__setattr__(self, name, int(v))  # a NumPy integer kept as a Python int
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads = {self.num_heads} is not a multiple of num_kv_heads = {self.num_kv_heads}"

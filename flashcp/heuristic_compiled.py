@@ -406,8 +406,10 @@ def algorithm1(lens, n, tpr, target):
 @njit(cache=True)
 def flashcp_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate, target):
     """:func:`flashcp.heuristic.plan_flashcp` of documents all of length >= 1 in one call: the
-    checks of :func:`flashcp.plan.planner_entry`, :func:`algorithm1` and
-    :func:`flashcp.plan_kernels.finish_plan`.
+    checks of :func:`flashcp.plan.planner_entry` (:func:`flashcp.plan_kernels._entry`: more than
+    ``EXACT_TOKENS`` tokens go the general path), :func:`algorithm1` and
+    :func:`flashcp.plan_kernels.finish_plan`. numba caches this function with the ``_entry`` it
+    was compiled with, so a change there comes with a change to this file.
 
     Args:
         doc_lens: (n_docs,) int64. cp_size: N >= 1. num_pad: pad tokens >= 0.

@@ -49,6 +49,7 @@ from flashcp import compiled
 from flashcp.kinds import CommKind
 
 __all__ = [
+    "MAX_TOKENS",
     "Plan",
     "Shard",
     "buffer_plan",
@@ -82,6 +83,11 @@ class Shard(NamedTuple):
     def workload(self) -> int:
         """Query-key pairs per head, Eq. 3: (2p + s + 1) s / 2 (:func:`shard_workload`)."""
         return shard_workload(self.start, self.length)
+
+
+#: the most tokens a packed sequence may hold (documents and pad): Eq. 3 workloads, up to
+#: C (C + 1) / 2 per rank, then stay below 2**62 and fit the int64 arrays they are kept in
+MAX_TOKENS = 2**31
 
 
 def shard_workload(start, length):
@@ -142,8 +148,9 @@ def check_doc_lens(doc_lens: Any, context_len: int | None = None) -> np.ndarray:
     (:func:`planner_entry`).
 
     Raises:
-        ValueError: non-integer values, a negative length, or (when ``context_len`` is given)
-            lengths that do not sum to ``context_len``. The message names the bad value.
+        ValueError: non-integer values, a negative length, more than :data:`MAX_TOKENS` tokens
+            in all, or (when ``context_len`` is given) lengths that do not sum to
+            ``context_len``. The message names the bad value.
     """
     if type(doc_lens) is np.ndarray and doc_lens.dtype == np.int64 and doc_lens.ndim == 1:
         arr = doc_lens.copy()  # the common case: nothing to convert
@@ -161,14 +168,30 @@ def check_doc_lens(doc_lens: Any, context_len: int | None = None) -> np.ndarray:
             bad = arr[~np.isfinite(arr) | (arr != np.round(arr))]
             if bad.size:
                 raise ValueError(f"doc_lens must be integers, got {bad[0]!r}")
+        elif arr.dtype.kind == "O" and all(isinstance(v, int | np.integer) for v in arr.flat):
+            big = max(arr.flat, key=abs)  # Python ints beyond int64
+            raise ValueError(
+                f"doc_lens must be integers in [0, MAX_TOKENS = 2**31], got {int(big)}"
+            )
         elif arr.dtype.kind not in "iu":
             raise ValueError(
                 f"doc_lens must be integers, got dtype {arr.dtype} (e.g. {arr.flat[0]!r})"
+            )
+        if arr.size and (arr.max() > MAX_TOKENS or arr.min() < -MAX_TOKENS):
+            i = int(np.argmax((arr > MAX_TOKENS) | (arr < -MAX_TOKENS)))
+            raise ValueError(
+                f"doc_lens must be integers in [0, MAX_TOKENS = 2**31], got doc_lens[{i}] = "
+                f"{arr[i].item()!r}"
             )
         arr = arr.astype(np.int64)
     if arr.size and arr.min() < 0:
         i = int(np.argmax(arr < 0))
         raise ValueError(f"doc_lens must be >= 0, got doc_lens[{i}] = {int(arr[i])}")
+    if arr.size and (arr.max() > MAX_TOKENS or int(arr.sum()) > MAX_TOKENS):
+        raise ValueError(
+            f"doc_lens hold {int(arr.astype(object).sum())} tokens (longest {int(arr.max())}); a "
+            f"packed sequence holds at most MAX_TOKENS = 2**31 = {MAX_TOKENS}"
+        )
     if context_len is not None and int(arr.sum()) != int(context_len):
         raise ValueError(
             f"doc_lens sum to {int(arr.sum())} but context_len = {context_len}; "
@@ -811,7 +834,8 @@ def fused_args(
 ) -> bool:
     """Whether a fused kernel takes these planner arguments as they are: ``doc_lens`` a 1-D
     C-contiguous int64 ndarray, ``cp_size`` and ``num_pad`` Python ints in range (>= 1 and below
-    2^31, >= 0 and below 2^62), ``pad_to_multiple`` and ``validate`` Python bools (anything else
+    2^31, >= 0 and below 2^30: with the kernels' at most 2^26 document tokens, within
+    :data:`MAX_TOKENS`), ``pad_to_multiple`` and ``validate`` Python bools (anything else
     takes the general path, which converts it or raises the error naming it)."""
     return (
         _int64_arrays(doc_lens)
@@ -820,7 +844,7 @@ def fused_args(
         and type(pad_to_multiple) is bool
         and type(validate) is bool
         and 1 <= cp_size < 1 << 31
-        and 0 <= num_pad < 1 << 62
+        and 0 <= num_pad < 1 << 30
     )
 
 
@@ -1073,8 +1097,15 @@ def planner_entry(
             d = check_doc_lens(doc_lens)
             num_pad = _check_pad_args(num_pad, pad_to_multiple)
             check_cp_args(0, cp_size)  # cp_size itself
+            cp_size = int(cp_size)  # a NumPy integer (np.uint8 too) as a Python int from here on
             if pad_to_multiple:
                 num_pad += -(int(d.sum()) + num_pad) % (chunks_per_rank * int(cp_size))
+            if int(d.sum()) + num_pad > MAX_TOKENS:
+                raise ValueError(
+                    f"{int(d.sum())} document tokens and num_pad = {num_pad} make "
+                    f"{int(d.sum()) + num_pad} tokens; a packed sequence holds at most "
+                    f"MAX_TOKENS = 2**31 = {MAX_TOKENS}"
+                )
             check_cp_args(int(d.sum()) + num_pad, cp_size, chunks_per_rank)
             if d.size and d.all():  # no zero-length document: nothing to restore
                 if native_pad:

@@ -334,19 +334,27 @@ EXACT_TOKENS = 1 << 26
 @njit(cache=True)
 def _entry(doc_lens, cp_size, num_pad, pad_to_multiple, chunks_per_rank):
     """:func:`flashcp.plan.planner_entry`'s checks for the fused path: ``(status, num_pad)``,
-    status 1 (no document, or one of length <= 0) or 2 (the total, pad included, not divisible by
-    ``chunks_per_rank * cp_size``), else 0 and ``num_pad`` after ``pad_to_multiple``."""
+    status 1 (no document, or one of length <= 0), 2 (the total, pad included, not divisible by
+    ``chunks_per_rank * cp_size``) or 5 (more than :data:`EXACT_TOKENS` tokens, checked document
+    by document so that no sum wraps round int64), else 0 and ``num_pad`` after
+    ``pad_to_multiple``."""
     if doc_lens.size == 0:
         return 1, num_pad
     real = 0
     for i in range(doc_lens.size):
         if doc_lens[i] <= 0:
             return 1, num_pad
-        real += doc_lens[i]
+        if doc_lens[i] > EXACT_TOKENS:
+            return 5, num_pad
+        real += doc_lens[i]  # at most 2 * EXACT_TOKENS here
+        if real > EXACT_TOKENS:
+            return 5, num_pad
     k = chunks_per_rank * cp_size
     if pad_to_multiple:
         num_pad += (k - (real + num_pad) % k) % k
     total = real + num_pad
+    if total > EXACT_TOKENS:
+        return 5, num_pad
     if total % cp_size or total % k:
         return 2, num_pad
     return 0, num_pad

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from flashcp.plan import MAX_TOKENS
 from flashcp.resources import resource_path
 
 __all__ = ["LENGTH_FILE_FORMATS", "default_data_dir", "read_lengths_file", "read_table"]
@@ -90,8 +91,10 @@ def _parse_length(text, where: str) -> int:
         if not math.isfinite(f) or f != round(f):
             raise ValueError(f"{where}: document length {s!r} is not an integer") from None
         v = int(f)
-    if v < 0:
-        raise ValueError(f"{where}: document length must be >= 0, got {s!r}")
+    if not 0 <= v <= MAX_TOKENS:
+        raise ValueError(
+            f"{where}: document length must be in [0, MAX_TOKENS = 2**31 = {MAX_TOKENS}], got {s!r}"
+        )
     return v
 
 
@@ -108,12 +111,16 @@ def _check_array(arr: np.ndarray, p: Path) -> np.ndarray:
         raise ValueError(
             f"length file {p}: document lengths must be integers, got dtype {arr.dtype}"
         )
-    bad = (
-        ~np.isfinite(arr) | (arr != np.round(arr)) | (arr < 0) if arr.dtype.kind == "f" else arr < 0
-    )
+    with np.errstate(invalid="ignore"):
+        bad = (arr < 0) | (arr > MAX_TOKENS)
+        if arr.dtype.kind == "f":
+            bad |= ~np.isfinite(arr) | (arr != np.round(arr))
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"length file {p}: entry {i} = {arr[i]!r} is not an integer >= 0")
+        raise ValueError(
+            f"length file {p}: entry {i} = {arr[i].item()!r} is not an integer in "
+            f"[0, MAX_TOKENS = 2**31 = {MAX_TOKENS}]"
+        )
     return arr.astype(np.int64)
 
 
@@ -155,7 +162,8 @@ def _read_frame(p: Path, suffix: str) -> np.ndarray:
         i = int(np.argmax(values.isna().to_numpy()))
         raise ValueError(f"length file {p}: column {col!r} has no value in row {i}")
     kind = np.dtype(getattr(values.dtype, "numpy_dtype", values.dtype)).kind
-    return _check_array(values.to_numpy(dtype=np.float64 if kind == "f" else np.int64), p)
+    dtype = {"f": np.float64, "u": np.uint64}.get(kind, np.int64)  # no value wraps round
+    return _check_array(values.to_numpy(dtype=dtype), p)
 
 
 def _read_text(p: Path) -> np.ndarray:
@@ -219,7 +227,8 @@ def read_lengths_file(path: str | Path) -> np.ndarray:
         drops them).
     Raises:
         ValueError: the file is missing or unreadable, holds no lengths, or holds a value that is not
-            an integer or is < 0; the message names the file, the line (or row) and the value.
+            an integer in ``[0, MAX_TOKENS]`` (:data:`flashcp.plan.MAX_TOKENS`); the message names
+            the file, the line (or row) and the value.
     """
     p = Path(path)
     if not p.is_file():

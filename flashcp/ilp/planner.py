@@ -6,8 +6,10 @@ The formulations and what they optimise are documented in :mod:`flashcp.ilp`.
 from __future__ import annotations
 
 import inspect
+import os
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -81,8 +83,8 @@ def _heuristic(
 
 def check_ilp_options(**options: Any) -> tuple[bool, dict[str, Any]]:
     """Check the option values of :func:`plan_ilp` without solving anything (the harness runs it
-    before any work, where the ILP is too slow for a trial plan). Options not named here are
-    checked by type only.
+    before any work, where the ILP is too slow for a trial plan): every option's type and range,
+    ``solver_path`` an executable (CBC only), ``lns=True`` only with a warm start.
 
     Args:
         options: keyword options of :func:`plan_ilp`; those not given take its defaults (read
@@ -108,6 +110,22 @@ def check_ilp_options(**options: Any) -> tuple[bool, dict[str, Any]]:
     formulation, comm_weight, max_imbalance = o["formulation"], o["comm_weight"], o["max_imbalance"]
     warm_start, highs_options, on_failure = o["warm_start"], o["highs_options"], o["on_failure"]
     watchdog_grace_s, lns, lns_max_size = o["watchdog_grace_s"], o["lns"], o["lns_max_size"]
+    threads, solver_path = o["threads"], o["solver_path"]
+    for name in ("validate", "lp_rounding"):
+        if not isinstance(o[name], bool | np.bool_):
+            raise ValueError(f"{name} must be True or False, got {o[name]!r}")
+    if lns is not None and not isinstance(lns, bool | np.bool_):
+        raise ValueError(f"lns must be True, False or None, got {lns!r}")
+    if lns and warm_start is None:
+        raise ValueError("lns=True improves the warm start's plan: it needs warm_start, got None")
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int | np.integer) or threads < 1
+    ):
+        raise ValueError(f"threads must be an integer >= 1 or None, got {threads!r}")
+    if not o["heuristic_target_imbalance"] >= 1.0:
+        raise ValueError(
+            f"heuristic_target_imbalance must be >= 1, got {o['heuristic_target_imbalance']!r}"
+        )
     if solver not in _SOLVERS:
         raise ValueError(f"solver must be one of {_SOLVERS}, got {solver!r}")
     if formulation not in FORMULATIONS:
@@ -122,8 +140,15 @@ def check_ilp_options(**options: Any) -> tuple[bool, dict[str, Any]]:
         raise ValueError(f"max_imbalance must be >= 1 or None, got {max_imbalance!r}")
     if time_limit_s is not None and not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be > 0 or None, got {time_limit_s!r}")
-    if gap is not None and not gap >= 0:
-        raise ValueError(f"gap must be >= 0 or None, got {gap!r}")
+    if gap is not None and not 0 <= gap < 1:
+        raise ValueError(f"gap (relative) must be in [0, 1) or None, got {gap!r}")
+    if solver_path is not None:
+        if solver != "cbc":
+            raise ValueError(
+                f"solver_path is a CBC executable: it needs solver='cbc', got {solver!r}"
+            )
+        if not (os.path.isfile(solver_path) and os.access(solver_path, os.X_OK)):
+            raise ValueError(f"solver_path must be an executable file, got {solver_path!r}")
     if not watchdog_grace_s >= 0:
         raise ValueError(f"watchdog_grace_s must be >= 0, got {watchdog_grace_s!r}")
     if solver == "highs":
@@ -145,6 +170,10 @@ def check_ilp_options(**options: Any) -> tuple[bool, dict[str, Any]]:
         or block_size < 1
     ):
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if highs_options is not None and not isinstance(highs_options, Mapping):
+        raise ValueError(
+            f"highs_options must be a mapping of HiGHS option names to values, got {highs_options!r}"
+        )
     highs_options = dict(highs_options or {})
     if highs_options:
         if solver != "highs":
@@ -263,7 +292,9 @@ def plan_ilp(
         block_size=block_size, time_limit_s=time_limit_s, gap=gap, solver=solver,
         formulation=formulation, comm_weight=comm_weight, max_imbalance=max_imbalance,
         warm_start=warm_start, highs_options=highs_options, on_failure=on_failure,
-        watchdog_grace_s=watchdog_grace_s, lns=lns, lns_max_size=lns_max_size,
+        watchdog_grace_s=watchdog_grace_s, lns=lns, lns_max_size=lns_max_size, threads=threads,
+        solver_path=solver_path, validate=validate, lp_rounding=lp_rounding,
+        heuristic_target_imbalance=heuristic_target_imbalance,
     )  # fmt: skip
     target = float(max_imbalance) if max_imbalance is not None else heuristic_target_imbalance
 
@@ -285,7 +316,7 @@ def plan_ilp(
         "solver_path": solver_path,
         "time_limit_s": time_limit_s,
         "gap": gap,
-        "threads": threads,
+        "threads": None if threads is None else int(threads),
         "highs_options": highs_options,
         "lp_rounding": bool(lp_rounding) and seed is not None,
         "lns": bool(lns) and seed is not None,
@@ -315,7 +346,7 @@ def plan_ilp(
         "max_imbalance": max_imbalance,
         "warm_start": warm_start,
         "highs_options": highs_options,
-        "threads": threads,
+        "threads": None if threads is None else int(threads),
         "seed_method": None if seed is None else seed.method,
         "seed_objective": None if seed is None else plan_objective(seed, comm_weight),
         "warm_start_given": bool(res.get("warm_start_given")),

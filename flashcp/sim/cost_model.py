@@ -1347,6 +1347,23 @@ def _allgather_phases_compiled(
     return out
 
 
+def _check_sim_args(plans: Sequence, shapes: Sequence, modes: Sequence) -> None:
+    """Raise ValueError naming the argument when ``plans`` are not :class:`Plan` objects,
+    ``shapes`` not a sequence of :class:`AttnShape`, or ``modes`` not a sequence of known modes
+    (a single string or shape where a sequence belongs would be read element by element)."""
+    for name, seq in (("shapes", shapes), ("modes", modes)):
+        if isinstance(seq, str | AttnShape):
+            raise ValueError(f"{name} must be a sequence (e.g. [{seq!r}]), got {seq!r}")
+    for plan in plans:
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plans must be flashcp.plan.Plan objects, got {type(plan).__name__}")
+    for shape in shapes:
+        if not isinstance(shape, AttnShape):
+            raise ValueError(f"shapes must be flashcp.comm.AttnShape objects, got {shape!r}")
+    for m in modes:
+        check_mode(m)
+
+
 def simulate(
     plan: Plan,
     shape: AttnShape,
@@ -1370,10 +1387,10 @@ def simulate(
         Every column of ``PHASE_COLUMNS`` (ms, floats; ``total_ms`` is their sum) and of
         ``COMM_COLUMNS`` (bytes one rank receives, ints, from :func:`flashcp.comm.comm_volume`).
     Raises:
-        ValueError: unknown mode, comm_kind, impl or hardware profile, or an impl that does not
-            run the plan's method.
+        ValueError: unknown mode, comm_kind, impl or hardware profile, an impl that does not
+            run the plan's method, or a plan or shape of another type.
     """
-    check_mode(mode)
+    _check_sim_args([plan], [shape], [mode])
     kind = _check_comm_kind(plan, comm_kind)
     return PlanCost(plan, load_hardware(hw), kind, impl).step(shape, mode)
 
@@ -1394,8 +1411,7 @@ def simulate_many(
     Raises:
         ValueError: as :func:`simulate`.
     """
-    for m in modes:
-        check_mode(m)
+    _check_sim_args([plan], shapes, modes)
     cost = PlanCost(plan, load_hardware(hw), _check_comm_kind(plan, comm_kind), impl)
     return [cost.step(s, m) for s in shapes for m in modes]
 
@@ -1829,10 +1845,9 @@ def price_plans(
         ValueError: as :func:`simulate` (unknown mode, comm_kind, impl or profile, an impl that does
             not run a plan's method, heads a plan's Ulysses degree does not allow).
     """
-    for m in modes:
-        check_mode(m)
     batch = plans if isinstance(plans, PlanBatch) else None
     plans = batch.plans if batch is not None else plans
+    _check_sim_args(plans, shapes, modes)
     hws = _as_profiles(hardware)
     dims = (len(hws), len(shapes), len(modes), len(plans))
     out = {c: np.zeros(dims) for c in PHASE_COLUMNS}

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from flashcp.comm import AttnShape
-from flashcp.sim.hardware import HardwareProfile
+from flashcp.sim.hardware import HardwareProfile, load_hardware
 
 __all__ = [
     "TileStats",
@@ -173,6 +173,19 @@ def bwd_extra_us(q_rows, kv_rows, shape: AttnShape, hw: HardwareProfile):
     return np.where(np.asarray(q_rows) > 0, launches * hw.launch_us + hw.copy_us(nbytes), 0.0)
 
 
+def _int_lengths(lens: Any, name: str) -> np.ndarray:
+    """``lens`` as an int64 array of at least one dimension; ValueError naming ``name`` when a
+    value is not an integer (integral floats are taken)."""
+    a = np.atleast_1d(np.asarray(lens))
+    if a.dtype.kind == "f":
+        bad = ~np.isfinite(a) | (a != np.round(a))
+        if bad.any():
+            raise ValueError(f"{name} must be integers, got {a[bad][0]!r}")
+    elif a.dtype.kind not in "iu" and a.size:
+        raise ValueError(f"{name} must be integers, got dtype {a.dtype} (e.g. {a.flat[0]!r})")
+    return a.astype(np.int64)
+
+
 def attention_kernel_ms(
     q_lens, kv_lens, causal, shape: AttnShape, hw: HardwareProfile, backward: bool
 ) -> float:
@@ -184,17 +197,18 @@ def attention_kernel_ms(
         causal: bool or (n,) bool; causal segments are aligned bottom-right and need
             ``kv_len >= q_len``.
         shape: heads, head_dim and dtype (GQA: compute is per query head).
-        hw: hardware profile.
+        hw: hardware profile (or a profile name / dict for :func:`load_hardware`).
         backward: the backward call (main kernel + pre/post kernels) instead of the forward;
             a training step costs the sum of both.
     Returns:
         Milliseconds (0.0 for no segment).
     Raises:
-        ValueError: lengths of different shapes, negative lengths, or a causal segment with
-            ``kv_len < q_len``.
+        ValueError: lengths that are not integers (a float with a fraction, a string), of
+            different shapes or negative, a causal segment with ``kv_len < q_len``, or an unknown
+            hardware profile.
     """
-    q = np.atleast_1d(np.asarray(q_lens, dtype=np.int64))
-    k = np.atleast_1d(np.asarray(kv_lens, dtype=np.int64))
+    q, k = _int_lengths(q_lens, "q_lens"), _int_lengths(kv_lens, "kv_lens")
+    hw = load_hardware(hw)
     if q.shape != k.shape or q.ndim != 1:
         raise ValueError(
             f"q_lens and kv_lens must be 1-D of equal length, got {q.shape} and {k.shape}"

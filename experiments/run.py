@@ -703,13 +703,25 @@ register_configs()
 register_value_check(PROG, _checked_runs)
 
 
+def _to_log_files(message: str, exc: BaseException) -> None:
+    """Write ``message`` with ``exc``'s traceback to the file handlers of the root logger only
+    (the job's log file under Hydra), not to the console."""
+    record = log.makeRecord(
+        log.name, logging.ERROR, __file__, 0, message, (), (type(exc), exc, exc.__traceback__)
+    )
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> dict[str, Any]:
     """Console entry point ``flashcp-run`` (Hydra parses the command line).
 
     Returns (to :class:`experiments.common.callbacks.AggregateResults`) ``{"rows": path or None,
     "error": message or None, "exit_code": 0 | 1 | 2}``. A failing job writes error rows and its
-    traceback to its log (a bad configuration value: one line, exit code 2) and returns, so a sweep
+    traceback to its log (a ``ValueError``, a bad value: one line on the console, exit code 2;
+    any other exception: its traceback on the console too, exit code 1) and returns, so a sweep
     goes on; the callback prints one line and sets the exit code. Under ``executor=dist`` a failure
     ends the process at once (the process group cannot be reused).
     """
@@ -717,16 +729,20 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         out = run(cfg)
         return {"rows": str(out) if out is not None else None, "error": None, "exit_code": 0}
     except Exception as exc:
+        key = cfg.get("run_key", "run")
         if isinstance(exc, ConfigError):
-            log.error("%s: bad configuration: %s", cfg.get("run_key", "run"), exc)
+            log.error("%s: bad configuration: %s", key, exc)
+        elif isinstance(exc, ValueError):  # a bad value found by the work: one line here
+            log.error("%s failed: %s (the traceback is in the run's log file)", key, exc)
+            _to_log_files(f"{key} failed", exc)
         else:
-            log.exception("%s failed", cfg.get("run_key", "run"))
+            log.exception("%s failed", key)
         out = write_error_rows(cfg, exc)
         code = 2 if isinstance(exc, ValueError) else 1
         if cfg.executor.name == "dist" and "torch.distributed" in sys.modules:
             print(f"flashcp-run: error: {type(exc).__name__}: {exc}", file=sys.stderr)
             raise SystemExit(code) from None
-        msg = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+        msg = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         return {"rows": str(out) if out is not None else None, "error": msg, "exit_code": code}
 
 

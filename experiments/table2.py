@@ -129,6 +129,8 @@ def check_table2_config(cfg: Any) -> None:
     at_least(cfg, "target_imbalance", 1.0)
     at_least(cfg, "time_limit_s", 0.0, strict=True)
     at_least(cfg, "gap", 0.0)
+    if cfg.get("gap") is not None and not cfg.gap < 1:
+        raise ValueError(f"gap (relative) must be < 1, got {cfg.gap}")
     highs = cfg.get("highs_options")
     if highs and cfg.get("solver") != "highs" and dict(highs) != DEFAULT_HIGHS_OPTIONS:
         raise ValueError(

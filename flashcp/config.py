@@ -360,10 +360,33 @@ def check_config(cfg: Any) -> None:
     get_method(cfg.method.name)  # ValueError naming the known methods
     if cfg.cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cfg.cp_size}")
+    from flashcp.plan import MAX_TOKENS
+
+    if cfg.context_len > MAX_TOKENS:
+        raise ValueError(
+            f"context_len = {cfg.context_len} is above MAX_TOKENS = 2**31 = {MAX_TOKENS}, the most "
+            "tokens a packed sequence holds"
+        )
+    if cfg.seed < 0:
+        raise ValueError(f"seed must be >= 0, got {cfg.seed}")
     if cfg.context_len < 1 or cfg.context_len % cfg.cp_size:
         raise ValueError(
             f"context_len = {cfg.context_len} must be a positive multiple of cp_size = {cfg.cp_size}"
         )
+    if cfg.executor.name in ("dist", "emulate"):
+        from flashcp.ops.backends import BACKENDS
+
+        ex = cfg.executor
+        if ex.backend not in BACKENDS:
+            raise ValueError(
+                f"unknown attention backend executor.backend={ex.backend!r}; choose one of "
+                f"{', '.join(BACKENDS)}"
+            )
+        if ex.warmup < 0 or ex.iters < 1 or not ex.timeout_s > 0:
+            raise ValueError(
+                "executor.warmup must be >= 0, executor.iters >= 1 and executor.timeout_s > 0; got "
+                f"warmup={ex.warmup}, iters={ex.iters}, timeout_s={ex.timeout_s}"
+            )
     if cfg.executor.name == "emulate":
         ranks = cfg.executor.get("ranks")
         if ranks is not None and (not ranks or len(set(ranks)) != len(ranks)):

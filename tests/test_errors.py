@@ -86,6 +86,12 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
         (["method=ilp", "method.options.block_size=-3"], "block_size must be an integer >= 1, got -3"),
         (["method=ilp", "method.options.solver=glpk"], "solver must be one of ('cbc', 'highs'), got 'glpk'"),
         (["grid.method=[flashcp,flashcp_refined]", "method.options.target_imbalance=0.5"], "target_imbalance must be a number >= 1, got 0.5"),
+        (["method=ilp", "method.options.threads=-1"], "threads must be an integer >= 1 or None, got -1"),
+        (["executor=emulate", "executor.backend=nope"], "unknown attention backend executor.backend='nope'"),
+        (["executor=emulate", "executor.iters=0"], "executor.iters >= 1"),
+        (["context_len=4294967296"], "context_len = 4294967296 is above MAX_TOKENS = 2**31"),
+        (["seed=-1"], "seed must be >= 0, got -1"),
+        (["plots=[fig5,nope]"], "unknown figure 'nope'; choose from fig5, fig6, fig7, fig3, fig5_peers"),
         (
             ["-m", "hydra/launcher=submitit_local", "executor=dist", "cp_size=4"],
             "make nodes x tasks_per_node = cp_size",
@@ -123,6 +129,7 @@ def test_help_describes_every_group_and_the_main_fields(capsys, monkeypatch):
     [
         ("table2", ["table2.num_sequences=2"], "unknown key table2 (in table2.num_sequences=2); keys at the top level: name,"),
         ("table2", ["dataset=wlb"], "dataset=wlb: no such option; choose one of file, pile,"),
+        ("table2", ["highs_options.presolve=off"], "highs_options holds no key 'presolve' yet; add it with +highs_options.presolve=off"),
         ("table2", ["-m", "context_len=65536,131072"], "this sweep runs 2 jobs (over context_len) that would all write"),
         ("sensitivity", ["weightings=[bytes]"], "weightings[0] takes one of documents, tokens, got 'bytes'"),
         ("sensitivity", ["datasets=[pile,wlb]"], "datasets[1] takes one of wlb_llm, pile, redpajama, wlb_llm_synthetic, stress, file, got 'wlb'"),
@@ -147,6 +154,7 @@ def test_experiment_entry_mistake_is_one_line_exit_2(
     ("entry", "argv", "expected"),
     [
         ("table2", ["num_sequences=0"], "num_sequences must be >= 1, got 0"),
+        ("table2", ["gap=2"], "gap (relative) must be < 1, got 2"),
         ("table2", ["dataset.cap=4096"], "dataset.cap = 4096: this experiment samples dataset.name only"),
         ("sensitivity", ["methods=[zigzag]"], "must include llama3"),
         ("sensitivity", ["dataset=file"], "dataset=file needs dataset.path="),

@@ -194,6 +194,7 @@ def test_failing_jobs_are_rows_and_the_sweep_goes_on(tmp_path):
     # the failed job's traceback is in its own log
     logs = [p.read_text() for p in pinned.glob("runs/file-*/*.log")]
     assert len(logs) == 2 and all("Traceback" in t and "missing.csv" in t for t in logs)
+    assert "Traceback" not in proc.stderr  # the console gets one line per failed job
     # integer columns stay integers beside error rows (fault 6)
     schema = pq.read_schema(pinned / "rows.parquet")
     assert schema.field("cp_size").type == "int64" and schema.field("comm_bytes").type == "int64"

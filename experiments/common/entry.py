@@ -18,6 +18,9 @@ from typing import Any
 
 from omegaconf import MISSING
 
+#: the figures ``plots=[...]`` and ``python -m experiments.plot`` draw (:func:`experiments.plot.draw`)
+FIGURES = ("fig5", "fig6", "fig7", "fig3", "fig5_peers")
+
 __all__ = [
     "CONF_DIR",
     "ExperimentConfig",

@@ -94,6 +94,9 @@ def unknown_key_message(key: str, override: str, schema: Any) -> str:
     close = difflib.get_close_matches(leaf, fields, n=3, cutoff=0.6)
     where = f"in {key.rsplit('.', 1)[0]}" if "." in key else "at the top level"
     prefix = key[: len(key) - len(leaf)]
+    if not fields and "." in key and not override.startswith("+"):  # a free-form mapping
+        parent = key.rsplit(".", 1)[0]
+        return f"{override}: {parent} holds no key {leaf!r} yet; add it with +{override}"
     hint = (
         f"did you mean {' or '.join(prefix + c for c in close)}?"
         if close
@@ -338,7 +341,9 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
             "configuration of it"
         )
     if prog == PROG:
-        problem = grid_override_problem(config) or dataset_path_problem(config)
+        problem = (
+            grid_override_problem(config) or dataset_path_problem(config) or plots_problem(config)
+        )
         if problem is None and not multirun:
             problem = run_values_problem(config, prog)
         if problem is not None:
@@ -418,6 +423,17 @@ def grid_override_problem(config: Any) -> str | None:
             f"{ov.input_line}: the grid varies {key} over grid.{key}=[{listed}]{source}, which "
             f"would replace it; write grid.{key}=[{','.join(values)}] instead"
         )
+    return None
+
+
+def plots_problem(config: Any) -> str | None:
+    """A figure in ``plots`` that :func:`experiments.plot.draw` does not know: refused before
+    any job runs (drawing happens after the whole sweep)."""
+    from experiments.common.entry import FIGURES
+
+    unknown = [f for f in config.get("plots") or [] if f not in FIGURES]
+    if unknown:
+        return f"plots={list(config.plots)}: unknown figure {unknown[0]!r}; choose from {', '.join(FIGURES)}"
     return None
 
 

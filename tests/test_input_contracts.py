@@ -205,3 +205,19 @@ def test_ilp_takes_a_real_cbc_path_and_numpy_threads(tmp_path):
     not_exec.write_text("")
     with pytest.raises(ValueError, match="solver_path must be an executable file"):
         check_ilp_options(solver_path=str(not_exec))
+
+
+def test_a_directory_as_length_file_says_so(tmp_path):
+    with pytest.raises(ValueError, match="is a directory; give the file of lengths in it"):
+        read_lengths_file(tmp_path)
+
+
+def test_hardware_round_trips_through_asdict():
+    import dataclasses
+
+    from flashcp.sim.hardware import load_hardware
+
+    hw = load_hardware("h100_sxm")
+    assert load_hardware(dataclasses.asdict(hw)) == hw
+    with pytest.raises(ValueError, match="unknown hardware key 'peak_tflop'"):
+        load_hardware({**hw.to_dict(), "peak_tflop": 1.0})

@@ -231,6 +231,10 @@ def read_lengths_file(path: str | Path) -> np.ndarray:
             the file, the line (or row) and the value.
     """
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(
+            f"length file {str(path)!r} is a directory; give the file of lengths in it"
+        )
     if not p.is_file():
         raise ValueError(f"length file {str(path)!r} not found")
     suffix = p.suffix.lower()

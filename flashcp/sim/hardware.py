@@ -715,6 +715,8 @@ def load_hardware(
         mine = set(profile_changes(data)) | set(explicit)
         data.update({k: v for k, v in fitted.items() if k not in mine})
     known = {f.name for f in fields(HardwareProfile) if f.init}
+    for key in [f.name for f in fields(HardwareProfile) if not f.init]:
+        data.pop(key, None)  # derived state (e.g. from dataclasses.asdict): rebuilt from the rest
     for key in data:
         if key not in known:
             raise ValueError(

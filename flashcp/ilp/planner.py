@@ -296,6 +296,7 @@ def plan_ilp(
         solver_path=solver_path, validate=validate, lp_rounding=lp_rounding,
         heuristic_target_imbalance=heuristic_target_imbalance,
     )  # fmt: skip
+    threads = None if threads is None else int(threads)  # a NumPy integer as a Python int
     target = float(max_imbalance) if max_imbalance is not None else heuristic_target_imbalance
 
     t0 = time.perf_counter()
@@ -316,7 +317,7 @@ def plan_ilp(
         "solver_path": solver_path,
         "time_limit_s": time_limit_s,
         "gap": gap,
-        "threads": None if threads is None else int(threads),
+        "threads": threads,
         "highs_options": highs_options,
         "lp_rounding": bool(lp_rounding) and seed is not None,
         "lns": bool(lns) and seed is not None,
@@ -346,7 +347,7 @@ def plan_ilp(
         "max_imbalance": max_imbalance,
         "warm_start": warm_start,
         "highs_options": highs_options,
-        "threads": None if threads is None else int(threads),
+        "threads": threads,
         "seed_method": None if seed is None else seed.method,
         "seed_objective": None if seed is None else plan_objective(seed, comm_weight),
         "warm_start_given": bool(res.get("warm_start_given")),

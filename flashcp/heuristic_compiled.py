@@ -219,6 +219,8 @@ def _equalise(pdoc, pstart, plen, cnt, work, tokens, tpr, fewest_cuts, scratch, 
                 doc, p, s = pdoc[donor, pc], pstart[donor, pc], plen[donor, pc]
                 w_head = _workload(p, take)
                 cr = cnt[rec]
+                if cr >= pdoc.shape[1]:
+                    raise RuntimeError("flashcp: a rank's piece buffer is full (a bug)")
                 pdoc[rec, cr], pstart[rec, cr], plen[rec, cr] = doc, p, take
                 cnt[rec] = cr + 1
                 if take == s:
@@ -336,7 +338,11 @@ def algorithm1(lens, n, tpr, target):
         total += _workload(0, x)
     mean_work = total / n
     sizes_sorted, _ = per_doc_sizes(lens[order], n, 0)
-    cap = m + n * n + 1
+    # pieces a rank can hold: the whole documents plus at most 2N cuts per step 2b, since every
+    # cut completes a move of min(surplus, deficit) tokens, so it fills its receiver (once per
+    # rank: a full rank never receives again) or empties its donor's surplus (once per rank:
+    # the donor is then at C/N and never gives again); _equalise checks it
+    cap = m + 2 * n + 1
     # three buffer sets of pieces: the best plan so far and the two variants of step 2b
     pdoc = np.empty((3, n, cap), np.int64)
     pstart = np.empty((3, n, cap), np.int64)

@@ -131,6 +131,23 @@ def test_compiled_equals_reference_on_adversarial_inputs(fast_planner, ref_plann
         assert key(fast) == key(ref_planner(d, n, pad_to_multiple=True))
 
 
+def test_compiled_flashcp_at_large_cp_size():
+    """CP 128-1024: the compiled planner's piece buffers grow with the documents plus 2N (they
+    were N^2 per rank, 75 GB at CP 1024, a MemoryError), and it keeps the reference's plans;
+    few documents over many ranks cut the most."""
+    cases = [
+        (d, n)
+        for ds in DATASETS
+        for d in sample_sequences(load_distribution(ds, context_len=131072), 1, 131072, seed=9)
+        for n in (512, 1024)
+    ]
+    cases += [(np.array([40000, 30000, 20000]), 512), (np.full(200, 5), 128)]
+    for d, n in cases:
+        pad = -int(d.sum()) % n
+        fast = plan_flashcp(d, n, num_pad=pad)
+        assert key(fast) == key(plan_flashcp_reference(d, n, num_pad=pad)), (d.size, n)
+
+
 def plan_all(method: str, cases) -> list[tuple]:
     planner = get_planner(method)
     return [key(planner(d, n, num_pad=pad, pad_to_multiple=True)) for d, n, pad in cases]

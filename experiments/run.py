@@ -50,7 +50,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.common.callbacks import is_rank0, read_lock
-from experiments.common.entry import CONF_DIR
+from experiments.common.entry import CONF_DIR, log_job_error
 from experiments.common.launch import PROG, launch, register_value_check
 from experiments.common.overrides import (
     explicit_hardware_keys,
@@ -703,17 +703,6 @@ register_configs()
 register_value_check(PROG, _checked_runs)
 
 
-def _to_log_files(message: str, exc: BaseException) -> None:
-    """Write ``message`` with ``exc``'s traceback to the file handlers of the root logger only
-    (the job's log file under Hydra), not to the console."""
-    record = log.makeRecord(
-        log.name, logging.ERROR, __file__, 0, message, (), (type(exc), exc, exc.__traceback__)
-    )
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
-
-
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> dict[str, Any]:
     """Console entry point ``flashcp-run`` (Hydra parses the command line).
@@ -731,10 +720,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     except Exception as exc:
         key = cfg.get("run_key", "run")
         if isinstance(exc, ConfigError):
-            log.error("%s: bad configuration: %s", key, exc)
-        elif isinstance(exc, ValueError):  # a bad value found by the work: one line here
-            log.error("%s failed: %s (the traceback is in the run's log file)", key, exc)
-            _to_log_files(f"{key} failed", exc)
+            log_job_error(log, f"{key}: bad configuration: {exc}", exc)
+        elif isinstance(exc, ValueError):  # a bad value found by the work: one line at most
+            log_job_error(log, f"{key} failed: {exc} (the traceback is in the run's log file)", exc)
         else:
             log.exception("%s failed", key)
         out = write_error_rows(cfg, exc)

@@ -294,10 +294,13 @@ def run_table2(
     Returns:
         The summary DataFrame (also written as ``table2.csv``).
     Raises:
-        ValueError: bad dataset or planner options (from the sampler and the planners).
+        ValueError: bad dataset or planner options (from the sampler and the planners), workers
+            outside [1, :func:`flashcp.executors.sim.max_workers`].
     """
     from flashcp.data import sample_dataset
+    from flashcp.executors.sim import check_workers
 
+    workers = check_workers(workers)
     if solver != "highs" and dict(highs_options or {}) == DEFAULT_HIGHS_OPTIONS:
         highs_options = None  # flashcp-table2's default is for HiGHS only
     from flashcp.refined import plan_flashcp_refined

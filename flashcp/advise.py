@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +243,7 @@ def advise(
     hardware: Any = "h100_sxm",
     mode: str = "train",
     methods: Sequence[str] | None = None,
+    method_options: Mapping[str, Mapping[str, Any]] | None = None,
     num_draws: int = 16,
     draw_sequences: int = 64,
     factor: float = 2.0,
@@ -261,6 +262,9 @@ def advise(
         mode: ``train`` (forward + backward) or ``infer``.
         methods: methods to compare (llama3, the reference, is added); None: every registered
             ``fast`` method (the ILP is not) that plans and prices at this cp_size and shape.
+        method_options: planner options per compared method (e.g. ``{"ilp": {"time_limit_s":
+            5}}``: the ILP's default limit is 60 s per sequence), checked against the method's
+            schema (:func:`flashcp.registry.check_options`); the others keep their defaults.
         num_draws, draw_sequences, factor: the sensitivity range: joint draws, sequences priced
             per draw (the first ones), each constant from value / factor to value * factor.
     Returns:
@@ -275,7 +279,7 @@ def advise(
     """
     from flashcp.executors import RunSpec
     from flashcp.executors.rows import plan_sequences
-    from flashcp.registry import get_method, method_names
+    from flashcp.registry import check_options, get_method, method_names
     from flashcp.sim.cost_model import PlanBatch, price_plans
     from flashcp.sim.hardware import load_hardware
 
@@ -297,6 +301,14 @@ def advise(
         wanted = [m for m in method_names() if m == "llama3" or m in set(methods)]
     else:
         wanted = list(method_names(fast=True))
+    opts: dict[str, dict[str, Any]] = {}
+    for m, o in dict(method_options or {}).items():
+        if m not in wanted:
+            raise ValueError(
+                f"method_options for {m!r}, which this comparison does not run (it runs "
+                f"{', '.join(wanted)}); add it to methods"
+            )
+        opts[m] = check_options(m, o)
     if int(num_draws) < 1 or int(draw_sequences) < 1:
         raise ValueError(
             f"num_draws and draw_sequences must be >= 1, got {num_draws}, {draw_sequences}"
@@ -310,7 +322,9 @@ def advise(
     ratios: dict[str, np.ndarray] = {}
     skipped: dict[str, str] = {}
     for m in wanted:
-        run = RunSpec(method=m, cp_size=n, shape=shape, modes=(mode,), hardware=hw)
+        run = RunSpec(
+            method=m, cp_size=n, shape=shape, modes=(mode,), options=opts.get(m, {}), hardware=hw
+        )
         planned = plan_sequences(run, seqs)
         try:
             if planned.errors:

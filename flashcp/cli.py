@@ -233,11 +233,19 @@ def _advise_command(args: argparse.Namespace) -> int:
         methods = [m for m in re.split(r"[,\s]+", args.methods.strip()) if m]
         if not methods:
             raise ValueError("--methods: give at least one method")
+    method_options: dict[str, dict[str, Any]] = {}
+    for key, value in parse_options(args.option).items():
+        method, dot, name = key.partition(".")
+        if not dot or not method or not name:
+            raise ValueError(
+                f"--option takes METHOD.KEY=VALUE (e.g. ilp.time_limit_s=5), got {key!r}"
+            )
+        method_options.setdefault(method, {})[name] = value
     df = advise(
         cp_size=args.cp_size, lengths=args.lengths, dataset=args.dataset,
         context_len=args.context_len, num_sequences=args.num_sequences, seed=args.seed,
         model=shape, hardware=args.hardware, mode=args.mode, methods=methods,
-        num_draws=args.draws, draw_sequences=args.draw_sequences,
+        method_options=method_options, num_draws=args.draws, draw_sequences=args.draw_sequences,
     )  # fmt: skip
     paths = write_outputs(df, args.out)
     print(format_report(df))
@@ -278,6 +286,14 @@ def _add_advise_parser(sub) -> None:
         "--methods",
         help="comma-separated methods (llama3 is always added); default: every registered "
         "method that applies at this cp_size, the ILP excepted (too slow)",
+    )
+    a.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="METHOD.KEY=VALUE",
+        help="a planner option of a compared method, repeatable (e.g. --methods ilp --option "
+        "ilp.time_limit_s=5: the ILP takes up to 60 s per sequence by default)",
     )
     a.add_argument("--draws", type=int, default=16, help="joint draws of the hardware constants")
     a.add_argument(

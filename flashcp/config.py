@@ -398,8 +398,9 @@ def check_config(cfg: Any) -> None:
                 )
     if cfg.num_sequences < 1:
         raise ValueError(f"num_sequences must be >= 1, got {cfg.num_sequences}")
-    if cfg.workers < 1:
-        raise ValueError(f"workers must be >= 1, got {cfg.workers}")
+    from flashcp.executors.sim import check_workers
+
+    check_workers(cfg.workers)
     check_modes(cfg.modes)
     m = cfg.model
     AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)

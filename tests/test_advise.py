@@ -125,6 +125,9 @@ def test_cli_prints_one_table_and_writes_outputs(capsys, lengths_file, tmp_path)
         ("100\n", ["--model", "nope"], "unknown model 'nope'"),
         ("100\n", ["--hardware", "nope"], "unknown hardware profile 'nope'"),
         ("100\n", ["--cp-size", "0"], "cp_size must be an integer >= 1"),
+        ("100\n", ["--option", "time_limit_s=5"], "--option takes METHOD.KEY=VALUE"),
+        ("100\n", ["--option", "ilp.time_limit_s=5"], "method_options for 'ilp', which this"),
+        ("100\n", ["--methods", "ilp", "--option", "ilp.nope=1"], "has no option 'nope'"),
     ],
 )
 def test_bad_input_is_one_line(capsys, tmp_path, content, extra, needle):
@@ -139,3 +142,14 @@ def test_bad_input_is_one_line(capsys, tmp_path, content, extra, needle):
     assert err.count("\n") == 1 and err.startswith("flashcp advise: error: "), err
     assert needle in err
     assert not (tmp_path / "out").exists()
+
+
+def test_method_options_reach_the_planner():
+    """``method_options`` plan a method with the given options (here a looser target: more
+    imbalance, never less), the others with their defaults."""
+    kw = dict(cp_size=4, dataset="wlb_llm", context_len=16384, num_sequences=8, num_draws=1,
+              draw_sequences=1, methods=["flashcp"])  # fmt: skip
+    base = advise(**kw).set_index("method")
+    loose = advise(**kw, method_options={"flashcp": {"target_imbalance": 3.0}}).set_index("method")
+    assert loose.loc["llama3", "step_ms_p50"] == base.loc["llama3", "step_ms_p50"]
+    assert loose.loc["flashcp", "imbalance_ratio"] > base.loc["flashcp", "imbalance_ratio"]

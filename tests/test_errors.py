@@ -91,6 +91,8 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
         (["executor=emulate", "executor.iters=0"], "executor.iters >= 1"),
         (["context_len=4294967296"], "context_len = 4294967296 is above MAX_TOKENS = 2**31"),
         (["seed=-1"], "seed must be >= 0, got -1"),
+        (["workers=100000"], "workers must be in [1, "),
+        (["workers=0"], "got 0"),
         (["plots=[fig5,nope]"], "unknown figure 'nope'; choose from fig5, fig6, fig7, fig3, fig5_peers"),
         (
             ["-m", "hydra/launcher=submitit_local", "executor=dist", "cp_size=4"],
@@ -155,6 +157,7 @@ def test_experiment_entry_mistake_is_one_line_exit_2(
     [
         ("table2", ["num_sequences=0"], "num_sequences must be >= 1, got 0"),
         ("table2", ["gap=2"], "gap (relative) must be < 1, got 2"),
+        ("table2", ["workers=100000"], "workers must be in [1, "),
         ("table2", ["dataset.cap=4096"], "dataset.cap = 4096: this experiment samples dataset.name only"),
         ("sensitivity", ["methods=[zigzag]"], "must include llama3"),
         ("sensitivity", ["dataset=file"], "dataset=file needs dataset.path="),

@@ -206,6 +206,18 @@ def test_failing_jobs_are_rows_and_the_sweep_goes_on(tmp_path):
     assert summary["cp_size"].dtype == "Int64"
 
 
+def test_failing_single_run_prints_its_error_once(tmp_path):
+    """A single run whose work finds a bad value prints the command's one error line and no log
+    line repeating it (a sweep prints one per failed job: which job); the traceback is in its
+    log."""
+    proc = _cli(tmp_path, "dataset=file", "dataset.path=missing.csv", "name=one")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "missing.csv" in proc.stderr and proc.stderr.count("missing.csv") == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("flashcp-run: error: length file")
+    logs = [p.read_text() for p in (tmp_path / "one").glob("runs/file-*/*.log")]
+    assert len(logs) == 1 and "Traceback" in logs[0] and "missing.csv" in logs[0]
+
+
 def test_error_rows_keep_integer_columns(tmp_path):
     """Fault 6: a run with an error row merged with a finished one."""
     run(_small(tmp_path, "method=llama3"))

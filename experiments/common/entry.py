@@ -133,7 +133,8 @@ def at_least(cfg: Any, key: str, low: float, strict: bool = False) -> None:
 
 def check_experiment_config(cfg: Any) -> None:
     """Check the values of an experiment's config that a type cannot pin down and that every
-    experiment with the field shares (``cp_size``, ``num_sequences``, ``workers`` >= 1;
+    experiment with the field shares (``cp_size``, ``num_sequences`` >= 1; ``workers`` in [1,
+    :func:`flashcp.executors.sim.max_workers`];
     ``context_len`` a positive multiple of ``cp_size``; ``modes``; the ``model`` shape), before
     any work; the fields a schema does not have are skipped. An experiment checks its own
     fields after these (its ``check`` of :func:`run_experiment`).
@@ -143,9 +144,12 @@ def check_experiment_config(cfg: Any) -> None:
     """
     from flashcp.comm import AttnShape
     from flashcp.config import check_modes
+    from flashcp.executors.sim import check_workers
 
-    for key in ("cp_size", "num_sequences", "workers"):
+    for key in ("cp_size", "num_sequences"):
         at_least(cfg, key, 1)
+    if "workers" in cfg:
+        check_workers(cfg.workers)
     if "context_len" in cfg and (cfg.context_len < 1 or cfg.context_len % cfg.cp_size):
         raise ValueError(
             f"context_len = {cfg.context_len} must be a positive multiple of cp_size = {cfg.cp_size}"
@@ -155,6 +159,26 @@ def check_experiment_config(cfg: Any) -> None:
     if "model" in cfg:
         m = cfg.model
         AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
+
+
+def log_job_error(log: Any, message: str, exc: BaseException) -> None:
+    """Log a job's bad value (``message``, one line) and ``exc``'s traceback: the traceback to the
+    root logger's file handlers only (the job's log file under Hydra); the line on the console too
+    in a sweep, where it says which job failed, but not in a single run, whose command ends with
+    the same message as its one error line."""
+    import logging
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        log.error(message)
+    record = log.makeRecord(
+        log.name, logging.ERROR, __file__, 0, message, (), (type(exc), exc, exc.__traceback__)
+    )
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def run_experiment(cfg: Any, work: Any, check: Any = check_experiment_config) -> dict[str, Any]:
@@ -174,7 +198,7 @@ def run_experiment(cfg: Any, work: Any, check: Any = check_experiment_config) ->
         out = work(cfg)
     except Exception as exc:
         if isinstance(exc, ValueError):
-            log.error("%s: bad configuration: %s", cfg.name, exc)
+            log_job_error(log, f"{cfg.name}: bad configuration: {exc}", exc)
         else:
             log.exception("%s failed", cfg.name)
         code = 2 if isinstance(exc, ValueError) else 1

@@ -16,6 +16,7 @@ workers fork (:func:`flashcp.compile_cache.preload`).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -36,7 +37,15 @@ from flashcp.executors.rows import (
     plan_sequences,
 )
 
-__all__ = ["PLAN_COLUMNS", "error_status", "execute", "plan_metrics", "price_sequences"]
+__all__ = [
+    "PLAN_COLUMNS",
+    "check_workers",
+    "error_status",
+    "execute",
+    "max_workers",
+    "plan_metrics",
+    "price_sequences",
+]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +127,29 @@ def _worker_init() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def max_workers() -> int:
+    """The most worker processes :func:`execute` starts: 4 per CPU, and at least 32 (a pool of
+    forked processes, all started at once; past that they only contend for the cores)."""
+    return max(32, 4 * (os.cpu_count() or 1))
+
+
+def check_workers(workers: object) -> int:
+    """``workers`` as an int in [1, :func:`max_workers`].
+
+    Raises:
+        ValueError: not an integer, < 1, or above :func:`max_workers` (naming the value).
+    """
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)):
+        raise ValueError(f"workers must be an integer, got {workers!r}")
+    workers = int(workers)
+    if not 1 <= workers <= max_workers():
+        raise ValueError(
+            f"workers must be in [1, {max_workers()}] (4 processes per CPU on this machine's "
+            f"{os.cpu_count()}, at least 32), got {workers}"
+        )
+    return workers
+
+
 def _price_star(args: tuple) -> tuple[pd.DataFrame, dict[str, float]]:
     return price_sequences(*args)
 
@@ -141,15 +173,14 @@ def execute(
         Rows ordered by (``run_idx``, ``seq_idx``, mode), with every phase and communication column;
         ``rows.attrs["seconds"]`` = ``{"plan_s", "price_s"}`` summed over workers.
     Raises:
-        ValueError: ``workers`` < 1, an unknown mode, hardware profile or impl of a run.
+        ValueError: ``workers`` outside [1, :func:`max_workers`], an unknown mode, hardware profile or impl of a run.
     """
     from flashcp.comm import check_mode
     from flashcp.compile_cache import PRELOAD_PLANS, preload
     from flashcp.sim import load_hardware
     from flashcp.sim.impl import check_impl
 
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+    workers = check_workers(workers)
     loaded: dict[int, Any] = {}
     specs = []
     for r in runs:
@@ -167,7 +198,8 @@ def execute(
     seconds = {"plan_s": 0.0, "price_s": 0.0}
     bar = _progress_bar(len(seqs), progress)
     with bar:
-        pool = ProcessPoolExecutor(workers, initializer=_worker_init) if workers > 1 else None
+        procs = min(workers, len(jobs))  # a process per chunk at most
+        pool = ProcessPoolExecutor(procs, initializer=_worker_init) if procs > 1 else None
         try:
             results = pool.map(_price_star, jobs) if pool else map(_price_star, jobs)
             for job, (part, sec) in zip(jobs, results, strict=True):

@@ -22,6 +22,7 @@ fields :class:`Table2Config`), writing ``<results_dir>/<name>/``.
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -365,7 +366,10 @@ def run_table2(
         "ilp_warm_start": warm_start,
         "ilp_lp_rounding": lp_rounding,
         "ilp_lns": lns,
-        "ilp_highs_options": None if not highs_options else str(dict(highs_options)),
+        # JSON (sorted keys), readable by any CSV consumer: json.loads gives the options back
+        "ilp_highs_options": None
+        if not highs_options
+        else json.dumps(dict(highs_options), sort_keys=True),
     }
     prov = provenance()
     for k, v in {**setup, **prov}.items():

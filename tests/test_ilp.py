@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import os
 import stat
 import tempfile
@@ -360,12 +361,21 @@ def test_registry_knows_the_new_planners():
 
 def test_run_table2_smoke(tmp_path):
     pytest.importorskip("flashcp.data")
+    import pandas as pd
+
     from experiments.table2 import run_table2
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         summary = run_table2(
-            1, context_len=16384, cp_size=4, time_limit_s=2, block_size=512, out_dir=str(tmp_path)
+            1,
+            context_len=16384,
+            cp_size=4,
+            time_limit_s=2,
+            block_size=512,
+            out_dir=str(tmp_path),
+            solver="highs",
+            highs_options={"random_seed": 7, "mip_heuristic_effort": 0.5},
         )
     assert set(summary["method"]) == {
         "flashcp",
@@ -380,6 +390,11 @@ def test_run_table2_smoke(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     ilp = summary.set_index("method").loc["ilp"]
     assert ilp["ilp_optimal"] + ilp["ilp_time_limit"] + ilp["ilp_fallback"] == 1
+    # the options as JSON in both CSVs (not a Python repr), read back to the same mapping
+    for name in ("table2.csv", "table2_rows.csv"):
+        cells = set(pd.read_csv(tmp_path / name)["ilp_highs_options"])
+        assert cells == {'{"mip_heuristic_effort": 0.5, "random_seed": 7}'}, (name, cells)
+        assert json.loads(cells.pop()) == {"random_seed": 7, "mip_heuristic_effort": 0.5}
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ divided by N, at the kernel's full-tile throughput (``fwd_tile_tflops``, and ``b
 for the backward: :func:`flashcp.sim.kernel.tile_us` per ``block_q x block_k`` pairs).
 
 Bad input (a missing or malformed length file, an unknown dataset, method, model or hardware
-profile, ``cp_size`` < 1, documents longer than the context, a method that does not apply when
+profile, ``cp_size`` < 1, a context length that is not a multiple of ``2 * cp_size``, documents longer than the context, a method that does not apply when
 named) raises ValueError naming the value; the CLI prints it as one line and exits with status 2.
 """
 
@@ -287,6 +287,15 @@ def advise(
     if isinstance(cp_size, bool) or not isinstance(cp_size, int | np.integer) or cp_size < 1:
         raise ValueError(f"cp_size must be an integer >= 1, got {cp_size!r}")
     n = int(cp_size)
+    step = 2 * n  # llama3, the reference of every comparison, cuts the sequence in 2N chunks
+    if int(context_len) >= 1 and int(context_len) % step:
+        lo = int(context_len) // step * step
+        near = f"{lo} or {lo + step}" if lo else f"{step}"
+        raise ValueError(
+            f"context_len = {context_len} is not a multiple of 2 * cp_size = {step}: llama3, "
+            f"the reference every method is compared with, gives each rank 2 of 2 * cp_size "
+            f"equal chunks (paper §2.3); use context_len = {near}"
+        )
     shape = model if isinstance(model, AttnShape) else load_model(model)
     hw = load_hardware(hardware)
     explicit = methods is not None

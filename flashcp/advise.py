@@ -132,6 +132,20 @@ def load_model(
     )
 
 
+#: advise()'s integer arguments -> the flashcp advise flag that sets each
+_FLAGS = {"num_draws": "--draws"}
+
+
+def _check_count(name: str, value: Any, least: int) -> None:
+    """Raise ValueError unless ``value`` is an integer >= ``least`` (a float or bool is refused,
+    not truncated); the message names the argument and the flashcp advise flag that sets it."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+        flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+        raise ValueError(
+            f"{name} (flashcp advise {flag}) must be an integer >= {least}, got {value!r}"
+        )
+
+
 def _sample(
     lengths, dataset, context_len: int, num_sequences: int, seed: int
 ) -> tuple[list[np.ndarray], str]:
@@ -140,10 +154,6 @@ def _sample(
 
     if (lengths is None) == (dataset is None):
         raise ValueError("give a length file or a dataset name, not both or neither")
-    if int(context_len) < 1:
-        raise ValueError(f"context_len must be >= 1, got {context_len}")
-    if int(num_sequences) < 1:
-        raise ValueError(f"num_sequences must be >= 1, got {num_sequences}")
     if lengths is not None:
         d = read_lengths_file(lengths)  # ValueError naming a missing or malformed file
         if d.size and int(d.max()) > context_len:
@@ -284,12 +294,19 @@ def advise(
     from flashcp.sim.hardware import load_hardware
 
     check_mode(mode)
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int | np.integer) or cp_size < 1:
-        raise ValueError(f"cp_size must be an integer >= 1, got {cp_size!r}")
+    for name, value, least in (
+        ("cp_size", cp_size, 1),
+        ("context_len", context_len, 1),
+        ("num_sequences", num_sequences, 1),
+        ("seed", seed, 0),
+        ("num_draws", num_draws, 1),
+        ("draw_sequences", draw_sequences, 1),
+    ):
+        _check_count(name, value, least)
     n = int(cp_size)
     step = 2 * n  # llama3, the reference of every comparison, cuts the sequence in 2N chunks
-    if int(context_len) >= 1 and int(context_len) % step:
-        lo = int(context_len) // step * step
+    if context_len % step:
+        lo = context_len // step * step
         near = f"{lo} or {lo + step}" if lo else f"{step}"
         raise ValueError(
             f"context_len = {context_len} is not a multiple of 2 * cp_size = {step}: llama3, "
@@ -318,10 +335,6 @@ def advise(
                 f"{', '.join(wanted)}); add it to methods"
             )
         opts[m] = check_options(m, o)
-    if int(num_draws) < 1 or int(draw_sequences) < 1:
-        raise ValueError(
-            f"num_draws and draw_sequences must be >= 1, got {num_draws}, {draw_sequences}"
-        )
     seqs, source = _sample(lengths, dataset, int(context_len), int(num_sequences), int(seed))
 
     t0 = time.perf_counter()

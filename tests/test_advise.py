@@ -124,7 +124,11 @@ def test_cli_prints_one_table_and_writes_outputs(capsys, lengths_file, tmp_path)
         ("100\n", ["--methods", "nope"], "unknown method 'nope'"),
         ("100\n", ["--model", "nope"], "unknown model 'nope'"),
         ("100\n", ["--hardware", "nope"], "unknown hardware profile 'nope'"),
-        ("100\n", ["--cp-size", "0"], "cp_size must be an integer >= 1"),
+        ("100\n", ["--cp-size", "0"], "cp_size (flashcp advise --cp-size) must be an integer >= 1"),
+        ("100\n", ["--draws", "0"], "num_draws (flashcp advise --draws) must be an integer >= 1"),
+        ("100\n", ["--draw-sequences", "0"], "draw_sequences (flashcp advise --draw-sequences)"),
+        ("100\n", ["--num-sequences", "0"], "num_sequences (flashcp advise --num-sequences)"),
+        ("100\n", ["--seed", "-1"], "seed (flashcp advise --seed) must be an integer >= 0"),
         ("100\n", ["--cp-size", "3"], "multiple of 2 * cp_size = 6: llama3"),
         ("100\n", ["--cp-size", "3"], "use context_len = 16380 or 16386"),
         ("100\n", ["--option", "time_limit_s=5"], "--option takes METHOD.KEY=VALUE"),
@@ -155,3 +159,10 @@ def test_method_options_reach_the_planner():
     loose = advise(**kw, method_options={"flashcp": {"target_imbalance": 3.0}}).set_index("method")
     assert loose.loc["llama3", "step_ms_p50"] == base.loc["llama3", "step_ms_p50"]
     assert loose.loc["flashcp", "imbalance_ratio"] > base.loc["flashcp", "imbalance_ratio"]
+
+
+@pytest.mark.parametrize("key", ["num_sequences", "context_len", "num_draws", "draw_sequences"])
+def test_a_float_count_is_refused_not_truncated(key):
+    kwargs = {"num_sequences": 2, "context_len": 16384, key: 2.5}
+    with pytest.raises(ValueError, match=rf"{key} \(flashcp advise --[a-z-]+\) must be an integer"):
+        advise(cp_size=2, dataset="pile", **kwargs)

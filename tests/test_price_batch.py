@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,11 @@ from flashcp.sim.cost_model import price_plans
 from flashcp.sim.impl import impl_plan
 
 HWS = [load_hardware("h100_sxm"), load_hardware("a100_sxm")]
+#: tile sides that are not powers of two: the compiled kernels' division paths (the shipped
+#: profiles' sides are powers of two and take the shift paths)
+ODD_TILES = dataclasses.replace(
+    HWS[0], name="odd_tiles", fwd_block_q=96, fwd_block_k=48, bwd_block_q=48, bwd_block_k=144
+)
 SHAPES = [AttnShape(16, 16, 128, "bfloat16"), AttnShape(32, 8, 128, "bfloat16")]
 MODES = ["train", "infer"]
 #: every registered method but the ILP (slow; it is priced as any all-gather plan)
@@ -106,8 +113,6 @@ KERNEL_METHODS = ["per_doc", "zigzag", "ring", "llama3", "flashcp", "usp", "flas
 
 def _batches(plans):
     """The PlanBatch a plan group is priced from (the hybrids': their group plans)."""
-    import dataclasses
-
     from flashcp.sim.cost_model import PlanBatch
 
     if plans[0].ulysses_degree > 1:
@@ -136,7 +141,7 @@ def test_price_kernels_equal_reference(method, cp_size, monkeypatch):
     assert compiled.load("price") is not None
 
     plans = _plans(method, cp_size, 6, seed=20 + cp_size)
-    for hw in HWS:
+    for hw in [*HWS, ODD_TILES]:
         for batch in _batches(plans):
             monkeypatch.setenv("FLASHCP_COMPILED", "1")
             fast = PlanBatch(batch.plans, hybrid_inner=batch.hybrid_inner)
@@ -225,3 +230,4 @@ def test_price_plans_compiled_bitwise(cp_size, monkeypatch):
         got[mode] = price_plans(plans, SHAPES, MODES, HWS)
     for col in got["0"]:
         np.testing.assert_array_equal(got["1"][col], got["0"][col], err_msg=col)
+

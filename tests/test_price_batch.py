@@ -231,3 +231,42 @@ def test_price_plans_compiled_bitwise(cp_size, monkeypatch):
     for col in got["0"]:
         np.testing.assert_array_equal(got["1"][col], got["0"][col], err_msg=col)
 
+
+def test_price_plans_in_memory_chunks_equal_one_batch(monkeypatch):
+    """A ring-family group larger than PRICE_BATCH_BYTES is priced in chunks of plans with the
+    same numbers, to the bit, as in one batch (a PlanBatch given or not; attention_balance too)."""
+    from flashcp.sim import cost_model
+    from flashcp.sim.cost_model import PlanBatch, attention_balance, ring_price_bytes
+
+    plans = [
+        *_plans("zigzag", 4, 4, seed=3), *_plans("ring", 4, 3, seed=4),
+        *_plans("usp", 4, 3, seed=5), *_plans("flashcp", 4, 2, seed=6),
+    ]  # fmt: skip
+    one = price_plans(plans, SHAPES, MODES, HWS)
+    bal = attention_balance(plans, SHAPES[0], "train", HWS[0])
+    # two plans per chunk at most: every ring group is cut
+    monkeypatch.setattr(cost_model, "PRICE_BATCH_BYTES", 2 * max(map(ring_price_bytes, plans)))
+    chunks = cost_model._price_chunks(plans, list(range(4)))
+    assert len(chunks) >= 2 and [i for c in chunks for i in c] == [0, 1, 2, 3]
+    for given in (plans, PlanBatch(plans)):
+        got = price_plans(given, SHAPES, MODES, HWS)
+        for col in one:
+            assert got[col].dtype == one[col].dtype
+            np.testing.assert_array_equal(got[col], one[col], err_msg=col)
+    got = attention_balance(PlanBatch(plans), SHAPES[0], "train", HWS[0])
+    for col in bal:
+        np.testing.assert_array_equal(got[col], bal[col], err_msg=col)
+
+
+def test_price_plans_refuses_a_plan_too_large_for_memory(monkeypatch):
+    """A ring-family plan whose statistics alone would take more than half the machine's memory
+    is a ValueError naming its size, before any plan is priced (it was killed for memory)."""
+    from flashcp.sim import cost_model
+
+    plans = _plans("zigzag", 8, 1, seed=7)
+    need = cost_model.ring_price_bytes(plans[0])
+    monkeypatch.setattr(cost_model, "_physical_memory_bytes", lambda: need)  # half: need / 2
+    with pytest.raises(ValueError, match=r"zigzag plan \(cp_size 8, \d+ shards"):
+        price_plans(plans, SHAPES, MODES, HWS)
+    monkeypatch.setattr(cost_model, "_physical_memory_bytes", lambda: 2 * need)
+    price_plans(plans, SHAPES, MODES, HWS)  # fits: priced

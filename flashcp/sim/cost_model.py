@@ -90,6 +90,7 @@ import copy
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -120,6 +121,60 @@ COMM_KINDS = ("allgather_full", "allgather_sharded", "p2p_ring", "alltoall")
 #: the largest cp_size the compiled ring statistics take (runs of shards as int64 bit masks
 #: over the ranks); larger ones run the NumPy reference
 RING_KERNEL_MAX_N = 62
+#: the most bytes :func:`price_plans` lets one batch of ring-family plans take
+#: (:func:`ring_price_bytes`): larger groups are priced in consecutive chunks of plans, with the
+#: same numbers (each plan's statistics and phases are its own); 1 GiB
+PRICE_BATCH_BYTES = 1 << 30
+
+
+def ring_price_bytes(plan: Plan) -> int:
+    """Estimated peak bytes of pricing ``plan`` with the ring step model (``p2p_ring`` and the
+    hybrids' inner ring) in a :class:`PlanBatch`: about 160 B per (step, rank) for the statistics
+    and phase arrays, (S, N, N) float64, plus, on the NumPy path (cp_size above
+    :data:`RING_KERNEL_MAX_N`, or without numba), 64 B per (shard, rank) of visibility masks and
+    keys and 8 B per (document, step, rank) rectangle. Measured on WLB-LLM 128K (peak RSS of
+    ``price_plans``): ``zigzag`` 19.5 MB per plan at CP 64 (estimate 21.3), 72.5 MB at CP 128
+    (82.2); ``ring`` 10.1 MB at CP 256 (60.5: most rectangles are empty). The estimate always
+    counts the NumPy path, so it is an upper bound where the kernels run."""
+    n = int(plan.cp_size)
+    return 160 * n * n + 64 * int(plan.rank.size) * n + 8 * int(plan.doc_lens.size) * n * n
+
+
+def _physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX: no check
+        return None
+
+
+def _price_chunks(plans: Sequence[Plan], idx: list[int]) -> list[list[int]]:
+    """``idx`` (a ring-family group of ``plans``) cut into consecutive chunks of at most
+    :data:`PRICE_BATCH_BYTES` by :func:`ring_price_bytes` (at least one plan each).
+
+    Raises:
+        ValueError: one plan alone needs more than half this machine's physical memory (it
+            would be killed for memory, or swap for hours, rather than finish).
+    """
+    chunks: list[list[int]] = [[]]
+    used = 0
+    limit = _physical_memory_bytes()
+    for i in idx:
+        need = ring_price_bytes(plans[i])
+        if limit is not None and need > limit // 2:
+            p = plans[i]
+            raise ValueError(
+                f"pricing this {p.method} plan (cp_size {p.cp_size}, {p.rank.size} shards, "
+                f"{p.doc_lens.size} documents) with the ring step model needs about "
+                f"{need / 2**30:.1f} GiB, more than half of this machine's {limit / 2**30:.1f} "
+                "GiB (it grows as shards x cp_size and documents x cp_size^2); use a smaller "
+                "cp_size or a shorter context_len"
+            )
+        if chunks[-1] and used + need > PRICE_BATCH_BYTES:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(i)
+        used += need
+    return chunks
 
 
 def _check_comm_kind(plan: Plan, comm_kind: str | None) -> str:
@@ -1841,9 +1896,17 @@ def price_plans(
     Returns:
         Every column of ``PHASE_COLUMNS`` (ms, float64) and ``COMM_COLUMNS`` (bytes, int64) as a
         (P, K, M, S) array indexed ``[profile, shape, mode, plan]``.
+
+    Memory: the ring family's statistics grow as shards x cp_size and documents x cp_size^2 per
+    plan (:func:`ring_price_bytes`), so its groups are priced in consecutive chunks of at most
+    :data:`PRICE_BATCH_BYTES` (same numbers; a ``batch``'s kept statistics are used only when its
+    whole group fits one chunk).
+
     Raises:
         ValueError: as :func:`simulate` (unknown mode, comm_kind, impl or profile, an impl that does
-            not run a plan's method, heads a plan's Ulysses degree does not allow).
+            not run a plan's method, heads a plan's Ulysses degree does not allow); a ring-family
+            plan that alone would need more than half the machine's memory
+            (:func:`ring_price_bytes`), before any is priced.
     """
     batch = plans if isinstance(plans, PlanBatch) else None
     plans = batch.plans if batch is not None else plans
@@ -1863,7 +1926,13 @@ def price_plans(
         if u > 1 and kind != "alltoall" and one_group_documents(p) is not None:
             kind, u = "alltoall", 1
         groups.setdefault((kind, p.method, p.cp_size, u), []).append(i)
-    for (kind, method, _, u), idx in groups.items():
+    # every ring-family group cut to the memory budget (and a plan too large refused) first
+    chunked = {
+        key: _price_chunks(plans, idx) if key[0] == "p2p_ring" or key[3] > 1 else [idx]
+        for key, idx in groups.items()
+    }
+    for key, idx in groups.items():
+        kind, method, _, u = key
         check_impl(method, impl)
         members = [plans[i] for i in idx]
         if kind in ("allgather_full", "allgather_sharded") and impl != "ours" and u == 1:
@@ -1878,10 +1947,13 @@ def price_plans(
                             for col in out:
                                 out[col][a, b, m, k] = row[col]
             continue
-        whole = batch if batch is not None and len(idx) == len(plans) else None
-        part = _price_group(members, kind, impl, method, u, hws, shapes, modes, whole)
-        for col in out:
-            out[col][..., idx] = part[col]
+        for chunk in chunked[key]:
+            whole = batch if batch is not None and len(chunk) == len(plans) else None
+            part = _price_group(
+                [plans[i] for i in chunk], kind, impl, method, u, hws, shapes, modes, whole
+            )
+            for col in out:
+                out[col][..., chunk] = part[col]
     return out
 
 
@@ -1923,7 +1995,13 @@ def attention_balance(
         kind = _check_comm_kind(p, comm_kind)
         u = p.ulysses_degree if kind != "alltoall" else 1
         groups.setdefault((kind, p.method, p.cp_size, u), []).append(i)
-    for (kind, method, _, u), idx in groups.items():
+    chunked = {
+        key: _price_chunks(plans, idx) if key[0] == "p2p_ring" or key[3] > 1 else [idx]
+        for key, idx in groups.items()
+    }  # as in price_plans: the ring family within PRICE_BATCH_BYTES per batch
+    for (kind, method, _, u), idx in (
+        (key, chunk) for key, chunks in chunked.items() for chunk in chunks
+    ):
         b = (
             batch
             if batch is not None and len(idx) == len(plans)

@@ -40,6 +40,7 @@ import numpy as np
 import pandas as pd
 
 from flashcp.comm import AttnShape, check_mode
+from flashcp.plan import check_cp_args
 
 __all__ = [
     "HOST_CONSTANTS",
@@ -304,6 +305,7 @@ def advise(
     ):
         _check_count(name, value, least)
     n = int(cp_size)
+    check_cp_args(0, n)  # 1 <= cp_size <= MAX_CP_SIZE
     step = 2 * n  # llama3, the reference of every comparison, cuts the sequence in 2N chunks
     if context_len % step:
         lo = context_len // step * step

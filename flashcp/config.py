@@ -360,7 +360,13 @@ def check_config(cfg: Any) -> None:
     get_method(cfg.method.name)  # ValueError naming the known methods
     if cfg.cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cfg.cp_size}")
-    from flashcp.plan import MAX_TOKENS
+    from flashcp.plan import MAX_CP_SIZE, MAX_TOKENS
+
+    if cfg.cp_size > MAX_CP_SIZE:
+        raise ValueError(
+            f"cp_size = {cfg.cp_size} is above MAX_CP_SIZE = 2**16 = {MAX_CP_SIZE}, the most ranks "
+            "of one CP group"
+        )
 
     if cfg.context_len > MAX_TOKENS:
         raise ValueError(

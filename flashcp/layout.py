@@ -12,7 +12,12 @@ import numpy as np
 from flashcp import compiled
 from flashcp.plan import cu_seqlens
 
-__all__ = ["per_doc_chunk_sizes", "per_doc_columns", "split_packed"]
+__all__ = ["MAX_PER_DOC_CHUNKS", "per_doc_chunk_sizes", "per_doc_columns", "split_packed"]
+
+#: the most chunks :func:`per_doc_chunk_sizes` cuts (documents x 2 * cp_size; its (documents,
+#: 2N) int64 sizes then take at most 1 GiB): 2**27. The fused per-document kernels
+#: (:mod:`flashcp.plan_kernels`) hold only the non-empty chunks and do not need it
+MAX_PER_DOC_CHUNKS = 2**27
 
 
 def split_packed(doc_lens: np.ndarray, num_chunks: int, num_pad: int = 0) -> tuple[np.ndarray, ...]:
@@ -66,9 +71,18 @@ def per_doc_chunk_sizes(
     Returns:
         ``(sizes, cursor)``: sizes is (n_docs, 2N) int64, the length of chunk j of each document
         (possibly 0 for documents shorter than 2N); cursor is the rank after the last extra token.
+    Raises:
+        ValueError: n_docs x 2N above :data:`MAX_PER_DOC_CHUNKS`.
     """
     n = cp_size
     d = np.asarray(doc_lens, dtype=np.int64)
+    if d.size * 2 * n > MAX_PER_DOC_CHUNKS:
+        raise ValueError(
+            f"a Per-Doc layout cuts each of these {d.size} documents into 2 * cp_size = {2 * n} "
+            f"chunks: {d.size * 2 * n} chunks, above MAX_PER_DOC_CHUNKS = 2**27 = "
+            f"{MAX_PER_DOC_CHUNKS} (1 GiB per int64 column); use a smaller cp_size or fewer "
+            "documents per sequence"
+        )
     kernels = compiled.load("plan")
     if kernels is not None and d.ndim == 1 and n >= 1:
         return kernels.per_doc_sizes(d, int(n), int(cursor))

@@ -88,6 +88,10 @@ class Shard(NamedTuple):
 #: the most tokens a packed sequence may hold (documents and pad): Eq. 3 workloads, up to
 #: C (C + 1) / 2 per rank, then stay below 2**62 and fit the int64 arrays they are kept in
 MAX_TOKENS = 2**31
+#: the most ranks one CP group may have: a guard against a typo (cp_size 10**9 allocated 7.5 GiB
+#: per-rank arrays before any check), far above the largest CP groups reported in training
+#: (hundreds of GPUs); a plan's per-rank arrays then stay below a few MB
+MAX_CP_SIZE = 2**16
 
 
 def shard_workload(start, length):
@@ -201,7 +205,8 @@ def check_doc_lens(doc_lens: Any, context_len: int | None = None) -> np.ndarray:
 
 
 def check_cp_args(context_len: int, cp_size: int, chunks_per_rank: int = 1) -> None:
-    """Check ``cp_size >= 1`` and that ``context_len`` divides by ``chunks_per_rank * cp_size``.
+    """Check ``1 <= cp_size <= MAX_CP_SIZE`` and that ``context_len`` divides by
+    ``chunks_per_rank * cp_size``.
 
     ``context_len`` counts pad tokens. The message names the multiple the layout needs and the
     number of pad tokens that would reach it.
@@ -213,6 +218,11 @@ def check_cp_args(context_len: int, cp_size: int, chunks_per_rank: int = 1) -> N
         raise ValueError(f"cp_size must be an integer, got {cp_size!r}")
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if cp_size > MAX_CP_SIZE:
+        raise ValueError(
+            f"cp_size = {cp_size} is above MAX_CP_SIZE = 2**16 = {MAX_CP_SIZE}, the most ranks "
+            "of one CP group"
+        )
     n = chunks_per_rank * cp_size
     multiple = "cp_size" if chunks_per_rank == 1 else f"{chunks_per_rank} * cp_size"
     fix = f"pad to a multiple of {multiple} = {n}: num_pad = {-context_len % n}"
@@ -833,8 +843,8 @@ def fused_args(
     doc_lens: Any, cp_size: Any, num_pad: Any, pad_to_multiple: Any, validate: Any
 ) -> bool:
     """Whether a fused kernel takes these planner arguments as they are: ``doc_lens`` a 1-D
-    C-contiguous int64 ndarray, ``cp_size`` and ``num_pad`` Python ints in range (>= 1 and below
-    2^31, >= 0 and below 2^30: with the kernels' at most 2^26 document tokens, within
+    C-contiguous int64 ndarray, ``cp_size`` and ``num_pad`` Python ints in range (1 to
+    :data:`MAX_CP_SIZE`, >= 0 and below 2^30: with the kernels' at most 2^26 document tokens, within
     :data:`MAX_TOKENS`), ``pad_to_multiple`` and ``validate`` Python bools (anything else
     takes the general path, which converts it or raises the error naming it)."""
     return (
@@ -843,7 +853,7 @@ def fused_args(
         and type(num_pad) is int
         and type(pad_to_multiple) is bool
         and type(validate) is bool
-        and 1 <= cp_size < 1 << 31
+        and 1 <= cp_size <= MAX_CP_SIZE
         and 0 <= num_pad < 1 << 30
     )
 

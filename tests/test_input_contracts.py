@@ -221,3 +221,42 @@ def test_hardware_round_trips_through_asdict():
     assert load_hardware(dataclasses.asdict(hw)) == hw
     with pytest.raises(ValueError, match="unknown hardware key 'peak_tflop'"):
         load_hardware({**hw.to_dict(), "peak_tflop": 1.0})
+
+
+@pytest.mark.parametrize("method", (*FAST, "usp", "flashcp_ulysses"))
+def test_cp_size_beyond_max_cp_size_is_refused(method):
+    """cp_size 10**9 allocated 7.5 GiB per-rank arrays (and was killed for memory) before any
+    check; now every planner refuses a cp_size above MAX_CP_SIZE, naming it."""
+    from flashcp.plan import MAX_CP_SIZE
+
+    with pytest.raises(ValueError, match=f"cp_size = {10**9} is above MAX_CP_SIZE"):
+        get_planner(method)(np.full(4, 2**20), 10**9)
+    get_planner("ring")(np.full(4, 2 * MAX_CP_SIZE), MAX_CP_SIZE)  # the limit itself plans
+
+
+@pytest.mark.parametrize("method", ("per_doc", "zigzag"))
+def test_per_doc_layout_past_max_chunks_is_refused(monkeypatch, method):
+    """The NumPy Per-Doc layout refuses documents x 2 * cp_size chunks above MAX_PER_DOC_CHUNKS
+    before it allocates its (documents, 2N) chunk sizes (the fused kernels hold only the non-empty
+    chunks and need no such limit)."""
+    from flashcp import layout
+
+    monkeypatch.setenv("FLASHCP_COMPILED", "0")
+    monkeypatch.setattr(layout, "MAX_PER_DOC_CHUNKS", 63)  # 4 documents x 16 chunks = 64
+    with pytest.raises(ValueError, match="4 documents into 2 \\* cp_size = 16 chunks: 64 chunks"):
+        get_planner(method)(np.full(4, 256), 8)
+    monkeypatch.setattr(layout, "MAX_PER_DOC_CHUNKS", 64)
+    get_planner(method)(np.full(4, 256), 8)
+
+
+@pytest.mark.parametrize("kernels", ("1", "0"))
+@pytest.mark.parametrize("method", ("llama3", "ring", "per_doc", "zigzag", "flashcp"))
+def test_fused_planners_refuse_cp_size_beyond_max_cp_size(monkeypatch, kernels, method):
+    """A cp_size above MAX_CP_SIZE that divides a small sequence (which the fused kernels would
+    plan) is refused on the compiled path as on the reference."""
+    from flashcp.plan import MAX_CP_SIZE
+
+    monkeypatch.setenv("FLASHCP_COMPILED", kernels)
+    n = 2 * MAX_CP_SIZE
+    with pytest.raises(ValueError, match=f"cp_size = {n} is above MAX_CP_SIZE"):
+        get_planner(method)(np.array([4 * n], np.int64), n)

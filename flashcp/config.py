@@ -358,15 +358,9 @@ def check_config(cfg: Any) -> None:
             "dataset=file needs dataset.path=<a file of lengths: text, CSV, Parquet, JSON or .npy>"
         )
     get_method(cfg.method.name)  # ValueError naming the known methods
-    if cfg.cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cfg.cp_size}")
-    from flashcp.plan import MAX_CP_SIZE, MAX_TOKENS
+    from flashcp.plan import MAX_TOKENS, check_cp_args
 
-    if cfg.cp_size > MAX_CP_SIZE:
-        raise ValueError(
-            f"cp_size = {cfg.cp_size} is above MAX_CP_SIZE = 2**16 = {MAX_CP_SIZE}, the most ranks "
-            "of one CP group"
-        )
+    check_cp_args(0, cfg.cp_size)  # 1 <= cp_size <= MAX_CP_SIZE
 
     if cfg.context_len > MAX_TOKENS:
         raise ValueError(

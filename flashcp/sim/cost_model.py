@@ -177,6 +177,16 @@ def _price_chunks(plans: Sequence[Plan], idx: list[int]) -> list[list[int]]:
     return chunks
 
 
+def _chunk_groups(plans: Sequence[Plan], groups: dict[tuple, list[int]]) -> dict:
+    """Each (comm_kind, method, cp_size, Ulysses degree) group of :func:`price_plans` as its
+    chunks of plan indices: the ring family and the hybrids cut by :func:`_price_chunks`, the
+    others whole."""
+    return {
+        key: _price_chunks(plans, idx) if key[0] == "p2p_ring" or key[3] > 1 else [idx]
+        for key, idx in groups.items()
+    }
+
+
 def _check_comm_kind(plan: Plan, comm_kind: str | None) -> str:
     if comm_kind is None:
         if plan.method not in COMM_KIND:
@@ -1926,11 +1936,7 @@ def price_plans(
         if u > 1 and kind != "alltoall" and one_group_documents(p) is not None:
             kind, u = "alltoall", 1
         groups.setdefault((kind, p.method, p.cp_size, u), []).append(i)
-    # every ring-family group cut to the memory budget (and a plan too large refused) first
-    chunked = {
-        key: _price_chunks(plans, idx) if key[0] == "p2p_ring" or key[3] > 1 else [idx]
-        for key, idx in groups.items()
-    }
+    chunked = _chunk_groups(plans, groups)  # before any pricing: a plan too large is refused
     for key, idx in groups.items():
         kind, method, _, u = key
         check_impl(method, impl)
@@ -1995,10 +2001,7 @@ def attention_balance(
         kind = _check_comm_kind(p, comm_kind)
         u = p.ulysses_degree if kind != "alltoall" else 1
         groups.setdefault((kind, p.method, p.cp_size, u), []).append(i)
-    chunked = {
-        key: _price_chunks(plans, idx) if key[0] == "p2p_ring" or key[3] > 1 else [idx]
-        for key, idx in groups.items()
-    }  # as in price_plans: the ring family within PRICE_BATCH_BYTES per batch
+    chunked = _chunk_groups(plans, groups)
     for (kind, method, _, u), idx in (
         (key, chunk) for key, chunks in chunked.items() for chunk in chunks
     ):

@@ -125,6 +125,19 @@ def batch_sums(s, n, off, doc_off, rank, doc, start, length, doc_lens):
     return rows, docs
 
 
+@njit(cache=True, inline="always")
+def _add_rank(out, p, r, f0, f1, f2, b0, b1, b2, rows):
+    """Add one run of rank r's shards to plan p's all-gather statistics (sums, and maxima of the
+    largest CTA)."""
+    out[0, p, r] += f0
+    out[1, p, r] += f1
+    out[2, p, r] = max(out[2, p, r], f2)
+    out[3, p, r] += b0
+    out[4, p, r] += b1
+    out[5, p, r] = max(out[5, p, r], b2)
+    out[6, p, r] += rows
+
+
 @njit(cache=True)
 def allgather_stats(s, n, off, rank, start, length, fbq, fbk, bbq, bbk):
     """Every plan's per-rank varlen call of the all-gather family: one causal segment per shard,
@@ -160,13 +173,7 @@ def allgather_stats(s, n, off, rank, start, length, fbq, fbk, bbq, bbk):
                 b2 = max(b2, x)
                 rows += k
                 i += 1
-            out[0, p, r] += f0
-            out[1, p, r] += f1
-            out[2, p, r] = max(out[2, p, r], f2)
-            out[3, p, r] += b0
-            out[4, p, r] += b1
-            out[5, p, r] = max(out[5, p, r], b2)
-            out[6, p, r] += rows
+            _add_rank(out, p, r, f0, f1, f2, b0, b1, b2, rows)
     return out
 
 
@@ -211,13 +218,7 @@ def _allgather_stats_pow2(s, n, off, rank, start, length, sfq, sfk, sbq, sbk):
                 b1 += t if some else 0
                 b2 = max(b2, mq if some else 0)
                 rows += k
-            out[0, p, r] += f0
-            out[1, p, r] += f1
-            out[2, p, r] = max(out[2, p, r], f2)
-            out[3, p, r] += b0
-            out[4, p, r] += b1
-            out[5, p, r] = max(out[5, p, r], b2)
-            out[6, p, r] += rows
+            _add_rank(out, p, r, f0, f1, f2, b0, b1, b2, rows)
             i = j
     return out
 

@@ -672,6 +672,19 @@ def run(cfg: DictConfig) -> Path | None:
     return out
 
 
+def _every_row_failed(out: Path | None) -> str | None:
+    """The first row's status if ``out`` (a job's ``rows.parquet``) holds rows and none is ``ok``
+    (every sequence's planning or measurement failed), else None."""
+    if out is None:
+        return None
+    import pyarrow.parquet as pq
+
+    status = pq.read_table(out, columns=["status"]).column("status").to_pylist()
+    if not status or "ok" in status:
+        return None
+    return str(status[0])
+
+
 def write_error_rows(cfg: DictConfig, exc: BaseException) -> Path | None:
     """Record a failed job: per run of the job (one when its grid is bad) one row per mode with
     ``seq_idx`` missing and ``status = "error: ..."``, identity and provenance as a finished run
@@ -711,11 +724,16 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     "error": message or None, "exit_code": 0 | 1 | 2}``. A failing job writes error rows and its
     traceback to its log (a ``ValueError``, a bad value: one line on the console, exit code 2;
     any other exception: its traceback on the console too, exit code 1) and returns, so a sweep
-    goes on; the callback prints one line and sets the exit code. Under ``executor=dist`` a failure
+    goes on; the callback prints one line and sets the exit code. A job whose rows all failed
+    (every sequence's planning or measurement) keeps them and counts as failed (exit code 1). Under ``executor=dist`` a failure
     ends the process at once (the process group cannot be reused).
     """
     try:
         out = run(cfg)
+        failed = _every_row_failed(out)
+        if failed is not None:  # the rows stay (each names its error); the exit code says so
+            log.error("%s: every row failed, e.g. %s", cfg.get("run_key", "run"), failed)
+            return {"rows": str(out), "error": f"every row failed, e.g. {failed}", "exit_code": 1}
         return {"rows": str(out) if out is not None else None, "error": None, "exit_code": 0}
     except Exception as exc:
         key = cfg.get("run_key", "run")

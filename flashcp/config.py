@@ -172,6 +172,9 @@ class EmulateExecutorConfig(ExecutorConfig):
     ranks: list[int] | None = None
     #: CUDA only: copy each ring message on a second stream while the rank computes
     nccl_traffic: bool = False
+    #: refuse, before any record pass, a plan whose estimated memory exceeds the device's
+    #: (:func:`flashcp.executors.emulate.record_memory_bytes`); results do not depend on it
+    check_memory: bool = True
 
 
 def _hardware_schema() -> type:

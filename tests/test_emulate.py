@@ -14,10 +14,12 @@ from flashcp.executors.dist import init_from_env, measure_step
 from flashcp.executors.emulate import (
     CommCall,
     ReplayGroup,
+    available_memory_bytes,
     compose_comm,
     emulate_ranks,
     emulate_step,
     record,
+    record_memory_bytes,
     seeded_inputs,
 )
 from flashcp.ops.reference import reference_attention
@@ -438,3 +440,52 @@ def test_timers_and_side_stream_use_the_tensors_device(monkeypatch):
     kinds = {k for k, _ in fake.log}
     assert {"record", "synchronize", "Stream", "wait_stream", "wait_event"} <= kinds
     assert all(d == dev for _, d in fake.log), [e for e in fake.log if e[1] != dev]
+
+
+# ---- memory: refused before the record pass -------------------------------------------------------
+
+
+def test_record_memory_estimate_counts_every_ranks_traffic():
+    """inputs + outputs + (cp_size + kept) x one rank's comm_bytes, from independent sizes."""
+    plan = make_plan_for("zigzag", LENS, 4)  # C = 128, 4 heads, 2 KV heads, head_dim 8, fp32
+    comm = {m: comm_volume(plan, "p2p_ring", SHAPE, m)["comm_bytes"] for m in ("train", "infer")}
+    train_io = 2 * 128 * (4 + 2 + 2 + 4) * 8 * 4  # q, k, v, dout and out, dq, dk, dv
+    infer_io = 128 * (4 + 2 + 2) * 8 * 4 + 128 * 4 * 8 * 4  # q, k, v and out
+    assert record_memory_bytes(plan, SHAPE, "train") == train_io + 8 * comm["train"]
+    assert record_memory_bytes(plan, SHAPE, "train", [0]) == train_io + 5 * comm["train"]
+    assert record_memory_bytes(plan, SHAPE, "infer", [1, 2]) == infer_io + 6 * comm["infer"]
+    have = available_memory_bytes("cpu")
+    assert isinstance(have, int) and have > 0
+
+
+def test_too_large_for_memory_is_refused_before_the_record_pass(monkeypatch, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from experiments.run import CONF_DIR, run
+    from flashcp.config import register_configs
+    from flashcp.executors import emulate
+
+    plan = make_plan_for("ring", LENS, 4)
+    need = record_memory_bytes(plan, SHAPE, "train", [0])
+    monkeypatch.setattr(emulate, "available_memory_bytes", lambda device: need - 1)
+    with pytest.raises(ValueError, match=r"needs about .* GiB on cpu.*executor.ranks=\[0\]"):
+        emulate_step(plan, SHAPE, "train", HW, backend="cpu", ranks=[0])
+    # the estimate for one kept rank fits in exactly that much; skipping the check runs it
+    monkeypatch.setattr(emulate, "available_memory_bytes", lambda device: need)
+    assert emulate_step(plan, SHAPE, "train", HW, backend="cpu", ranks=[0], iters=1)["comm_bytes"]
+    monkeypatch.setattr(emulate, "available_memory_bytes", lambda device: 1)
+    emulate_step(plan, SHAPE, "infer", HW, backend="cpu", iters=1, check_memory=False)
+
+    def no_record(*args, **kwargs):
+        raise AssertionError("the record pass started")
+
+    monkeypatch.setattr(emulate, "record", no_record)
+    register_configs()
+    common = [
+        f"results_dir={tmp_path}", "cp_size=4", "context_len=256", "num_sequences=2",
+        "dataset=pile", "method=zigzag", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.head_dim=8", "model.dtype=float32", "progress=false", "executor=emulate",
+    ]  # fmt: skip
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        with pytest.raises(ValueError, match="GiB is available"):
+            run(compose("config", overrides=common))

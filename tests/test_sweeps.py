@@ -309,3 +309,29 @@ def test_figures_refuse_mixed_data_and_mark_missing_bars(tmp_path, monkeypatch):
     assert len(marked) == 2 and all(
         ax.get_title().startswith("wlb_llm") for ax in marked
     )  # train, infer
+
+
+def test_a_job_whose_rows_all_failed_exits_nonzero(tmp_path, monkeypatch):
+    """Every sequence's planner fails: the rows are written (each names its error) and the job
+    counts as failed; one good sequence makes it a success."""
+    import flashcp.sim.impl as impl
+    from experiments.run import main
+
+    real = impl.impl_plan
+    calls = []
+
+    def failing(method, impl_name, doc_lens, cp_size, **options):
+        calls.append(1)
+        if len(calls) > limit[0]:
+            raise ValueError("planner broke")
+        return real(method, impl_name, doc_lens, cp_size, **options)
+
+    limit = [0]
+    monkeypatch.setattr(impl, "impl_plan", failing)
+    res = main(_small(tmp_path, "method=llama3", "name=bad"))
+    assert res["exit_code"] == 1 and "planner broke" in res["error"]
+    rows = pd.read_parquet(res["rows"])
+    assert len(rows) == 6 and rows["status"].str.contains("planner broke").all()
+    limit[0], calls[:] = 1, []
+    res = main(_small(tmp_path, "method=llama3", "name=good"))
+    assert res["exit_code"] == 0 and res["error"] is None

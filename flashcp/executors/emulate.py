@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import queue
 import statistics
 import threading
@@ -57,7 +58,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashcp.comm import AttnShape, check_mode
+from flashcp.comm import AttnShape, check_mode, comm_volume
 from flashcp.executors.rows import check_comm, finish_rows, measure_rows, plan_sequences
 from flashcp.ops import get_attn_op
 from flashcp.ops.collectives import CommCounter, LocalGroup
@@ -72,11 +73,14 @@ __all__ = [
     "RankReplay",
     "RecordingGroup",
     "ReplayGroup",
+    "available_memory_bytes",
+    "check_record_memory",
     "compose_comm",
     "emulate_ranks",
     "emulate_step",
     "execute",
     "record",
+    "record_memory_bytes",
     "seeded_inputs",
 ]
 
@@ -109,6 +113,101 @@ def seeded_inputs(
         for h in heads
     ]
     return [tuple(shard_tensor(x, plan, r) for x in full) for r in range(plan.cp_size)]
+
+
+# ---- memory: the record pass holds every rank's traffic at once ------------------------------------
+
+
+def record_memory_bytes(
+    plan: Plan, shape: AttnShape, mode: str, keep: Sequence[int] | None = None
+) -> int:
+    """Estimated peak bytes of :func:`emulate_ranks` on its device (the record pass dominates).
+
+    The record pass runs all ``cp_size`` ranks at once, so the step's whole communication is
+    alive together: every rank's received K/V (and, in training, dK/dV) buffers, plus a copy of
+    each buffer a kept rank receives (what the replay answers from). Estimate:
+
+        inputs + outputs + (cp_size + len(keep)) * comm_bytes
+
+    with inputs = ``context_len * (2 num_heads + 2 num_kv_heads) * head_dim * itemsize`` (q, k, v,
+    dout; no dout in inference), outputs the same again (out, dq, dk, dv; out only in
+    inference) and ``comm_bytes`` one rank's bytes received per step
+    (:func:`flashcp.comm.comm_volume`, the most any rank receives). The rise in peak RSS measured
+    on CPU (zigzag, CP 8, 32 heads, head_dim 128, bf16, training, 2K-8K tokens, one or all ranks
+    kept) is within 20% of this estimate and linear in the context (docs/execution.md).
+
+    Args:
+        plan: the plan; shape: its attention shape; mode: ``train`` or ``infer``.
+        keep: ranks replayed (default all).
+    Returns:
+        bytes (int).
+    Raises:
+        ValueError: bad ``mode`` or heads the plan's Ulysses degree does not allow.
+    """
+    from flashcp.registry import COMM_KIND
+
+    check_mode(mode)
+    train = mode == "train"
+    kept = plan.cp_size if keep is None else len(keep)
+    q_heads = shape.num_heads * (2 if train else 1)
+    inputs = (
+        plan.context_len * (q_heads + 2 * shape.num_kv_heads) * shape.head_dim * shape.dtype_bytes
+    )
+    outputs = (
+        inputs if train else plan.context_len * shape.num_heads * shape.head_dim * shape.dtype_bytes
+    )
+    comm = comm_volume(plan, COMM_KIND[plan.method], shape, mode)["comm_bytes"]
+    return int(inputs + outputs + (plan.cp_size + kept) * comm)
+
+
+def available_memory_bytes(device) -> int | None:
+    """Bytes that can still be allocated on ``device``: CUDA, the driver's free memory plus what
+    PyTorch's caching allocator holds unused; CPU, ``MemAvailable`` of ``/proc/meminfo`` (Linux),
+    else free physical pages (``os.sysconf``); None where neither can be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_record_memory(
+    plan: Plan, shape: AttnShape, mode: str, device, keep: Sequence[int] | None = None
+) -> int:
+    """Refuse a plan whose :func:`record_memory_bytes` exceeds :func:`available_memory_bytes` of
+    ``device`` (a process killed for memory, or a CUDA out-of-memory midway, loses the job).
+
+    Returns:
+        the estimate (bytes).
+    Raises:
+        ValueError: the estimate exceeds the available memory; the message gives both and what
+            lowers the estimate.
+    """
+    need = record_memory_bytes(plan, shape, mode, keep)
+    have = available_memory_bytes(device)
+    if have is not None and need > have:
+        kept = plan.cp_size if keep is None else len(keep)
+        raise ValueError(
+            f"executor=emulate: {plan.method} at cp_size = {plan.cp_size}, context_len = "
+            f"{plan.context_len}, {mode} needs about {need / 2**30:.1f} GiB on {torch.device(device)} "
+            f"(the record pass holds all {plan.cp_size} ranks' communication, "
+            f"{kept} rank(s) kept), but {have / 2**30:.1f} GiB is available; use a shorter "
+            f"context_len, fewer heads, or fewer replayed ranks (executor.ranks=[0]); "
+            f"executor.check_memory=false skips this check"
+        )
+    return need
 
 
 # ---- recording: one thread per rank ----------------------------------------------------------------
@@ -721,6 +820,7 @@ def emulate_ranks(
     ranks: Sequence[int] | None = None,
     nccl_traffic: bool = False,
     timeout_s: float = 120.0,
+    check_memory: bool = True,
 ) -> list[RankReplay]:
     """Record the plan once, then replay and time each rank of ``ranks`` alone.
 
@@ -732,6 +832,8 @@ def emulate_ranks(
     ranks = _check_args(plan, mode, warmup, iters, ranks, nccl_traffic, device)
     hw = load_hardware(hw)
     train = mode == "train"
+    if check_memory:
+        check_record_memory(plan, shape, mode, device, ranks)
     # the device's current stream and events: those of the replayed tensors' device
     with _on_device(device):
         inputs = seeded_inputs(plan, shape, mode, seed, device)
@@ -806,6 +908,7 @@ def emulate_step(
     nccl_traffic: bool = False,
     timeout_s: float = 120.0,
     check: bool = True,
+    check_memory: bool = True,
 ) -> dict[str, float | int]:
     """One attention layer's CP step of ``plan``, every rank replayed on one device.
 
@@ -822,18 +925,22 @@ def emulate_step(
         nccl_traffic: (CUDA) copy ring messages on a second stream while the rank computes.
         timeout_s: bound on every emulated collective of the record pass.
         check: raise if the counted bytes differ from :func:`flashcp.comm.comm_volume`.
+        check_memory: refuse, before any work, a plan whose :func:`record_memory_bytes` exceeds
+            the device's available memory (:func:`check_record_memory`).
     Returns:
         every key of :data:`PHASE_COLUMNS` (ms; per phase the maximum over replayed ranks of the
         median over steps; communication phases from the model, see :func:`compose_comm`) and of
         :data:`COMM_COLUMNS` (bytes received, maximum over replayed ranks).
     Raises:
         ValueError: bad mode, ``iters``/``warmup``, ranks, ``nccl_traffic`` off CUDA, hardware
-            profile, or (with ``check``) counted bytes that disagree with the plan.
+            profile, (with ``check_memory``) a plan too large for the device's memory, or (with
+            ``check``) counted bytes that disagree with the plan.
         RuntimeError: the record pass failed or the replay diverged from it.
     """
     reps = emulate_ranks(
         plan, shape, mode, hw, device=device, backend=backend, warmup=warmup, iters=iters,
         seed=seed, ranks=ranks, nccl_traffic=nccl_traffic, timeout_s=timeout_s,
+        check_memory=check_memory,
     )  # fmt: skip
     row: dict[str, float | int] = {
         name: max(r.phases[name] for r in reps) for name in PHASE_COLUMNS
@@ -852,13 +959,14 @@ def execute(runs, seqs):
 
     Args:
         runs: exactly one :class:`flashcp.executors.RunSpec` (``executor`` options ``backend``,
-            ``warmup``, ``iters``, ``timeout_s``, ``ranks``, ``nccl_traffic``, and ``device``:
-            where to replay, default CUDA if available, else CPU).
+            ``warmup``, ``iters``, ``timeout_s``, ``ranks``, ``nccl_traffic``, ``check_memory``,
+            and ``device``: where to replay, default CUDA if available, else CPU).
         seqs: (n_docs,) int64 document lengths per sequence.
     Returns:
         the rows (:func:`flashcp.executors.rows.finish_rows`).
     Raises:
-        ValueError: several runs (before any work).
+        ValueError: several runs, or (``check_memory``, default on) a plan of the job too large
+            for the device's memory (:func:`check_record_memory`), before any record pass.
     """
     if len(runs) != 1:
         raise ValueError(f"executor=emulate runs one run per job, got {len(runs)}")
@@ -868,6 +976,15 @@ def execute(runs, seqs):
     device = torch.device(ex.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     ranks = None if ex.get("ranks") is None else [int(r) for r in ex["ranks"]]
     planned = plan_sequences(run, seqs)
+    check_memory = bool(ex.get("check_memory", True))
+    if check_memory and planned.plans:
+        # before any record pass: the largest plan of the job decides (one line, exit code 2)
+        worst = max(
+            planned.plans,
+            key=lambda p: max(record_memory_bytes(p, run.shape, m, ranks) for m in run.modes),
+        )
+        for mode in run.modes:
+            check_record_memory(worst, run.shape, mode, device, ranks)
     seq_of = {
         id(p): int(planned.seq["seq_idx"][k])
         for k, p in zip(planned.ok, planned.plans, strict=True)
@@ -880,7 +997,7 @@ def execute(runs, seqs):
             warmup=int(ex.get("warmup", 1)), iters=int(ex.get("iters", 3)),
             seed=run.seed + seq_of[id(plan)], ranks=ranks,
             nccl_traffic=bool(ex.get("nccl_traffic", False)),
-            timeout_s=float(ex.get("timeout_s", 120.0)),
+            timeout_s=float(ex.get("timeout_s", 120.0)), check_memory=check_memory,
         )  # fmt: skip
         return {k: [v] for k, v in res.items()}
 

@@ -1,6 +1,6 @@
 """Algorithm 1 of the paper (arXiv 2606.08476, §3.3) compiled with numba: the same steps, in the
 same order and with the same tie-breaks, as the readable reference :mod:`flashcp.heuristic`,
-which is its oracle (``tests/test_compiled.py`` compares their plans).
+which is its oracle (``tests/unit/test_compiled.py`` compares their plans).
 
 :func:`algorithm1` is the reference's search loop (steps 1-2c) and shard emission in one call.
 Each rank's whole-document pieces are rows of (N, cap) arrays ``pdoc, pstart, plen`` with

@@ -9,7 +9,7 @@ about a microsecond and a half before it runs, so one call instead of six saves 
 time.
 
 Each kernel computes exactly what the NumPy code it stands in for computes (the reference in
-:mod:`flashcp.plan`); ``tests/test_compiled.py`` compares them. Arrays are (n_shards,) int64
+:mod:`flashcp.plan`); ``tests/unit/test_compiled.py`` compares them. Arrays are (n_shards,) int64
 columns ``rank, doc, start, length`` as in :class:`~flashcp.plan.Plan`.
 """
 

@@ -7,7 +7,7 @@ tokens), and the loop turns the longest documents Per-Doc one by one until the t
 Every rank must hold exactly C/N tokens *and* at most ``R * W_mean`` workload: a two-dimensional
 packing. On WLB-LLM at 64K and CP 8, where every document of a sequence can be shorter than C/N,
 the loop ends with most documents Per-Doc (saving 0.05 on the sequence of
-``tests/test_refined.py``) while a plan that cuts a few documents saves 0.76.
+``tests/unit/test_refined.py``) while a plan that cuts a few documents saves 0.76.
 
 One *packing pass* (documents longest first; notation of docs/design.md §2: C/N tokens per rank,
 ``W_mean`` the mean workload per rank, budget ``B = f * R * W_mean``):

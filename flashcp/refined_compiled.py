@@ -1,6 +1,6 @@
 """``flashcp_refined``'s packing pass compiled with numba: the same steps, in the same order, with
 the same integer and floating-point operations as the readable reference
-:func:`flashcp.refined._pack` (its oracle: ``tests/test_compiled.py`` compares the plans).
+:func:`flashcp.refined._pack` (its oracle: ``tests/unit/test_compiled.py`` compares the plans).
 
 The reference's closures become small functions taking what they read; its bisections
 (``_largest`` with a predicate) are written out per predicate; the deferred head's receivers

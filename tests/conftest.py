@@ -1,4 +1,11 @@
-"""Session-wide test settings.
+"""Session-wide test settings and the test tiers.
+
+The tiers mirror the code's rooms: ``unit/`` (in-process: planners, simulator, data, registry,
+kernels), ``distributed/`` (ops and executors on forked gloo ranks, ``executor=emulate``),
+``app/`` (the commands, sweeps, launchers, install, notebooks: every test there is marked
+``slow``) and ``house/`` (the house rules: import graph, docs links, machine paths). The inner
+loop is ``python -m pytest -q -m "not slow"``; CI runs everything. ``mp_utils`` and ``standins``
+(shared by the tiers) sit beside this file, which puts this folder on ``sys.path``.
 
 One intra-op thread for the whole session: the tensors under test are tiny, and on a CI machine
 with two busy cores (or with two test workers) torch's thread pool spins instead of helping. The
@@ -42,3 +49,15 @@ def _compiled_kernels_once():
     if os.environ.get("FLASHCP_COMPILED") != "0":
         warm_up()  # also marks the cache ready: no test starts a background compile
     yield
+
+
+_SLOW_TIERS = ("app",)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test of a slow tier ``slow`` (the inner loop deselects them)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        rel = os.path.relpath(str(item.path), root)
+        if rel.split(os.sep)[0] in _SLOW_TIERS:
+            item.add_marker(pytest.mark.slow)

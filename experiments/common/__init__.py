@@ -23,7 +23,7 @@ they share (``aggregate.py``: merging and summaries; ``plot.py``: figures); ``be
 (argparse scripts, not Hydra apps); ``gpu_check.py`` (the GPU machine's check, without Hydra).
 Imports go one way: experiments import this package and the library, this package imports the
 library and the shared tools (the merge callback calls ``aggregate`` and ``plot``), never an
-experiment; ``tests/test_import_graph.py`` fails on any circle.
+experiment; ``tests/house/test_import_graph.py`` fails on any circle.
 
 Adding an experiment with its own command ``flashcp-<name>``:
 

@@ -11,7 +11,7 @@ tile counts, :class:`~flashcp.sim.cost_model.PlanCost`'s ring methods and ``_all
 tile counts as exact integers (equal to the float64 closed forms for lengths below 2**40), sums
 and maxima of integers below 2**53 (exact in any order), the phase formulas as the same float64
 operations in the same order, sums over ring steps in NumPy's pairwise order; so the numbers are
-the same to the bit (``tests/test_price_batch.py``). Arrays are the batch's concatenated
+the same to the bit (``tests/unit/test_price_batch.py``). Arrays are the batch's concatenated
 (n_shards,) int64 columns ``rank, doc, start, length`` (each plan's ranks sorted), with ``off``
 (S + 1,) int64 the first shard of each plan and ``nd`` (S,) int64 its documents.
 """

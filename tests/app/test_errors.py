@@ -22,7 +22,7 @@ from experiments.common import launch
 from experiments.common.entry import experiment_commands
 from experiments.run import cli as main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GROUPS = ("experiment", "dataset", "method", "model", "hardware", "executor")
 
 
@@ -207,7 +207,7 @@ def test_every_experiment_entry_is_a_console_script():
 
 def test_experiment_entry_help_lists_its_fields(capsys, monkeypatch):
     """--help of every experiment entry lists its own fields (flashcp-fig3 runs end to end in
-    tests/test_install.py, from the wheel)."""
+    tests/app/test_install.py, from the wheel)."""
     for entry, fields in [
         ("table2", ("num_sequences: 10", "time_limit_s: 60", "block_size: 1024", "dataset:")),
         ("calibration", ("results_dir: outputs",)),

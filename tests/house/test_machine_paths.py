@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("hydra")
 from experiments.common.callbacks import scrub_machine_paths
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: the keys under which Hydra records absolute paths
 HYDRA_ABS = re.compile(r"^\s*-?\s*(cwd|output_dir|path): /", re.MULTILINE)
 

@@ -14,7 +14,7 @@ from flashcp.cli import main, pack_doc_lens
 from flashcp.registry import COMM_KIND, make_plan_for
 from flashcp.registry import FAST_METHODS as METHODS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULTS = (("--method", "per_doc"), ("--cp-size", "2"))  # used where a bad-input case omits them
 RING = "plan --method ring --cp-size 2 --doc-lens-file".split()
 

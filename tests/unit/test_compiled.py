@@ -44,7 +44,7 @@ def _kernels_from_the_first_call(monkeypatch):
     monkeypatch.setenv("FLASHCP_COMPILED", "1")
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATASETS = ("wlb_llm", "pile", "redpajama")
 #: (context length, sequences per dataset): 10,050 sequences, most of them short (the reference
 #: costs about a millisecond per 128K sequence at CP 8, the compiled planner ~1/20 of that)

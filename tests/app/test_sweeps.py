@@ -28,7 +28,7 @@ from experiments.run import CONF_DIR, run, write_error_rows
 from flashcp.config import register_configs
 from flashcp.results import IDENTITY_COLUMNS, INT_COLUMNS, read_rows
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _small(tmp_path: Path, *overrides: str):

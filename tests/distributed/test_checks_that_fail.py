@@ -18,7 +18,7 @@ from flashcp.ops.reference import reference_attention
 from flashcp.ops.sharding import shard_tensor, unshard
 from flashcp.registry import METHODS, make_plan_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # ---- softmax_scale: values, not only shapes ------------------------------------------------------
 

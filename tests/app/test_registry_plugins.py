@@ -23,7 +23,7 @@ import tomllib
 
 pytest.importorskip("setuptools", reason="the plugin package is built with setuptools")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NAME = "toy_cp"
 LENS = "5,11,3,15,4,26"  # C = 64 over 2 ranks; document 3 straddles the two chunks
 TIMEOUT_S = 120

@@ -21,7 +21,7 @@ from experiments.run import CONF_DIR, run
 from flashcp.config import register_configs
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS, read_rows
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 
 

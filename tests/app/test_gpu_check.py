@@ -17,7 +17,7 @@ import pytest
 
 from experiments import gpu_check
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _SHARED = REPO.parent / "shared/tools/as-device-image"
 TOOL = Path(
     os.environ.get("FLASHCP_DEVICE_IMAGE")
@@ -98,7 +98,7 @@ def test_pytest_step_verdicts():
     with pytest.raises(RuntimeError, match="collected no GPU test"):
         gpu_check.check_pytest(5, "= 40 deselected in 1.0s =", on_gpu=False)
     # modules skipped as a whole (no Hydra) are no GPU test either
-    only_modules = "SKIPPED [1] tests/test_app.py:12: no hydra\n= 1 skipped in 1.0s ="
+    only_modules = "SKIPPED [1] tests/app/test_app.py:12: no hydra\n= 1 skipped in 1.0s ="
     with pytest.raises(RuntimeError, match="collected no GPU test"):
         gpu_check.check_pytest(0, only_modules, on_gpu=False)
     failed = "tests/test_a.py::test_x FAILED\n= 1 failed in 1.0s ="

@@ -27,7 +27,7 @@ from experiments.run import CONF_DIR, run
 from flashcp.config import register_configs
 from flashcp.results import read_rows
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "results" / "fig5" / "summary.csv"
 #: the slice of Fig. 5's grid that is recomputed
 SLICE = {"dataset": "wlb_llm", "cp_size": 8}

@@ -41,7 +41,7 @@ from flashcp.config import register_configs
 from flashcp.results import config_hash, read_rows
 from flashcp.sim.hardware import load_hardware, read_fitted, read_profile
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ("num_sequences=2", "context_len=16384", "cp_size=4", "progress=false", "dataset=pile")
 
 

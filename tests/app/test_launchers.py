@@ -22,7 +22,7 @@ from experiments.common.callbacks import JOBS_DIR, read_job_records
 from experiments.run import CONF_DIR
 from flashcp.config import register_configs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ["num_sequences=2", "context_len=8192", "progress=false", "workers=1"]
 
 

@@ -47,7 +47,7 @@ from flashcp.registry import (
 )
 from flashcp.sim import load_hardware, simulate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOY = "toy_reversed"
 
 

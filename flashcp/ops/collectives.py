@@ -12,11 +12,14 @@ rank *received*, by kind, with the same keys and conventions as :func:`flashcp.c
 Gradient partial sums cross ranks in one dtype chosen by :func:`resolve_grad_comm_dtype` (the
 ``grad_comm_dtype`` option of every CP op).
 
-``group`` may also be a :class:`LocalGroup`, an in-process stand-in for a process group: the
+``group`` is the CP group: None (the default group), a ``torch.distributed`` process group (one CP
+group of several in a larger job: its ranks are the plan's ranks, P2P peers are translated to
+global ranks where torch needs them), a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]``:
+:func:`resolve_group`), or a :class:`LocalGroup`, an in-process stand-in for a process group: the
 wrappers (and :class:`flashcp.ops.ring_comm.RingComm`) then route every collective through its
 methods instead of ``torch.distributed``, and its :meth:`LocalGroup.new_subgroup` stands in for
-``torch.distributed.new_group``. ``executor=emulate`` (:mod:`flashcp.executors.emulate`)
-uses it to run the ops' own code for one rank on one device.
+``torch.distributed.new_group``. ``executor=emulate`` (:mod:`flashcp.executors.emulate`) uses it to
+run the ops' own code for one rank on one device.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ __all__ = [
     "group_size",
     "reduce_scatter_tensor",
     "resolve_grad_comm_dtype",
+    "resolve_group",
 ]
 
 COMM_KINDS: tuple[str, ...] = ("allgather", "reducescatter", "p2p", "alltoall")
@@ -209,6 +213,52 @@ def check_qkv(q, k, v, *, tokens: int, rank: int, cp_size: int, group=None) -> N
             f"metadata is for rank {rank} of {cp_size}, but this process is rank {me} of a "
             f"group of {size}"
         )
+
+
+def resolve_group(group):
+    """The process group an op runs on, from what a caller may pass as its CP group.
+
+    Args:
+        group: None (the default group), a ``torch.distributed.ProcessGroup`` (any subgroup of the
+            job: the plan's rank r is this group's rank r), a 1-D ``DeviceMesh`` (its group; pass
+            ``mesh["cp"]`` of a multi-dimensional mesh), or a :class:`LocalGroup`.
+    Returns:
+        None, the ProcessGroup, or the LocalGroup.
+    Raises:
+        ValueError: a multi-dimensional mesh (naming its dimensions), this process not a member
+            (``torch.distributed.new_group`` gives non-members ``GroupMember.NON_GROUP_MEMBER``),
+            or anything else (naming its type).
+    """
+    if group is None or isinstance(group, LocalGroup | dist.ProcessGroup):
+        return group
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            "this process is not a member of the process group it was given "
+            "(torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER to non-members); "
+            "pass this process's own CP group"
+        )
+    mesh_type = _device_mesh_type()
+    if mesh_type is not None and isinstance(group, mesh_type):
+        if group.ndim != 1:
+            names = getattr(group, "mesh_dim_names", None) or tuple(range(group.ndim))
+            raise ValueError(
+                f"the CP group must be a 1-D DeviceMesh, got one of {group.ndim} dimensions "
+                f"{tuple(names)}; pass one of its dimensions, e.g. mesh[{names[-1]!r}]"
+            )
+        return group.get_group()
+    raise ValueError(
+        f"group must be None, a ProcessGroup, a 1-D DeviceMesh or a LocalGroup, got "
+        f"{type(group).__name__} {group!r}"
+    )
+
+
+def _device_mesh_type():
+    """torch's DeviceMesh class, or None where torch.distributed lacks it."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch builds without device_mesh
+        return None
+    return DeviceMesh
 
 
 def group_size(group=None) -> int:

@@ -18,9 +18,13 @@ communicator (or its watchdog times out). So while :func:`execute` runs, a threa
 that peer's error, aborts this rank's process group (NCCL: ``ncclCommAbort`` ends the kernels this
 rank is blocked in, so its next collective fails with :class:`PeerFailure`), and if the rank is
 still stuck a few seconds later (a wait nothing wakes) ends the process with exit code 1. Every
-rank therefore exits within seconds with the failing rank's error. Failures every rank can see
-before a step (a planner that rejects a sequence) are agreed on with :func:`agree_errors` and
-become result rows instead.
+rank therefore exits within seconds with the failing rank's error.
+
+Planning. Each sequence is planned once per CP group, on its rank 0, and its plan (or its
+planner's failure) is broadcast to the group's ranks (:func:`share_planning`,
+:func:`flashcp.ops.collectives.broadcast_plan`) before any step: planners such as the
+time-limited ILP are not deterministic, so ranks planning alone could hold different plans. A
+planner failure becomes the sequence's error rows on every rank, and the run goes on.
 """
 
 from __future__ import annotations
@@ -41,9 +45,21 @@ import torch
 import torch.distributed as dist
 
 from flashcp.comm import AttnShape, check_mode
-from flashcp.executors.rows import check_comm, finish_rows, measure_rows, plan_sequences
+from flashcp.executors.rows import (
+    Planning,
+    check_comm,
+    finish_rows,
+    measure_rows,
+    plan_sequences,
+)
 from flashcp.ops import get_attn_op
-from flashcp.ops.collectives import CommCounter, group_rank, group_size
+from flashcp.ops.collectives import (
+    CommCounter,
+    broadcast_plan,
+    group_rank,
+    group_size,
+    resolve_group,
+)
 from flashcp.ops.sharding import shard_tensor
 from flashcp.ops.timing import PhaseTimer
 from flashcp.plan import Plan
@@ -53,7 +69,6 @@ __all__ = [
     "PeerFailure",
     "abort_group",
     "abort_group_on_error",
-    "agree_errors",
     "check_comm",
     "execute",
     "failure_flag",
@@ -61,6 +76,7 @@ __all__ = [
     "main",
     "measure_step",
     "raise_failure_flag",
+    "share_planning",
     "watch_peers",
 ]
 
@@ -226,18 +242,32 @@ def abort_group_on_error(group=None, what: str = "step") -> Iterator[None]:
         raise
 
 
-def agree_errors(error: str | None, group=None) -> str | None:
-    """Let the ranks agree whether a step may run: every rank passes its own error message (None
-    if it has none); every rank gets the first one, tagged with its rank, or None when no rank
-    has one. A collective (``all_gather_object``) under the group's timeout."""
+def share_planning(plan_here, group=None) -> Planning:
+    """One sequence's planning, done on rank 0 of ``group`` only and given to every rank of it:
+    the plan (:func:`flashcp.ops.collectives.broadcast_plan`, digest-checked) with the planning
+    rank's ``pad_tokens`` and ``plan_ms``, or its planner's failure as every rank's error.
+    A collective of ``group`` (under its timeout).
+
+    Args:
+        plan_here: ``() -> (plan, pad_tokens, plan_ms, error)``
+            (:func:`flashcp.executors.rows.plan_one`), called on rank 0 only.
+    Returns:
+        ``(plan, pad_tokens, plan_ms, error)``, the same on every rank (error: the ``status`` of
+        a failed planning, plan None).
+    """
     if group_size(group) == 1:
-        return error
-    errors: list[str | None] = [None] * group_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    for r, e in enumerate(errors):
-        if e is not None:
-            return e if all(x == e for x in errors) else f"{e} (rank {r})"
-    return None
+        return plan_here()
+    if group_rank(group) == 0:
+        plan, pad_tokens, plan_ms, err = plan_here()
+    else:
+        plan, pad_tokens, plan_ms, err = None, 0, 0.0, None
+    head = [(pad_tokens, plan_ms, err)]  # first the outcome: a failure ends it on every rank
+    root = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(head, src=root, group=group)
+    pad_tokens, plan_ms, err = head[0]
+    if err is not None:
+        return None, pad_tokens, plan_ms, err
+    return broadcast_plan(plan, group), pad_tokens, plan_ms, None
 
 
 def init_from_env(timeout_s: float = 120.0):
@@ -323,6 +353,7 @@ def measure_step(
     if iters < 1 or warmup < 0:
         raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
     device = torch.device(device) if device is not None else torch.device("cpu")
+    group = resolve_group(group)
     n, rank = group_size(group), group_rank(group)
     if n != plan.cp_size:
         raise ValueError(f"plan is for cp_size = {plan.cp_size} but the group has {n} ranks")
@@ -387,22 +418,22 @@ def execute(runs, seqs, *, group=None):
     (:mod:`flashcp.executors`' interface, the row loop of :mod:`flashcp.executors.rows`); rows on
     rank 0, None elsewhere.
 
-    Every rank plans every sequence (a pure function, so identical everywhere) and the ranks agree
-    on whether planning succeeded (:func:`agree_errors`, once per sequence, before any step): a
-    sequence whose planner fails on any rank is a row with ``status = "error: ..."`` on all of
-    them. An exception while measuring (inside collectives) cannot be recovered: the rank that
-    raised prints it and aborts the group, so every other rank stops within seconds
-    (:func:`abort_group_on_error`).
+    Rank 0 of ``group`` plans every sequence and gives every rank its plan, or its failure
+    (:func:`share_planning`, once per sequence, before any step): a sequence whose planner fails
+    is a row with ``status = "error: ..."`` on every rank, and the run goes on. An exception
+    while measuring (inside collectives) cannot be recovered: the rank that raised prints it and
+    aborts the group, so every other rank stops within seconds (:func:`abort_group_on_error`).
 
     Args:
         runs: exactly one :class:`flashcp.executors.RunSpec` (``executor`` options ``backend``,
             ``warmup``, ``iters``, ``timeout_s``).
         seqs: (n_docs,) int64 document lengths per sequence.
-        group: the process group (default: :func:`init_from_env`, ``torchrun``'s ranks).
+        group: the CP group (default: :func:`init_from_env`, ``torchrun``'s ranks; a process
+            group or 1-D DeviceMesh that is one CP group of a larger job: rows on its rank 0).
     Returns:
         the rows (:func:`flashcp.executors.rows.finish_rows`) on rank 0, None on the others.
     Raises:
-        ValueError: several runs, or a world size other than the run's ``cp_size`` (before any
+        ValueError: several runs, or a group size other than the run's ``cp_size`` (before any
             collective).
     """
     if len(runs) != 1:
@@ -411,10 +442,12 @@ def execute(runs, seqs, *, group=None):
     ex = dict(run.executor)
     if group is None:
         group = init_from_env(float(ex.get("timeout_s", 120.0)))
+    group = resolve_group(group)
     world = group_size(group)
     if world != run.cp_size:
         raise ValueError(
-            f"torchrun started {world} ranks but cp_size = {run.cp_size}; they must match"
+            f"the CP group has {world} ranks (torchrun's, unless a group is given) but "
+            f"cp_size = {run.cp_size}; they must match"
         )
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -422,9 +455,9 @@ def execute(runs, seqs, *, group=None):
         else torch.device("cpu")
     )
 
-    def agree(i: int, err: str | None) -> str | None:
-        with abort_group_on_error(group, f"sequence {i}, agreeing on its plan"):
-            return agree_errors(err, group)
+    def share(i: int, plan_here) -> Planning:
+        with abort_group_on_error(group, f"sequence {i}, sharing its plan"):
+            return share_planning(plan_here, group)
 
     def measure(plans: list[Plan], mode: str) -> dict[str, list]:
         (plan,) = plans
@@ -438,7 +471,7 @@ def execute(runs, seqs, *, group=None):
         return {k: [v] for k, v in res.items()}
 
     with watch_peers(group):
-        planned = plan_sequences(run, seqs, agree=agree)
+        planned = plan_sequences(run, seqs, share=share)
         seq_of = {
             id(p): int(planned.seq["seq_idx"][k])
             for k, p in zip(planned.ok, planned.plans, strict=True)

@@ -6,8 +6,9 @@ one device. Everything around that is here, once:
 
 1. :func:`plan_sequences`: plan every sequence of a run (:func:`flashcp.sim.impl.impl_plan`, the
    plan the run's ``impl`` really runs), timed (``plan_ms``, the planner's wall time); a planner
-   that raises makes the sequence's rows ``status = "error: ..."`` (:func:`error_status`), and an
-   ``agree`` callback lets the ranks of a process group agree on those failures before any step.
+   that raises makes the sequence's rows ``status = "error: ..."`` (:func:`error_status`), and a
+   ``share`` callback lets one rank of a process group plan and give every rank its plan or its
+   failure before any step.
 2. :func:`measure_rows`: call the executor's ``measure(plans, mode)`` on batches of the planned
    sequences and build the rows column by column: a row is one (sequence, mode) with the
    sequence's columns (:data:`SEQ_COLUMNS`), the plan's (:data:`PLAN_COLUMNS`, the ILP's solve in
@@ -24,6 +25,7 @@ Shared checks live here too: :func:`check_comm` (counted bytes against the plan'
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +50,7 @@ __all__ = [
     "finish_rows",
     "measure_rows",
     "plan_metrics",
+    "plan_one",
     "plan_sequences",
 ]
 
@@ -161,12 +164,32 @@ class Planned:
     errors: dict[int, str] = field(default_factory=dict)
 
 
+#: one sequence's planning: ``(plan, pad_tokens, plan_ms, error)``, plan None and error the
+#: ``status`` (:func:`error_status`) when the planner raised
+Planning = tuple[Plan | None, int, float, str | None]
+
+
+def plan_one(run: Any, doc_lens: np.ndarray) -> Planning:
+    """Plan one sequence of ``run`` (:func:`flashcp.sim.impl.impl_plan`), timed; a planner that
+    raises gives ``(None, 0, plan_ms, error_status(exc))`` (a failure is a row, not a crash)."""
+    from flashcp.sim.impl import impl_plan
+
+    t0 = time.perf_counter()
+    try:
+        options = dict(run.options)
+        plan, pad_tokens = impl_plan(run.method, run.impl, doc_lens, run.cp_size, **options)
+        err = None
+    except Exception as exc:  # a failure is a row, not a crash (docs/design.md §7)
+        plan, pad_tokens, err = None, 0, error_status(exc)
+    return plan, int(pad_tokens), (time.perf_counter() - t0) * 1e3, err
+
+
 def plan_sequences(
     run: Any,
     seqs: Sequence[np.ndarray],
     *,
     first_idx: int = 0,
-    agree: Callable[[int, str | None], str | None] | None = None,
+    share: Callable[[int, Callable[[], Planning]], Planning] | None = None,
 ) -> Planned:
     """Plan every sequence of ``run``.
 
@@ -174,14 +197,14 @@ def plan_sequences(
         run: a :class:`flashcp.executors.RunSpec` (its method, impl, cp_size and options).
         seqs: (n_docs,) int64 document lengths per sequence.
         first_idx: ``seq_idx`` of ``seqs[0]``.
-        agree: ``agree(seq_idx, error or None) -> error or None``, called for every sequence in
-            order (``executor=dist``: the ranks agree on which sequences failed).
+        share: ``share(seq_idx, plan) -> Planning``, called for every sequence in order with the
+            function that plans it (:func:`plan_one`); ``executor=dist`` calls it on one rank
+            of the CP group and broadcasts its outcome, the plan or the failure, so every rank
+            holds the same plan or the same error. None: plan here.
     Returns:
         a :class:`Planned`; ``plan_ms`` is the planner's wall time, ``pad_tokens`` the tokens its
         impl pads (:func:`flashcp.sim.impl.impl_plan`).
     """
-    from flashcp.sim.impl import impl_plan
-
     planned = Planned(
         seq={
             "seq_idx": np.arange(first_idx, first_idx + len(seqs), dtype=np.int64),
@@ -189,18 +212,10 @@ def plan_sequences(
             "max_doc_len": np.array([d.max() for d in seqs], dtype=np.int64),
         }
     )
-    options = dict(run.options)
     metrics: list[dict[str, Any]] = []
     for k, d in enumerate(seqs):
-        t0 = time.perf_counter()
-        try:
-            plan, pad_tokens = impl_plan(run.method, run.impl, d, run.cp_size, **options)
-            err = None
-        except Exception as exc:  # a failure is a row, not a crash (docs/design.md §7)
-            plan, err = None, error_status(exc)
-        plan_ms = (time.perf_counter() - t0) * 1e3
-        if agree is not None:
-            err = agree(first_idx + k, err)
+        here = functools.partial(plan_one, run, d)
+        plan, pad_tokens, plan_ms, err = here() if share is None else share(first_idx + k, here)
         if err is not None:
             log.warning("sequence %d failed (%s): %s", first_idx + k, run.method, err)
             planned.errors[k] = err

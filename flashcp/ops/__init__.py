@@ -15,9 +15,10 @@ Numerics, the same for every op: the LSE, LSE merges and gradient partial sums a
 :func:`flashcp.ops.collectives.resolve_grad_comm_dtype`), which :func:`flashcp.comm.comm_volume`
 counts.
 
-Typical use inside a training step (one plan per batch, shared by every layer)::
+Typical use inside a training step (one plan per batch, shared by every layer; planned on one
+rank of the CP group ``group`` and broadcast, :func:`flashcp.ops.collectives.plan_on_one_rank`)::
 
-    plan = make_plan_for("flashcp", doc_lens, cp_size)          # pure, same on every rank
+    plan = plan_on_one_rank(lambda: make_plan_for("flashcp", doc_lens, cp_size), group)
     prepare, attn = get_attn_op("flashcp")
     meta = prepare(plan, rank)                                   # once per batch
     x_local = shard_tensor(x, plan, rank)                        # (C / N, ...) local tokens

@@ -53,6 +53,7 @@ from flashcp.ops.collectives import (
     check_same_plan,
     reduce_scatter_tensor,
     resolve_grad_comm_dtype,
+    resolve_group,
 )
 from flashcp.ops.timing import as_timer
 from flashcp.plan import Plan, cu_seqlens
@@ -576,7 +577,8 @@ def allgather_attention(
             float64 inputs are computed in float64 end to end with ``backend="reference"``.
         meta: from the method's ``prepare(plan, rank)`` (:func:`build_allgather_meta`); reuse it
             for every layer.
-        group: process group of the CP ranks (default: the world); size ``cp_size``.
+        group: process group of the CP ranks (default: the world; a subgroup of the job or a 1-D
+            ``DeviceMesh``: :func:`~flashcp.ops.collectives.resolve_group`); size ``cp_size``.
         method: the method whose metadata ``meta`` must be.
         softmax_scale: default ``1 / sqrt(head_dim)``
             (:func:`~flashcp.ops.backends.resolve_softmax_scale`).
@@ -600,6 +602,7 @@ def allgather_attention(
         ValueError: bad metadata, shapes, dtypes, options or group (before any communication), or
             ranks holding different plans (checked once per group before the first collective).
     """
+    group = resolve_group(group)
     check_inputs(q, k, v, meta, AllGatherMeta, method, group)
     resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)  # raises on a bad value
     check_heads_per_group(heads_per_group)

@@ -9,36 +9,49 @@ rank *received*, by kind, with the same keys and conventions as :func:`flashcp.c
 * all-to-all of a buffer of ``b`` bytes split in N equal parts: this rank receives
   ``(N - 1) / N * b`` (it keeps its own part).
 
+Plans are made once per CP group and broadcast (:func:`broadcast_plan`, :func:`plan_on_one_rank`):
+a time-limited ILP is not deterministic, and N ranks planning one sequence pay N times its time.
+
 Gradient partial sums cross ranks in one dtype chosen by :func:`resolve_grad_comm_dtype` (the
 ``grad_comm_dtype`` option of every CP op).
 
-``group`` may also be a :class:`LocalGroup`, an in-process stand-in for a process group: the
+``group`` is the CP group: None (the default group), a ``torch.distributed`` process group (one CP
+group of several in a larger job: its ranks are the plan's ranks, P2P peers are translated to
+global ranks where torch needs them), a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]``:
+:func:`resolve_group`), or a :class:`LocalGroup`, an in-process stand-in for a process group: the
 wrappers (and :class:`flashcp.ops.ring_comm.RingComm`) then route every collective through its
 methods instead of ``torch.distributed``, and its :meth:`LocalGroup.new_subgroup` stands in for
-``torch.distributed.new_group``. ``executor=emulate`` (:mod:`flashcp.executors.emulate`)
-uses it to run the ops' own code for one rank on one device.
+``torch.distributed.new_group``. ``executor=emulate`` (:mod:`flashcp.executors.emulate`) uses it to
+run the ops' own code for one rank on one device.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from flashcp.ops.backends import compute_dtype
+from flashcp.plan import Plan
 
 __all__ = [
     "COMM_KINDS",
     "GRAD_COMM_DTYPES",
     "CommCounter",
     "LocalGroup",
+    "PlanningFailed",
     "all_gather_into_tensor",
     "all_to_all_single",
+    "broadcast_plan",
     "check_qkv",
     "check_same_plan",
     "group_rank",
     "group_size",
+    "plan_on_one_rank",
     "reduce_scatter_tensor",
     "resolve_grad_comm_dtype",
+    "resolve_group",
 ]
 
 COMM_KINDS: tuple[str, ...] = ("allgather", "reducescatter", "p2p", "alltoall")
@@ -211,6 +224,52 @@ def check_qkv(q, k, v, *, tokens: int, rank: int, cp_size: int, group=None) -> N
         )
 
 
+def resolve_group(group):
+    """The process group an op runs on, from what a caller may pass as its CP group.
+
+    Args:
+        group: None (the default group), a ``torch.distributed.ProcessGroup`` (any subgroup of the
+            job: the plan's rank r is this group's rank r), a 1-D ``DeviceMesh`` (its group; pass
+            ``mesh["cp"]`` of a multi-dimensional mesh), or a :class:`LocalGroup`.
+    Returns:
+        None, the ProcessGroup, or the LocalGroup.
+    Raises:
+        ValueError: a multi-dimensional mesh (naming its dimensions), this process not a member
+            (``torch.distributed.new_group`` gives non-members ``GroupMember.NON_GROUP_MEMBER``),
+            or anything else (naming its type).
+    """
+    if group is None or isinstance(group, LocalGroup | dist.ProcessGroup):
+        return group
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            "this process is not a member of the process group it was given "
+            "(torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER to non-members); "
+            "pass this process's own CP group"
+        )
+    mesh_type = _device_mesh_type()
+    if mesh_type is not None and isinstance(group, mesh_type):
+        if group.ndim != 1:
+            names = getattr(group, "mesh_dim_names", None) or tuple(range(group.ndim))
+            raise ValueError(
+                f"the CP group must be a 1-D DeviceMesh, got one of {group.ndim} dimensions "
+                f"{tuple(names)}; pass one of its dimensions, e.g. mesh[{names[-1]!r}]"
+            )
+        return group.get_group()
+    raise ValueError(
+        f"group must be None, a ProcessGroup, a 1-D DeviceMesh or a LocalGroup, got "
+        f"{type(group).__name__} {group!r}"
+    )
+
+
+def _device_mesh_type():
+    """torch's DeviceMesh class, or None where torch.distributed lacks it."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch builds without device_mesh
+        return None
+    return DeviceMesh
+
+
 def group_size(group=None) -> int:
     """World size of ``group`` (1 when torch.distributed is not initialised)."""
     if isinstance(group, LocalGroup):
@@ -346,3 +405,106 @@ def check_same_plan(plan, group=None) -> None:
             by.setdefault(x, []).append(r)
         groups = "; ".join(f"ranks {rs} hold {x:015x}" for x, rs in by.items())
         raise ValueError(f"ranks hold different plans (plan digests differ: {groups})")
+
+
+class PlanningFailed(RuntimeError):
+    """The planner raised on the planning rank of :func:`broadcast_plan`; every rank of the group
+    raises this, its message ``"<type>: <message>"`` of the planner's exception."""
+
+
+def broadcast_plan(plan, group=None, *, src: int = 0) -> Plan:
+    """Give every rank of ``group`` the plan made on its rank ``src`` (one
+    ``broadcast_object_list`` on ``group``; the received plan's digest is checked).
+
+    Plan each sequence on one rank of the CP group and call this on every rank of it, instead of
+    planning on every rank: planners such as the time-limited ILP are not deterministic (thread
+    timing, load), so ranks planning alone may hold different plans, and N ranks pay N times the
+    planning time. A planner failure on ``src`` is passed on, so the other ranks raise too instead
+    of waiting in the op's first collective. Under NCCL the object travels through the current
+    CUDA device; pass a gloo group of the same ranks to keep it on the host.
+
+    Args:
+        plan: on ``src``: the :class:`~flashcp.plan.Plan`, or the exception its planner raised;
+            on the other ranks: ignored (None).
+        group: the CP group (:func:`resolve_group`: None, a process group, a 1-D DeviceMesh);
+            an in-process :class:`LocalGroup` or a one-rank group sends nothing.
+        src: the planning rank, a rank of ``group`` (not a global rank).
+    Returns:
+        the plan: ``plan`` itself on ``src``, an equal copy elsewhere.
+    Raises:
+        ValueError: ``src`` not a rank of the group (before any communication), or on ``src`` a
+            ``plan`` that is neither a Plan nor an exception (every rank raises it).
+        PlanningFailed: ``plan`` on ``src`` was an exception (every rank raises it).
+        RuntimeError: a received plan whose digest differs from the sent one.
+    """
+    group = resolve_group(group)
+    n = group_size(group)
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
+        raise ValueError(f"src must be a rank of the group, in [0, {n}), got {src!r}")
+    if n == 1 or isinstance(group, LocalGroup) or group_rank(group) == src:
+        payload = _plan_payload(plan)
+        if n > 1 and not isinstance(group, LocalGroup):
+            _broadcast_objects([payload], group, src)
+        return _unpack_plan(payload, plan)
+    got = [None]
+    _broadcast_objects(got, group, src)
+    return _unpack_plan(got[0], None)
+
+
+def plan_on_one_rank(planner: Callable[[], Plan], group=None, *, src: int = 0) -> Plan:
+    """Run ``planner()`` on rank ``src`` of ``group`` only and give its plan to every rank
+    (:func:`broadcast_plan`), e.g. in a training loop, once per batch on every rank of the CP
+    group: ``plan = plan_on_one_rank(lambda: make_plan_for("ilp", doc_lens, cp_size), group)``.
+
+    Args:
+        planner: called with no arguments on ``src``, returns the Plan; never called elsewhere.
+        group, src: as :func:`broadcast_plan`.
+    Returns:
+        the plan, on every rank.
+    Raises:
+        ValueError, RuntimeError: as :func:`broadcast_plan`.
+        PlanningFailed: ``planner`` raised on ``src`` (on every rank).
+    """
+    group = resolve_group(group)
+    n = group_size(group)
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
+        raise ValueError(f"src must be a rank of the group, in [0, {n}), got {src!r}")
+    plan = None
+    if group_rank(group) == src or isinstance(group, LocalGroup):
+        try:
+            plan = planner()
+        except Exception as exc:  # passed on to every rank by broadcast_plan
+            plan = exc
+    return broadcast_plan(plan, group, src=src)
+
+
+def _plan_payload(plan) -> tuple:
+    """What :func:`broadcast_plan` sends: ``("plan", plan, digest)``, ``("failed", message)`` or
+    ``("bad", message)``."""
+    if isinstance(plan, Plan):
+        return ("plan", plan, plan.digest())
+    if isinstance(plan, BaseException):
+        return ("failed", f"{type(plan).__name__}: {plan}")
+    return ("bad", f"broadcast_plan: the planning rank passed {type(plan).__name__}, not a Plan "
+                   "or the exception its planner raised")  # fmt: skip
+
+
+def _unpack_plan(payload: tuple, own) -> Plan:
+    kind = payload[0]
+    if kind == "failed":
+        raise PlanningFailed(payload[1]) from (own if isinstance(own, BaseException) else None)
+    if kind == "bad":
+        raise ValueError(payload[1])
+    plan, digest = payload[1], payload[2]
+    if own is None and plan.digest() != digest:
+        raise RuntimeError(
+            f"broadcast_plan: the received plan's digest {plan.digest()} differs from the sent "
+            f"{digest}"
+        )
+    return plan
+
+
+def _broadcast_objects(objects: list, group, src: int) -> None:
+    """``broadcast_object_list`` from group rank ``src`` (torch takes a global rank)."""
+    root = src if group is None else dist.get_global_rank(group, src)
+    dist.broadcast_object_list(objects, src=root, group=group)

@@ -4,9 +4,12 @@
 Layout (:func:`flashcp.head_parallel.split_groups`): ranks ``g u .. g u + u - 1`` form group g and
 hold, in order, the rows of super-rank g of the plan's :meth:`~flashcp.plan.Plan.group_plan`.
 Process groups (:func:`hybrid_groups`, 2-D): ``intra`` = the u ranks of this rank's group,
-``cross`` = the G = N/u ranks with this rank's position j inside their groups (made with
-``torch.distributed.new_group``, or, for an in-process group of ``executor=emulate``, with its
-``new_subgroup``).
+``cross`` = the G = N/u ranks with this rank's position j inside their groups; ranks are the CP
+group's (group ranks, for a CP group that is one of several in a larger job). They are made with
+``torch.distributed.new_group``, which every process of the job must call for every group in the
+same order, so with several CP groups every process makes every CP group's 2-D groups
+(:func:`hybrid_groups`); an in-process group of ``executor=emulate`` makes them with its
+``new_subgroup``.
 
 Forward: KV heads replicated when num_kv_heads < u; one all-to-all inside the group
 (:func:`flashcp.ops.ulysses_attn.scatter_heads`) gives each rank the super-rank's rows for its
@@ -52,9 +55,9 @@ from flashcp.ops.collectives import (
     LocalGroup,
     check_qkv,
     check_same_plan,
-    group_rank,
     group_size,
     resolve_grad_comm_dtype,
+    resolve_group,
 )
 from flashcp.ops.ring_attn import RingMeta, prepare_ring_meta, ring_backward, ring_forward
 from flashcp.ops.ring_comm import RingComm
@@ -94,38 +97,116 @@ class HybridGroups:
 
 
 def hybrid_groups(degree: int, group=None) -> HybridGroups:
-    """Make the 2-D process groups of ``group`` (None: the default group) for Ulysses degree u.
+    """Make the 2-D process groups of the CP group ``group`` for Ulysses degree u.
 
-    Collective: every rank of ``group`` must call it with the same ``degree`` (it creates all
-    N/u intra and u cross groups, in the same order, with ``torch.distributed.new_group``). Make
-    them once and pass the result as the ops' ``group`` to reuse them batch after batch. An
-    in-process :class:`~flashcp.ops.collectives.LocalGroup` (``executor=emulate``) makes this
-    rank's two groups with its :meth:`~flashcp.ops.collectives.LocalGroup.new_subgroup` instead
-    (no ``torch.distributed``).
+    Collective over the whole job: ``torch.distributed.new_group`` must be called by every process
+    of the default group, in the same order, for every group, so every process calls this at the
+    same point with its own CP group (one of disjoint CP groups covering the job, e.g. the
+    ``cp`` groups of a data x CP mesh) and its degree. When ``group`` is the whole job the
+    groups are made directly; otherwise the processes first all-gather their CP groups' ranks and
+    degrees (one ``all_gather_object`` on the default group), check them, and make every CP
+    group's N/u intra and u cross groups, CP groups in order of their ranks. Make them once and
+    pass the result as the ops' ``group`` batch after batch (the ops otherwise make them on their
+    first call, the same collective). An in-process
+    :class:`~flashcp.ops.collectives.LocalGroup` (``executor=emulate``) makes this rank's two
+    groups with its :meth:`~flashcp.ops.collectives.LocalGroup.new_subgroup` instead (no
+    ``torch.distributed``).
 
+    Args:
+        degree: u, dividing the CP group's size N.
+        group: None (the default group), a process group, a 1-D ``DeviceMesh``
+            (:func:`~flashcp.ops.collectives.resolve_group`) or a LocalGroup.
+    Returns:
+        this process's :class:`HybridGroups` (``parent``: the CP process group).
     Raises:
-        ValueError: ``degree`` does not divide the group's size.
+        ValueError: ``degree`` does not divide N, or (on every process, after the all-gather)
+            some process's does not, the CP groups of the job overlap, members of one CP group
+            pass different degrees, or a CP group's ranks are not ascending in group-rank order.
     """
+    group = resolve_group(group)
     n = group_size(group)
-    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1 or n % degree:
-        raise ValueError(f"ulysses_degree = {degree!r} does not divide the {n} ranks of the group")
+    bad = isinstance(degree, bool) or not isinstance(degree, int) or degree < 1 or n % degree
+    error = (
+        f"ulysses_degree = {degree!r} does not divide the {n} ranks of the group" if bad else None
+    )
     if isinstance(group, LocalGroup):
+        if error:
+            raise ValueError(error)
         g, j = divmod(group.rank(), degree)
         intra = group.new_subgroup(list(range(g * degree, (g + 1) * degree)))
         return HybridGroups(degree, group, intra, group.new_subgroup(list(range(j, n, degree))))
-    if n == 1 or not dist.is_initialized():
-        return HybridGroups(degree, group, None, None)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
-    me = group_rank(group)
-    g, j = divmod(me, degree)
-    intra = cross = None
-    for gg in range(n // degree):
-        made = dist.new_group(ranks[gg * degree : (gg + 1) * degree])
-        intra = made if gg == g else intra
-    for jj in range(degree):
-        made = dist.new_group(ranks[jj::degree])
-        cross = made if jj == j else cross
-    return HybridGroups(degree, group, intra, cross)
+    if not dist.is_initialized() or n == dist.get_world_size():  # the whole job is one CP group
+        if error:
+            raise ValueError(error)
+        if n == 1:
+            return HybridGroups(degree, group, None, None)
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+        return _make_2d([(ranks, degree)], dist.get_rank(), group)
+    ranks = dist.get_process_group_ranks(group)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (ranks, degree, error))  # the default group: the whole job
+    return _make_2d(_cp_layout(every), dist.get_rank(), group)
+
+
+def _cp_layout(every: list) -> list[tuple[list[int], int]]:
+    """The job's CP groups and degrees, from every process's ``(ranks, degree, error)`` (the same
+    list on every process, so every process raises the same error or none).
+
+    Raises:
+        ValueError: an error, overlapping groups, degrees that differ inside a group, or ranks
+            that are not ascending.
+    """
+    for p, (_, _, error) in enumerate(every):
+        if error is not None:
+            raise ValueError(f"{error} (global rank {p})")
+    layout: dict[tuple[int, ...], int] = {}
+    for p, (ranks, degree, _) in enumerate(every):
+        key = tuple(ranks)
+        if layout.setdefault(key, degree) != degree:
+            raise ValueError(
+                f"the members of CP group {list(key)} pass different ulysses_degree values "
+                f"({layout[key]} and {degree}, global rank {p})"
+            )
+        if list(key) != sorted(key):
+            raise ValueError(
+                f"CP group {list(key)}: its ranks must be ascending in group-rank order for its "
+                "2-D groups"
+            )
+    owner: dict[int, tuple[int, ...]] = {}
+    for key in layout:
+        for r in key:
+            if r in owner:
+                raise ValueError(
+                    f"the CP groups of the job overlap: {list(owner[r])} and {list(key)} share "
+                    f"global rank {r}; every process must pass its own CP group, the CP groups "
+                    "being disjoint"
+                )
+            owner[r] = key
+    return [(list(key), layout[key]) for key in sorted(layout)]
+
+
+def _make_2d(layout: list[tuple[list[int], int]], me: int, parent=None) -> HybridGroups:
+    """Make every CP group's intra groups, then its cross groups, CP groups in ``layout`` order
+    (``torch.distributed.new_group`` on every process, as torch requires); the groups of the CP
+    group holding global rank ``me``."""
+    mine = None
+    for ranks, u in layout:
+        if me not in ranks:
+            for gg in range(len(ranks) // u):
+                dist.new_group(ranks[gg * u : (gg + 1) * u])
+            for jj in range(u):
+                dist.new_group(ranks[jj::u])
+            continue
+        g, j = divmod(ranks.index(me), u)
+        intra = cross = None
+        for gg in range(len(ranks) // u):
+            made = dist.new_group(ranks[gg * u : (gg + 1) * u])
+            intra = made if gg == g else intra
+        for jj in range(u):
+            made = dist.new_group(ranks[jj::u])
+            cross = made if jj == j else cross
+        mine = HybridGroups(u, parent, intra, cross)
+    return mine
 
 
 #: 2-D groups already made in this process, per (CP group, degree): ``(group, default group at the
@@ -360,10 +441,12 @@ def hybrid_attention(q, k, v, meta: HybridMeta, group=None, *, method: str, soft
         q: (C/N, num_heads, head_dim); k, v: (C/N, num_kv_heads, head_dim), laid out as the plan
             gives this rank (:func:`flashcp.ops.sharding.shard_tensor`). Any float dtype.
         meta: from :func:`prepare_hybrid` for ``method``.
-        group: the N CP ranks (None: the default group; or an in-process
+        group: the N CP ranks (None: the default group; a process group or 1-D ``DeviceMesh``
+            that is one CP group of a larger job; or an in-process
             :class:`~flashcp.ops.collectives.LocalGroup`), or their :func:`hybrid_groups`; for a
-            plain group they are made on the first call with its degree (a collective of every
-            rank) and reused by later calls in this process.
+            plain group they are made on the first call with its degree (:func:`hybrid_groups`:
+            a collective of every process of the job, which every CP group's op call makes at
+            the same step) and reused by later calls in this process.
         softmax_scale, backend, timer: as every op's; counter: ``CommCounter`` (``alltoall``
             bytes, and the inner op's ``p2p`` or ``allgather`` / ``reducescatter`` bytes).
         grad_comm_dtype: dtype of the inner op's gradient partial sums and of replicated KV
@@ -375,6 +458,8 @@ def hybrid_attention(q, k, v, meta: HybridMeta, group=None, *, method: str, soft
             degrees), a bad ``softmax_scale`` (all before any
             communication), or ranks holding different plans.
     """
+    if not isinstance(group, HybridGroups):
+        group = resolve_group(group)
     heads = _check_inputs(q, k, v, meta, method, group, grad_comm_dtype)
     scale = resolve_softmax_scale(softmax_scale, q.shape[2])
     be = (

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from flashcp.ops.backends import VarlenBackend, compute_dtype, get_backend, resolve_softmax_scale
-from flashcp.ops.collectives import check_qkv, resolve_grad_comm_dtype
+from flashcp.ops.collectives import check_qkv, resolve_grad_comm_dtype, resolve_group
 from flashcp.ops.lse import merge_lse_rows_, new_accumulator
 from flashcp.ops.ring_comm import RingComm
 from flashcp.ops.ring_meta import BlockCall, RingMeta, Rows, prepare_ring_meta
@@ -271,7 +271,9 @@ def ring_attention(
             the plan says (``flashcp.ops.sharding.shard_tensor``). Any float dtype.
         meta: from :func:`~flashcp.ops.ring_meta.prepare_ring_meta` for ``method``
             (``flashcp.ops.get_attn_op(method)`` binds both).
-        group: process group of the N CP ranks (None: the default group).
+        group: process group of the N CP ranks (None: the default group; any subgroup of the
+            job or a 1-D ``DeviceMesh``: :func:`~flashcp.ops.collectives.resolve_group`; the ring's
+            peers are this group's neighbours, as global ranks).
         method: the plan's method, e.g. ``ring`` or ``zigzag`` (must match the metadata).
         softmax_scale: default ``1 / sqrt(head_dim)``
             (:func:`~flashcp.ops.backends.resolve_softmax_scale`).
@@ -292,6 +294,7 @@ def ring_attention(
             > 0 (all before any communication), an unavailable backend, or ranks holding
             different plans (after one small all-gather of digests).
     """
+    group = resolve_group(group)
     _check_inputs(q, k, v, meta, method, group, grad_comm_dtype)
     be = (
         get_backend(backend, q.device, dtype=q.dtype, head_dim=q.shape[2])

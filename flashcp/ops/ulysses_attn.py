@@ -38,6 +38,7 @@ from flashcp.ops.collectives import (
     check_qkv,
     check_same_plan,
     resolve_grad_comm_dtype,
+    resolve_group,
 )
 from flashcp.ops.timing import as_timer
 from flashcp.plan import Plan, cu_seqlens
@@ -319,7 +320,8 @@ def ulysses_attn(
         q: (C/N, num_heads, head_dim); k, v: (C/N, num_kv_heads, head_dim): rank r's contiguous
             chunk of the packed sequence. Any float dtype; float64 end to end with
             ``backend="reference"``.
-        meta: from :func:`prepare_ulysses`; group: the N CP ranks (None: the default group).
+        meta: from :func:`prepare_ulysses`; group: the N CP ranks (None: the default group; a
+            process group or 1-D ``DeviceMesh``: :func:`~flashcp.ops.collectives.resolve_group`).
         softmax_scale: default ``1 / sqrt(head_dim)``; backend: kernel backend name or object;
         counter: ``CommCounter`` (received ``alltoall`` bytes); timer: ``PhaseTimer`` (phases
             ``alltoall``, ``attn_fwd``, ``attn_bwd``, ``others``).
@@ -333,6 +335,7 @@ def ulysses_attn(
             degrees), a bad ``softmax_scale`` (all before any communication), or ranks holding
             different plans.
     """
+    group = resolve_group(group)
     heads = _check_inputs(q, k, v, meta, method, group, grad_comm_dtype)
     scale = resolve_softmax_scale(softmax_scale, q.shape[2])
     be = (

@@ -126,34 +126,102 @@ def test_a_rank_failure_ends_every_rank_within_seconds():
             assert "PeerFailure" in text and "another rank failed" in text
 
 
-def _dist_rows(rank, n):
+def _layout(rank: int, doc_lens, n: int):
+    """The stand-in planner's per_doc plan on global rank ``rank``: the per_doc planner's on even
+    ranks, the ring's contiguous chunks (another valid layout) on odd ones."""
+    from flashcp.plan import make_plan
+    from flashcp.registry import get_planner
+
+    if rank % 2 == 0:
+        return get_planner("per_doc")(doc_lens, n)
+    ring = get_planner("ring")(doc_lens, n)
+    return make_plan("per_doc", n, ring.doc_lens, ring.rank, ring.doc, ring.start, ring.length)
+
+
+def _planned_once(rank, n, cp_groups, fail_on):
+    """``execute`` on this process's CP group (one of ``cp_groups``) with a per_doc stand-in
+    planner that counts its calls, gives odd global ranks another layout (a nondeterministic
+    planner: ranks planning alone hold different plans) and raises for the second sequence on the
+    global ranks ``fail_on``; plus ``plan_sequences`` with the executor's sharing directly, whose
+    outcome every rank returns."""
+    import torch.distributed as dist
+
     import flashcp.registry as registry
     from flashcp.comm import AttnShape
     from flashcp.executors import RunSpec, execute
 
-    real = registry.get_planner("per_doc")
+    calls, get_planner = [], registry.get_planner
 
     def planner(doc_lens, cp_size, **options):
-        if rank == 1 and len(doc_lens) == 2:  # the second sequence fails on rank 1 only
+        calls.append(len(doc_lens))
+        if rank in fail_on and len(doc_lens) == 2:  # the second sequence
             raise ValueError("planner rejects this sequence")
-        return real(doc_lens, cp_size, **options)
+        registry.get_planner = get_planner  # the real planners inside _layout
+        try:
+            return _layout(rank, doc_lens, cp_size)
+        finally:
+            registry.get_planner = lambda name: planner
 
     registry.get_planner = lambda name: planner
+    made = [dist.new_group(g) for g in cp_groups]
+    group = next(g for g, ranks in zip(made, cp_groups, strict=True) if rank in ranks)
     spec = RunSpec(
-        method="per_doc", cp_size=n, shape=AttnShape(4, 2, 8, "float32"), modes=("infer",),
-        executor={"backend": "cpu", "warmup": 0, "iters": 1, "timeout_s": 30},
+        method="per_doc", cp_size=len(cp_groups[0]), shape=AttnShape(4, 2, 8, "float32"),
+        modes=("infer",), executor={"backend": "cpu", "warmup": 0, "iters": 1, "timeout_s": 30},
     )  # fmt: skip
     seqs = [np.array(LENS), np.array([64, 64]), np.array([100, 20, 8])]
-    rows = execute("dist", [spec], seqs)
-    return None if rows is None else rows.to_dict("records")
+    rows = execute("dist", [spec], seqs, group=group)
+    executed = len(calls)
+    from flashcp.executors.dist import share_planning
+    from flashcp.executors.rows import plan_sequences
+
+    planned = plan_sequences(spec, seqs, share=lambda i, here: share_planning(here, group))
+    return {
+        "rows": None if rows is None else rows.to_dict("records"),
+        "calls": executed,
+        "errors": planned.errors,
+        "digests": [p.digest() for p in planned.plans],
+    }
 
 
-def test_a_failing_sequence_is_a_status_row():
-    res = run_ranks(_dist_rows, 2, timeout_s=120)
-    rows = res[0]
-    assert res[1] is None and [r["seq_idx"] for r in rows] == [0, 1, 2]
-    assert rows[0]["status"] == "ok" and rows[2]["status"] == "ok" and rows[2]["total_ms"] > 0
-    assert rows[1]["status"] == "error: ValueError: planner rejects this sequence (rank 1)"
+@pytest.mark.parametrize(
+    "cp_groups", [[[0, 1]], [[0, 1], [2, 3]], [[0, 2], [1, 3]]], ids=["world", "halves", "strided"]
+)
+def test_one_rank_per_cp_group_plans_and_every_rank_runs_its_plan(cp_groups):
+    """Odd global ranks' planner gives another layout: ranks planning alone would hold different
+    plans and the op's plan check would end the run. Each CP group plans each sequence once (on
+    its rank 0, ``calls``) and every rank runs that plan; the planner raising on a group's rank 0
+    is an error row on every rank and the next sequence runs."""
+    world = sum(len(g) for g in cp_groups)
+    firsts = [g[0] for g in cp_groups]
+    res = run_ranks(_planned_once, world, cp_groups, firsts, timeout_s=120)
+    digests = {}
+    for ranks in cp_groups:
+        rows = res[ranks[0]]["rows"]
+        assert [r["seq_idx"] for r in rows] == [0, 1, 2]
+        assert [r["status"] for r in rows] == [
+            "ok", "error: ValueError: planner rejects this sequence", "ok"
+        ]  # fmt: skip
+        assert rows[2]["total_ms"] > 0 and rows[0]["plan_ms"] > 0
+        for r in ranks:
+            assert res[r]["calls"] == (3 if r == ranks[0] else 0), (r, res[r]["calls"])
+            assert res[r]["errors"] == {1: "error: ValueError: planner rejects this sequence"}
+            assert res[r]["rows"] is None or r == ranks[0]
+            digests[r] = res[r]["digests"]
+        # one plan per sequence in the group: its rank 0's layout
+        want = [_layout(ranks[0], np.array(d), len(ranks)).digest() for d in (LENS, [100, 20, 8])]
+        assert all(digests[r] == want for r in ranks), (ranks, digests, want)
+
+
+def _rank_one_fails(rank, n):
+    """Only rank 1's planner raises: rank 1 plans nothing, so every row is ok."""
+    return _planned_once(rank, n, [[0, 1]], [1])
+
+
+def test_a_planner_that_raises_off_the_planning_rank_is_never_called():
+    res = run_ranks(_rank_one_fails, 2, timeout_s=120)
+    assert [r["status"] for r in res[0]["rows"]] == ["ok", "ok", "ok"]
+    assert res[1]["calls"] == 0 and res[1]["errors"] == {}
 
 
 # ---- NCCL's case on gloo: a peer's abort does not end this rank's wait ------------------------------

@@ -149,7 +149,7 @@ def _check(n, cases, methods, results):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_allgather_family_matches_reference(n):
     cases = _cases(n)
     results = run_ranks(_run_cases, n, cases, METHODS, timeout_s=240)

@@ -215,6 +215,7 @@ def test_block_pieces_tile_documents_end_aligned():
         block_pieces(d, 0)
 
 
+@pytest.mark.slow
 def test_ilp_warm_start_never_worse_than_its_seed():
     rng = np.random.default_rng(0)
     d = rng.integers(1, 300, size=12)

@@ -27,6 +27,8 @@ from experiments.run import CONF_DIR, run
 from flashcp.config import register_configs
 from flashcp.results import read_rows
 
+pytestmark = pytest.mark.slow  # a Fig. 5 slice recomputed through the app: the full suite runs it
+
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "results" / "fig5" / "summary.csv"
 #: the slice of Fig. 5's grid that is recomputed

@@ -31,7 +31,9 @@ def _roundtrip(plan: Plan) -> Plan:
     return back
 
 
-@pytest.mark.parametrize("method", method_names())
+@pytest.mark.parametrize(
+    "method", [pytest.param(m, marks=pytest.mark.slow) if m == "ilp" else m for m in method_names()]
+)
 def test_every_plan_roundtrips_through_json(method):
     lens = [300, 40, 1200, 7, 500, 2049]  # 4096 tokens
     inputs = {

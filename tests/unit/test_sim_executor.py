@@ -97,6 +97,7 @@ def _compose(*overrides: str):
 GRID = ("grid.method=[llama3,flashcp]", "grid.cp_size=[2,4]", "grid.model=[h16,h32]")
 
 
+@pytest.mark.slow
 def test_grid_runs_are_the_runs_overrides_compose():
     base = ("context_len=8192", "num_sequences=2", "dataset=pile")
     runs = grid_runs(_compose(*base, *GRID, "grid.hardware=[h100_sxm,a100_sxm]"))
@@ -132,6 +133,7 @@ def test_a_grid_misspelt_fails_at_compose_time():
         _compose("grid.modelz=[h16]")
 
 
+@pytest.mark.slow
 def test_a_grid_job_writes_the_rows_of_separate_jobs(tmp_path):
     base = (f"results_dir={tmp_path}", "context_len=8192", "num_sequences=2", "dataset=pile",
             "progress=false")  # fmt: skip

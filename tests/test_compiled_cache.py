@@ -30,7 +30,7 @@ NOTICE = "the compiled kernels cannot be cached"
 #: a kernel appended to both modules: it calls plan_kernels._failed, which heuristic_compiled
 #: imports from plan_kernels (as its flashcp_plan does); tiny, so that it compiles in a second
 PROBE = "\n\n@njit(cache=True)\ndef probe(status):\n    return _failed(status)\n"
-#: what each process prints: per module, the probe's result and whether it came from the cache
+#: what each process prints: per module, the probe's result and its loads from the cache
 PROBE_RUN = (
     "import json, sys\n"
     "from flashcp import compiled\n"

@@ -12,12 +12,13 @@ the cost model, which import :mod:`flashcp.compiled`).
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
 from flashcp import compiled
 
-__all__ = ["PRELOAD_PLANS", "main", "preload", "warm_up"]
+__all__ = ["PRELOAD_PLANS", "main", "preload", "prune", "warm_up"]
 
 #: plans a job makes from which it loads every kernel before its first plan (:func:`preload`):
 #: about a second's work of the references, what loading the kernels costs
@@ -26,7 +27,8 @@ PRELOAD_PLANS = 2000
 
 def warm_up(marker: Path | None = None, *, mark: bool = True) -> float:
     """Compile (or load from numba's cache) every kernel in this process by planning and pricing a
-    few small plans with every compiled path, then mark the cache ready.
+    few small plans with every compiled path, then mark the cache ready and :func:`prune` the
+    caches of older sources.
 
     Args:
         marker: the ready marker to write (default: this checkout's,
@@ -56,7 +58,32 @@ def warm_up(marker: Path | None = None, *, mark: bool = True) -> float:
     marker = marker if marker is not None else compiled.marker()
     if mark and marker is not None:
         marker.touch()
+        prune(marker.parent)
     return time.perf_counter() - t0
+
+
+def prune(folder: Path) -> list[Path]:
+    """Remove the kernels caches of other keys (older sources: about 6 MB each) beside ``folder``
+    when it is in this checkout's ``flashcp/__pycache__``; a folder shared with other checkouts
+    (``NUMBA_CACHE_DIR``, the user's cache) is left alone, as they may use those keys. A process
+    still running the older kernels recompiles a kernel it has not loaded yet.
+
+    Returns:
+        The paths removed.
+    """
+    own = Path(compiled.__file__).resolve().parent / "__pycache__"
+    if folder.resolve().parent != own:
+        return []
+    removed = []
+    for other in sorted(own.glob("kernels-*")):
+        if other.name == folder.name:
+            continue
+        if other.is_dir():
+            shutil.rmtree(other, ignore_errors=True)
+        else:  # a ready marker or lock of the layout before the keyed folders
+            other.unlink(missing_ok=True)
+        removed.append(other)
+    return removed
 
 
 def preload() -> bool:

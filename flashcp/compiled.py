@@ -19,16 +19,20 @@ sweep never does. ``FLASHCP_COMPILED=1`` uses the kernels from the first call (t
 the tests of the kernels), ``FLASHCP_COMPILED=0`` never. The mode only decides the speed: the
 plans are the same.
 
-The kernels are compiled with ``cache=True`` and written beside their sources (``__pycache__``),
-once per machine (a minute or more on 2 busy cores). In ``auto`` mode that compile is kept off the
-command that needs it: a process that finds the cache cold starts
-:func:`flashcp.compile_cache.warm_up` in a detached
-background process at the lowest CPU priority (:data:`WARM_UP_COMMAND`; one per checkout,
-under a lock file) and goes on with the references; it looks again every :data:`RECHECK_CALLS`
-requests and switches to the kernels once the background compile has marked the cache ready
-(``__pycache__/kernels-<key>.ready``, the key hashing the Python and numba versions and the
-kernels' sources). Where ``__pycache__`` cannot be written (a read-only install) the kernels are
-compiled in the process, as with ``FLASHCP_COMPILED=1``.
+The kernels are compiled once per machine (a minute or more on 2 busy cores) and cached by numba
+in a folder named by a key over every kernel module's source (:func:`njit`, :func:`cache_folder`):
+numba keys a function's cached code on its own file only, so without the key a kernel that calls
+one of another module (``flashcp_plan`` calls ``finish_plan``) kept the callee's old code after an
+edit of that module. The folder is ``kernels-<key>`` under the first of ``$NUMBA_CACHE_DIR/flashcp``
+(when set), ``flashcp/__pycache__`` and ``$XDG_CACHE_HOME/flashcp`` (default ``~/.cache``) that
+can be written; where none can (a read-only install and home) the kernels are not cached: ``auto``
+mode runs the references and ``FLASHCP_COMPILED=1`` compiles them in each process, each saying so
+in one log line (same plans either way). In ``auto`` mode the compile is kept off the command
+that needs it: a process that finds the cache cold starts :func:`flashcp.compile_cache.warm_up` in
+a detached background process at the lowest CPU priority (:data:`WARM_UP_COMMAND`; one per cache
+folder, under a lock file) and goes on with the references; it looks again every
+:data:`RECHECK_CALLS` requests and switches to the kernels once the background compile has marked
+the cache ready (:func:`marker`).
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ import functools
 import hashlib
 import importlib
 import importlib.metadata
-import importlib.util
+import inspect
 import itertools
+import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -50,9 +56,11 @@ __all__ = [
     "RECHECK_CALLS",
     "WARMUP_CALLS",
     "WARM_UP_COMMAND",
+    "cache_folder",
     "enabled",
     "load",
     "marker",
+    "njit",
     "ready_now",
     "skip_warmup",
     "skipping_warmup",
@@ -73,13 +81,17 @@ LOCK_TIMEOUT_S = 900.0
 #: whether it has started a background compile
 _CACHE = {"ready": False, "since_look": 0, "spawned": False, "skip": False}
 
-#: modules of kernels, by the name callers ask for
+#: modules of kernels, by the name callers ask for (only these may use :func:`njit`)
 _MODULES = {
     "plan": "flashcp.plan_kernels",
     "heuristic": "flashcp.heuristic_compiled",
     "refined": "flashcp.refined_compiled",
     "price": "flashcp.sim.price_kernels",
 }
+#: the sources the cache key hashes: every kernel module and this one (it sets how they compile)
+_KEYED = (*sorted(_MODULES.values()), __name__)
+
+log = logging.getLogger(__name__)
 
 
 def _mode() -> str:
@@ -112,8 +124,8 @@ def enabled() -> bool:
 def load(name: str) -> ModuleType | None:
     """The kernels module ``name`` (``"plan"``, ``"heuristic"``, ``"refined"`` or ``"price"``), or
     None: the caller then runs its reference implementation (same results). None when the kernels
-    are off (:func:`enabled`) and, in ``auto`` mode, for the first :data:`WARMUP_CALLS` requests
-    and while the kernels' cache is cold (module docstring).
+    are off (:func:`enabled`) and, in ``auto`` mode, for the first :data:`WARMUP_CALLS` requests,
+    while the kernels' cache is cold and where it cannot be written (module docstring).
 
     Raises:
         ValueError: an unknown ``name`` or ``FLASHCP_COMPILED`` value.
@@ -161,39 +173,186 @@ def _import(name: str) -> ModuleType | None:
     return importlib.import_module(_MODULES[name]) if _numba_available() else None
 
 
-def marker() -> Path | None:
-    """The ready marker of this checkout's kernels cache, or None when it cannot be written (then
-    the kernels compile in the process that needs them) or numba is not installed."""
+def _source(module: str) -> Path:
+    """The source file of ``module`` (one of :data:`_KEYED`), beside this package's."""
+    return Path(__file__).resolve().parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
+
+
+def _digest(path: Path) -> str:
+    """sha256 of the file's bytes (read again when its size or modification time changes).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    st = path.stat()
+    return _digest_of(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest_of(path: Path, mtime_ns: int, size: int) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _digests() -> dict[str, str] | None:
+    """sha256 of the bytes of every source of :data:`_KEYED`, by module; None when one cannot be
+    read (then nothing is cached)."""
     try:
-        numba_version = importlib.metadata.version("numba")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    h = hashlib.sha256(f"{sys.version}|{numba_version}".encode())
-    for module in sorted(_MODULES.values()):
-        spec = importlib.util.find_spec(module)
-        if spec is None or not spec.origin:
-            return None
-        h.update(Path(spec.origin).read_bytes())
-    cache = Path(__file__).resolve().parent / "__pycache__"
-    try:
-        cache.mkdir(exist_ok=True)
+        return {m: _digest(_source(m)) for m in _KEYED}
     except OSError:
         return None
-    if not os.access(cache, os.W_OK):
+
+
+def _versions() -> str | None:
+    """The versions the compiled code depends on besides the sources; None without numba."""
+    try:
+        libs = [importlib.metadata.version(p) for p in ("numba", "llvmlite", "numpy")]
+    except importlib.metadata.PackageNotFoundError:
         return None
-    return cache / f"kernels-{h.hexdigest()[:16]}.ready"
+    return "|".join([sys.version, *libs])
+
+
+def _cache_bases() -> list[Path]:
+    """Where a kernels cache folder may go, in order (module docstring)."""
+    bases = []
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        bases.append(Path(os.environ["NUMBA_CACHE_DIR"]) / "flashcp")
+    bases.append(Path(__file__).resolve().parent / "__pycache__")
+    user = os.environ.get("XDG_CACHE_HOME")
+    if not user:
+        try:
+            user = str(Path.home() / ".cache")
+        except (KeyError, RuntimeError):  # no home directory
+            user = None
+    if user:
+        bases.append(Path(user) / "flashcp")
+    return bases
+
+
+def cache_folder(digests: dict[str, str] | None = None) -> tuple[Path | None, str]:
+    """The folder numba caches the kernels in: ``kernels-<key>`` under the first writable folder
+    of the module docstring's list, the key a sha256 of the Python, numba, llvmlite and NumPy
+    versions and of every kernel module's source (an edit of any recompiles them all).
+
+    Args:
+        digests: the sources' hashes to key on (default: read now).
+    Returns:
+        ``(folder, why)``: the folder, created, and ``""``; or None and why nothing can be
+        cached (numba is not installed, a source cannot be read, no folder can be written).
+    """
+    versions = _versions()
+    if versions is None:
+        return None, "numba is not installed"
+    digests = _digests() if digests is None else digests
+    if digests is None or set(digests) != set(_KEYED):
+        return None, "the kernels' sources cannot be read"
+    h = hashlib.sha256(versions.encode())
+    for module in _KEYED:
+        h.update(f"|{module}|{digests[module]}".encode())
+    name = f"kernels-{h.hexdigest()[:16]}"
+    bases = _cache_bases()
+    for base in bases:
+        try:
+            (base / name).mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=base / name).close()  # as numba checks a cache folder
+        except OSError:
+            continue
+        return base / name, ""
+    return None, f"none of {', '.join(str(b) for b in bases)} can be written"
+
+
+def marker() -> Path | None:
+    """The ready marker of the kernels' cache (``<cache folder>/ready``), or None where nothing can
+    be cached (:func:`cache_folder`)."""
+    folder, _ = cache_folder()
+    return None if folder is None else folder / "ready"
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    log.warning(message)
+
+
+@functools.cache
+def _compile_cache() -> tuple[Path | None, dict[str, str]]:
+    """This process's kernels cache folder and the source hashes it is keyed on, fixed at the first
+    kernel defined (:func:`njit`); None where nothing can be cached (said once)."""
+    digests = _digests() or {}
+    folder, why = cache_folder(digests)
+    if folder is None:
+        _say_once(
+            f"flashcp: the compiled kernels cannot be cached ({why}); they are compiled in "
+            "this process (the same plans; NUMBA_CACHE_DIR=<a writable folder> caches them)"
+        )
+    return folder, digests
+
+
+def njit(**options):
+    """``numba.njit`` for the kernel modules (``from flashcp.compiled import njit``): with
+    ``cache=True`` the compiled code is cached in :func:`cache_folder`, keyed on every kernel
+    module's source, instead of beside its own file (keyed on that file alone, numba would load a
+    kernel compiled with another module's old kernels); where nothing can be cached, or the
+    function's source changed since the key was taken, it is compiled in this process only.
+
+    Args:
+        options: numba.njit's (``cache``, ``inline``).
+    Raises:
+        ValueError: a function outside the modules of :data:`_MODULES` (the key would miss it).
+    """
+    import numba
+    from numba.core.caching import NullCache
+
+    cache = options.pop("cache", False)
+
+    def decorate(fn):
+        if fn.__module__ not in _MODULES.values():
+            raise ValueError(
+                f"{fn.__module__}.{fn.__qualname__}: flashcp.compiled.njit keys its cache on the "
+                f"modules {sorted(_MODULES.values())} only; add the module there"
+            )
+        kernel = numba.njit(**options)(fn)
+        if not cache or not hasattr(kernel, "enable_caching"):  # NUMBA_DISABLE_JIT: fn itself
+            return kernel
+        folder, digests = _compile_cache()
+        try:
+            now = _digest(Path(inspect.getfile(fn)))
+        except OSError:
+            now = None
+        if folder is None or now != digests.get(fn.__module__):
+            return kernel
+        old = numba.config.CACHE_DIR
+        numba.config.CACHE_DIR = str(folder)  # numba's NUMBA_CACHE_DIR locator, for this kernel
+        try:
+            kernel.enable_caching()
+        except RuntimeError:  # no locator: compile in this process (the dispatcher's own default)
+            kernel._cache = NullCache()
+        finally:
+            numba.config.CACHE_DIR = old
+        path = kernel.stats.cache_path
+        if path is None or Path(path).parent != folder:  # numba fell back to an unkeyed folder
+            kernel._cache = NullCache()
+        return kernel
+
+    return decorate
 
 
 def _cache_ready() -> bool:
-    """``auto`` mode: True once the kernels' cache is ready (or cannot be marked); else start one
-    background compile (:func:`_spawn_warm_up`) and look again after :data:`RECHECK_CALLS`
-    requests."""
+    """``auto`` mode: True once the kernels' cache is ready; else start one background compile
+    (:func:`_spawn_warm_up`), or say once that nothing can be cached (the references run), and
+    look again after :data:`RECHECK_CALLS` requests."""
     if _CACHE["since_look"] > 0:
         _CACHE["since_look"] = (_CACHE["since_look"] + 1) % RECHECK_CALLS
         return False
     _CACHE["since_look"] = 1
     ready = marker()
-    if ready is None or ready.exists():
+    if ready is None:
+        _, why = cache_folder()
+        if _versions() is not None:
+            _say_once(
+                f"flashcp: the compiled kernels cannot be cached ({why}); planning with the "
+                "reference code (the same plans; NUMBA_CACHE_DIR=<a writable folder> caches them)"
+            )
+        return False
+    if ready.exists():
         _CACHE["ready"] = True
         return True
     if not _CACHE["spawned"]:

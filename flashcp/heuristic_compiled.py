@@ -16,8 +16,8 @@ this search, the merge, validation and metrics of :func:`flashcp.plan_kernels.fi
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from flashcp.compiled import njit
 from flashcp.plan_kernels import _entry, _failed, _stack, finish_plan, per_doc_sizes
 
 __all__ = ["algorithm1", "flashcp_plan"]
@@ -414,8 +414,8 @@ def flashcp_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate, target):
     """:func:`flashcp.heuristic.plan_flashcp` of documents all of length >= 1 in one call: the
     checks of :func:`flashcp.plan.planner_entry` (:func:`flashcp.plan_kernels._entry`: more than
     ``EXACT_TOKENS`` tokens go the general path), :func:`algorithm1` and
-    :func:`flashcp.plan_kernels.finish_plan`. numba caches this function with the ``_entry`` it
-    was compiled with, so a change there comes with a change to this file.
+    :func:`flashcp.plan_kernels.finish_plan` (compiled into this function: the cache's key covers
+    both modules' sources, :func:`flashcp.compiled.njit`).
 
     Args:
         doc_lens: (n_docs,) int64. cp_size: N >= 1. num_pad: pad tokens >= 0.

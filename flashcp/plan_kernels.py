@@ -16,7 +16,8 @@ columns ``rank, doc, start, length`` as in :class:`~flashcp.plan.Plan`.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from flashcp.compiled import njit
 
 __all__ = [
     "FUSED_STATUS",

@@ -10,7 +10,8 @@ The reference's closures become small functions taking what they read; its bisec
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from flashcp.compiled import njit
 
 __all__ = ["pack"]
 

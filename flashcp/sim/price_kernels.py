@@ -19,7 +19,8 @@ the same to the bit (``tests/unit/test_price_batch.py``). Arrays are the batch's
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from flashcp.compiled import njit
 
 __all__ = [
     "allgather_ranks",

@@ -24,7 +24,7 @@ from flashcp import compile_cache, compiled
 
 pytestmark = pytest.mark.skipif(not compiled.enabled(), reason="numba is not installed")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NOTICE = "the compiled kernels cannot be cached"
 
 #: a kernel appended to both modules: it calls plan_kernels._failed, which heuristic_compiled

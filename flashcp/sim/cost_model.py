@@ -676,8 +676,9 @@ class PlanCost:
             # full rectangles: forward CTAs ceil(q/Bq) x ceil(k/Bk) tiles, backward transposed
             fq, fk = np.ceil(qs / hw.fwd_block_q), np.ceil(ks / hw.fwd_block_k)
             bq, bk = np.ceil(qs / hw.bwd_block_q), np.ceil(ks / hw.bwd_block_k)
-            fwd[0][1:], fwd[1][1:], fwd[2][1:] = fq.sum(2), (fq * fk).sum(2), fk.max(2)
-            bwd[0][1:], bwd[1][1:], bwd[2][1:] = bk.sum(2), (bq * bk).sum(2), bq.max(2)
+            # initial=0: a plan of pad alone has no documents (an empty last axis)
+            fwd[0][1:], fwd[1][1:], fwd[2][1:] = fq.sum(2), (fq * fk).sum(2), fk.max(2, initial=0)
+            bwd[0][1:], bwd[1][1:], bwd[2][1:] = bk.sum(2), (bq * bk).sum(2), bq.max(2, initial=0)
             self.q_rows[1:] = qs.sum(2)
             self.kv_rows[1:] = ks.sum(2)
             same = np.zeros(rank.size, dtype=bool)
@@ -1746,7 +1747,8 @@ class PlanBatch:
                 ks = np.bincount(inv[q_key.size :], weights=lk, minlength=keys.size)
                 # the (plan, t, r) of each rectangle, sorted
                 seg = np.repeat(np.arange(m, dtype=i32), np.repeat(nd, n * n))[keys]
-                head = np.flatnonzero(np.concatenate([[True], seg[1:] != seg[:-1]]))
+                # no rectangle at all (every step t >= 1 empty: documents shorter than N): none
+                head = np.flatnonzero(np.concatenate([[seg.size > 0], seg[1:] != seg[:-1]]))
                 at = seg[head]
             # sums and maxima over each (plan, t, r)'s documents
             fq, fk = np.ceil(qs / hw.fwd_block_q), np.ceil(ks / hw.fwd_block_k)

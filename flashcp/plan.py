@@ -531,6 +531,21 @@ class Plan:
         and no KV by all-gather or ring."""
         return not (self.ulysses_degree > 1 and self.ulysses_degree == self.cp_size)
 
+    def single_device_documents(self) -> np.ndarray | None:
+        """At cp_size 1, the documents' lengths in local row order when the one rank holds every
+        document whole (every registry planner's plan at N = 1): the ``cu_seqlens`` of one plain
+        document-masked call, which the ops run and the step model prices at cp_size 1 (no CP
+        work); None for any other plan (N > 1, or a document in pieces).
+
+        Returns:
+            (n_docs,) int64 lengths of the non-empty documents, or None.
+        """
+        if self.cp_size != 1:
+            return None
+        doc, start, length = self.rank_shards(0)
+        whole = (start == 0) & (length == self.doc_lens[doc])
+        return length.astype(np.int64) if bool(whole.all()) else None
+
     @property
     def comm_saving(self) -> float:
         """1 - comm_tokens / comm_tokens_full (0 when N = 1)."""

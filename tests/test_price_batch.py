@@ -142,6 +142,22 @@ def test_degenerate_plans_every_method(method, compiled_mode, monkeypatch):
     )
 
 
+def test_degenerate_plans_compiled_bitwise(monkeypatch):
+    """The compiled kernels price the degenerate plans to the bit as the NumPy reference."""
+    pytest.importorskip("numba")
+    plans = [
+        make_plan_for(m, d, n, num_pad=pad, pad_to_multiple=True)
+        for m in METHODS
+        for d, n, pad in DEGENERATE
+    ]
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FLASHCP_COMPILED", mode)
+        got[mode] = price_plans(plans, TINY_SHAPES, MODES, HWS)
+    for col in got["0"]:
+        np.testing.assert_array_equal(got["1"][col], got["0"][col], err_msg=col)
+
+
 def test_price_plans_mixed_methods_and_cp_sizes():
     plans = [p for cp in (2, 4) for m in METHODS for p in _plans(m, cp, 1, seed=cp)]
     _check(plans)

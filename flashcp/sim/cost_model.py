@@ -374,7 +374,10 @@ class PlanCost:
     ``launched`` (bool, a kernel is launched even without tiles) and ``q_rows``/``kv_rows`` per step.
     """
 
-    def __init__(self, plan: Plan, hw: HardwareProfile, comm_kind: str, impl: str = "ours") -> None:
+    def __init__(
+        self, plan: Plan, hw: HardwareProfile, comm_kind: str, impl: str = "ours", *,
+        one_device: bool = True,
+    ) -> None:  # fmt: skip
         check_impl(plan.method, impl)
         self.plan = plan
         self.hw = hw
@@ -393,7 +396,10 @@ class PlanCost:
         self.inner: PlanCost | None = None
         #: cp_size 1 with every document whole (every registry plan at N = 1): every method's op
         #: runs one plain varlen call (:mod:`flashcp.ops.single_device`), priced the same
-        self.single = impl == "ours" and plan.single_device_documents() is not None
+        #: (``one_device=False``: a hybrid's inner op on its group plan, which the hybrid runs
+        #: itself at one super-rank)
+        self.one_device = one_device
+        self.single = one_device and impl == "ours" and plan.single_device_documents() is not None
         self.plain_ulysses = False
         if self.single:
             self.u = 1
@@ -407,7 +413,7 @@ class PlanCost:
             self._init_alltoall()
             return
         if self.u > 1:
-            self.inner = PlanCost(plan.group_plan(), hw, comm_kind, impl)
+            self.inner = PlanCost(plan.group_plan(), hw, comm_kind, impl, one_device=False)
             self.inner.cuts_pad = False
             return
         if comm_kind == "p2p_ring":
@@ -423,7 +429,7 @@ class PlanCost:
         the same (a shallow copy; only ``hw`` changes), else rebuilt."""
         blocks = ("fwd_block_q", "fwd_block_k", "bwd_block_q", "bwd_block_k")
         if any(getattr(hw, b) != getattr(self.hw, b) for b in blocks):
-            return PlanCost(self.plan, hw, self.comm_kind, self.impl)
+            return PlanCost(self.plan, hw, self.comm_kind, self.impl, one_device=self.one_device)
         other = copy.copy(self)
         other.hw = hw
         other._fwd_memo = {}  # forward compute depends on the profile's constants

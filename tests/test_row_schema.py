@@ -211,3 +211,14 @@ def test_kv_token_metrics_are_null_where_they_do_not_apply(tmp_path):
         s = plan.summary()
         assert plan.moves_kv_tokens is applies
         assert all((s[c] is None) is not applies for c in kv_tokens), (method, cp_size, s)
+
+
+def test_markdown_table_leaves_typed_nulls_empty():
+    """A metric that does not apply (``<NA>`` in an Int64 column, NaN, None) is an empty cell in
+    a printed table, never ``<NA>`` or ``nan``."""
+    from flashcp.results import markdown_table
+
+    df = pd.DataFrame({"method": ["ulysses", "ring"], "comm_tokens": pd.array([None, 6144], "Int64"),
+                       "comm_saving": [float("nan"), 0.0], "note": [None, "x"]})  # fmt: skip
+    lines = markdown_table(df).splitlines()
+    assert lines[2] == "| ulysses |  |  |  |" and lines[3] == "| ring | 6144 | 0 | x |"

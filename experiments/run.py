@@ -409,9 +409,11 @@ def execute_runs(cfg: DictConfig, runs: list[DictConfig], seqs: list[np.ndarray]
             hw = hws[key]
         specs.append(run_spec(r, hw))
     kwargs: dict[str, Any] = {}
+    show = cfg.progress and sys.stderr.isatty()
     if cfg.executor.name == "sim":
-        show = cfg.progress and sys.stderr.isatty()
         kwargs = {"workers": int(cfg.workers), "progress": str(cfg.run_key) if show else None}
+    elif cfg.executor.name == "emulate":
+        kwargs = {"progress": str(cfg.run_key) if show else None}
     return execute(cfg.executor.name, specs, seqs, **kwargs)
 
 

@@ -22,6 +22,7 @@ fields :class:`Table2Config`), writing ``<results_dir>/<name>/``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -45,6 +46,7 @@ from experiments.common.entry import (
 )
 from experiments.common.launch import launch
 from flashcp.config import DatasetConfig
+from flashcp.progress import progress_bar
 from flashcp.results import markdown_table
 
 __all__ = [
@@ -345,11 +347,17 @@ def run_table2(
         "threads": 1,
     }
     jobs = [(i, d, cp_size, opts) for i, d in enumerate(seqs)]
-    if workers > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            rows.extend(pool.map(_ilp_row, jobs))
-    else:
-        rows.extend(_ilp_row(j) for j in jobs)
+    # the ILP solves take seconds to minutes each: a bar per sequence on a terminal
+    bar = progress_bar(len(jobs), f"table2 {dataset} ILP solves")
+    with bar, contextlib.ExitStack() as stack:
+        if workers > 1:
+            pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers))
+            solved = pool.map(_ilp_row, jobs)
+        else:
+            solved = map(_ilp_row, jobs)
+        for row in solved:
+            rows.append(row)
+            bar.update(1)
 
     df = pd.DataFrame(rows)
     setup = {

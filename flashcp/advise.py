@@ -425,6 +425,11 @@ def format_report(df: pd.DataFrame) -> str:
         f"x{s['factor']:g}, the sensitivity study's Latin hypercube) on the first "
         f"{s['draw_sequences']} sequences. imbalance_ratio, comm_mib_per_rank: medians.",
     ]
+    if s["cp_size"] == 1:
+        lines.append(
+            "cp_size 1: no CP work, so every method runs the same single-device attention with "
+            "no communication: the methods are identical here."
+        )
     for m, why in df.attrs.get("skipped", {}).items():
         lines.append(f"skipped {m}: {why}")
     sec = df.attrs.get("seconds")

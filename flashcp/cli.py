@@ -120,6 +120,11 @@ def _comm_kind(plan: Plan) -> CommKind:
     return comm_kind_of(plan.method, default=CommKind.ALLGATHER_SHARDED)
 
 
+def _na(value, fmt: str = "{}") -> str:
+    """A summary metric as text: ``n/a`` where it does not apply (None)."""
+    return "n/a" if value is None else fmt.format(value)
+
+
 def format_table(plan: Plan) -> str:
     """A readable view of a plan: its metrics, then per rank tokens, workload and shards.
 
@@ -130,8 +135,9 @@ def format_table(plan: Plan) -> str:
     lines = [
         f"method {s['method']}  cp_size {s['cp_size']}  context_len {s['context_len']}  "
         f"docs {s['num_docs']}  num_pad {s['num_pad']}  status {s['status']}",
-        f"imbalance_ratio {s['imbalance_ratio']:.4f}  comm_tokens {s['comm_tokens']}  "
-        f"comm_tokens_full {s['comm_tokens_full']}  comm_saving {s['comm_saving']:.1%}  "
+        f"imbalance_ratio {s['imbalance_ratio']:.4f}  comm_tokens {_na(s['comm_tokens'])}  "
+        f"comm_tokens_full {_na(s['comm_tokens_full'])}  "
+        f"comm_saving {_na(s['comm_saving'], '{:.1%}')}  "
         f"num_pieces {s['num_pieces']}",
     ]
     tok, wl = plan.tokens_per_rank, plan.workload_per_rank

@@ -524,6 +524,29 @@ class Plan:
         return (self.cp_size - 1) * int(self.doc_tokens_per_rank.max())
 
     @property
+    def moves_kv_tokens(self) -> bool:
+        """Whether the KV-token metrics (Eq. 4 / Eq. 5, :meth:`summary`) describe this plan's
+        communication: False for a head-parallel plan of one group (u = N > 1: ``ulysses``, a
+        hybrid with ``ulysses_degree`` = N), which moves q, k, v and the output by all-to-all
+        and no KV by all-gather or ring."""
+        return not (self.ulysses_degree > 1 and self.ulysses_degree == self.cp_size)
+
+    def single_device_documents(self) -> np.ndarray | None:
+        """At cp_size 1, the documents' lengths in local row order when the one rank holds every
+        document whole (every registry planner's plan at N = 1): the ``cu_seqlens`` of one plain
+        document-masked call, which the ops run and the step model prices at cp_size 1 (no CP
+        work); None for any other plan (N > 1, or a document in pieces).
+
+        Returns:
+            (n_docs,) int64 lengths of the non-empty documents, or None.
+        """
+        if self.cp_size != 1:
+            return None
+        doc, start, length = self.rank_shards(0)
+        whole = (start == 0) & (length == self.doc_lens[doc])
+        return length.astype(np.int64) if bool(whole.all()) else None
+
+    @property
     def comm_saving(self) -> float:
         """1 - comm_tokens / comm_tokens_full (0 when N = 1)."""
         full = self.comm_tokens_full
@@ -663,15 +686,19 @@ class Plan:
     def summary(self, comm_kind: CommKind | str = CommKind.ALLGATHER_SHARDED) -> dict[str, Any]:
         """Scalar metrics of the plan (JSON-serialisable).
 
-        ``comm_tokens`` / ``comm_saving`` are what the plan's method moves, given its
+        ``comm_tokens``, ``comm_tokens_full``, ``comm_saving`` and ``comm_tokens_sharded`` are
+        None where these KV-token metrics do not apply (:attr:`moves_kv_tokens` False: a
+        head-parallel plan of one group, whose data moves by all-to-all only; its bytes are
+        :func:`flashcp.comm.comm_volume`'s). Otherwise ``comm_tokens`` / ``comm_saving`` are what
+        the plan's method moves, given its
         ``comm_kind`` (:class:`flashcp.kinds.CommKind`; the caller supplies it, e.g.
         :func:`flashcp.registry.comm_kind_of` ``(plan.method)``, so the data model reads no
         registry): Eq. 5 for sharding-aware all-gather (the default), Eq. 4 for full all-gather
         and ring methods, which move the whole KV whatever the layout. ``comm_tokens_sharded`` is
         Eq. 5 on the layout in every case.
         A head-parallel plan (:attr:`ulysses_degree` u > 1) reports these, and its pieces, on its
-        :meth:`group_plan`: the KV moved across groups (tokens of 1/u of the KV heads; 0 for
-        ``ulysses``, which has one group) and the segments the kernels see.
+        :meth:`group_plan`: the KV moved across groups (tokens of 1/u of the KV heads, the
+        all-to-alls not counted) and the segments the kernels see.
 
         Raises:
             ValueError: unknown ``comm_kind``.
@@ -687,6 +714,7 @@ class Plan:
                 f"unknown comm_kind {comm_kind!r}; choose one of {', '.join(CommKind)}"
             ) from None
         moved = across.comm_tokens if sharded else full
+        applies = self.moves_kv_tokens
         return {
             "method": self.method,
             "cp_size": self.cp_size,
@@ -695,10 +723,10 @@ class Plan:
             "num_pad": self.num_pad,
             "status": self.status,
             "imbalance_ratio": self.imbalance_ratio,
-            "comm_tokens": moved,
-            "comm_tokens_full": full,
-            "comm_saving": 1.0 - moved / full if full else 0.0,
-            "comm_tokens_sharded": across.comm_tokens,
+            "comm_tokens": moved if applies else None,
+            "comm_tokens_full": full if applies else None,
+            "comm_saving": (1.0 - moved / full if full else 0.0) if applies else None,
+            "comm_tokens_sharded": across.comm_tokens if applies else None,
             "num_split_docs": across.num_split_docs,
             "num_pieces": across.num_pieces,
             "max_shards_per_rank": across.max_shards_per_rank,

@@ -281,13 +281,18 @@ def write_csv_atomic(df, path) -> None:
 
 
 def markdown_table(df, float_format: str = ".4g") -> str:
-    """``df`` as a GitHub Markdown table (floats with ``float_format``, NaN as an empty cell).
+    """``df`` as a GitHub Markdown table (floats with ``float_format``; NaN, ``<NA>`` and None,
+    a value that is missing or does not apply, as an empty cell).
 
     Written here rather than with ``DataFrame.to_markdown`` so the harness needs no ``tabulate``.
     """
     import math
 
+    import pandas as pd
+
     def cell(v) -> str:
+        if v is None or v is pd.NA:  # a typed null (an Int64 column's)
+            return ""
         if isinstance(v, float):  # numpy floating scalars subclass float
             return "" if math.isnan(v) else format(v, float_format)
         return str(v)

@@ -87,7 +87,8 @@ def execute(executor: str, runs: Sequence[RunSpec], seqs: Sequence[Any], **kwarg
         executor: ``sim``, ``dist`` or ``emulate``.
         runs: the job's runs (dist and emulate take exactly one).
         seqs: (n_docs,) int64 document lengths per sequence, each summing to ``context_len``.
-        kwargs: the executor's own keywords (sim: ``workers``, ``progress``; dist: ``group``).
+        kwargs: the executor's own keywords (sim: ``workers``, ``progress``; emulate:
+            ``progress``; dist: ``group``).
     Returns:
         A DataFrame of rows (see the module docstring); None on a dist rank other than 0.
     Raises:

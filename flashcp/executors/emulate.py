@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import queue
 import statistics
@@ -65,6 +66,7 @@ from flashcp.ops.collectives import CommCounter, LocalGroup
 from flashcp.ops.sharding import shard_tensor
 from flashcp.ops.timing import PhaseTimer, record_event
 from flashcp.plan import Plan
+from flashcp.progress import progress_bar
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim.hardware import HardwareProfile, load_hardware
 
@@ -83,6 +85,8 @@ __all__ = [
     "record_memory_bytes",
     "seeded_inputs",
 ]
+
+log = logging.getLogger(__name__)
 
 #: phases of the op's timer that the emulated communication replaces by the model
 COMM_PHASES: tuple[str, ...] = ("allgather", "reducescatter", "p2p", "alltoall")
@@ -951,7 +955,7 @@ def emulate_step(
     return row
 
 
-def execute(runs, seqs):
+def execute(runs, seqs, *, progress: str | None = None):
     """``executor=emulate`` (:mod:`flashcp.executors`' interface, the row loop of
     :mod:`flashcp.executors.rows`): plan every sequence and replay every rank of its plan on one
     device; communication priced by the run's hardware profile. One process, so a sequence whose
@@ -962,11 +966,15 @@ def execute(runs, seqs):
             ``warmup``, ``iters``, ``timeout_s``, ``ranks``, ``nccl_traffic``, ``check_memory``,
             and ``device``: where to replay, default CUDA if available, else CPU).
         seqs: (n_docs,) int64 document lengths per sequence.
+        progress: label of a progress bar on a terminal, one step per (sequence, mode) replayed
+            (None: no bar; :func:`flashcp.progress.progress_bar`).
     Returns:
         the rows (:func:`flashcp.executors.rows.finish_rows`).
     Raises:
         ValueError: several runs, or (``check_memory``, default on) a plan of the job too large
             for the device's memory (:func:`check_record_memory`), before any record pass.
+
+    Logs one line first: the device it replays on (and why: no CUDA device) and the work ahead.
     """
     if len(runs) != 1:
         raise ValueError(f"executor=emulate runs one run per job, got {len(runs)}")
@@ -976,6 +984,16 @@ def execute(runs, seqs):
     device = torch.device(ex.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     ranks = None if ex.get("ranks") is None else [int(r) for r in ex["ranks"]]
     planned = plan_sequences(run, seqs)
+    why = ""
+    if device.type == "cpu":
+        why = " (no CUDA device)" if not torch.cuda.is_available() else " (asked for)"
+    log.info(
+        "executor=emulate: replaying on %s%s: %d sequences x %d modes, %s of %d ranks each "
+        "(%d warm-up + %d timed steps), %s backend",
+        device, why, len(planned.plans), len(run.modes),
+        "all" if ranks is None else f"{len(ranks)}", run.cp_size, int(ex.get("warmup", 1)),
+        int(ex.get("iters", 3)), ex.get("backend", "auto"),
+    )  # fmt: skip
     check_memory = bool(ex.get("check_memory", True))
     if check_memory and planned.plans:
         # before any record pass: the largest plan of the job decides (one line, exit code 2)
@@ -992,13 +1010,18 @@ def execute(runs, seqs):
 
     def measure(plans: list[Plan], mode: str) -> dict[str, list]:
         (plan,) = plans
-        res = emulate_step(
-            plan, run.shape, mode, hw, device=device, backend=ex.get("backend", "auto"),
-            warmup=int(ex.get("warmup", 1)), iters=int(ex.get("iters", 3)),
-            seed=run.seed + seq_of[id(plan)], ranks=ranks,
-            nccl_traffic=bool(ex.get("nccl_traffic", False)),
-            timeout_s=float(ex.get("timeout_s", 120.0)), check_memory=check_memory,
-        )  # fmt: skip
+        try:
+            res = emulate_step(
+                plan, run.shape, mode, hw, device=device, backend=ex.get("backend", "auto"),
+                warmup=int(ex.get("warmup", 1)), iters=int(ex.get("iters", 3)),
+                seed=run.seed + seq_of[id(plan)], ranks=ranks,
+                nccl_traffic=bool(ex.get("nccl_traffic", False)),
+                timeout_s=float(ex.get("timeout_s", 120.0)), check_memory=check_memory,
+            )  # fmt: skip
+        finally:
+            bar.update(1)
         return {k: [v] for k, v in res.items()}
 
-    return finish_rows([measure_rows(run, planned, measure, batch=1)])
+    bar = progress_bar(len(planned.plans) * len(run.modes), progress, unit="step")
+    with bar:
+        return finish_rows([measure_rows(run, planned, measure, batch=1)])

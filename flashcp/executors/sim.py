@@ -5,7 +5,8 @@ Plans are made once per (sequence, method, impl, cp_size, options) (:attr:`RunSp
 their shape- and mode-independent statistics once per (chunk of plans, hardware tile shape)
 (:class:`flashcp.sim.cost_model.PlanBatch`); every run sharing the plans (another model, another
 hardware profile) and every mode is then priced from them. A worker process takes a chunk of
-at most :data:`CHUNK` sequences (at least one chunk per worker), plans them, and prices each run
+at most :data:`CHUNK` sequences (at least one chunk per worker; one sequence when a run's planner
+is slow, the ILP, so the progress bar moves per sequence), plans them, and prices each run
 of the chunk, all its modes, in one call of :func:`flashcp.sim.cost_model.price_plans` (numpy
 operations over the chunk's plans and ranks; equal to :func:`flashcp.sim.simulate` per plan,
 tested to 1e-12). Rows are built as columns. A job of at least
@@ -18,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -36,6 +36,7 @@ from flashcp.executors.rows import (
     plan_metrics,
     plan_sequences,
 )
+from flashcp.progress import progress_bar
 
 __all__ = [
     "PLAN_COLUMNS",
@@ -177,6 +178,7 @@ def execute(
     """
     from flashcp.comm import check_mode
     from flashcp.compile_cache import PRELOAD_PLANS, preload
+    from flashcp.registry import get_method
     from flashcp.sim import load_hardware
     from flashcp.sim.impl import check_impl
 
@@ -193,10 +195,12 @@ def execute(
     if len(seqs) * len({r.plan_key for r in runs}) >= PRELOAD_PLANS:
         preload()  # once, before the workers fork (Linux): they inherit the loaded kernels
     size = max(1, min(CHUNK, -(-len(seqs) // workers)))  # every worker a chunk at least
+    if any(not get_method(r.method).fast for r in runs):
+        size = 1  # a slow planner (the ILP: seconds to minutes a sequence): progress per sequence
     jobs = [(specs, seqs[i : i + size], i) for i in range(0, len(seqs), size)]
     parts: list[pd.DataFrame] = []
     seconds = {"plan_s": 0.0, "price_s": 0.0}
-    bar = _progress_bar(len(seqs), progress)
+    bar = progress_bar(len(seqs), progress)
     with bar:
         procs = min(workers, len(jobs))  # a process per chunk at most
         pool = ProcessPoolExecutor(procs, initializer=_worker_init) if procs > 1 else None
@@ -213,22 +217,6 @@ def execute(
     rows = finish_rows(parts)
     rows.attrs["seconds"] = seconds
     return rows
-
-
-def _progress_bar(total: int, label: str | None):
-    """A tqdm bar on a terminal when ``label`` is given; otherwise a stand-in that does nothing
-    (tqdm is then not imported: the GPU machine's image runs this executor without it)."""
-    if label is None or not sys.stderr.isatty():
-        import contextlib
-
-        class _NoBar(contextlib.nullcontext):
-            def update(self, n: int) -> None:
-                pass
-
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=label, unit="seq", leave=False)
 
 
 def _replace_hw(run: RunSpec, hw: Any) -> RunSpec:

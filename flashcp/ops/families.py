@@ -3,8 +3,9 @@ kind (:class:`flashcp.kinds.OpFamily`), so a method needs no op module of its ow
 
 Every family's code takes the method's name (its metadata records it, and the op checks that a
 call's metadata is the method's own); this module binds that name, and the variant the comm kind
-picks, into the two functions :func:`flashcp.ops.get_attn_op` returns. The family modules are
-imported on first use (this module imports no torch).
+picks, into the two functions :func:`flashcp.ops.get_attn_op` returns. At cp_size 1 every
+family's ``attn`` runs :func:`flashcp.ops.single_device.single_device_attention` instead (no CP
+work). The family modules are imported on first use (this module imports no torch).
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ def _named(
 
 
 def _allgather(method: str, kind: CommKind) -> tuple[Callable, Callable]:
-    from flashcp.ops.allgather_attn import allgather_attention, build_allgather_meta
+    from flashcp.ops.allgather_attn import (
+        allgather_attention,
+        build_allgather_meta,
+        check_heads_per_group,
+    )
+    from flashcp.ops.single_device import single_device_attention, takes_single_device_path
 
     sharded = kind is CommKind.ALLGATHER_SHARDED
 
@@ -45,6 +51,12 @@ def _allgather(method: str, kind: CommKind) -> tuple[Callable, Callable]:
         q, k, v, meta, group=None, *, softmax_scale=None, backend="auto", counter=None,
         timer=None, grad_comm_dtype=None, heads_per_group=None,
     ):  # fmt: skip
+        if takes_single_device_path(meta):  # cp_size 1: no CP work (flashcp.ops.single_device)
+            check_heads_per_group(heads_per_group)
+            return single_device_attention(
+                q, k, v, meta, group, method=method, softmax_scale=softmax_scale, backend=backend,
+                timer=timer, grad_comm_dtype=grad_comm_dtype,
+            )  # fmt: skip
         return allgather_attention(
             q, k, v, meta, group, method=method, softmax_scale=softmax_scale, backend=backend,
             counter=counter, timer=timer, grad_comm_dtype=grad_comm_dtype,
@@ -56,6 +68,7 @@ def _allgather(method: str, kind: CommKind) -> tuple[Callable, Callable]:
 
 def _ring(method: str, kind: CommKind) -> tuple[Callable, Callable]:
     from flashcp.ops.ring_attn import prepare_ring_meta, ring_attention
+    from flashcp.ops.single_device import single_device_attention, takes_single_device_path
 
     def prepare(plan, rank):
         return prepare_ring_meta(plan, rank, method)
@@ -64,6 +77,11 @@ def _ring(method: str, kind: CommKind) -> tuple[Callable, Callable]:
         q, k, v, meta, group=None, *, softmax_scale=None, backend="auto", counter=None,
         timer=None, grad_comm_dtype=None,
     ):  # fmt: skip
+        if takes_single_device_path(meta):  # cp_size 1: no CP work (flashcp.ops.single_device)
+            return single_device_attention(
+                q, k, v, meta, group, method=method, softmax_scale=softmax_scale, backend=backend,
+                timer=timer, grad_comm_dtype=grad_comm_dtype,
+            )  # fmt: skip
         return ring_attention(
             q, k, v, meta, group, method=method, softmax_scale=softmax_scale, backend=backend,
             counter=counter, timer=timer, grad_comm_dtype=grad_comm_dtype,
@@ -73,6 +91,7 @@ def _ring(method: str, kind: CommKind) -> tuple[Callable, Callable]:
 
 
 def _ulysses(method: str, kind: CommKind) -> tuple[Callable, Callable]:
+    from flashcp.ops.single_device import single_device_attention, takes_single_device_path
     from flashcp.ops.ulysses_attn import prepare_ulysses, ulysses_attn
 
     def prepare(plan, rank):
@@ -82,6 +101,11 @@ def _ulysses(method: str, kind: CommKind) -> tuple[Callable, Callable]:
         q, k, v, meta, group=None, *, softmax_scale=None, backend="auto", counter=None,
         timer=None, grad_comm_dtype=None,
     ):  # fmt: skip
+        if takes_single_device_path(meta):  # cp_size 1: no CP work (flashcp.ops.single_device)
+            return single_device_attention(
+                q, k, v, meta, group, method=method, softmax_scale=softmax_scale, backend=backend,
+                timer=timer, grad_comm_dtype=grad_comm_dtype,
+            )  # fmt: skip
         return ulysses_attn(
             q, k, v, meta, group, softmax_scale=softmax_scale, backend=backend, counter=counter,
             timer=timer, grad_comm_dtype=grad_comm_dtype, method=method,
@@ -92,6 +116,7 @@ def _ulysses(method: str, kind: CommKind) -> tuple[Callable, Callable]:
 
 def _hybrid(method: str, kind: CommKind) -> tuple[Callable, Callable]:
     from flashcp.ops.hybrid_attn import hybrid_attention, prepare_hybrid
+    from flashcp.ops.single_device import single_device_attention, takes_single_device_path
 
     def prepare(plan, rank):
         return prepare_hybrid(plan, rank, method, kind)
@@ -100,6 +125,11 @@ def _hybrid(method: str, kind: CommKind) -> tuple[Callable, Callable]:
         q, k, v, meta, group=None, *, softmax_scale=None, backend="auto", counter=None,
         timer=None, grad_comm_dtype=None,
     ):  # fmt: skip
+        if takes_single_device_path(meta):  # cp_size 1: no CP work (flashcp.ops.single_device)
+            return single_device_attention(
+                q, k, v, meta, group, method=method, softmax_scale=softmax_scale, backend=backend,
+                timer=timer, grad_comm_dtype=grad_comm_dtype,
+            )  # fmt: skip
         return hybrid_attention(
             q, k, v, meta, group, method=method, softmax_scale=softmax_scale, backend=backend,
             counter=counter, timer=timer, grad_comm_dtype=grad_comm_dtype,

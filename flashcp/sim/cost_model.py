@@ -63,6 +63,11 @@ documents; the forward's two all-to-alls (q, k, v in; the output back) and the b
 :meth:`HardwareProfile.alltoall_us`; the packing, splitting and padding copies around them are
 memory-bound ops (``others_ms``). ``alltoall_ms`` holds the all-to-alls.
 
+**cp_size 1** (``impl="ours"``; :attr:`PlanCost.single`, :func:`_single_phases`): no CP work,
+whatever the method. The op (:mod:`flashcp.ops.single_device`) runs one varlen call per pass over
+the whole documents with every head; pad rows cost one copy forward and four backward; nothing
+is communicated. Every method is priced the same there.
+
 ``attn_*_ms`` hold attention kernels (slowed by contention), ``others_ms`` merges, copies,
 accumulations and host excess, ``p2p_ms`` / ``allgather_ms`` / ``reducescatter_ms`` the exposed
 communication; ``total_ms`` is their sum.
@@ -335,6 +340,29 @@ def _alltoall_phases(
     return out
 
 
+def _single_phases(hw: HardwareProfile, shape: AttnShape, train: bool, t, r, fwd_k, bwd_k):
+    """One device (cp_size 1, :mod:`flashcp.ops.single_device`): one varlen call per pass over
+    the whole documents (kernels of ``fwd_k`` / ``bwd_k`` µs), no communication. With pad rows
+    (r document rows of t) the output is padded (one copy) and the backward narrows dO and pads
+    dQ, dK, dV (four copies). Scalars or (S,) arrays; phase times in ms, ``total_ms`` left out."""
+    pad = (np.asarray(r) < np.asarray(t)).astype(np.float64)
+    e, d = shape.dtype_bytes, shape.head_dim
+    q_row, kv_row = shape.num_heads * d * e, shape.num_kv_heads * d * e
+    copies_f = _op_us(hw, pad, pad * (r + t) * q_row)
+    host_f = (1 + pad) * hw.host_op_us
+    out = {c: 0.0 for c in PHASE_COLUMNS if c != "total_ms"}
+    out["attn_fwd_ms"] = fwd_k / 1e3
+    out["others_ms"] = (copies_f + np.maximum(host_f - copies_f - fwd_k, 0.0)) / 1e3
+    if train:
+        copies_b = _op_us(hw, 4 * pad, pad * (r + t) * 2 * (q_row + kv_row))
+        host_b = (1 + 4 * pad) * hw.host_op_us
+        out["attn_bwd_ms"] = bwd_k / 1e3
+        out["others_ms"] = (
+            out["others_ms"] + (copies_b + np.maximum(host_b - copies_b - bwd_k, 0.0)) / 1e3
+        )
+    return out
+
+
 class PlanCost:
     """Everything about one plan the step model needs that does not depend on shape or mode.
 
@@ -346,7 +374,10 @@ class PlanCost:
     ``launched`` (bool, a kernel is launched even without tiles) and ``q_rows``/``kv_rows`` per step.
     """
 
-    def __init__(self, plan: Plan, hw: HardwareProfile, comm_kind: str, impl: str = "ours") -> None:
+    def __init__(
+        self, plan: Plan, hw: HardwareProfile, comm_kind: str, impl: str = "ours", *,
+        one_device: bool = True,
+    ) -> None:  # fmt: skip
         check_impl(plan.method, impl)
         self.plan = plan
         self.hw = hw
@@ -363,6 +394,17 @@ class PlanCost:
         #: method's cost on the group plan, for H/u heads (:meth:`_step_hybrid`)
         self.u = plan.ulysses_degree if comm_kind != "alltoall" else 1
         self.inner: PlanCost | None = None
+        #: cp_size 1 with every document whole (every registry plan at N = 1): every method's op
+        #: runs one plain varlen call (:mod:`flashcp.ops.single_device`), priced the same
+        #: (``one_device=False``: a hybrid's inner op on its group plan, which the hybrid runs
+        #: itself at one super-rank)
+        self.one_device = one_device
+        self.single = one_device and impl == "ours" and plan.single_device_documents() is not None
+        self.plain_ulysses = False
+        if self.single:
+            self.u = 1
+            self._init_alltoall()
+            return
         #: a hybrid with one group (u = N) is plain Ulysses, as its op runs it
         #: (:func:`flashcp.head_parallel.one_group_documents`): priced as ``alltoall``
         self.plain_ulysses = comm_kind != "alltoall" and one_group_documents(plan) is not None
@@ -371,7 +413,7 @@ class PlanCost:
             self._init_alltoall()
             return
         if self.u > 1:
-            self.inner = PlanCost(plan.group_plan(), hw, comm_kind, impl)
+            self.inner = PlanCost(plan.group_plan(), hw, comm_kind, impl, one_device=False)
             self.inner.cuts_pad = False
             return
         if comm_kind == "p2p_ring":
@@ -387,7 +429,7 @@ class PlanCost:
         the same (a shallow copy; only ``hw`` changes), else rebuilt."""
         blocks = ("fwd_block_q", "fwd_block_k", "bwd_block_q", "bwd_block_k")
         if any(getattr(hw, b) != getattr(self.hw, b) for b in blocks):
-            return PlanCost(self.plan, hw, self.comm_kind, self.impl)
+            return PlanCost(self.plan, hw, self.comm_kind, self.impl, one_device=self.one_device)
         other = copy.copy(self)
         other.hw = hw
         other._fwd_memo = {}  # forward compute depends on the profile's constants
@@ -425,7 +467,7 @@ class PlanCost:
         """
         if self.inner is not None:
             return self.inner.attention_us(self._hybrid_shape(shape), train)
-        if self.comm_kind == "alltoall" or self.plain_ulysses:
+        if self.comm_kind == "alltoall" or self.plain_ulysses or self.single:
             return self._alltoall_kernels_us(shape, train)
         if self.comm_kind == "p2p_ring":
             f, fo, *_ = self._ring_fwd_compute(shape)
@@ -676,8 +718,9 @@ class PlanCost:
             # full rectangles: forward CTAs ceil(q/Bq) x ceil(k/Bk) tiles, backward transposed
             fq, fk = np.ceil(qs / hw.fwd_block_q), np.ceil(ks / hw.fwd_block_k)
             bq, bk = np.ceil(qs / hw.bwd_block_q), np.ceil(ks / hw.bwd_block_k)
-            fwd[0][1:], fwd[1][1:], fwd[2][1:] = fq.sum(2), (fq * fk).sum(2), fk.max(2)
-            bwd[0][1:], bwd[1][1:], bwd[2][1:] = bk.sum(2), (bq * bk).sum(2), bq.max(2)
+            # initial=0: a plan of pad alone has no documents (an empty last axis)
+            fwd[0][1:], fwd[1][1:], fwd[2][1:] = fq.sum(2), (fq * fk).sum(2), fk.max(2, initial=0)
+            bwd[0][1:], bwd[1][1:], bwd[2][1:] = bk.sum(2), (bq * bk).sum(2), bq.max(2, initial=0)
             self.q_rows[1:] = qs.sum(2)
             self.kv_rows[1:] = ks.sum(2)
             same = np.zeros(rank.size, dtype=bool)
@@ -986,7 +1029,12 @@ class PlanCost:
         check_mode(mode)
         train = mode == "train"
         vol = comm_volume(self.plan, self.comm_kind, shape, mode)
-        if self.inner is not None:
+        if self.single:
+            fwd_k, bwd_k = (float(x[0]) for x in self._alltoall_kernels_us(shape, train))
+            t, r = self.plan.context_len, float(self.q_rows[0])
+            out = {k: float(v) for k, v in _single_phases(self.hw, shape, train, t, r, fwd_k,
+                                                          bwd_k).items()}  # fmt: skip
+        elif self.inner is not None:
             out = self._step_hybrid(shape, mode)
         elif self.comm_kind == "alltoall" or self.plain_ulysses:
             out = self._step_alltoall(shape, train, vol)
@@ -1028,6 +1076,7 @@ def step_many(costs: Sequence[PlanCost], shape: AttnShape, mode: str) -> dict[st
         and c.comm_kind == first.comm_kind
         and c.inner is None
         and not c.plain_ulysses
+        and not c.single
         for c in costs
     )
     if same and first.comm_kind == "p2p_ring" and all(c.ops == first.ops for c in costs):
@@ -1746,7 +1795,8 @@ class PlanBatch:
                 ks = np.bincount(inv[q_key.size :], weights=lk, minlength=keys.size)
                 # the (plan, t, r) of each rectangle, sorted
                 seg = np.repeat(np.arange(m, dtype=i32), np.repeat(nd, n * n))[keys]
-                head = np.flatnonzero(np.concatenate([[True], seg[1:] != seg[:-1]]))
+                # no rectangle at all (every step t >= 1 empty: documents shorter than N): none
+                head = np.flatnonzero(np.concatenate([[seg.size > 0], seg[1:] != seg[:-1]]))
                 at = seg[head]
             # sums and maxima over each (plan, t, r)'s documents
             fq, fk = np.ceil(qs / hw.fwd_block_q), np.ceil(ks / hw.fwd_block_k)
@@ -1935,6 +1985,8 @@ def price_plans(
         # one group (u = N > 1) of whole documents: plain Ulysses (PlanCost.plain_ulysses)
         if u > 1 and kind != "alltoall" and one_group_documents(p) is not None:
             kind, u = "alltoall", 1
+        if p.cp_size == 1 and impl == "ours" and p.single_device_documents() is not None:
+            kind, u = "single", 1  # one device, no CP work (PlanCost.single)
         groups.setdefault((kind, p.method, p.cp_size, u), []).append(i)
     chunked = _chunk_groups(plans, groups)  # before any pricing: a plan too large is refused
     for key, idx in groups.items():
@@ -2000,6 +2052,8 @@ def attention_balance(
     for i, p in enumerate(plans):
         kind = _check_comm_kind(p, comm_kind)
         u = p.ulysses_degree if kind != "alltoall" else 1
+        if p.single_device_documents() is not None:  # cp_size 1: one call, every head
+            kind, u = "alltoall", 1
         groups.setdefault((kind, p.method, p.cp_size, u), []).append(i)
     chunked = _chunk_groups(plans, groups)
     for (kind, method, _, u), idx in (
@@ -2076,6 +2130,8 @@ def _price_group(
     ``batch`` (a :class:`PlanBatch` of exactly these plans, statistics kept) when given."""
     from flashcp.head_parallel import ulysses_heads
 
+    if kind == "single":
+        return _price_single(plans, hws, shapes, modes, batch)
     n = plans[0].cp_size
     inner_method = method
     if kind == "alltoall" and any(p.ulysses_degree not in (1, n) for p in plans):
@@ -2129,4 +2185,31 @@ def _price_group(
                 out["total_ms"][a, b, m] = total
                 for c in COMM_COLUMNS:
                     out[c][a, b, m] = vol[c]
+    return out
+
+
+def _price_single(plans, hws, shapes, modes, batch=None) -> dict[str, np.ndarray]:
+    """:func:`price_plans` of cp_size 1 plans of whole documents (:attr:`PlanCost.single`): one
+    varlen call per pass over each plan's documents, no communication (:func:`_single_phases`),
+    the same for every method."""
+    batch = PlanBatch(plans) if batch is None else batch
+    dims = (len(hws), len(shapes), len(modes), len(plans))
+    out = {c: np.zeros(dims) for c in PHASE_COLUMNS}
+    out.update({c: np.zeros(dims, dtype=np.int64) for c in COMM_COLUMNS})  # nothing moves
+    for a, hw in enumerate(hws):
+        fwd, bwd, rows = batch.alltoall(hw)  # whole non-empty documents, all heads
+        for b, shape in enumerate(shapes):
+            h, d = shape.num_heads, shape.head_dim
+            fwd_k = kernel_us(fwd, h, d, hw, False)
+            bwd_k = kernel_us(bwd, h, d, hw, True) + bwd_extra_us(rows, rows, shape, hw)
+            for m, mode in enumerate(modes):
+                train = mode == "train"
+                ph = _single_phases(hw, shape, train, batch.context_len, rows, fwd_k,
+                                    bwd_k if train else 0.0)  # fmt: skip
+                total = 0.0
+                for c in PHASE_COLUMNS:
+                    if c != "total_ms":
+                        out[c][a, b, m] = ph[c]
+                        total = total + ph[c]
+                out["total_ms"][a, b, m] = total
     return out

@@ -260,7 +260,7 @@ def work_account(
         for (phase, k), (calls, _) in list(acc.comm.items()):
             acc.comm[(phase, k)] = (calls, a2a[phase] / calls if calls else 0.0)
     vol, vol_f = (comm_volume(plan, kind, shape, m) for m in (mode, "infer"))
-    if inner.comm_kind == "p2p_ring":
+    if inner.comm_kind == "p2p_ring" and not inner.single:  # cp_size 1: one call, no ring
         _ring_account(inner, ishape, train, acc)
         hops = inner.n - 1
         if hops:

@@ -44,13 +44,17 @@ def assert_json_matches_plan(data: dict, plan) -> None:
     sharded = COMM_KIND[plan.method] == "allgather_sharded"
     across = plan.group_plan()
     moved = across.comm_tokens if sharded else across.comm_tokens_full
-    assert data["comm_tokens"] == moved
-    assert data["comm_tokens_sharded"] == across.comm_tokens
-    assert data["comm_tokens_full"] == across.comm_tokens_full
-    full = across.comm_tokens_full
-    assert data["comm_saving"] == pytest.approx(1 - moved / full if full else 0.0)
-    if not sharded:
-        assert data["comm_saving"] == 0.0
+    if plan.moves_kv_tokens:
+        assert data["comm_tokens"] == moved
+        assert data["comm_tokens_sharded"] == across.comm_tokens
+        assert data["comm_tokens_full"] == across.comm_tokens_full
+        full = across.comm_tokens_full
+        assert data["comm_saving"] == pytest.approx(1 - moved / full if full else 0.0)
+        if not sharded:
+            assert data["comm_saving"] == 0.0
+    else:  # all-to-alls only (ulysses): the KV-token metrics do not apply
+        kv_tokens = ("comm_tokens", "comm_tokens_full", "comm_saving", "comm_tokens_sharded")
+        assert all(data[k] is None for k in kv_tokens)
     assert [r["rank"] for r in data["ranks"]] == list(range(plan.cp_size))
     assert data["num_pieces"] == across.num_pieces and data["num_pad"] == plan.num_pad
     for r, shards in enumerate(plan.ranks()):

@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flashcp.comm import AttnShape
 from flashcp.registry import make_plan_for, method_names
@@ -73,6 +75,87 @@ def _check(plans, impl="ours", hws=HWS):
 @pytest.mark.parametrize("cp_size", [4, 8])
 def test_price_plans_equals_per_plan(method, cp_size):
     _check(_plans(method, cp_size, 6, seed=cp_size))
+
+
+#: head counts every tiny plan's CP size divides (the head-parallel methods need it): MHA, GQA
+TINY_SHAPES = [AttnShape(24, 24, 64, "bfloat16"), AttnShape(48, 24, 64, "float32")]
+
+
+def _check_tiny(plans):
+    """Every plan priced alone by the per-plan reference and by price_plans: equal to 1e-12."""
+    for plan in plans:
+        got = price_plans([plan], TINY_SHAPES, MODES, HWS[:1])
+        for b, shape in enumerate(TINY_SHAPES):
+            for m, mode in enumerate(MODES):
+                ref = simulate(plan, shape, HWS[0], mode)
+                where = f"{plan.method} {plan.doc_lens.tolist()} N={plan.cp_size} {shape} {mode}"
+                for col in PHASE_COLUMNS:
+                    np.testing.assert_allclose(
+                        got[col][0, b, m, 0], ref[col], rtol=1e-12, atol=0, err_msg=f"{where} {col}"
+                    )
+                for col in COMM_COLUMNS:
+                    assert got[col][0, b, m, 0] == ref[col], (where, col)
+
+
+@st.composite
+def tiny_sequences(draw):
+    """``(doc_lens, cp_size, num_pad)``: few tiny documents (1-token and zero-length ones,
+    documents shorter than N, one document or none) and pad, CP 1-8."""
+    cp_size = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+    doc_lens = draw(st.lists(st.sampled_from([0, 1, 1, 2, 3, 5, 9]), min_size=0, max_size=6))
+    return doc_lens, cp_size, draw(st.integers(0, 2 * cp_size))
+
+
+@pytest.mark.parametrize("compiled_mode", ["0", "1"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seq=tiny_sequences())
+def test_tiny_and_degenerate_plans_priced_by_both_paths(compiled_mode, seq):
+    """Both paths price every tiny or degenerate plan of every method (ring steps with nothing
+    to attend: documents shorter than N, pad alone), train and infer, the same to 1e-12: with
+    the readable references (FLASHCP_COMPILED=0, as before the background compile finishes or
+    without numba) and with the compiled kernels."""
+    if compiled_mode == "1":
+        pytest.importorskip("numba")
+    doc_lens, cp_size, num_pad = seq
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FLASHCP_COMPILED", compiled_mode)
+        plans = [
+            make_plan_for(m, doc_lens, cp_size, num_pad=num_pad, pad_to_multiple=True)
+            for m in METHODS
+        ]
+        _check_tiny(plans)
+
+
+#: the failing shapes of each kind, every method with the ILP: four 2-token documents at CP 4
+#: (empty ring steps), 1-token documents, one document, pad alone, zero-length documents
+DEGENERATE = [([2, 2, 2, 2], 4, 0), ([1] * 3, 4, 1), ([7], 8, 1), ([], 3, 3), ([0, 0, 1], 2, 3)]
+
+
+@pytest.mark.parametrize("compiled_mode", ["0", "1"])
+@pytest.mark.parametrize("method", method_names())
+def test_degenerate_plans_every_method(method, compiled_mode, monkeypatch):
+    if compiled_mode == "1":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("FLASHCP_COMPILED", compiled_mode)
+    _check_tiny(
+        [make_plan_for(method, d, n, num_pad=pad, pad_to_multiple=True) for d, n, pad in DEGENERATE]
+    )
+
+
+def test_degenerate_plans_compiled_bitwise(monkeypatch):
+    """The compiled kernels price the degenerate plans to the bit as the NumPy reference."""
+    pytest.importorskip("numba")
+    plans = [
+        make_plan_for(m, d, n, num_pad=pad, pad_to_multiple=True)
+        for m in METHODS
+        for d, n, pad in DEGENERATE
+    ]
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FLASHCP_COMPILED", mode)
+        got[mode] = price_plans(plans, TINY_SHAPES, MODES, HWS)
+    for col in got["0"]:
+        np.testing.assert_array_equal(got["1"][col], got["0"][col], err_msg=col)
 
 
 def test_price_plans_mixed_methods_and_cp_sizes():
@@ -248,8 +331,8 @@ def test_price_plans_in_memory_chunks_equal_one_batch(monkeypatch):
     monkeypatch.setattr(cost_model, "PRICE_BATCH_BYTES", 2 * max(map(ring_price_bytes, plans)))
     chunks = cost_model._price_chunks(plans, list(range(4)))
     assert len(chunks) >= 2 and [i for c in chunks for i in c] == [0, 1, 2, 3]
-    for given in (plans, PlanBatch(plans)):
-        got = price_plans(given, SHAPES, MODES, HWS)
+    for batch_arg in (plans, PlanBatch(plans)):
+        got = price_plans(batch_arg, SHAPES, MODES, HWS)
         for col in one:
             assert got[col].dtype == one[col].dtype
             np.testing.assert_array_equal(got[col], one[col], err_msg=col)

@@ -179,3 +179,46 @@ def test_table2_rows_carry_the_solve():
     assert row["ilp_threads"] == 1 and row["ilp_fallback_method"] is None
     assert row["ilp_objective"] is not None and row["ilp_best_bound"] is not None
     assert row["ilp_objective"] >= row["ilp_best_bound"] - 1e-9
+
+
+def test_kv_token_metrics_are_null_where_they_do_not_apply(tmp_path):
+    """``ulysses`` (and a hybrid whose one group holds every rank) moves q, k, v and the output
+    by all-to-all: its KV-token metrics (Eq. 4 / 5) are typed nulls in the rows and empty in
+    ``summary.csv``, never 0, while its bytes columns hold what it moves; a ring's are numbers."""
+    from experiments.aggregate import aggregate
+    from flashcp.registry import make_plan_for
+
+    kv_tokens = ["comm_tokens", "comm_tokens_full", "comm_saving", "comm_tokens_sharded"]
+    for method in ("ulysses", "ring"):
+        run(_small(tmp_path, f"method={method}", "num_sequences=1", "context_len=4096"))
+    aggregate(tmp_path / "t")
+    rows = read_rows(tmp_path / "t" / "rows.parquet")
+    uly, ring = rows[rows["method"] == "ulysses"], rows[rows["method"] == "ring"]
+    assert len(uly) == len(ring) == 2
+    assert uly[kv_tokens].isna().all().all() and ring[kv_tokens].notna().all().all()
+    assert str(uly["comm_tokens"].dtype) == "Int64"
+    assert (uly["alltoall_bytes"] > 0).all() and (ring["p2p_bytes"] > 0).all()
+    with open(tmp_path / "t" / "summary.csv") as f:
+        summary = pd.read_csv(f, dtype=str, keep_default_na=False)
+    for method, empty in (("ulysses", True), ("ring", False)):
+        values = summary.loc[summary["method"] == method, [f"{c}_mean" for c in kv_tokens]]
+        assert ((values == "") == empty).all().all(), (method, values)
+    # the plan's summary: None exactly where no KV moves by all-gather or ring
+    for method, cp_size, applies in (
+        ("ulysses", 4, False), ("usp", 4, True), ("ulysses", 1, True), ("flashcp", 4, True),
+    ):  # fmt: skip
+        plan = make_plan_for(method, [60, 4], cp_size)
+        s = plan.summary()
+        assert plan.moves_kv_tokens is applies
+        assert all((s[c] is None) is not applies for c in kv_tokens), (method, cp_size, s)
+
+
+def test_markdown_table_leaves_typed_nulls_empty():
+    """A metric that does not apply (``<NA>`` in an Int64 column, NaN, None) is an empty cell in
+    a printed table, never ``<NA>`` or ``nan``."""
+    from flashcp.results import markdown_table
+
+    df = pd.DataFrame({"method": ["ulysses", "ring"], "comm_tokens": pd.array([None, 6144], "Int64"),
+                       "comm_saving": [float("nan"), 0.0], "note": [None, "x"]})  # fmt: skip
+    lines = markdown_table(df).splitlines()
+    assert lines[2] == "| ulysses |  |  |  |" and lines[3] == "| ring | 6144 | 0 | x |"

@@ -120,7 +120,7 @@ def test_cli_prints_one_table_and_writes_outputs(capsys, lengths_file, tmp_path)
     [
         ("12\nabc\n", [], "'abc' is not an integer"),
         (None, [], "not found"),
-        ("100\n99999\n", [], "longer than context_len"),
+        ("100\n99999\n", ["--overlong", "error"], "longer than context_len = 16384"),
         ("100\n", ["--methods", "nope"], "unknown method 'nope'"),
         ("100\n", ["--model", "nope"], "unknown model 'nope'"),
         ("100\n", ["--hardware", "nope"], "unknown hardware profile 'nope'"),

@@ -418,8 +418,8 @@ def draw(fig: str, exp_dir: str | Path) -> Path:
     """Draw figure ``fig`` (fig3 | fig5 | fig6 | fig7 | fig5_peers) from the CSVs in ``exp_dir``.
 
     Raises:
-        ValueError: unknown figure name, its CSV is missing, or the data cannot be drawn faithfully
-            (the message says why).
+        ValueError: unknown figure name, its CSV is missing or unreadable, or the data cannot be
+            drawn faithfully (the message names the CSV and says why).
     """
     exp_dir = Path(exp_dir)
     plotters = {"fig5": plot_fig5, "fig6": plot_fig6, "fig7": plot_fig7, "fig3": plot_fig3,
@@ -429,8 +429,16 @@ def draw(fig: str, exp_dir: str | Path) -> Path:
     csv = exp_dir / ("fig3.csv" if fig == "fig3" else "summary.csv")
     if not csv.exists():
         raise ValueError(f"{csv} does not exist; run the experiment (and its aggregation) first")
-    table = pd.read_csv(csv) if fig == "fig3" else read_rows(csv)
-    return plotters[fig](table, exp_dir / f"{fig}.png")
+    try:
+        table = pd.read_csv(csv) if fig == "fig3" else read_rows(csv)
+    except (OSError, ValueError) as exc:
+        raise ValueError(exc if str(csv) in str(exc) else f"{csv}: {exc}") from None
+    try:
+        return plotters[fig](table, exp_dir / f"{fig}.png")
+    except KeyError as exc:  # a column the figure needs
+        raise ValueError(f"{csv} has no column {exc} that {fig} needs") from None
+    except ValueError as exc:  # the data cannot be drawn faithfully: say which file
+        raise ValueError(f"{csv}: {exc}") from None
 
 
 def _cli(argv: list[str] | None = None) -> None:

@@ -576,8 +576,11 @@ def _read_yaml(path: Path) -> Any:
 def _parse_yaml(path: str, mtime_ns: int, size: int) -> Any:
     import yaml
 
-    with open(path) as fh:
-        return yaml.safe_load(fh)
+    try:
+        with open(path) as fh:
+            return yaml.safe_load(fh)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: cannot read as YAML: {exc}") from None
 
 
 def read_profile(name: str) -> dict[str, Any]:
@@ -643,13 +646,20 @@ def read_fitted(sections) -> dict[str, float]:
             "calibrated=False"
         )
     data = _read_yaml(path) or {}
+    found = data.get("sections") if isinstance(data, dict) else None
+    if not isinstance(found, dict):
+        raise ValueError(f"{path} must hold a mapping 'sections: {{name: {{constant: value}}}}'")
     out: dict[str, float] = {}
     for sec in sections:
-        if sec not in data.get("sections", {}):
-            raise ValueError(
-                f"{path} has no section {sec!r}; sections: {sorted(data.get('sections', {}))}"
-            )
-        out.update(data["sections"][sec])
+        if sec not in found:
+            raise ValueError(f"{path} has no section {sec!r}; sections: {sorted(found)}")
+        values = found[sec]
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: section {sec!r} must map constants to numbers")
+        for key, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ValueError(f"{path}: section {sec!r}: {key} = {v!r} is not a finite number")
+        out.update(values)
     return out
 
 
@@ -698,7 +708,14 @@ def load_hardware(
     if isinstance(name_or_dict, HardwareProfile):
         return name_or_dict
     if isinstance(name_or_dict, str):
-        return load_hardware(read_profile(name_or_dict), calibrated, explicit)
+        data = read_profile(name_or_dict)  # an unknown name or an unreadable file: named there
+        try:
+            return load_hardware(data, calibrated, explicit)
+        except ValueError as exc:  # a bad constant: say which file holds it
+            where = f"{hardware_dir() / name_or_dict}.yaml"
+            if calibrated and data.get("calibration"):
+                where += f", calibrated from {fitted_path()}"
+            raise ValueError(f"hardware profile {name_or_dict!r} ({where}): {exc}") from None
     try:
         data = dict(name_or_dict)
     except (TypeError, ValueError):
@@ -711,7 +728,10 @@ def load_hardware(
         fitted = read_fitted(list(sections))
         unknown = sorted(set(fitted) - {f.name for f in fields(HardwareProfile) if f.init})
         if unknown:
-            raise ValueError(f"fitted constants name unknown hardware key(s): {', '.join(unknown)}")
+            raise ValueError(
+                f"{fitted_path()}: fitted constants name unknown hardware key(s): "
+                f"{', '.join(unknown)}"
+            )
         mine = set(profile_changes(data)) | set(explicit)
         data.update({k: v for k, v in fitted.items() if k not in mine})
     known = {f.name for f in fields(HardwareProfile) if f.init}

@@ -218,6 +218,24 @@ def _interp_loglog(xs: list[float], ys: list[float], value: float) -> float:
     return math.exp(ys[i - 1] + w * (ys[i] - ys[i - 1]))
 
 
+def interp_loglog_v(xs, ys, values) -> np.ndarray:
+    """:func:`_interp_loglog` elementwise: ``values`` any shape of numbers (bytes), returns float64
+    of that shape. A table of one point (a one-point bandwidth curve, as ``h100_ib``'s) is that
+    constant everywhere, with no division between neighbouring points (there are none)."""
+    xs, ys = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    tb = np.asarray(values, dtype=np.float64)
+    if xs.size == 1:
+        return np.exp(np.full(tb.shape, ys[0]))
+    pos = tb > 0
+    x = np.log(np.where(pos, tb, 1.0))
+    i = np.searchsorted(xs, x, side="right")
+    j = np.minimum(np.maximum(i, 1), xs.size - 1)  # np.clip, without its wrapper's cost
+    w = (x - xs[j - 1]) / (xs[j] - xs[j - 1])
+    y = ys[j - 1] + w * (ys[j] - ys[j - 1])
+    y = np.where(i == 0, ys[0], np.where(i == xs.size, ys[-1], y))
+    return np.exp(np.where(pos, y, ys[0]))
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     """Constants of one GPU type and its interconnect (units in the names).

@@ -202,6 +202,7 @@ def check_sensitivity_config(cfg: Any) -> None:
     Raises:
         ValueError: naming the bad value.
     """
+    from flashcp.plan import check_context_len
     from flashcp.registry import get_method
 
     check_experiment_config(cfg)
@@ -213,6 +214,7 @@ def check_sensitivity_config(cfg: Any) -> None:
         raise ValueError(
             f"methods = {list(cfg.methods)} must include llama3, the reference of every speedup"
         )
+    check_context_len(cfg.context_len, int(cfg.cp_size), 2)  # llama3: 2N equal chunks
     for k in cfg.get("constants") or ():
         if k not in (*VARIED, *OPTIONAL_VARIED):
             raise ValueError(

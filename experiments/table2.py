@@ -141,12 +141,9 @@ def check_table2_config(cfg: Any) -> None:
             f"highs_options={dict(highs)} are HiGHS options and solver={cfg.solver}; drop them "
             "(highs_options=null) or use solver=highs"
         )
-    from flashcp.plan import DivisibilityError, check_cp_args
+    from flashcp.plan import check_context_len
 
-    try:  # llama3, one of the baselines, needs 2 * cp_size equal chunks
-        check_cp_args(int(cfg.context_len), int(cfg.cp_size), 2)
-    except DivisibilityError as exc:  # name context_len, not the planners' num_pad
-        raise ValueError(exc.context_fix()) from None
+    check_context_len(cfg.context_len, int(cfg.cp_size), 2)  # llama3, a baseline: 2N chunks
     if cfg.dataset.name == "file" and cfg.dataset.path is None:
         raise ValueError(
             "dataset=file needs dataset.path=<a file of lengths: text, CSV, Parquet, JSON or .npy>"

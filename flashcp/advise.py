@@ -340,8 +340,9 @@ def advise(
     for m, o in dict(method_options or {}).items():
         if m not in wanted:
             raise ValueError(
-                f"method_options for {m!r}, which this comparison does not run (it runs "
-                f"{', '.join(wanted)}); add it to methods"
+                f"method_options (flashcp advise --option {m}.KEY=VALUE) for {m!r}, which this "
+                f"comparison does not run (it runs {', '.join(wanted)}); add it to methods "
+                "(--methods)"
             )
         opts[m] = check_options(m, o)
     seqs, counts, source = _sample(

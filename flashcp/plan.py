@@ -54,6 +54,7 @@ __all__ = [
     "Plan",
     "Shard",
     "buffer_plan",
+    "check_context_len",
     "check_cp_args",
     "check_doc_lens",
     "cu_seqlens",
@@ -238,6 +239,20 @@ def check_cp_args(context_len: int, cp_size: int, chunks_per_rank: int = 1) -> N
             "which this layout needs",
             context_len, n, multiple, f"{chunks_per_rank} equal chunks per rank",
         )  # fmt: skip
+
+
+def check_context_len(context_len: int, cp_size: int, chunks_per_rank: int = 1) -> None:
+    """:func:`check_cp_args` for a command that has no pad option (``flashcp-table2``,
+    ``flashcp-sensitivity``): a ``context_len`` the layout cannot divide is refused naming the
+    nearest valid ones (:meth:`DivisibilityError.context_fix`), not the planners' ``num_pad``.
+
+    Raises:
+        ValueError: naming the bad value.
+    """
+    try:
+        check_cp_args(int(context_len), cp_size, chunks_per_rank)
+    except DivisibilityError as exc:
+        raise ValueError(exc.context_fix()) from None
 
 
 class DivisibilityError(ValueError):

@@ -164,6 +164,7 @@ def test_experiment_entry_mistake_is_one_line_exit_2(
         ("table2", ["dataset=file"], "dataset=file needs dataset.path="),
         ("table2", ["cp_size=4", "context_len=16388"], "(2 equal chunks per rank; use context_len = 16384 or 16392)"),
         ("sensitivity", ["methods=[zigzag]"], "must include llama3"),
+        ("sensitivity", ["context_len=16392"], "(2 equal chunks per rank; use context_len = 16384 or 16400)"),
         ("sensitivity", ["dataset=file"], "dataset=file needs dataset.path="),
         ("sensitivity", ["datasets=[file]"], "file needs a path; select it with dataset=file dataset.path="),
         ("sensitivity", ["datasets=[]"], "no data variant"),

@@ -160,3 +160,31 @@ def test_table2_reads_a_length_file_and_counts_overlong(tmp_path, long_file, cap
     assert rows.groupby("seq")["num_docs"].max().tolist() == [len(s) for s in seqs]
     assert "pieces of documents longer than context_len" in caplog.text
     np.testing.assert_array_equal(rows["dataset"].unique(), ["file"])
+
+
+def test_run_and_sensitivity_log_the_same_line(caplog, tmp_path):
+    """flashcp-run (:func:`experiments.run.sample`) and flashcp-sensitivity log what the rule
+    did with the same line (:func:`flashcp.data.overlong_note`) as the other commands print."""
+    from omegaconf import OmegaConf
+
+    from experiments.run import sample
+    from experiments.sensitivity import run_sensitivity
+    from flashcp.data import overlong_note
+
+    ds = {"name": "stress", "path": None, "weighting": "documents", "cap": None, "overlong": "cut"}
+    cfg = OmegaConf.create({"context_len": C, "num_sequences": 4, "seed": 0, "dataset": ds})
+    with caplog.at_level("INFO"):
+        _, counts = sample(cfg)
+    line = overlong_note(counts, "cut", C, "stress")
+    assert line and "cut to it" in line and line in caplog.text
+    hw = OmegaConf.to_container(OmegaConf.load("conf/hardware/h100_sxm.yaml"))
+    model = {"num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "dtype": "bfloat16"}
+    study = OmegaConf.create({
+        "hardware": hw, "model": model, "cp_size": 2, "context_len": C, "seed": 0,
+        "modes": ["train"], "num_sequences": 4, "num_draws": 2, "factor": 2.0, "datasets": [],
+        "weightings": [], "dataset": ds, "methods": ["llama3", "per_doc"],
+    })  # fmt: skip
+    caplog.clear()
+    with caplog.at_level("INFO", logger="experiments.sensitivity"):
+        run_sensitivity(study, tmp_path)
+    assert "documents longer than context_len = 4096 cut to it" in caplog.text

@@ -110,7 +110,8 @@ def load_model(
             here alone (``num_heads`` required; ``num_kv_heads`` defaults to it, ``head_dim`` to
             128, ``dtype`` to bfloat16).
     Raises:
-        ValueError: an unknown model (listing the known ones), or a bad shape (naming it).
+        ValueError: an unknown model (listing the known ones), a model file that cannot be read
+            or lacks a field (naming the file), or a bad shape (naming it, and the model file).
     """
     import yaml
 
@@ -122,18 +123,33 @@ def load_model(
         known = sorted(p.stem for p in folder.glob("*.yaml"))
         if name not in known:
             raise ValueError(f"unknown model {name!r}; choose one of {', '.join(known)}")
-        with (folder / f"{name}.yaml").open() as fh:
-            data = yaml.safe_load(fh) or {}
-        fields.update({k: data[k] for k in ("num_heads", "num_kv_heads", "head_dim", "dtype")})
+        path = folder / f"{name}.yaml"
+        try:
+            with path.open() as fh:
+                data = yaml.safe_load(fh) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise ValueError(f"{path}: cannot read as YAML: {exc}") from None
+        keys = ("num_heads", "num_kv_heads", "head_dim", "dtype")
+        lacks = [k for k in keys if not isinstance(data, dict) or k not in data]
+        if lacks:
+            raise ValueError(f"{path} has no {', '.join(lacks)}")
+        fields.update({k: data[k] for k in keys})
     elif num_heads is None:
         raise ValueError("give a model name or num_heads")
     given = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
              "dtype": dtype}  # fmt: skip
     fields.update({k: v for k, v in given.items() if v is not None})
     fields.setdefault("num_kv_heads", fields["num_heads"])
-    return AttnShape(
-        fields["num_heads"], fields["num_kv_heads"], fields["head_dim"], str(fields["dtype"])
-    )
+    try:
+        return AttnShape(
+            fields["num_heads"], fields["num_kv_heads"], fields["head_dim"], str(fields["dtype"])
+        )
+    except ValueError as exc:  # say where the shape came from: the file, and what replaced its
+        if name is None:
+            raise
+        over = ", ".join(f"{k}={v}" for k, v in given.items() if v is not None)
+        where = f"{path} with {over}" if over else str(path)
+        raise ValueError(f"model {name!r} ({where}): {exc}") from None
 
 
 #: advise()'s integer arguments -> the flashcp advise flag that sets each

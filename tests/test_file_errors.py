@@ -132,3 +132,24 @@ def test_fitted_constants_errors_name_the_file(tmp_path, monkeypatch):
     fitted.write_text("sections:\n" + "".join(f"  {s}: {{nope_us: 1.0}}\n" for s in real))
     with pytest.raises(ValueError, match=f"{fitted}: fitted constants name unknown hardware key"):
         hardware.load_hardware("h100_sxm")
+
+
+def test_advise_model_file_errors_name_the_file(tmp_path, monkeypatch):
+    import flashcp.resources
+    from flashcp.advise import load_model
+
+    conf = tmp_path / "conf"
+    shutil.copytree(flashcp.resources.resource_path("conf") / "model", conf / "model")
+    monkeypatch.setattr(flashcp.resources, "resource_path", lambda name: tmp_path / name)
+    path = conf / "model" / "bad.yaml"
+    path.write_text("name: bad\nnum_heads: 32\n")
+    with pytest.raises(ValueError, match=f"^{path} has no num_kv_heads, head_dim, dtype$"):
+        load_model("bad")
+    path.write_text("name: bad\nnum_heads: [32\n")
+    with pytest.raises(ValueError, match=f"^{path}: cannot read as YAML"):
+        load_model("bad")
+    path.write_text("name: bad\nnum_heads: 32\nnum_kv_heads: 5\nhead_dim: 128\ndtype: bfloat16\n")
+    with pytest.raises(ValueError, match=f"^model 'bad' \\({path}\\): "):
+        load_model("bad")
+    with pytest.raises(ValueError, match=f"^model 'bad' \\({path} with num_kv_heads=7\\): "):
+        load_model("bad", num_kv_heads=7)

@@ -148,7 +148,13 @@ def _merge(
         return None, None
     parts, ident_parts = [], []
     for k, p in enumerate(paths):
-        df, idents = _read_slim(p) if slim else (read_rows(p), None)
+        try:
+            df, idents = _read_slim(p) if slim else (read_rows(p), None)
+            columns = _columns(p)
+        except (OSError, ValueError) as exc:  # a corrupt or unreadable file: name it
+            raise ValueError(
+                exc if str(p) in str(exc) else f"{p}: cannot read rows: {exc}"
+            ) from None
         missing = [
             c for c in ("run_id", *IDENTITY_COLUMNS) if c not in (df if idents is None else idents)
         ]
@@ -156,7 +162,7 @@ def _merge(
             raise ValueError(
                 f"{p} has no {', '.join(missing[:3])} columns (an older harness wrote it); rerun it"
             )
-        unknown = [c for c in _columns(p) if c not in ROW_SCHEMA]
+        unknown = [c for c in columns if c not in ROW_SCHEMA]
         if unknown:  # the merged rows are written in ROW_SCHEMA, which would refuse them
             runs = ", ".join(map(str, pd.unique((df if idents is None else idents)["run_id"])[:3]))
             raise ValueError(

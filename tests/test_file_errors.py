@@ -62,6 +62,14 @@ def test_aggregate_names_the_file_with_a_bad_value(tmp_path, run_rows):
     assert str(exc.value).startswith(f"{bad_path}: "), exc.value
 
 
+def test_aggregate_names_a_corrupt_file(tmp_path):
+    path = tmp_path / "exp" / "runs" / "r1" / "rows.parquet"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match=f"^{path}: "):
+        aggregate(tmp_path / "exp")
+
+
 def test_read_rows_names_the_file(tmp_path):
     path = tmp_path / "rows.csv"
     path.write_text("run_id,cp_size\nx,abc\n")

@@ -34,6 +34,10 @@ def test_apply_overlong_split_cut_error():
         apply_overlong(d, 10, "error", option="--overlong", source="f.txt")
     with pytest.raises(ValueError, match="--overlong = 'truncate'; choose one of split, cut"):
         apply_overlong(d, 10, "truncate", option="--overlong")
+    with pytest.raises(ValueError, match=r"must be integers, got \[4\.5"):
+        apply_overlong([4.5, 12.0], 10, "split")
+    with pytest.raises(ValueError, match="document 1 has a negative length -3"):
+        apply_overlong([4, -3], 10, "cut")
 
 
 def test_note_says_what_the_rule_did():

@@ -70,18 +70,26 @@ def apply_overlong(
         than C; cut: (m,) int64 tokens each one lost to the rule (``cut`` only, else zeros);
         doc: (m,) int64 index in ``doc_lens`` of the document each one came from.
     Raises:
-        ValueError: an unknown policy, ``context_len`` < 1, or ``error`` with a document longer
-            than C (its index and length, and ``source``).
+        ValueError: an unknown policy, ``context_len`` < 1, a length that is not an integer >= 0,
+            or ``error`` with a document longer than C (its index and length, and ``source``).
     """
     policy = check_overlong_policy(policy, option)
     c = int(context_len)
     if c < 1:
         raise ValueError(f"context_len must be >= 1, got {context_len}")
-    d = np.asarray(doc_lens, dtype=np.int64).reshape(-1)
+    where = f"{source}: " if source is not None else ""
+    raw = np.asarray(doc_lens).reshape(-1)
+    if raw.dtype.kind not in "iu" and (
+        raw.dtype.kind != "f" or not np.isfinite(raw).all() or (raw != np.round(raw)).any()
+    ):
+        raise ValueError(f"{where}document lengths must be integers, got {raw[:5].tolist()}...")
+    d = raw.astype(np.int64)
+    if d.size and d.min() < 0:
+        i = int(np.argmin(d))
+        raise ValueError(f"{where}document {i} has a negative length {int(d[i])}")
     over = d > c
     if policy == "error" and over.any():
         i = int(np.argmax(over))
-        where = f"{source}: " if source is not None else ""
         raise ValueError(
             f"{where}document {i} has {int(d[i])} tokens, longer than context_len = {c} "
             f"({int(over.sum())} of {d.size} documents are) and {_setting(option, 'error')}; "

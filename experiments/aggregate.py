@@ -40,6 +40,7 @@ from flashcp.results import (
     COMM_COLUMNS,
     IDENTITY_COLUMNS,
     PHASE_COLUMNS,
+    ROW_SCHEMA,
     read_rows,
     typed,
     write_csv_atomic,
@@ -102,14 +103,34 @@ def _read_slim(path: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return rows, typed(idents, strict=False)
 
 
+def _columns(path: Path) -> list[str]:
+    """The column names of a rows file (Parquet: from its schema, without reading the rows)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(path).names)
+    return list(pd.read_csv(path, nrows=0).columns)
+
+
+def _types_ok(part: pd.DataFrame) -> bool:
+    """Whether one file's rows pass :func:`flashcp.results.typed` (strict)."""
+    try:
+        typed(part.drop(columns="_source"))
+    except ValueError:
+        return False
+    return True
+
+
 def merge_rows(exp_dir: str | Path, rows_paths: list[Path] | None = None) -> pd.DataFrame | None:
     """Concatenate ``rows_paths`` (default: :func:`run_rows_paths`).
 
     Returns:
         the rows with integer columns as ``Int64``, or None when there are none.
     Raises:
-        ValueError: a file lacks the identity columns (written by an older harness: rerun it), or
-            two files hold the same (run_id, seq_idx, mode); the message names the files.
+        ValueError: a file lacks the identity columns (written by an older harness: rerun it),
+            has a column :data:`flashcp.results.ROW_SCHEMA` lacks or a value its column's type
+            refuses, or two files hold the same (run_id, seq_idx, mode); the message names the
+            files.
     """
     return _merge(exp_dir, rows_paths, slim=False)[0]
 
@@ -127,13 +148,27 @@ def _merge(
         return None, None
     parts, ident_parts = [], []
     for k, p in enumerate(paths):
-        df, idents = _read_slim(p) if slim else (read_rows(p), None)
+        try:
+            df, idents = _read_slim(p) if slim else (read_rows(p), None)
+            columns = _columns(p)
+        except (OSError, ValueError) as exc:  # a corrupt or unreadable file: name it
+            raise ValueError(
+                exc if str(p) in str(exc) else f"{p}: cannot read rows: {exc}"
+            ) from None
         missing = [
             c for c in ("run_id", *IDENTITY_COLUMNS) if c not in (df if idents is None else idents)
         ]
         if missing:
             raise ValueError(
                 f"{p} has no {', '.join(missing[:3])} columns (an older harness wrote it); rerun it"
+            )
+        unknown = [c for c in columns if c not in ROW_SCHEMA]
+        if unknown:  # the merged rows are written in ROW_SCHEMA, which would refuse them
+            runs = ", ".join(map(str, pd.unique((df if idents is None else idents)["run_id"])[:3]))
+            raise ValueError(
+                f"{p} (run {runs}) has column(s) {unknown} that flashcp.results.ROW_SCHEMA lacks "
+                "(another version of the harness wrote it): rerun that run, or move its rows file "
+                "out of the folder"
             )
         parts.append(df.assign(_source=np.int32(k)))
         if idents is not None:
@@ -151,7 +186,11 @@ def _merge(
             f"cp_size {dup['cp_size'].iloc[0]}) is in several files: {', '.join(files)}; "
             "remove all but one"
         )
-    rows = typed(rows.drop(columns="_source"))
+    try:
+        rows = typed(rows.drop(columns="_source"))
+    except ValueError as exc:  # name the file that holds the bad value
+        bad = next((paths[k] for k, part in enumerate(parts) if not _types_ok(part)), None)
+        raise ValueError(f"{bad or ', '.join(map(str, paths))}: {exc}") from None
     if not ident_parts:
         return rows, None
     return rows, pd.concat(ident_parts, ignore_index=True).drop_duplicates("run_id")
@@ -303,7 +342,7 @@ def compare(ref_dir: str | Path, new_dir: str | Path) -> pd.DataFrame:
         ``<metric>_new`` for each of :data:`COMPARED`, ``total_ms_rel_change`` (new / ref - 1),
         ``speedup_change`` (new - ref) and ``found``: ``both`` | ``ref_only`` | ``new_only``.
     Raises:
-        ValueError: a folder has no ``summary.csv``.
+        ValueError: a folder has no ``summary.csv``, or one without a compared column (named).
     """
     frames = []
     for d in (ref_dir, new_dir):
@@ -311,6 +350,9 @@ def compare(ref_dir: str | Path, new_dir: str | Path) -> pd.DataFrame:
         if not path.exists():
             raise ValueError(f"{path} does not exist; run or aggregate the experiment first")
         frames.append(read_rows(path))
+        lacks = [c for c in ("mode", *COMPARED) if c not in frames[-1]]
+        if lacks:
+            raise ValueError(f"{path} has no column(s) {lacks}; aggregate that folder again")
     ref, new = frames
     keys = [k for k in RUN_KEYS if k not in VERSION_COLUMNS and k in ref and k in new]
     out = ref[[*keys, *COMPARED]].merge(

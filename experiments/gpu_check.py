@@ -414,12 +414,23 @@ def _markdown(args, env, budget: Budget, rows, comp, consts, fit_res) -> str:
     return "\n".join(lines) + "\n"
 
 
+def default_out(quick: bool, device: torch.device) -> Path:
+    """The output folder without ``--out``, relative to the working directory (the checkout's
+    root): ``results/gpu_check`` (the committed reference) for the real run on CUDA,
+    ``outputs/gpu_check_quick`` with ``--quick`` and ``outputs/gpu_check`` for a full run on a CPU,
+    whose numbers are not the GPU's (``outputs/`` is git-ignored: the tree stays clean)."""
+    if device.type == "cuda" and not quick:
+        return Path("results") / "gpu_check"
+    return Path("outputs") / ("gpu_check_quick" if quick else "gpu_check")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--out",
         default=None,
-        help="output folder (default results/gpu_check; results/gpu_check_quick with --quick)",
+        help="output folder (default results/gpu_check on a GPU; outputs/gpu_check_quick with "
+        "--quick, outputs/gpu_check on a CPU)",
     )
     ap.add_argument(
         "--backend",
@@ -512,7 +523,7 @@ def main(argv=None) -> int:
     hw = load_hardware(args.hardware)
     if args.free:
         free_constants(args.free, hw)  # bad names fail now, not after the measurements
-    out = Path(args.out or Path("results") / ("gpu_check_quick" if args.quick else "gpu_check"))
+    out = Path(args.out or default_out(args.quick, device))
     out = out.resolve()  # the runs it starts work in the checkout: give them an absolute path
     out.mkdir(parents=True, exist_ok=True)
 

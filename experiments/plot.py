@@ -349,7 +349,7 @@ def plot_fig7(summary: pd.DataFrame, out: Path) -> Path:
     modes = [m for m in ("train", "infer") if m in set(summary["mode"])]
     methods = _methods(summary)
     fig, axes = plt.subplots(
-        1, len(modes), figsize=(max(7.5, 4.5 * len(modes)), 3.4), squeeze=False, sharey=True
+        1, len(modes), figsize=(max(7.5, 4.5 * len(modes)), 3.8), squeeze=False, sharey=True
     )
     for i, mode in enumerate(modes):
         ax = axes[0][i]
@@ -369,12 +369,15 @@ def plot_fig7(summary: pd.DataFrame, out: Path) -> Path:
         ax.set_title("training" if mode == "train" else "inference", fontsize=10)
         if i == 0:
             ax.set_ylabel("speedup over llama3")
-    axes[0][0].legend(fontsize=7)
+    # below the panels, as in Fig. 5: a legend inside a panel hid a point (refined at 64K)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(methods), 6), fontsize=7,
+               frameon=False)  # fmt: skip
     ds, cp, h = summary["dataset"].iloc[0], summary["cp_size"].iloc[0], summary["num_heads"].iloc[0]
     note = _bars_note(_yerr(summary, "speedup_vs_llama3") is not None)
     fig.suptitle(f"Speedup vs context length: {ds}, CP{int(cp)}, {int(h)} heads\n"
                  f"({_subtitle(summary, 'point')}; {note})", fontsize=9)  # fmt: skip
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(out, dpi=130)
     plt.close(fig)
     return out
@@ -418,8 +421,8 @@ def draw(fig: str, exp_dir: str | Path) -> Path:
     """Draw figure ``fig`` (fig3 | fig5 | fig6 | fig7 | fig5_peers) from the CSVs in ``exp_dir``.
 
     Raises:
-        ValueError: unknown figure name, its CSV is missing, or the data cannot be drawn faithfully
-            (the message says why).
+        ValueError: unknown figure name, its CSV is missing or unreadable, or the data cannot be
+            drawn faithfully (the message names the CSV and says why).
     """
     exp_dir = Path(exp_dir)
     plotters = {"fig5": plot_fig5, "fig6": plot_fig6, "fig7": plot_fig7, "fig3": plot_fig3,
@@ -429,8 +432,16 @@ def draw(fig: str, exp_dir: str | Path) -> Path:
     csv = exp_dir / ("fig3.csv" if fig == "fig3" else "summary.csv")
     if not csv.exists():
         raise ValueError(f"{csv} does not exist; run the experiment (and its aggregation) first")
-    table = pd.read_csv(csv) if fig == "fig3" else read_rows(csv)
-    return plotters[fig](table, exp_dir / f"{fig}.png")
+    try:
+        table = pd.read_csv(csv) if fig == "fig3" else read_rows(csv)
+    except (OSError, ValueError) as exc:
+        raise ValueError(exc if str(csv) in str(exc) else f"{csv}: {exc}") from None
+    try:
+        return plotters[fig](table, exp_dir / f"{fig}.png")
+    except KeyError as exc:  # a column the figure needs
+        raise ValueError(f"{csv} has no column {exc} that {fig} needs") from None
+    except ValueError as exc:  # the data cannot be drawn faithfully: say which file
+        raise ValueError(f"{csv}: {exc}") from None
 
 
 def _cli(argv: list[str] | None = None) -> None:

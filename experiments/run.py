@@ -199,7 +199,7 @@ def sample(cfg: DictConfig) -> tuple[list[np.ndarray], list[dict[str, int]]]:
     Raises:
         ValueError: a bad dataset, or ``dataset.overlong = error`` with documents longer than C.
     """
-    from flashcp.data import sample_dataset
+    from flashcp.data import overlong_note, sample_dataset
 
     c = int(cfg.context_len)
     ds = cfg.dataset
@@ -207,20 +207,9 @@ def sample(cfg: DictConfig) -> tuple[list[np.ndarray], list[dict[str, int]]]:
         str(ds.name), int(cfg.num_sequences), c, seed=int(cfg.seed), weighting=str(ds.weighting),
         cap=None if ds.cap is None else int(ds.cap), overlong=str(ds.overlong), path=ds.path,
     )  # fmt: skip
-    n_long = sum(x["overlong_docs"] for x in counts)
-    if n_long and ds.overlong == "cut":
-        lost = sum(x["overlong_tokens_cut"] for x in counts)
-        log.warning(
-            "%s: %d documents longer than context_len = %d were cut to it (%d tokens discarded; "
-            "column overlong_tokens_cut); dataset.overlong=split keeps them as consecutive documents",
-            cfg.dataset.name, n_long, c, lost,
-        )  # fmt: skip
-    elif n_long:
-        log.info(
-            "%s: %d pieces of documents longer than context_len = %d (%d tokens over dataset.cap "
-            "discarded; column overlong_tokens_cut)",
-            cfg.dataset.name, n_long, c, sum(x["overlong_tokens_cut"] for x in counts),
-        )  # fmt: skip
+    note = overlong_note(counts, str(ds.overlong), c, str(ds.name))  # the line every command logs
+    if note:
+        (log.warning if ds.overlong == "cut" else log.info)(note)
     return seqs, counts
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,8 @@ from flashcp.data.datasets import DatasetName
 from flashcp.data.distributions import WEIGHTINGS
 from flashcp.results import markdown_table
 from flashcp.sim.hardware import HardwareProfile
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "GENERATORS",
@@ -202,6 +205,7 @@ def check_sensitivity_config(cfg: Any) -> None:
     Raises:
         ValueError: naming the bad value.
     """
+    from flashcp.plan import check_context_len
     from flashcp.registry import get_method
 
     check_experiment_config(cfg)
@@ -213,6 +217,7 @@ def check_sensitivity_config(cfg: Any) -> None:
         raise ValueError(
             f"methods = {list(cfg.methods)} must include llama3, the reference of every speedup"
         )
+    check_context_len(cfg.context_len, int(cfg.cp_size), 2)  # llama3: 2N equal chunks
     for k in cfg.get("constants") or ():
         if k not in (*VARIED, *OPTIONAL_VARIED):
             raise ValueError(
@@ -383,7 +388,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
             data variant, a bad dataset or weighting).
     """
     from experiments.common.overrides import load_job_hardware
-    from flashcp.data import sample_dataset
+    from flashcp.data import overlong_note, sample_dataset
     from flashcp.registry import COMM_KIND, get_planner
     from flashcp.sim.cost_model import PlanBatch, price_plans
 
@@ -408,10 +413,13 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     for v in variants:
         # flashcp-run's sampler, with this dataset config (listed variants: its defaults, cap
         # 4 x C and overlong split: <dataset>/documents are the sequences of Fig. 5 / 7)
-        seqs, _ = sample_dataset(
+        seqs, counts = sample_dataset(
             v.dataset, int(cfg.num_sequences), c, seed=int(cfg.seed), weighting=v.weighting,
             cap=v.cap, overlong=v.overlong, path=v.path,
         )  # fmt: skip
+        note = overlong_note(counts, v.overlong, c, v.label)  # the line every command logs
+        if note:
+            (log.warning if v.overlong == "cut" else log.info)(note)
         prov = _variant_columns(v, c)
         mean_ms = {}  # method -> (P, M) mean total_ms over the sequences
         for method in methods:

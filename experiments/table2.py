@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ __all__ = [
     "table2_from_config",
 ]
 
+log = logging.getLogger(__name__)
+
 #: the command (conf/table2.yaml names it in hydra.callbacks.folder.prog; pyproject.toml's script)
 PROG = "flashcp-table2"
 _BASELINES = ("llama3", "per_doc", "ring", "zigzag")
@@ -74,10 +77,10 @@ class Table2Config(ExperimentConfig):
     CI-sized by default (about 10 minutes on 2 cores); paper-sized: ``num_sequences=100``."""
 
     name: str = "table2"
-    #: the dataset sequences are sampled from (conf/dataset/; the paper's table: dataset=pile).
-    #: Only its name is used, sampled as flashcp-run samples it by default
-    #: (flashcp.data.sample_dataset: documents weighting, cap 4 x C, overlong split: the
-    #: sequences of Fig. 5 / 7); the other fields must keep their defaults (check_experiment_config)
+    #: the dataset sequences are sampled from (conf/dataset/; the paper's table: dataset=pile),
+    #: sampled as flashcp-run samples it (flashcp.data.sample_dataset, every field of the group:
+    #: dataset=file dataset.path=lengths.txt, dataset.weighting, dataset.cap, dataset.overlong);
+    #: the defaults give the sequences of Fig. 5 / 7
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     #: N, number of CP ranks
     cp_size: int = 4
@@ -122,7 +125,7 @@ class Table2Config(ExperimentConfig):
 def check_table2_config(cfg: Any) -> None:
     """Check a :class:`Table2Config` before any work: the checks every experiment gets
     (:func:`experiments.common.entry.check_experiment_config`), then the ILP's settings, the
-    HiGHS options against the solver, and that only ``dataset.name`` is set.
+    HiGHS options against the solver, and that ``dataset=file`` has a path.
 
     Raises:
         ValueError: naming the bad value.
@@ -140,14 +143,13 @@ def check_table2_config(cfg: Any) -> None:
             f"highs_options={dict(highs)} are HiGHS options and solver={cfg.solver}; drop them "
             "(highs_options=null) or use solver=highs"
         )
-    default = DatasetConfig()  # Table 2 samples by name only
-    for key in ("path", "weighting", "cap", "overlong"):
-        if cfg.dataset[key] != getattr(default, key):
-            raise ValueError(
-                f"dataset.{key} = {cfg.dataset[key]!r}: this experiment samples dataset.name "
-                f"only and does not support dataset.{key} (leave it at "
-                f"{getattr(default, key)!r})"
-            )
+    from flashcp.plan import check_context_len
+
+    check_context_len(cfg.context_len, int(cfg.cp_size), 2)  # llama3, a baseline: 2N chunks
+    if cfg.dataset.name == "file" and cfg.dataset.path is None:
+        raise ValueError(
+            "dataset=file needs dataset.path=<a file of lengths: text, CSV, Parquet, JSON or .npy>"
+        )
 
 
 def _ilp_row(args: tuple) -> dict:
@@ -273,6 +275,10 @@ def run_table2(
     lp_rounding: bool = True,
     lns: bool | None = None,
     highs_options: dict | None = None,
+    dataset_path: str | None = None,
+    weighting: str = "documents",
+    cap: int | None = None,
+    overlong: str = "split",
 ) -> pd.DataFrame:
     """Run the Table 2 comparison and write its files.
 
@@ -287,6 +293,10 @@ def run_table2(
             4 x C, documents longer than C split), so they are the ones of Fig. 5 / 7.
         out_dir: folder for the outputs (created).
         dataset: a :func:`flashcp.data.load_distribution` name (``pile`` for the paper's table).
+        dataset_path, weighting, cap, overlong: the rest of the dataset group
+            (:func:`flashcp.data.sample_dataset`'s ``path``, ``weighting``, ``cap``,
+            ``overlong``): ``dataset_path`` for ``dataset="file"``; the defaults are flashcp-run's.
+            Each row counts its sequence's ``overlong_docs`` and ``overlong_tokens_cut``.
         target_imbalance: R for ``flashcp`` and ``flashcp_refined``, and the ILP's imbalance cap.
         solver, gap, comm_weight, warm_start, formulation, lp_rounding, lns, highs_options: passed to
             :func:`flashcp.ilp.plan_ilp` (``highs_options`` equal to flashcp-table2's default,
@@ -300,7 +310,7 @@ def run_table2(
         ValueError: bad dataset or planner options (from the sampler and the planners), workers
             outside [1, :func:`flashcp.executors.sim.max_workers`].
     """
-    from flashcp.data import sample_dataset
+    from flashcp.data import overlong_note, sample_dataset
     from flashcp.executors.sim import check_workers
 
     workers = check_workers(workers)
@@ -312,7 +322,13 @@ def run_table2(
 
     # flashcp-run's sampler and defaults (documents longer than C split): the same sequences as
     # Fig. 5 / 7 for the same dataset, seed and context
-    seqs, _ = sample_dataset(dataset, num_sequences, context_len, seed=seed)
+    seqs, counts = sample_dataset(
+        dataset, num_sequences, context_len, seed=seed, weighting=weighting, cap=cap,
+        overlong=overlong, path=dataset_path,
+    )  # fmt: skip
+    note = overlong_note(counts, overlong, context_len, str(dataset))
+    if note:
+        (log.warning if overlong == "cut" else log.info)(note)
     heuristics = {
         "flashcp": lambda d: get_planner("flashcp")(d, cp_size, target_imbalance=target_imbalance),
         "flashcp_refined": lambda d: plan_flashcp_refined(
@@ -360,8 +376,14 @@ def run_table2(
             bar.update(1)
 
     df = pd.DataFrame(rows)
+    over = pd.DataFrame(counts, columns=["overlong_docs", "overlong_tokens_cut"])
+    df = df.join(over, on="seq")
     setup = {
         "dataset": dataset,
+        "dataset_path": "-" if dataset_path is None else str(dataset_path),
+        "weighting": weighting,
+        "dataset_cap": 4 * int(context_len) if cap is None else int(cap),
+        "overlong": overlong,
         "context_len": context_len,
         "cp_size": cp_size,
         "seed": seed,
@@ -422,8 +444,11 @@ def table2_from_config(cfg: DictConfig) -> Path:
     opts = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     out_dir = Path(str(opts.pop("results_dir"))) / str(opts.pop("name"))
     opts.pop("run_key")
-    dataset = opts.pop("dataset")["name"]  # the other fields: checked to be the defaults
-    run_table2(out_dir=str(out_dir), dataset=dataset, **opts)
+    ds = opts.pop("dataset")
+    run_table2(
+        out_dir=str(out_dir), dataset=ds["name"], dataset_path=ds["path"],
+        weighting=ds["weighting"], cap=ds["cap"], overlong=ds["overlong"], **opts,
+    )  # fmt: skip
     return out_dir / "table2.csv"
 
 

@@ -24,8 +24,11 @@ divided by N, at the kernel's full-tile throughput (``fwd_tile_tflops``, and ``b
 for the backward: :func:`flashcp.sim.kernel.tile_us` per ``block_q x block_k`` pairs).
 
 Bad input (a missing or malformed length file, an unknown dataset, method, model or hardware
-profile, ``cp_size`` < 1, a context length that is not a multiple of ``2 * cp_size``, documents longer than the context, a method that does not apply when
-named) raises ValueError naming the value; the CLI prints it as one line and exits with status 2.
+profile, ``cp_size`` < 1, a context length that is not a multiple of ``2 * cp_size``, documents
+longer than the context under ``overlong="error"``, a method that does not apply when named)
+raises ValueError naming the value; the CLI prints it as one line and exits with status 2.
+Documents longer than the context are split by default, as every command does
+(:func:`flashcp.data.apply_overlong`); the CLI reports how many on stderr.
 """
 
 from __future__ import annotations
@@ -107,7 +110,8 @@ def load_model(
             here alone (``num_heads`` required; ``num_kv_heads`` defaults to it, ``head_dim`` to
             128, ``dtype`` to bfloat16).
     Raises:
-        ValueError: an unknown model (listing the known ones), or a bad shape (naming it).
+        ValueError: an unknown model (listing the known ones), a model file that cannot be read
+            or lacks a field (naming the file), or a bad shape (naming it, and the model file).
     """
     import yaml
 
@@ -119,18 +123,33 @@ def load_model(
         known = sorted(p.stem for p in folder.glob("*.yaml"))
         if name not in known:
             raise ValueError(f"unknown model {name!r}; choose one of {', '.join(known)}")
-        with (folder / f"{name}.yaml").open() as fh:
-            data = yaml.safe_load(fh) or {}
-        fields.update({k: data[k] for k in ("num_heads", "num_kv_heads", "head_dim", "dtype")})
+        path = folder / f"{name}.yaml"
+        try:
+            with path.open() as fh:
+                data = yaml.safe_load(fh) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise ValueError(f"{path}: cannot read as YAML: {exc}") from None
+        keys = ("num_heads", "num_kv_heads", "head_dim", "dtype")
+        lacks = [k for k in keys if not isinstance(data, dict) or k not in data]
+        if lacks:
+            raise ValueError(f"{path} has no {', '.join(lacks)}")
+        fields.update({k: data[k] for k in keys})
     elif num_heads is None:
         raise ValueError("give a model name or num_heads")
     given = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
              "dtype": dtype}  # fmt: skip
     fields.update({k: v for k, v in given.items() if v is not None})
     fields.setdefault("num_kv_heads", fields["num_heads"])
-    return AttnShape(
-        fields["num_heads"], fields["num_kv_heads"], fields["head_dim"], str(fields["dtype"])
-    )
+    try:
+        return AttnShape(
+            fields["num_heads"], fields["num_kv_heads"], fields["head_dim"], str(fields["dtype"])
+        )
+    except ValueError as exc:  # say where the shape came from: the file, and what replaced its
+        if name is None:
+            raise
+        over = ", ".join(f"{k}={v}" for k, v in given.items() if v is not None)
+        where = f"{path} with {over}" if over else str(path)
+        raise ValueError(f"model {name!r} ({where}): {exc}") from None
 
 
 #: advise()'s integer arguments -> the flashcp advise flag that sets each
@@ -148,29 +167,28 @@ def _check_count(name: str, value: Any, least: int) -> None:
 
 
 def _sample(
-    lengths, dataset, context_len: int, num_sequences: int, seed: int
-) -> tuple[list[np.ndarray], str]:
-    """The sequences to advise on and a label of their source."""
-    from flashcp.data import DATASETS, read_lengths_file, sample_dataset
+    lengths, dataset, context_len: int, num_sequences: int, seed: int, overlong: str
+) -> tuple[list[np.ndarray], list[dict[str, int]], str]:
+    """The sequences to advise on, their overlong counts (per sequence ``{"overlong_docs",
+    "overlong_tokens_cut"}``) and a label of their source."""
+    from flashcp.data import DATASETS, check_overlong_policy, sample_dataset
 
     if (lengths is None) == (dataset is None):
         raise ValueError("give a length file or a dataset name, not both or neither")
+    check_overlong_policy(overlong, "overlong (flashcp advise --overlong)")
     if lengths is not None:
-        d = read_lengths_file(lengths)  # ValueError naming a missing or malformed file
-        if d.size and int(d.max()) > context_len:
-            raise ValueError(
-                f"length file {str(lengths)!r} has a document of {int(d.max())} tokens, longer "
-                f"than context_len = {context_len}; give a larger context length"
-            )
-        seqs, _ = sample_dataset(
-            "file", num_sequences, context_len, seed=seed, path=str(lengths), overlong="error"
-        )
-        return seqs, f"file {Path(lengths).name}"
+        seqs, counts = sample_dataset(
+            "file", num_sequences, context_len, seed=seed, path=str(lengths), overlong=overlong,
+            option="--overlong",
+        )  # fmt: skip
+        return seqs, counts, f"file {Path(lengths).name}"
     named = [str(x) for x in DATASETS if str(x) != "file"]
     if str(dataset) not in named:
         raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(named)}")
-    seqs, _ = sample_dataset(str(dataset), num_sequences, context_len, seed=seed)
-    return seqs, f"dataset {dataset}"
+    seqs, counts = sample_dataset(
+        str(dataset), num_sequences, context_len, seed=seed, overlong=overlong, option="--overlong"
+    )
+    return seqs, counts, f"dataset {dataset}"
 
 
 def breakdown(
@@ -258,6 +276,7 @@ def advise(
     num_draws: int = 16,
     draw_sequences: int = 64,
     factor: float = 2.0,
+    overlong: str = "split",
 ) -> pd.DataFrame:
     """Predict every method's step time on the given lengths (module docstring).
 
@@ -265,7 +284,7 @@ def advise(
         cp_size: N >= 1, CP ranks.
         lengths: a length file (text, CSV, Parquet, JSON or .npy: :func:`flashcp.data.read_lengths_file`),
             sampled as ``dataset=file`` samples it; or ``dataset``: a dataset name (not ``file``).
-        context_len: C, tokens per packed sequence; no document of a length file may exceed it.
+        context_len: C, tokens per packed sequence.
         num_sequences: sequences sampled (seeded by ``seed``).
         model: a model config name or an :class:`~flashcp.comm.AttnShape`.
         hardware: a profile name (its calibrated constants applied), mapping or
@@ -278,13 +297,17 @@ def advise(
             schema (:func:`flashcp.registry.check_options`); the others keep their defaults.
         num_draws, draw_sequences, factor: the sensitivity range: joint draws, sequences priced
             per draw (the first ones), each constant from value / factor to value * factor.
+        overlong: a document longer than C: ``split`` (default), ``cut`` or ``error``, the rule
+            of every command (:func:`flashcp.data.apply_overlong`; ``flashcp advise --overlong``).
     Returns:
         One row per method (display order): :data:`TABLE_COLUMNS`, ``total_ms_mean``,
-        ``ideal_ms`` and every part of :data:`PARTS` (means over sequences, ms), ``num_sequences``.
+        ``ideal_ms`` and every part of :data:`PARTS` (means over sequences, ms), ``num_sequences``,
+        ``overlong`` and its counts over the sequences (``overlong_docs``: documents, or pieces
+        under ``split``, from a document longer than C; ``overlong_tokens_cut``).
         ``attrs``: ``rows`` (per (method, sequence): :func:`breakdown`'s columns,
-        ``imbalance_ratio``, ``speedup_vs_llama3``), ``skipped`` (method -> why it does not
-        apply), ``setup`` (a dict describing the run), ``seconds`` (wall time of planning and
-        pricing, and of the sensitivity draws).
+        ``imbalance_ratio``, ``speedup_vs_llama3``, the sequence's overlong counts), ``skipped``
+        (method -> why it does not apply), ``setup`` (a dict describing the run, with the overlong
+        counts), ``seconds`` (wall time of planning and pricing, and of the sensitivity draws).
     Raises:
         ValueError: bad input (module docstring).
     """
@@ -333,11 +356,15 @@ def advise(
     for m, o in dict(method_options or {}).items():
         if m not in wanted:
             raise ValueError(
-                f"method_options for {m!r}, which this comparison does not run (it runs "
-                f"{', '.join(wanted)}); add it to methods"
+                f"method_options (flashcp advise --option {m}.KEY=VALUE) for {m!r}, which this "
+                f"comparison does not run (it runs {', '.join(wanted)}); add it to methods "
+                "(--methods)"
             )
         opts[m] = check_options(m, o)
-    seqs, source = _sample(lengths, dataset, int(context_len), int(num_sequences), int(seed))
+    seqs, counts, source = _sample(
+        lengths, dataset, int(context_len), int(num_sequences), int(seed), overlong
+    )
+    over = pd.DataFrame(counts, columns=["overlong_docs", "overlong_tokens_cut"])
 
     t0 = time.perf_counter()
     nohost = dataclasses.replace(hw, **dict.fromkeys(HOST_CONSTANTS, 0.0))
@@ -375,6 +402,7 @@ def advise(
         rows.append(pd.DataFrame({
             "method": m, "seq_idx": np.arange(len(seqs)), **p,
             "imbalance_ratio": ratios[m], "speedup_vs_llama3": speedup,
+            "overlong_docs": over["overlong_docs"], "overlong_tokens_cut": over["overlong_tokens_cut"],
         }))  # fmt: skip
         table.append(
             {
@@ -390,6 +418,9 @@ def advise(
                 "ideal_ms": float(np.mean(p["ideal_ms"])),
                 **{c: float(np.mean(p[c])) for c in PARTS},
                 "num_sequences": len(seqs),
+                "overlong": str(overlong),
+                "overlong_docs": int(over["overlong_docs"].sum()),
+                "overlong_tokens_cut": int(over["overlong_tokens_cut"].sum()),
             }
         )
     df = pd.DataFrame(table)
@@ -399,6 +430,8 @@ def advise(
         "source": source, "num_sequences": len(seqs), "context_len": int(context_len),
         "seed": int(seed), "cp_size": n, "shape": shape, "hardware": hw.name, "mode": mode,
         "num_draws": int(num_draws), "draw_sequences": k, "factor": float(factor),
+        "overlong": str(overlong), "overlong_docs": int(over["overlong_docs"].sum()),
+        "overlong_tokens_cut": int(over["overlong_tokens_cut"].sum()),
     }  # fmt: skip
     df.attrs["seconds"] = {"plan_price_s": t1 - t0, "draws_s": t2 - t1}
     return df

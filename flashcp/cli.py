@@ -17,7 +17,9 @@ Examples::
     flashcp advise --dataset pile --cp-size 4 --mode infer --methods flashcp,zigzag --out adv/
 
 ``--context-len C`` packs the lengths the way the sampler does (documents appended in order until
-C tokens are full, the last one cut; fewer than C tokens in all is an error). Without it the
+C tokens are full, the last one cut; fewer than C tokens in all is an error); a document longer
+than C is first split into pieces of at most C tokens (``--overlong split``, the rule of every
+command; ``cut`` or ``error`` on request), and how many is reported on stderr. Without it the
 lengths are used as given and C is their sum. Zero-length documents (a repeated ``cu_seqlens``
 offset) are skipped. ``--num-pad P`` adds P pad tokens after the last document and
 ``--pad-to-multiple`` the fewest the layout needs (N, or 2N for ``llama3``); pad tokens belong
@@ -42,9 +44,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from flashcp.data import read_lengths_file
+from flashcp.data import OVERLONG_POLICIES, apply_overlong, overlong_note, read_lengths_file
 from flashcp.kinds import CommKind
-from flashcp.plan import Plan, check_doc_lens
+from flashcp.plan import DivisibilityError, Plan, check_doc_lens
 from flashcp.registry import (
     check_options,
     comm_kind_of,
@@ -82,33 +84,48 @@ def parse_doc_lens(text: str) -> list[int]:
     return out
 
 
-def pack_doc_lens(doc_lens, context_len: int) -> np.ndarray:
+def pack_doc_lens(
+    doc_lens, context_len: int, *, overlong: str = "split", source: str | None = None
+) -> tuple[np.ndarray, dict[str, int]]:
     """Pack documents into one sequence of exactly ``context_len`` tokens, as the sampler does.
 
-    Documents are taken in order until ``context_len`` tokens are full; the last one taken is cut
-    to fit, and later ones are dropped.
+    Documents longer than ``context_len`` are first handled by the ``overlong`` rule every
+    command applies (:func:`flashcp.data.apply_overlong`: ``split`` into pieces of at most C
+    tokens, ``cut`` to C, or ``error``). Then documents are taken in order until ``context_len``
+    tokens are full; the last one taken is cut to fit, and later ones are dropped.
 
     Args:
         doc_lens: (n,) int, document lengths (validated by the library).
         context_len: C >= 1.
+        overlong: ``split`` | ``cut`` | ``error`` (``flashcp plan --overlong``).
+        source: where the lengths came from, for messages.
     Returns:
-        (k,) int64, the packed lengths, summing to ``context_len``.
+        packed: (k,) int64, the packed lengths, summing to ``context_len``;
+        counts: ``{"overlong_docs", "overlong_tokens_cut"}`` in the packed sequence: documents
+        (pieces under ``split``) from a document longer than C, and tokens the ``cut`` discarded.
     Raises:
-        ValueError: bad lengths, ``context_len`` < 1, or lengths summing to less than C.
+        ValueError: bad lengths, ``context_len`` < 1, lengths summing to less than C, an unknown
+            ``overlong`` rule, or ``overlong = "error"`` with a document longer than C.
     """
     d = check_doc_lens(doc_lens)
     if context_len < 1:
         raise ValueError(f"context_len must be >= 1, got {context_len}")
+    d, long, cut, _ = apply_overlong(d, context_len, overlong, option="--overlong", source=source)
     cu = np.cumsum(d)
     if d.size == 0 or cu[-1] < context_len:
         raise ValueError(
-            f"doc_lens sum to {int(d.sum())}, fewer than context_len = {context_len}: "
+            f"{f'{source}: ' if source else ''}doc_lens sum to {int(d.sum())}, fewer than "
+            f"context_len = {context_len}: "
             "not enough tokens to fill the sequence"
         )
     k = int(np.searchsorted(cu, context_len))  # first document that reaches C
     packed = d[: k + 1].copy()
     packed[k] -= int(cu[k]) - context_len
-    return packed
+    counts = {
+        "overlong_docs": int(long[: k + 1].sum()),
+        "overlong_tokens_cut": int(cut[: k + 1].sum()),
+    }
+    return packed, counts
 
 
 def _shard_text(doc: int, start: int, length: int) -> str:
@@ -189,10 +206,20 @@ def _plan_command(args: argparse.Namespace) -> int:
     planner = get_planner(args.method)
     if args.doc_lens_file is not None:
         doc_lens = read_lengths_file(args.doc_lens_file)
+        source = f"length file {args.doc_lens_file}"
     else:
         doc_lens = parse_doc_lens(args.doc_lens)
+        source = "--doc-lens"
+    counts = {"overlong_docs": 0, "overlong_tokens_cut": 0}
     if args.context_len is not None:
-        doc_lens = pack_doc_lens(doc_lens, args.context_len)
+        doc_lens, counts = pack_doc_lens(
+            doc_lens, args.context_len, overlong=args.overlong, source=source
+        )
+        note = overlong_note(counts, args.overlong, args.context_len, source, "--overlong")
+        if note:
+            print(f"flashcp plan: {note}", file=sys.stderr)
+    if args.num_pad < 0:
+        raise ValueError(f"--num-pad must be >= 0, got {args.num_pad}")
     options = check_options(args.method, parse_options(args.option))
     if args.target_imbalance is not None:
         if not _takes_target(args.method):
@@ -207,10 +234,18 @@ def _plan_command(args: argparse.Namespace) -> int:
                 f"target_imbalance={given} disagree; give one of them"
             )
         options["target_imbalance"] = args.target_imbalance
-    plan = planner(
-        doc_lens, args.cp_size, num_pad=args.num_pad, pad_to_multiple=args.pad_to_multiple,
-        **options,
-    )  # fmt: skip
+    try:
+        plan = planner(
+            doc_lens, args.cp_size, num_pad=args.num_pad, pad_to_multiple=args.pad_to_multiple,
+            **options,
+        )  # fmt: skip
+    except DivisibilityError as exc:  # name this command's options, not the planner's
+        raise ValueError(
+            exc.with_fix(
+                f"pad to a multiple of {exc.multiple_text} = {exc.multiple}: --num-pad "
+                f"{args.num_pad + exc.more_pad}, or --pad-to-multiple"
+            )
+        ) from None
     if args.num_kv_heads is not None and args.num_heads is None:
         raise ValueError("--num-kv-heads needs --num-heads (the query heads)")
     if args.num_heads is not None:  # a head-parallel method's degree against the heads
@@ -219,7 +254,8 @@ def _plan_command(args: argparse.Namespace) -> int:
         hkv = args.num_heads if args.num_kv_heads is None else args.num_kv_heads
         check_method_heads(args.method, options, args.cp_size, args.num_heads, hkv, plan)
     if args.json:
-        print(json.dumps(plan.to_dict(_comm_kind(plan)), indent=2, default=_json_default))
+        out = {**plan.to_dict(_comm_kind(plan)), "overlong": args.overlong, **counts}
+        print(json.dumps(out, indent=2, default=_json_default))
     else:
         print(format_table(plan))
     return 0
@@ -252,7 +288,12 @@ def _advise_command(args: argparse.Namespace) -> int:
         context_len=args.context_len, num_sequences=args.num_sequences, seed=args.seed,
         model=shape, hardware=args.hardware, mode=args.mode, methods=methods,
         method_options=method_options, num_draws=args.draws, draw_sequences=args.draw_sequences,
+        overlong=args.overlong,
     )  # fmt: skip
+    s = df.attrs["setup"]
+    note = overlong_note(s, args.overlong, args.context_len, s["source"], "--overlong")
+    if note:
+        print(f"flashcp advise: {note}", file=sys.stderr)
     paths = write_outputs(df, args.out)
     print(format_report(df))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
@@ -279,6 +320,13 @@ def _add_advise_parser(sub) -> None:
     a.add_argument("--cp-size", type=int, required=True, help="number of CP ranks N (>= 1)")
     a.add_argument("--context-len", type=int, default=131072, help="tokens per packed sequence")
     a.add_argument("--num-sequences", type=int, default=1000, help="sequences sampled")
+    a.add_argument(
+        "--overlong",
+        choices=OVERLONG_POLICIES,
+        default="split",
+        help="a document longer than --context-len: split into pieces of at most that many "
+        "tokens (default), cut to it, or error; how many is reported on stderr and in advise.csv",
+    )
     a.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the draws")
     a.add_argument("--model", default="h32", help="model config (conf/model: h16, h32, h32kv8)")
     a.add_argument("--num-heads", type=int, help="query heads (replaces the model's)")
@@ -338,6 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="pack the documents into exactly this many tokens (the last one cut); "
         "default: use the lengths as given (C = their sum)",
+    )
+    p.add_argument(
+        "--overlong",
+        choices=OVERLONG_POLICIES,
+        default="split",
+        help="with --context-len, a document longer than it: split into pieces of at most C "
+        "tokens (default), cut to C, or error; how many is reported on stderr and in --json",
     )
     p.add_argument(
         "--target-imbalance",

@@ -474,6 +474,7 @@ def check_method_options(method: str, options: Any, context_len: int, cp_size: i
     """
     from omegaconf import OmegaConf
 
+    from flashcp.plan import DivisibilityError
     from flashcp.registry import check_options, get_method, get_planner
 
     opts = check_options(
@@ -493,6 +494,8 @@ def check_method_options(method: str, options: Any, context_len: int, cp_size: i
         return get_planner(method)([context_len], cp_size, **opts)
     except TypeError as exc:  # e.g. a list where a planner's code expects a number
         raise ValueError(f"method {method!r}: bad option value in {opts}: {exc}") from None
+    except DivisibilityError as exc:  # name context_len, not the planners' num_pad
+        raise ValueError(exc.context_fix()) from None
 
 
 def check_method_heads(

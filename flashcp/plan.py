@@ -50,9 +50,11 @@ from flashcp.kinds import CommKind
 
 __all__ = [
     "MAX_TOKENS",
+    "DivisibilityError",
     "Plan",
     "Shard",
     "buffer_plan",
+    "check_context_len",
     "check_cp_args",
     "check_doc_lens",
     "cu_seqlens",
@@ -225,18 +227,67 @@ def check_cp_args(context_len: int, cp_size: int, chunks_per_rank: int = 1) -> N
         )
     n = chunks_per_rank * cp_size
     multiple = "cp_size" if chunks_per_rank == 1 else f"{chunks_per_rank} * cp_size"
-    fix = f"pad to a multiple of {multiple} = {n}: num_pad = {-context_len % n}"
-    fix += ", or pad_to_multiple=True"
     if context_len % cp_size:
-        raise ValueError(
+        raise DivisibilityError(
             f"context_len = {context_len} is not divisible by cp_size = {cp_size}: every rank must "
-            f"hold exactly context_len / cp_size tokens ({fix})"
-        )
+            f"hold exactly context_len / cp_size tokens",
+            context_len, n, multiple,
+        )  # fmt: skip
     if context_len % n:
-        raise ValueError(
+        raise DivisibilityError(
             f"context_len = {context_len} is not divisible by {chunks_per_rank} * cp_size = {n}, "
-            f"which this layout needs ({chunks_per_rank} equal chunks per rank; {fix})"
+            "which this layout needs",
+            context_len, n, multiple, f"{chunks_per_rank} equal chunks per rank",
+        )  # fmt: skip
+
+
+def check_context_len(context_len: int, cp_size: int, chunks_per_rank: int = 1) -> None:
+    """:func:`check_cp_args` for a command that has no pad option (``flashcp-table2``,
+    ``flashcp-sensitivity``): a ``context_len`` the layout cannot divide is refused naming the
+    nearest valid ones (:meth:`DivisibilityError.context_fix`), not the planners' ``num_pad``.
+
+    Raises:
+        ValueError: naming the bad value.
+    """
+    try:
+        check_cp_args(int(context_len), cp_size, chunks_per_rank)
+    except DivisibilityError as exc:
+        raise ValueError(exc.context_fix()) from None
+
+
+class DivisibilityError(ValueError):
+    """:func:`check_cp_args`: ``context_len`` (pad included) not divisible as the layout needs.
+
+    The message names the planners' arguments (``num_pad``, ``pad_to_multiple``); a command
+    names its own options with :meth:`with_fix` (e.g. ``--num-pad`` for ``flashcp plan``,
+    :meth:`context_fix` where only ``context_len`` can change). Attributes: ``context_len``,
+    ``multiple`` (the number it must divide by), ``multiple_text`` (``cp_size`` or
+    ``2 * cp_size``) and ``more_pad`` (the fewest pad tokens to add).
+    """
+
+    def __init__(
+        self, reason: str, context_len: int, multiple: int, multiple_text: str, note: str = ""
+    ):
+        self.reason, self.note, self.context_len = reason, note, int(context_len)
+        self.multiple, self.multiple_text = int(multiple), multiple_text
+        self.more_pad = -self.context_len % self.multiple
+        super().__init__(
+            self.with_fix(
+                f"pad to a multiple of {multiple_text} = {multiple}: num_pad = {self.more_pad}, "
+                "or pad_to_multiple=True"
+            )
         )
+
+    def with_fix(self, fix: str) -> str:
+        """The message with ``fix`` (the command's own remedy) in place of the planners'."""
+        return f"{self.reason} ({self.note}; {fix})" if self.note else f"{self.reason} ({fix})"
+
+    def context_fix(self, option: str = "context_len") -> str:
+        """The message for a command whose only remedy is another ``option`` value: the
+        nearest multiples of :attr:`multiple` (``use context_len = 16384 or 16392``)."""
+        lo = self.context_len // self.multiple * self.multiple
+        near = f"{lo} or {lo + self.multiple}" if lo else f"{self.multiple}"
+        return self.with_fix(f"use {option} = {near}")
 
 
 def kv_bytes(tokens: Any, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> Any:

@@ -180,19 +180,23 @@ def read_rows(path, columns=None):
         path: a ``.parquet`` or ``.csv`` file.
         columns: read only these columns (default: all).
     Raises:
-        ValueError: another suffix.
+        ValueError: another suffix, or a file that is missing, unreadable or holds a value its
+            column's type refuses; the message names the file.
     """
     import pandas as pd
 
     suffix = str(path).rsplit(".", 1)[-1]
-    if suffix == "parquet":
-        return typed(pd.read_parquet(path, columns=columns), strict=False)
-    if suffix != "csv":
+    if suffix not in ("parquet", "csv"):
         raise ValueError(f"{path}: rows are .parquet or .csv files")
-    head = pd.read_csv(path, nrows=0).columns
-    dtypes = {c: "Int64" for c in INT_COLUMNS if c in head}
-    dtypes.update({c: "string" for c in TEXT_COLUMNS if c in head})
-    return pd.read_csv(path, dtype=dtypes, usecols=columns)
+    try:
+        if suffix == "parquet":
+            return typed(pd.read_parquet(path, columns=columns), strict=False)
+        head = pd.read_csv(path, nrows=0).columns
+        dtypes = {c: "Int64" for c in INT_COLUMNS if c in head}
+        dtypes.update({c: "string" for c in TEXT_COLUMNS if c in head})
+        return pd.read_csv(path, dtype=dtypes, usecols=columns)
+    except (OSError, ValueError, TypeError) as exc:  # pyarrow's errors are ValueError or OSError
+        raise ValueError(f"{path}: cannot read rows: {exc}") from None
 
 
 def provenance(repo_dir: str | None = None) -> dict[str, object]:

@@ -12,7 +12,8 @@ length distribution and appending them until C is full; the last one is cut to f
   CSV, Parquet, JSON; also ``.npy`` and plain text), and :mod:`flashcp.data.datasets`, which maps
   each dataset name (:data:`DATASETS`) to its distribution (:func:`load_distribution`);
 * :mod:`flashcp.data.packing`: :func:`sample_packed` and :func:`sample_sequences`;
-* :mod:`flashcp.data.overlong`: documents longer than the context (:class:`OverlongDocs`) and
+* :mod:`flashcp.data.overlong`: documents longer than the context, the one rule of every command
+  (:func:`apply_overlong`, :class:`OverlongDocs`, :func:`overlong_note`) and
   :func:`sample_dataset`, the sampler of every experiment (``flashcp-run``, ``flashcp-table2``,
   ``flashcp-sensitivity``: the same dataset, seed and context give the same sequences).
 
@@ -38,7 +39,14 @@ from flashcp.data.files import (
     read_lengths_file,
     read_table,
 )
-from flashcp.data.overlong import OVERLONG_POLICIES, OverlongDocs, sample_dataset
+from flashcp.data.overlong import (
+    OVERLONG_POLICIES,
+    OverlongDocs,
+    apply_overlong,
+    check_overlong_policy,
+    overlong_note,
+    sample_dataset,
+)
 from flashcp.data.packing import sample_packed, sample_sequences
 
 __all__ = [
@@ -54,8 +62,11 @@ __all__ = [
     "OverlongDocs",
     "StressNormal",
     "WlbSyntheticNormal",
+    "apply_overlong",
+    "check_overlong_policy",
     "default_data_dir",
     "load_distribution",
+    "overlong_note",
     "read_lengths_file",
     "read_table",
     "sample_dataset",

@@ -106,7 +106,7 @@ from flashcp.head_parallel import one_group_documents
 from flashcp.plan import Plan, cu_seqlens
 from flashcp.registry import COMM_KIND
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
-from flashcp.sim.hardware import HardwareProfile, load_hardware
+from flashcp.sim.hardware import HardwareProfile, interp_loglog_v, load_hardware
 from flashcp.sim.impl import AG_GROUP_BUDGET_BYTES, RFA_HEADS_K_STRIDE, check_impl, impl_ops
 from flashcp.sim.kernel import (
     TileStats,
@@ -1540,16 +1540,7 @@ def _excl_cumsum(a: np.ndarray) -> np.ndarray:
 def _busbw_fraction_v(hw: HardwareProfile, total_bytes, op: str | None = None) -> np.ndarray:
     """:meth:`HardwareProfile.busbw_fraction` of every entry of ``total_bytes`` (the same
     table, :meth:`HardwareProfile.falloff_table`, and interpolation, elementwise)."""
-    xs, ys = (np.asarray(a) for a in hw.falloff_table(op))
-    tb = np.asarray(total_bytes, dtype=np.float64)
-    pos = tb > 0
-    x = np.log(np.where(pos, tb, 1.0))
-    i = np.searchsorted(xs, x, side="right")
-    j = np.minimum(np.maximum(i, 1), xs.size - 1)  # np.clip, without its wrapper's cost
-    w = (x - xs[j - 1]) / (xs[j] - xs[j - 1])
-    y = ys[j - 1] + w * (ys[j] - ys[j - 1])
-    y = np.where(i == 0, ys[0], np.where(i == xs.size, ys[-1], y))
-    return np.exp(np.where(pos, y, ys[0]))
+    return interp_loglog_v(*hw.falloff_table(op), total_bytes)
 
 
 def _collective_us_v(

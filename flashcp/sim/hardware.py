@@ -218,6 +218,24 @@ def _interp_loglog(xs: list[float], ys: list[float], value: float) -> float:
     return math.exp(ys[i - 1] + w * (ys[i] - ys[i - 1]))
 
 
+def interp_loglog_v(xs, ys, values) -> np.ndarray:
+    """:func:`_interp_loglog` elementwise: ``values`` any shape of numbers (bytes), returns float64
+    of that shape. A table of one point (a one-point bandwidth curve, as ``h100_ib``'s) is that
+    constant everywhere, with no division between neighbouring points (there are none)."""
+    xs, ys = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    tb = np.asarray(values, dtype=np.float64)
+    if xs.size == 1:
+        return np.exp(np.full(tb.shape, ys[0]))
+    pos = tb > 0
+    x = np.log(np.where(pos, tb, 1.0))
+    i = np.searchsorted(xs, x, side="right")
+    j = np.minimum(np.maximum(i, 1), xs.size - 1)  # np.clip, without its wrapper's cost
+    w = (x - xs[j - 1]) / (xs[j] - xs[j - 1])
+    y = ys[j - 1] + w * (ys[j] - ys[j - 1])
+    y = np.where(i == 0, ys[0], np.where(i == xs.size, ys[-1], y))
+    return np.exp(np.where(pos, y, ys[0]))
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     """Constants of one GPU type and its interconnect (units in the names).
@@ -576,8 +594,11 @@ def _read_yaml(path: Path) -> Any:
 def _parse_yaml(path: str, mtime_ns: int, size: int) -> Any:
     import yaml
 
-    with open(path) as fh:
-        return yaml.safe_load(fh)
+    try:
+        with open(path) as fh:
+            return yaml.safe_load(fh)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: cannot read as YAML: {exc}") from None
 
 
 def read_profile(name: str) -> dict[str, Any]:
@@ -643,13 +664,20 @@ def read_fitted(sections) -> dict[str, float]:
             "calibrated=False"
         )
     data = _read_yaml(path) or {}
+    found = data.get("sections") if isinstance(data, dict) else None
+    if not isinstance(found, dict):
+        raise ValueError(f"{path} must hold a mapping 'sections: {{name: {{constant: value}}}}'")
     out: dict[str, float] = {}
     for sec in sections:
-        if sec not in data.get("sections", {}):
-            raise ValueError(
-                f"{path} has no section {sec!r}; sections: {sorted(data.get('sections', {}))}"
-            )
-        out.update(data["sections"][sec])
+        if sec not in found:
+            raise ValueError(f"{path} has no section {sec!r}; sections: {sorted(found)}")
+        values = found[sec]
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: section {sec!r} must map constants to numbers")
+        for key, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ValueError(f"{path}: section {sec!r}: {key} = {v!r} is not a finite number")
+        out.update(values)
     return out
 
 
@@ -698,7 +726,14 @@ def load_hardware(
     if isinstance(name_or_dict, HardwareProfile):
         return name_or_dict
     if isinstance(name_or_dict, str):
-        return load_hardware(read_profile(name_or_dict), calibrated, explicit)
+        data = read_profile(name_or_dict)  # an unknown name or an unreadable file: named there
+        try:
+            return load_hardware(data, calibrated, explicit)
+        except ValueError as exc:  # a bad constant: say which file holds it
+            where = f"{hardware_dir() / name_or_dict}.yaml"
+            if calibrated and data.get("calibration"):
+                where += f", calibrated from {fitted_path()}"
+            raise ValueError(f"hardware profile {name_or_dict!r} ({where}): {exc}") from None
     try:
         data = dict(name_or_dict)
     except (TypeError, ValueError):
@@ -711,7 +746,10 @@ def load_hardware(
         fitted = read_fitted(list(sections))
         unknown = sorted(set(fitted) - {f.name for f in fields(HardwareProfile) if f.init})
         if unknown:
-            raise ValueError(f"fitted constants name unknown hardware key(s): {', '.join(unknown)}")
+            raise ValueError(
+                f"{fitted_path()}: fitted constants name unknown hardware key(s): "
+                f"{', '.join(unknown)}"
+            )
         mine = set(profile_changes(data)) | set(explicit)
         data.update({k: v for k, v in fitted.items() if k not in mine})
     known = {f.name for f in fields(HardwareProfile) if f.init}

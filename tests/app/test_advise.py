@@ -120,7 +120,7 @@ def test_cli_prints_one_table_and_writes_outputs(capsys, lengths_file, tmp_path)
     [
         ("12\nabc\n", [], "'abc' is not an integer"),
         (None, [], "not found"),
-        ("100\n99999\n", [], "longer than context_len"),
+        ("100\n99999\n", ["--overlong", "error"], "longer than context_len = 16384"),
         ("100\n", ["--methods", "nope"], "unknown method 'nope'"),
         ("100\n", ["--model", "nope"], "unknown model 'nope'"),
         ("100\n", ["--hardware", "nope"], "unknown hardware profile 'nope'"),
@@ -132,7 +132,11 @@ def test_cli_prints_one_table_and_writes_outputs(capsys, lengths_file, tmp_path)
         ("100\n", ["--cp-size", "3"], "multiple of 2 * cp_size = 6: llama3"),
         ("100\n", ["--cp-size", "3"], "use context_len = 16380 or 16386"),
         ("100\n", ["--option", "time_limit_s=5"], "--option takes METHOD.KEY=VALUE"),
-        ("100\n", ["--option", "ilp.time_limit_s=5"], "method_options for 'ilp', which this"),
+        (
+            "100\n",
+            ["--option", "ilp.time_limit_s=5"],
+            "method_options (flashcp advise --option ilp.KEY=VALUE) for 'ilp', which this",
+        ),
         ("100\n", ["--methods", "ilp", "--option", "ilp.nope=1"], "has no option 'nope'"),
     ],
 )

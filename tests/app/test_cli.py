@@ -131,9 +131,19 @@ def test_context_len_packs_and_cuts(capsys):
 
 
 def test_pack_doc_lens():
-    np.testing.assert_array_equal(pack_doc_lens([5, 5, 5], 12), [5, 5, 2])
-    np.testing.assert_array_equal(pack_doc_lens([50], 8), [8])
-    np.testing.assert_array_equal(pack_doc_lens([1, 1, 1], 3), [1, 1, 1])
+    none = {"overlong_docs": 0, "overlong_tokens_cut": 0}
+    for lens, c, packed, counts in [
+        ([5, 5, 5], 12, [5, 5, 2], none),
+        ([1, 1, 1], 3, [1, 1, 1], none),
+        ([50], 8, [8], {"overlong_docs": 1, "overlong_tokens_cut": 0}),  # split: one piece taken
+        ([3, 20, 2], 12, [3, 9], {"overlong_docs": 1, "overlong_tokens_cut": 0}),
+    ]:
+        got, n = pack_doc_lens(lens, c)
+        np.testing.assert_array_equal(got, packed)
+        assert n == counts
+    got, n = pack_doc_lens([3, 20, 2], 12, overlong="cut")
+    np.testing.assert_array_equal(got, [3, 9])
+    assert n == {"overlong_docs": 1, "overlong_tokens_cut": 8}
 
 
 def test_target_imbalance_is_passed_to_flashcp(capsys):
@@ -185,8 +195,10 @@ def test_doc_lens_file_npy(capsys, tmp_path):
     path = tmp_path / "lens.npy"
     np.save(path, np.array([3000, 1, 1, 5000, 200], dtype=np.int32))
     args = ["--method", "flashcp", "--cp-size", "8", "--context-len", "4096"]
-    data = plan_json(capsys, *args, "--doc-lens-file", str(path))
-    assert data["doc_lens"] == [3000, 1, 1, 1094]
+    code, out, err = run_cli(capsys, "plan", *args, "--doc-lens-file", str(path), "--json")
+    assert code == 0 and "1 pieces of documents longer than context_len = 4096" in err
+    data = json.loads(out)
+    assert data["doc_lens"] == [3000, 1, 1, 1094]  # the 5000-token document's first piece, cut
     assert_json_matches_plan(data, make_plan_for("flashcp", [3000, 1, 1, 1094], 8))
 
 
@@ -196,8 +208,9 @@ def test_doc_lens_file_npy(capsys, tmp_path):
         (["--doc-lens", "4,x"], "'x'"),
         (["--doc-lens", "4.5,11.5"], "'4.5'"),
         (["--doc-lens", "", "--context-len", "4"], "doc_lens sum to 0"),
-        (["--doc-lens", "4,12", "--num-pad", "-1"], "num_pad must be an integer >= 0, got -1"),
-        (["--doc-lens", "4,11"], "num_pad = 1, or pad_to_multiple"),
+        (["--doc-lens", "4,12", "--num-pad", "-1"], "--num-pad must be >= 0, got -1"),
+        (["--doc-lens", "4,11"], "--num-pad 1, or --pad-to-multiple)"),
+        (["--doc-lens", "4,11", "--num-pad", "2"], "--num-pad 3, or --pad-to-multiple)"),
         (["--doc-lens", "4,-12"], "doc_lens[1] = -12"),
         (["--doc-lens", "4,12", "--context-len", "20"], "context_len = 20"),
         (["--doc-lens", "4,12", "--context-len", "0"], "context_len must be >= 1, got 0"),

@@ -176,3 +176,20 @@ def test_fit_replays_recovers_the_kernel_rate_that_made_the_measurements():
         free_constants("no_such", hw)
     with pytest.raises(ValueError, match="outside its bounds"):
         free_constants("launch_us=1000:2000", hw)
+
+
+def test_quick_check_writes_outside_results_by_default(tmp_path, monkeypatch):
+    """``--quick`` (and a full run on a CPU) writes to the git-ignored ``outputs/``; only the real
+    run on CUDA writes the committed ``results/gpu_check``; ``--out`` wins over both."""
+    import torch
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert gpu_check.default_out(True, cpu) == Path("outputs/gpu_check_quick")
+    assert gpu_check.default_out(True, cuda) == Path("outputs/gpu_check_quick")
+    assert gpu_check.default_out(False, cpu) == Path("outputs/gpu_check")
+    assert gpu_check.default_out(False, cuda) == Path("results/gpu_check")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(gpu_check, "kernel_rows", lambda *a, **k: [])
+    gpu_check.main(["--quick", "--skip", "emulate,fit,pytest,dist"])
+    assert (tmp_path / "outputs" / "gpu_check_quick" / "summary.md").is_file()
+    assert not (tmp_path / "results").exists()

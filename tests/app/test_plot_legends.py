@@ -11,7 +11,7 @@ import pytest
 
 import experiments.plot as plot
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIGURES = [
     (fig, REPO / "results" / fig / ("fig3.csv" if fig == "fig3" else "summary.csv"))
     for fig in ("fig3", "fig5", "fig6", "fig7", "fig5_peers")

@@ -18,7 +18,9 @@ package at that version (read from its source, tags v2.5.9, v2.6.3, v2.7.4 and v
   and returns ``softmax_d``.
 
 The kernels are :mod:`standins.varlen_kernel` (float64). Options the harness never uses (dropout,
-windows, softcap, ALiBi, paged KV, ...) raise ``NotImplementedError`` when set.
+windows, softcap, ALiBi, paged KV, ...) raise ``NotImplementedError`` when set. The fixed-length
+entry points ``_flash_attn_forward`` / ``_flash_attn_backward`` exist (``ring-flash-attn`` imports
+them at package import) and raise ``NotImplementedError`` when called.
 """
 
 import functools
@@ -274,6 +276,11 @@ def _build_27(version: str, namespace: str) -> types.ModuleType:
     return fai
 
 
+def _fixed_length(*args, **kwargs):
+    """``_flash_attn_forward`` / ``_flash_attn_backward``: importable, never modelled."""
+    raise NotImplementedError("stand-in: the fixed-length (non-varlen) kernels are not modelled")
+
+
 @functools.cache
 def make_flash_attn(version: str, namespace: str) -> types.ModuleType:
     """A fake ``flash_attn`` package of ``version`` (2.5.x, 2.6.x, 2.7.x or 2.8.x).
@@ -291,6 +298,7 @@ def make_flash_attn(version: str, namespace: str) -> types.ModuleType:
         fai = _build_27(version, f"{namespace}_{version.replace('.', '_')}")
     else:
         fai = _build_25_26(version, softcap=minor >= 6)
+    fai._flash_attn_forward = fai._flash_attn_backward = _fixed_length
     pkg = types.ModuleType("flash_attn")
     pkg.__version__ = version
     pkg.__path__ = []  # a package

@@ -67,6 +67,7 @@ from flashcp.config import (
     USES_HARDWARE_PROFILE,
     MethodNotApplicable,
     check_config,
+    check_dataset_config,
     register_configs,
 )
 from flashcp.executors import RunSpec, execute
@@ -558,7 +559,7 @@ def _grid_method_options(cfg: DictConfig) -> None:
     from experiments.common.launch import method_option_problem
 
     methods = (_container(cfg.get("grid")) or {}).get("method") or []
-    if len(methods) < 2:
+    if not methods:
         return
     options = group_changes(cfg, "method").get("options") or {}
     form = f"grid.method=[{','.join(map(str, methods))}]"
@@ -596,7 +597,7 @@ def checked_grid(cfg: DictConfig) -> tuple[list[DictConfig], dict[int, str]]:
         failed: dict[int, ValueError] = {}
         for i, r in enumerate(runs):
             try:
-                check_config(r)
+                check_config(r, dataset=False)  # the runs share the job's dataset: checked once
             except ConfigError:
                 raise
             except ValueError as exc:
@@ -608,6 +609,7 @@ def checked_grid(cfg: DictConfig) -> tuple[list[DictConfig], dict[int, str]]:
             ):
                 where = f"grid run {_grid_label(cfg, runs[i])}: " if len(runs) > 1 else ""
                 raise ConfigError(f"{where}{exc}")
+        check_dataset_config(cfg.dataset, int(cfg.context_len))
         _check_hardware(runs)
         inapplicable = {i: f"grid run {_grid_label(cfg, runs[i])}: {m}" for i, m in failed.items()}
         return [r if i in failed else _coerce_bool_options(r) for i, r in enumerate(runs)], (
@@ -663,8 +665,6 @@ def _shared_values(config: DictConfig) -> None:
     Raises:
         ConfigError: naming the bad value.
     """
-    from flashcp.config import check_dataset_config
-
     swept = swept_keys(config)
 
     def varies(*prefixes: str) -> bool:

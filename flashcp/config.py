@@ -354,11 +354,13 @@ class MethodNotApplicable(ValueError):
     grid of runs, that run is an error row while the others run (``experiments.run.checked_grid``)."""
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: Any, dataset: bool = True) -> None:
     """Check values a type cannot pin down; raise ValueError naming the bad value.
 
     Called before any work (and, for ``executor=dist``, before any collective) on a config composed
-    against :class:`RunConfig` (the enums are checked by then).
+    against :class:`RunConfig` (the enums are checked by then). ``dataset``: also check the
+    dataset as the sampler reads it (:func:`check_dataset_config`); a caller checking the runs of
+    one job, which share it, checks it once.
     """
     from flashcp.comm import AttnShape
     from flashcp.registry import get_method
@@ -379,7 +381,8 @@ def check_config(cfg: Any) -> None:
         raise ValueError(
             f"context_len = {cfg.context_len} must be a positive multiple of cp_size = {cfg.cp_size}"
         )
-    check_dataset_config(cfg.dataset, int(cfg.context_len))
+    if dataset:
+        check_dataset_config(cfg.dataset, int(cfg.context_len))
     if cfg.executor.name in ("dist", "emulate"):
         from flashcp.ops.backends import BACKENDS
 

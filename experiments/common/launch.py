@@ -588,8 +588,8 @@ def method_option_problem(override: str, option: str, methods: list[str], form: 
 
 
 def shared_method_options(argv: list[str]) -> list[str]:
-    """``argv`` with each ``method.options.<key>=value`` that sets an option on several methods
-    (``-m method=a,b`` or ``grid.method=[a,b]``) written as ``++method.options.<key>=value``:
+    """``argv`` with each ``method.options.<key>=value`` that sets an option on the methods of a
+    sweep or grid (``-m method=a,b``, ``grid.method=[a]``) written as ``++method.options.<key>=value``:
     Hydra composes a sweep (and a grid's job) with the config's own ``method`` first, which need
     not take the option, and would refuse it there although every run's method takes it.
 
@@ -611,7 +611,7 @@ def shared_method_options(argv: list[str]) -> list[str]:
             continue
     multirun = any(a in ("-m", "--multirun") for a in argv)
     methods, form = _swept_methods(list(parsed.values()), multirun)
-    if len(methods) < 2:
+    if not methods:
         return argv
     out = list(argv)
     for i, ov in parsed.items():

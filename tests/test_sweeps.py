@@ -388,19 +388,28 @@ def test_grid_run_that_cannot_be_made_is_error_rows_others_run(tmp_path, caplog)
     assert any("already done" in r.message for r in caplog.records)
 
 
-def test_second_sweep_in_a_folder_says_which_runs_left_the_merge(tmp_path):
+def test_second_sweep_in_a_folder_says_which_runs_left_the_merge(tmp_path, caplog):
     """A sweep merges its own runs (docs/sweeps.md): a second sweep with the same name= replaces
     the merged rows and summary, and one warning counts the earlier runs that left them."""
-    small = ("num_sequences=2", "context_len=4096", "cp_size=4", "name=s")
-    first = _cli(tmp_path, "-m", "method=llama3,flashcp", *small)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "left the merge" not in first.stdout + first.stderr
-    second = _cli(tmp_path, "-m", "method=ring", *small)
-    assert second.returncode == 0, second.stderr[-3000:]
-    lines = [x for x in (second.stdout + second.stderr).splitlines() if "left the merge" in x]
-    assert len(lines) == 1, second.stdout[-3000:]
+    from omegaconf import OmegaConf
+
+    from experiments.common.callbacks import AggregateResults
+
+    end = AggregateResults()
+    end.exp_dir = tmp_path / "t"
+    config = OmegaConf.create({"plots": [], "merged_rows": True})
+
+    def sweep(*methods: str) -> list[str]:  # what the end of a sweep of these runs logs
+        jobs = [{"rows": str(run(_small(tmp_path, f"method={m}")))} for m in methods]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="experiments.common.callbacks"):
+            assert end._merge_and_draw(config, jobs) == []
+        return [r.getMessage() for r in caplog.records if "left the merge" in r.getMessage()]
+
+    assert sweep("llama3", "flashcp") == []
+    lines = sweep("ring")
+    assert len(lines) == 1, lines
     assert "2 run(s) of an earlier sweep left the merge" in lines[0]
     assert "hold this sweep's 1 run(s) only" in lines[0] and "experiments.aggregate" in lines[0]
-    assert set(read_rows(tmp_path / "s" / "summary.csv")["method"]) == {"ring"}
-    again = _cli(tmp_path, "-m", "method=ring", *small)  # the same runs: nothing left
-    assert "left the merge" not in again.stdout + again.stderr
+    assert set(read_rows(tmp_path / "t" / "summary.csv")["method"]) == {"ring"}
+    assert sweep("ring") == []  # the same runs again: none left

@@ -144,6 +144,7 @@ def test_mistake_is_one_line_exit_2(capsys, monkeypatch, tmp_path, argv, expecte
         ("calibration", []),
         ("fig3", []),
         ("sensitivity", []),
+        ("table2", []),
     ],
 )
 def test_unwritable_output_folder_is_one_line_exit_2(capsys, monkeypatch, tmp_path, entry, argv):

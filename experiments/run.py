@@ -30,7 +30,10 @@ Resume. A job whose ``rows.parquet`` already holds rows of exactly its runs (the
 values) is skipped. A job whose rows came from other code (``code_version`` differs) or from a failed attempt is redone, with a
 warning that names both versions.
 
-Failures. A job that raises becomes rows with ``status = "error: ..."`` and its traceback in its log;
+Failures. A bad value is refused before anything is written (:func:`checked_grid`, registered as
+the launch check: every run's config, its dataset and hardware profile). A run of a grid that
+cannot be made at its setting becomes error rows while the others run. A job that raises becomes
+rows with ``status = "error: ..."`` and its traceback in its log;
 the sweep goes on, and :mod:`experiments.common.callbacks` ends it with one line counting the failed jobs
 and a non-zero exit code. A sequence whose planner or simulation fails is a row of its own.
 """
@@ -51,7 +54,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.common.callbacks import is_rank0, read_lock
 from experiments.common.entry import CONF_DIR, log_job_error
-from experiments.common.launch import PROG, launch, register_value_check
+from experiments.common.launch import PROG, launch, register_value_check, swept_keys
 from experiments.common.overrides import (
     explicit_hardware_keys,
     explicit_keys,
@@ -62,7 +65,9 @@ from flashcp.comm import AttnShape
 from flashcp.config import (
     EXECUTOR_OPTIONS,
     USES_HARDWARE_PROFILE,
+    MethodNotApplicable,
     check_config,
+    check_dataset_config,
     register_configs,
 )
 from flashcp.executors import RunSpec, execute
@@ -532,31 +537,138 @@ def _previous(out: Path) -> tuple[set[str], str | None, bool]:
     )
 
 
-def _checked_runs(cfg: DictConfig) -> list[DictConfig]:
-    """:func:`grid_runs` with every run's config checked (ConfigError naming the bad value) and
-    its method options converted to their declared types where a word stands for a boolean
+def _grid_label(cfg: DictConfig, run_cfg: DictConfig) -> str:
+    """``method=ulysses cp_size=16``: the values of the job's grid that ``run_cfg`` takes."""
+    gridded = [k for k, v in (_container(cfg.get("grid")) or {}).items() if v]
+    return " ".join(f"{k}={run_cfg[k].name if k in GRID_GROUPS else run_cfg[k]}" for k in gridded)
+
+
+def _grid_method_options(cfg: DictConfig) -> None:
+    """Refuse a planner option the job sets (``method.options.<key>``, kept by every run of
+    ``grid.method``) that a method of the grid does not take, naming those methods and the grid
+    that sets it on the others (:func:`experiments.common.launch.method_option_problem`)."""
+    from experiments.common.launch import method_option_problem
+
+    methods = (_container(cfg.get("grid")) or {}).get("method") or []
+    if not methods:
+        return
+    options = group_changes(cfg, "method").get("options") or {}
+    form = f"grid.method=[{','.join(map(str, methods))}]"
+    for key, value in options.items():
+        override = f"method.options.{key}={_json(value)}"
+        problem = method_option_problem(override, str(key), [str(m) for m in methods], form)
+        if problem is not None:
+            raise ConfigError(problem)
+
+
+def checked_grid(cfg: DictConfig) -> tuple[list[DictConfig], dict[int, str]]:
+    """:func:`grid_runs` with every run's config checked (:func:`flashcp.config.check_config`)
+    and its method options converted to their declared types where a word stands for a boolean
     (``lns=no`` reaches the planner as False, and is the same run as ``lns=false``).
 
-    A grid's runs are checked each (a ``method.impl`` or ``method.options.*`` against every method
-    of ``grid.method``, not against the job's own ``method``)."""
+    A grid's runs are checked each (a ``method.impl`` or ``method.options.*`` against every
+    method of ``grid.method``, not against the job's own ``method``). A run that cannot be made
+    at its setting while the grid's other runs can (a head-parallel method whose degree the
+    model's heads do not allow, :class:`flashcp.config.MethodNotApplicable`: ``ulysses`` at
+    cp_size 16 with 24 heads; or any check that its method passes at another setting of the
+    grid) is returned with its reason, to become error rows while the others run. A value
+    wrong for a method at every setting of the grid (``method.impl=ring_flash_attn`` beside
+    ``flashcp``), or for every run, is refused.
+
+    Returns:
+        runs: every run of the grid (:func:`grid_runs`'s order).
+        inapplicable: run index -> why that run cannot be made (``grid run method=... : ...``).
+    Raises:
+        ConfigError: a bad value (naming it): every run fails its check, a planner option a
+            method of the grid does not take, a bad hardware constant.
+    """
     try:
         runs = grid_runs(cfg)
-        failed = []
-        for r in runs:
+        _grid_method_options(cfg)
+        failed: dict[int, ValueError] = {}
+        for i, r in enumerate(runs):
             try:
-                check_config(r)
+                check_config(r, dataset=False)  # the runs share the job's dataset: checked once
             except ConfigError:
                 raise
             except ValueError as exc:
-                failed.append((r, str(exc)))
-        if failed:
-            r, msg = failed[0]
-            if len(failed) < len(runs):  # some runs of the grid only: name the first one
-                gridded = [k for k, v in (_container(cfg.get("grid")) or {}).items() if v]
-                values = [f"{k}={r[k].name if k in GRID_GROUPS else r[k]}" for k in gridded]
-                msg = f"grid run {' '.join(values)}: {msg}"
-            raise ConfigError(msg)
-        return [_coerce_bool_options(r) for r in runs]
+                failed[i] = exc
+        made = {str(r.method.name) for i, r in enumerate(runs) if i not in failed}
+        for i, exc in failed.items():  # wrong for the method everywhere, or no run at all
+            if len(failed) == len(runs) or not (
+                isinstance(exc, MethodNotApplicable) or str(runs[i].method.name) in made
+            ):
+                where = f"grid run {_grid_label(cfg, runs[i])}: " if len(runs) > 1 else ""
+                raise ConfigError(f"{where}{exc}")
+        check_dataset_config(cfg.dataset, int(cfg.context_len))
+        _check_hardware(runs)
+        inapplicable = {i: f"grid run {_grid_label(cfg, runs[i])}: {m}" for i, m in failed.items()}
+        return [r if i in failed else _coerce_bool_options(r) for i, r in enumerate(runs)], (
+            inapplicable
+        )
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _checked_runs(cfg: DictConfig) -> list[DictConfig]:
+    """The runs of :func:`checked_grid` that can be made (the check ``flashcp-run`` registers
+    for a single run: it raises for a bad value and lets a grid's inapplicable runs pass)."""
+    runs, inapplicable = checked_grid(cfg)
+    return [r for i, r in enumerate(runs) if i not in inapplicable]
+
+
+def _check_hardware(runs: list[DictConfig]) -> None:
+    """Load every distinct hardware profile the runs price with (sim, emulate) as the job will
+    (:func:`flashcp.sim.load_hardware`, the command line's constants winning over the fitted
+    ones), so a bad constant (``hardware.p2p_bw_gbps=0``) is refused before any work.
+
+    Raises:
+        ConfigError: naming the bad constant (and the profile, in a hardware grid).
+    """
+    from flashcp.sim import load_hardware
+
+    explicit = explicit_hardware_keys()
+    seen: set[str] = set()
+    for r in runs:
+        if r.executor.name not in USES_HARDWARE_PROFILE:
+            continue
+        hw = _container(r.hardware)
+        key = _json(hw)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            load_hardware(hw, explicit=explicit)
+        except ValueError as exc:
+            where = f"hardware={hw.get('name')}: " if len(runs) > 1 else ""
+            raise ConfigError(f"{where}{exc}") from None
+
+
+def _shared_values(config: DictConfig) -> None:
+    """The sweep check of ``flashcp-run`` (``-m``): the dataset (:func:`flashcp.config.check_dataset_config`),
+    the hardware profile (:func:`_check_hardware`) and the method options a ``grid.method`` keeps
+    (:func:`_grid_method_options`) every job of the sweep shares, each when no
+    swept key (:func:`experiments.common.launch.swept_keys`) changes it, so a bad shared value is
+    refused before any job instead of failing every job. ``config``: the sweep's composed config.
+
+    Raises:
+        ConfigError: naming the bad value.
+    """
+    swept = swept_keys(config)
+
+    def varies(*prefixes: str) -> bool:
+        return any(k == p or k.startswith(f"{p}.") for k in swept for p in prefixes)
+
+    try:
+        if not varies("dataset", "context_len") and int(config.context_len) >= 1:
+            check_dataset_config(config.dataset, int(config.context_len))
+        if not varies("method", "grid"):
+            _grid_method_options(config)
+        grid_hw = (_container(config.get("grid")) or {}).get("hardware")
+        if not varies("hardware", "executor", "grid") and not grid_hw:
+            _check_hardware([config])
     except ConfigError:
         raise
     except ValueError as exc:
@@ -594,7 +706,7 @@ def run(cfg: DictConfig) -> Path | None:
         ConfigError: a configuration value is bad (before any work).
         Exception: whatever the run raised; :func:`main` turns it into error rows.
     """
-    runs = _checked_runs(cfg)
+    runs, inapplicable = checked_grid(cfg)
 
     job = job_info(cfg)
     prov = job["provenance"] or provenance()  # a sweep's: one code version per sweep
@@ -621,10 +733,17 @@ def run(cfg: DictConfig) -> Path | None:
                 "%s: %s holds runs %s, this is %s: redoing the run",
                 cfg.run_key, out.name, ", ".join(sorted(prev_ids)), ", ".join(run_ids),
             )  # fmt: skip
+    if inapplicable:
+        reasons = "; ".join(inapplicable.values())
+        log.warning(
+            "%s: %d of %d runs of the grid cannot be made and are error rows (the others run): %s",
+            cfg.run_key, len(inapplicable), len(runs), reasons,
+        )  # fmt: skip
+    made = [i for i in range(len(runs)) if i not in inapplicable]
     t0 = time.perf_counter()
     seqs, overlong = sample(cfg)
     t1 = time.perf_counter()
-    rows = execute_runs(cfg, runs, seqs)
+    rows = execute_runs(cfg, [runs[i] for i in made], seqs)
     if rows is None:
         return None
     t2 = time.perf_counter()
@@ -635,16 +754,26 @@ def run(cfg: DictConfig) -> Path | None:
     # rows sorted by run (the executor's order); each run's shared columns once, expanded in Arrow
     data = [c for c in rows.columns if c != "run_idx"]
     run_of_row = rows["run_idx"].to_numpy(dtype=np.int64)
-    if len(np.unique(run_of_row)) != len(runs):
+    if len(np.unique(run_of_row)) != len(made):
         raise RuntimeError(f"the executor returned rows of {len(np.unique(run_of_row))} of "
-                           f"{len(runs)} runs")  # fmt: skip
+                           f"{len(made)} runs")  # fmt: skip
     per_run = pd.DataFrame(
-        [
-            run_constants(r, ident, job, prov, _resolved_hash(r), data)
-            for r, ident in zip(runs, idents, strict=True)
-        ]
+        [run_constants(runs[i], idents[i], job, prov, _resolved_hash(runs[i]), data) for i in made]
     )
     table = runs_table(rows[data], per_run, run_of_row)
+    if inapplicable:  # one error row per mode of each run that cannot be made, after the others
+        import pyarrow as pa
+
+        from flashcp.results import arrow_row_schema, conform_rows
+
+        parts = [
+            finish_rows(runs[i], _error_rows(runs[i], ConfigError(why)), idents[i], job, prov,
+                        _resolved_hash(runs[i]), check_types=False)
+            for i, why in inapplicable.items()
+        ]  # fmt: skip
+        errors = conform_rows(typed(pd.concat(parts, ignore_index=True)))
+        errors = pa.Table.from_pandas(errors, schema=arrow_row_schema(), preserve_index=False)
+        table = pa.concat_tables([table, errors])
     write_rows_atomic(table, out)
     t3 = time.perf_counter()
     sec = rows.attrs.get("seconds", {})
@@ -676,6 +805,13 @@ def _every_row_failed(out: Path | None) -> str | None:
     return str(status[0])
 
 
+def _error_rows(run_cfg: DictConfig, exc: BaseException) -> list[dict[str, Any]]:
+    """The rows of a run that failed as a whole: one per mode, ``seq_idx`` missing,
+    ``status = "error: <type>: <message>"``."""
+    status = error_status(exc)
+    return [{"seq_idx": None, "mode": mode, "status": status} for mode in run_cfg.modes]
+
+
 def write_error_rows(cfg: DictConfig, exc: BaseException) -> Path | None:
     """Record a failed job: per run of the job (one when its grid is bad) one row per mode with
     ``seq_idx`` missing and ``status = "error: ..."``, identity and provenance as a finished run
@@ -689,12 +825,10 @@ def write_error_rows(cfg: DictConfig, exc: BaseException) -> Path | None:
             runs = grid_runs(cfg)
         except ValueError:
             runs = [cfg]
-        status = error_status(exc)
         parts = []
         for r in runs:
             ident = run_identity(r, prov["code_version"])
-            rows = [{"seq_idx": None, "mode": mode, "status": status} for mode in r.modes]
-            parts.append(finish_rows(r, rows, ident, job, prov, _resolved_hash(r)))
+            parts.append(finish_rows(r, _error_rows(r, exc), ident, job, prov, _resolved_hash(r)))
         out = job["out_dir"] / ROWS_FILE
         write_rows_atomic(typed(pd.concat(parts, ignore_index=True)), out)
     except Exception:  # the job already failed; say so in its log and keep the first error
@@ -704,7 +838,7 @@ def write_error_rows(cfg: DictConfig, exc: BaseException) -> Path | None:
 
 
 register_configs()
-register_value_check(PROG, _checked_runs)
+register_value_check(PROG, _checked_runs, _shared_values)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

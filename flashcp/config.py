@@ -40,11 +40,13 @@ __all__ = [
     "GridConfig",
     "HardwareConfig",
     "MethodConfig",
+    "MethodNotApplicable",
     "ModelConfig",
     "Overlong",
     "RunConfig",
     "Weighting",
     "check_config",
+    "check_dataset_config",
     "check_method_heads",
     "check_modes",
     "register_configs",
@@ -347,19 +349,22 @@ def register_configs() -> None:
     cs.store(group="executor", name="base_emulate_executor", node=EmulateExecutorConfig)
 
 
-def check_config(cfg: Any) -> None:
+class MethodNotApplicable(ValueError):
+    """A method that cannot run at one setting (its Ulysses degree and the model's heads): in a
+    grid of runs, that run is an error row while the others run (``experiments.run.checked_grid``)."""
+
+
+def check_config(cfg: Any, dataset: bool = True) -> None:
     """Check values a type cannot pin down; raise ValueError naming the bad value.
 
     Called before any work (and, for ``executor=dist``, before any collective) on a config composed
-    against :class:`RunConfig` (the enums are checked by then).
+    against :class:`RunConfig` (the enums are checked by then). ``dataset``: also check the
+    dataset as the sampler reads it (:func:`check_dataset_config`); a caller checking the runs of
+    one job, which share it, checks it once.
     """
     from flashcp.comm import AttnShape
     from flashcp.registry import get_method
 
-    if cfg.dataset.name == "file" and cfg.dataset.path is None:
-        raise ValueError(
-            "dataset=file needs dataset.path=<a file of lengths: text, CSV, Parquet, JSON or .npy>"
-        )
     get_method(cfg.method.name)  # ValueError naming the known methods
     from flashcp.plan import MAX_TOKENS, check_cp_args
 
@@ -376,6 +381,8 @@ def check_config(cfg: Any) -> None:
         raise ValueError(
             f"context_len = {cfg.context_len} must be a positive multiple of cp_size = {cfg.cp_size}"
         )
+    if dataset:
+        check_dataset_config(cfg.dataset, int(cfg.context_len))
     if cfg.executor.name in ("dist", "emulate"):
         from flashcp.ops.backends import BACKENDS
 
@@ -415,6 +422,32 @@ def check_config(cfg: Any) -> None:
         int(m.num_kv_heads), trial,
     )  # fmt: skip
     check_impl_config(cfg.method.name, cfg.method.get("impl", "ours"), cfg.executor.name)
+
+
+def check_dataset_config(ds: Any, context_len: int) -> None:
+    """Check a :class:`DatasetConfig` as the sampler would read it, before any work: a length
+    file (``dataset=file``) that is named, exists and reads as lengths, ``dataset.cap`` >= 1,
+    the dataset's table, and ``dataset.overlong = error`` against its documents longer than
+    ``context_len`` (:class:`flashcp.data.OverlongDocs`).
+
+    Raises:
+        ValueError: naming the bad value.
+    """
+    from flashcp.data import OverlongDocs, load_distribution
+
+    if ds.name == "file" and ds.path is None:
+        raise ValueError(
+            "dataset=file needs dataset.path=<a file of lengths: text, CSV, Parquet, JSON or .npy>"
+        )
+    if ds.cap is not None and ds.cap < 1:
+        raise ValueError(
+            f"dataset.cap = {ds.cap} must be >= 1 (tokens, the longest single draw; null: "
+            "4 x context_len)"
+        )
+    path = ds.path if ds.name == "file" else None  # other datasets do not read dataset.path
+    dist = load_distribution(str(ds.name), context_len=context_len, path=path)
+    cap = None if ds.cap is None else int(ds.cap)
+    OverlongDocs(dist, context_len, str(ds.overlong), cap).check()
 
 
 def check_modes(modes: Any) -> None:
@@ -509,8 +542,8 @@ def check_method_heads(
     (or its default) for the hybrids; 1 (nothing to check) for every other method.
 
     Raises:
-        ValueError: one line naming the method, cp_size, the degree, the heads and the nearest
-            valid degrees (:func:`flashcp.head_parallel.ulysses_heads`).
+        MethodNotApplicable: one line naming the method, cp_size, the degree, the heads and the
+            nearest valid degrees (:func:`flashcp.head_parallel.ulysses_heads`).
     """
     from omegaconf import OmegaConf
 
@@ -537,4 +570,4 @@ def check_method_heads(
         where = f"method={method} at cp_size = {cp_size}"
         if u != cp_size:
             where += f" with ulysses_degree = {u}"
-        raise ValueError(f"{where}: {exc}") from None
+        raise MethodNotApplicable(f"{where}: {exc}") from None

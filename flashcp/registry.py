@@ -75,6 +75,7 @@ __all__ = [
     "make_plan_for",
     "method_names",
     "methods",
+    "option_names",
     "options_schema",
     "register_method",
     "unregister_method",
@@ -478,8 +479,17 @@ def _derived_schema(target: str | Callable) -> type:
     return dataclasses.make_dataclass(f"{name}Options", fields, frozen=True)
 
 
+def option_names(method: str) -> tuple[str, ...]:
+    """The options ``method``'s planner takes (the fields of its :func:`options_schema`).
+
+    Raises:
+        ValueError: unknown method.
+    """
+    return tuple(f.name for f in dataclasses.fields(options_schema(method)))
+
+
 def _unknown_option(method: str, key: str) -> typing.NoReturn:
-    valid = [f.name for f in dataclasses.fields(options_schema(method))]
+    valid = option_names(method)
     raise ValueError(
         f"method {method!r} has no option {key!r}; its options: {', '.join(valid) or 'none'}"
     )

@@ -30,6 +30,7 @@ __all__ = [
     "ROW_SCHEMA",
     "TEXT_COLUMNS",
     "arrow_row_schema",
+    "check_output_dir",
     "code_version",
     "config_hash",
     "conform_rows",
@@ -282,6 +283,41 @@ def write_csv_atomic(df, path) -> None:
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     typed(df.copy(), strict=False).to_csv(tmp, index=False)
     os.replace(tmp, path)
+
+
+def check_output_dir(path, what: str = "output folder") -> None:
+    """Check, before anything is written, that the folder ``path`` can be created (where missing)
+    and written: every existing part of it is a folder, and its nearest existing ancestor takes a
+    new entry (probed with an empty folder made and removed at once, so that permissions, ACLs,
+    a read-only file system and root's rights all count as the writes would). Leaves nothing
+    behind.
+
+    Args:
+        path: the folder (absolute or relative to the working directory).
+        what: how the message names it (e.g. ``results_dir=outputs``, ``--out x``).
+    Raises:
+        ValueError: one line naming ``what``, ``path`` and the part that blocks it.
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    target = Path(path)
+    probe = target
+    while not probe.exists() and not probe.is_symlink() and probe.parent != probe:
+        probe = probe.parent  # the nearest existing ancestor
+    if probe.exists() and not probe.is_dir():
+        blocker = "it is" if probe == target else f"{probe} is"
+        raise ValueError(
+            f"{what}: cannot write the folder {target}: {blocker} a file, not a folder"
+        )
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=probe))
+    except OSError as exc:
+        raise ValueError(
+            f"{what}: cannot write the folder {target}: {probe} takes no new entry "
+            f"({exc.strerror or exc})"
+        ) from None
 
 
 def markdown_table(df, float_format: str = ".4g") -> str:

@@ -153,6 +153,27 @@ def experiment_dir(config: DictConfig) -> Path:
     return Path(str(config.results_dir)) / str(config.name)
 
 
+def output_problem(config: DictConfig, multirun: bool) -> str | None:
+    """Why the folders a run or sweep writes cannot be written (one line naming the setting that
+    places them), or None: the experiment folder (:func:`experiment_dir`) and, for a single run,
+    its job folder ``hydra.run.dir`` (:func:`flashcp.results.check_output_dir`). Checked before
+    the folder is locked, so a refused invocation writes nothing."""
+    from flashcp.results import check_output_dir
+
+    results_dir = str(config.get("results_dir", ""))
+    folders = [(experiment_dir(config), "hydra.sweep.dir" if multirun else None)]
+    if not multirun:
+        folders.append((Path(str(config.hydra.run.dir)), "hydra.run.dir"))
+    for folder, key in folders:
+        under_results = results_dir and str(folder).startswith(results_dir)
+        what = f"results_dir={results_dir}" if under_results or key is None else key
+        try:
+            check_output_dir(folder, what)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
 def export_submitit_rank_env() -> bool:
     """Inside a submitit job of several tasks (``hydra/launcher=submitit_slurm`` or
     ``submitit_local`` with ``tasks_per_node`` x ``nodes`` > 1) and not under torchrun: export the
@@ -243,6 +264,18 @@ def read_job_records(exp_dir: str | Path, sweep_id: str) -> list[dict[str, Any]]
     return jobs
 
 
+def merged_run_ids(exp_dir: str | Path) -> set[str]:
+    """The ``run_id`` values of the runs an earlier merge left in ``exp_dir/summary.csv`` (empty
+    when there is none or it cannot be read)."""
+    import pandas as pd
+
+    try:
+        ids = pd.read_csv(Path(exp_dir) / "summary.csv", usecols=["run_id"], dtype=str)
+    except (OSError, ValueError):
+        return set()
+    return set(ids["run_id"].dropna())
+
+
 class ExperimentFolder(Callback):
     """Refuse a launch Hydra would silently get wrong
     (:func:`experiments.common.launch.launch_problem`); lock the experiment folder when a run or sweep
@@ -268,7 +301,9 @@ class ExperimentFolder(Callback):
         from experiments.common.launch import launch_problem
 
         self.exp_dir, self.multirun = experiment_dir(config), multirun
-        problem = launch_problem(config, multirun, prog=self.prog)  # same on every torchrun rank
+        problem = launch_problem(config, multirun, prog=self.prog) or output_problem(
+            config, multirun
+        )  # the same on every torchrun rank
         if problem is not None:
             if is_rank0():
                 print(f"{self.prog}: error: {problem}", file=sys.stderr)
@@ -379,8 +414,9 @@ class AggregateResults(ExperimentFolder):
     (:func:`experiments.aggregate.aggregate`) and draw the figures in ``plots``. A failed job's
     rows have status ``error: ...``.
 
-    Runs of earlier invocations stay in ``runs/`` but are not merged;
-    ``python -m experiments.aggregate DIR`` merges every run of a folder.
+    Runs of earlier invocations stay in ``runs/`` but are not merged (a warning counts those of
+    the earlier merge it replaces); ``python -m experiments.aggregate DIR`` merges every run of a
+    folder.
     """
 
     failed_note = "rows with status 'error: ...', traceback in each run's log"
@@ -391,6 +427,7 @@ class AggregateResults(ExperimentFolder):
         from experiments.plot import draw
 
         paths = [Path(j["rows"]) for j in jobs if j.get("rows")]
+        before = merged_run_ids(self.exp_dir) if paths else set()
         try:
             write_rows = bool(config.get("merged_rows", True))
             summary = aggregate(self.exp_dir, paths, write_rows=write_rows) if paths else None
@@ -398,6 +435,14 @@ class AggregateResults(ExperimentFolder):
             return [f"error: merge refused: {exc}"]
         if summary is None:
             return [f"error: no rows to merge into {self.exp_dir}"]
+        left = before - set(summary["run_id"].astype(str))
+        if left:
+            log.warning(
+                "%d run(s) of an earlier sweep left the merge in %s: rows.parquet and summary.csv "
+                "now hold this sweep's %d run(s) only (the earlier rows stay in runs/); "
+                "python -m experiments.aggregate %s merges every run of the folder",
+                len(left), self.exp_dir, summary["run_id"].nunique(), self.exp_dir,
+            )  # fmt: skip
         problems = []
         for fig in config.get("plots", []):
             try:

@@ -32,6 +32,13 @@ a person sees one line instead of a traceback or a page of Hydra internals:
   a key the config's ``grid`` varies (``experiment=fig5 cp_size=2``: write ``grid.cp_size=[2]``;
   :func:`grid_override_problem`), and ``dataset.path`` without ``dataset=file``
   (:func:`dataset_path_problem`).
+* Values only a job would read (a length file, ``dataset.cap``, hardware constants; for a sweep
+  those every job shares) are checked by the command's registered check
+  (:func:`register_value_check`), and the folders it writes by
+  :func:`experiments.common.callbacks.output_problem`, before the folder is locked: a refused
+  invocation writes nothing. A ``method.options.<key>=`` beside a sweep or grid of methods
+  applies to each (:func:`shared_method_options`), and is refused naming a method that does not
+  take it.
 * Ctrl-C (SIGINT) and SIGTERM end the process with one line (exit 130 / 143). Workers of the
   simulator's process pool ignore SIGINT (their initializer, :mod:`flashcp.executors.sim`); the run
   drops the queued chunks and joins them, and :func:`end_children` terminates any child left, so
@@ -255,6 +262,15 @@ def _sweep_overrides(config: Any) -> list[Any]:
     return [ov for ov in parsed if ov.is_sweep_override()]
 
 
+def swept_keys(config: Any) -> frozenset[str]:
+    """The keys a sweep varies: those of the command line's sweep overrides and of
+    ``hydra.sweeper.params`` (an experiment's own sweep, e.g. ``experiment=fig5``'s datasets)."""
+    params = config.hydra.sweeper.get("params") or {}
+    return frozenset(
+        [*(ov.key_or_group for ov in _sweep_overrides(config)), *(str(k) for k in params)]
+    )
+
+
 def _is_sweep(config: Any, key: str) -> str | None:
     """The override that sweeps ``key`` (as typed), or None."""
     return next((ov.input_line for ov in _sweep_overrides(config) if ov.key_or_group == key), None)
@@ -344,8 +360,8 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
         problem = (
             grid_override_problem(config) or dataset_path_problem(config) or plots_problem(config)
         )
-        if problem is None and not multirun:
-            problem = run_values_problem(config, prog)
+        if problem is None:
+            problem = run_values_problem(config, prog, multirun)
         if problem is not None:
             return problem
     ranks = _submitit_ranks(config)
@@ -363,30 +379,44 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
     return added[0] if added else None
 
 
-#: per command, the check of a single run's values (registered by the command's module)
-_VALUE_CHECKS: dict[str, Any] = {}
+#: per command, the checks of a single run's values and of a sweep's shared values (registered
+#: by the command's module)
+_VALUE_CHECKS: dict[str, tuple[Any, Any]] = {}
 
 
-def register_value_check(prog: str, check: Any) -> None:
+def register_value_check(prog: str, check: Any, sweep_check: Any = None) -> None:
     """Have :func:`launch_problem` run ``check(config)`` (raising ``ValueError`` naming the bad
-    value) on a single run of ``prog`` before its job starts; the command's module registers it
-    (so this module imports no command)."""
-    _VALUE_CHECKS[prog] = check
+    value) on a single run of ``prog`` before its job starts, and ``sweep_check(config)`` on a
+    sweep (``-m``) before its first job; the command's module registers them (so this module
+    imports no command)."""
+    _VALUE_CHECKS[prog] = (check, sweep_check)
 
 
-def run_values_problem(config: Any, prog: str = PROG) -> str | None:
+def run_values_problem(config: Any, prog: str = PROG, multirun: bool = False) -> str | None:
     """The first bad value of a single run of ``prog`` (its registered check: for
     ``flashcp-run`` every run of its grid checked as the job checks it), or None: refused
-    before the job starts, so a bad ``cp_size``, ``modes`` or method option writes no error
-    rows. A sweep's jobs are checked each by the job (a swept key's values are not in ``config``
-    yet), and a bad one is a row."""
-    check = _VALUE_CHECKS.get(prog)
+    before the job starts, so a bad ``cp_size``, ``modes``, method option, dataset or hardware
+    constant writes nothing. A sweep (``multirun``) gets the command's sweep check: the values
+    every job shares (those no swept key changes); a job's own bad value is a row of the sweep."""
+    import copy
+
+    from hydra.core.hydra_config import HydraConfig
+
+    check = _VALUE_CHECKS.get(prog, (None, None))[1 if multirun else 0]
     if check is None:
         return None
+    # the check reads the command line's overrides (explicit hardware constants, ...) from
+    # HydraConfig, as the job will; Hydra sets it only when the job starts
+    hc = HydraConfig.instance()
+    previous = hc.cfg
+    if previous is None and "hydra" in config:
+        hc.set_config(copy.deepcopy(config))
     try:
         check(config)
     except ValueError as exc:
         return str(exc)
+    finally:
+        hc.cfg = previous
     return None
 
 
@@ -504,6 +534,99 @@ def end_children() -> None:
             p.kill()
 
 
+def _swept_methods(parsed: list[Any], multirun: bool) -> tuple[list[str], str]:
+    """The methods of a command line's runs when it names several (``-m method=a,b``, or
+    ``grid.method=[a,b]``, swept or not) and the override that names them; ``([], "")`` when
+    it names none or a set not listed (a glob)."""
+    methods: list[str] = []
+    form = ""
+    for ov in parsed:
+        key = ov.key_or_group
+        if key == "grid.method" and not ov.is_sweep_override() and isinstance(ov.value(), list):
+            methods += [str(m) for m in ov.value()]
+            form = ov.input_line
+        elif key == "grid.method" and ov.is_sweep_override() and "glob" not in ov.input_line:
+            for value in ov.sweep_iterator():
+                methods += [str(m) for m in value] if isinstance(value, list) else []
+            form = ov.input_line
+        elif (
+            key == "method" and multirun and ov.is_sweep_override() and "glob" not in ov.input_line
+        ):
+            methods += [str(m) for m in ov.sweep_string_iterator()]
+            form = form or ov.input_line
+    return list(dict.fromkeys(methods)), form
+
+
+def method_option_problem(override: str, option: str, methods: list[str], form: str) -> str | None:
+    """One line when some of ``methods`` (the methods a sweep or grid runs, named by ``form``:
+    ``method=a,b`` or ``grid.method=[a,b]``) take no planner option ``option`` (set by ``override``,
+    applied to each of them), naming those methods and the command that sets it on the methods
+    that take it; None when every method takes it (or one is unknown: composing names it)."""
+    from flashcp.registry import option_names
+
+    try:
+        takes = {m: option in option_names(m) for m in methods}
+    except ValueError:
+        return None
+    without = [m for m in methods if not takes[m]]
+    if not without:
+        return None
+    with_it = [m for m in methods if takes[m]]
+    listed = (
+        f"-m method={','.join(with_it)}"
+        if form.startswith("method")
+        else f"grid.method=[{','.join(with_it)}]"
+    )
+    if not with_it:
+        return f"{override}: no method in {form} takes option {option!r}; drop it"
+    return (
+        f"{override}: method{'s' if len(without) > 1 else ''} {', '.join(without)} (in {form}) "
+        f"take{'' if len(without) > 1 else 's'} no option {option!r} (an option set beside a "
+        f"sweep or grid of methods applies to each); set it on the methods that take it with "
+        f"{PROG} {listed} {override}, and run the others without it"
+    )
+
+
+def shared_method_options(argv: list[str]) -> list[str]:
+    """``argv`` with each ``method.options.<key>=value`` that sets an option on the methods of a
+    sweep or grid (``-m method=a,b``, ``grid.method=[a]``) written as ``++method.options.<key>=value``:
+    Hydra composes a sweep (and a grid's job) with the config's own ``method`` first, which need
+    not take the option, and would refuse it there although every run's method takes it.
+
+    Raises:
+        ValueError: a method of the sweep or grid takes no such option
+            (:func:`method_option_problem`: the methods, and the command that sets it on the others).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    parsed: dict[int, Any] = {}
+    for i, arg in enumerate(argv):
+        if (arg.startswith("-") and not arg.startswith("+")) or "=" not in arg:
+            continue
+        try:
+            parsed[i] = parser.parse_override(arg)
+        except HydraException:  # Hydra reports it when it composes
+            continue
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    methods, form = _swept_methods(list(parsed.values()), multirun)
+    if not methods:
+        return argv
+    out = list(argv)
+    for i, ov in parsed.items():
+        key = ov.key_or_group
+        if not key.startswith("method.options.") or ov.is_delete():
+            continue
+        option = key.split(".")[2]
+        problem = method_option_problem(ov.input_line, option, methods, form)
+        if problem is not None:
+            raise ValueError(problem)
+        if not (ov.is_add() or ov.is_force_add()):
+            out[i] = f"++{argv[i]}"
+    return out
+
+
 def launch(app: Callable[[], Any], prog: str, argv: list[str] | None = None) -> None:
     """Run the Hydra app ``app`` (a ``@hydra.main`` function) as the command ``prog``, with
     readable errors and clean signals.
@@ -513,6 +636,11 @@ def launch(app: Callable[[], Any], prog: str, argv: list[str] | None = None) -> 
     """
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    try:
+        sys.argv[1:] = shared_method_options(sys.argv[1:])
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
     translate = not os.environ.get("HYDRA_FULL_ERROR")
     if translate:  # Hydra then raises composition errors instead of printing them and exiting
         os.environ["HYDRA_FULL_ERROR"] = "1"

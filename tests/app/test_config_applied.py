@@ -212,6 +212,14 @@ def test_grid_method_keeps_impl_and_options_and_checks_each_method():
     # an override one method of the grid cannot take: refused in one line naming that method
     with pytest.raises(ConfigError, match=r"grid run method=flashcp: .*ring_flash_attn"):
         _checked_runs(_compose(*SMALL, "grid.method=[ring,flashcp]", "method.impl=ring_flash_attn"))
+    with pytest.raises(
+        ConfigError,
+        match=r"method llama3 \(in grid.method=\[llama3,flashcp\]\) takes no option "
+        r"'target_imbalance'.* grid.method=\[flashcp\] method.options.target_imbalance=1.2",
+    ):
+        _checked_runs(
+            _compose(*SMALL, "grid.method=[llama3,flashcp]", "method.options.target_imbalance=1.2")
+        )
 
 
 def test_experiment_grids_keep_model_overrides():
@@ -262,15 +270,17 @@ def test_boolean_words_reach_the_planner_as_booleans(key, override):
 # ---- dataset.path without dataset=file ---------------------------------------------------------
 
 
-def test_dataset_path_without_dataset_file_is_refused():
+def test_dataset_path_without_dataset_file_is_refused(tmp_path):
     for overrides in (("dataset.path=x.txt",), ("dataset=pile", "dataset.path=x.txt")):
         problem = launch_problem(_compose(*overrides, hydra_cfg=True), multirun=False)
         assert problem is not None and "add dataset=file" in problem and "\n" not in problem
-    cfg = _compose("dataset=file", "dataset.path=x.txt", hydra_cfg=True)
+    lengths = tmp_path / "x.txt"
+    lengths.write_text("1000\n2000\n")
+    cfg = _compose("dataset=file", f"dataset.path={lengths}", hydra_cfg=True)
     assert launch_problem(cfg, multirun=False) is None
     # a sweep whose jobs include dataset=file: the other datasets' jobs do not read the path
     cfg.dataset.name = "pile"
-    cfg.hydra.overrides.task = ["dataset=pile,file", "dataset.path=x.txt"]
+    cfg.hydra.overrides.task = ["dataset=pile,file", f"dataset.path={lengths}"]
     assert launch_problem(cfg, multirun=True) is None
 
 

@@ -101,6 +101,30 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
             ["-m", "hydra/launcher=submitit_local", "executor=dist", "cp_size=4"],
             "make nodes x tasks_per_node = cp_size",
         ),
+        # values only the job used to read: refused before the folder is made (a single run, and
+        # a sweep whose jobs all share the value)
+        (["dataset=file", "dataset.path=missing.csv"], "length file 'missing.csv' not found"),
+        (["-m", "dataset=file", "dataset.path=missing.csv", "cp_size=2,4"], "length file 'missing.csv' not found"),
+        (["dataset.cap=-1"], "dataset.cap = -1 must be >= 1"),
+        (["-m", "dataset.cap=-1", "method=llama3,flashcp"], "dataset.cap = -1 must be >= 1"),
+        (["hardware.p2p_bw_gbps=0"], "hardware constant p2p_bw_gbps must be > 0, got 0.0"),
+        (["hardware.fwd_tile_tflops=-1"], "hardware constant fwd_tile_tflops must be > 0, got -1.0"),
+        (["grid.hardware=[h100_sxm,a100_sxm]", "hardware.p2p_bw_gbps=0"], "hardware=h100_sxm: hardware constant p2p_bw_gbps must be > 0"),
+        (["-m", "hardware.p2p_bw_gbps=0", "cp_size=2,4"], "hardware constant p2p_bw_gbps must be > 0"),
+        (["dataset.overlong=error", "context_len=4096", "cp_size=4"], "has documents longer than context_len = 4096"),
+        # an option set beside several methods applies to each: one that does not take it
+        (["-m", "method=usp,flashcp,llama3", "method.options.ulysses_degree=2"],
+         "method.options.ulysses_degree=2: methods flashcp, llama3 (in method=usp,flashcp,llama3) take no option 'ulysses_degree'"),
+        (["-m", "method=usp,flashcp", "+method.options.ulysses_degree=2"],
+         "set it on the methods that take it with flashcp-run -m method=usp +method.options.ulysses_degree=2"),
+        (["grid.method=[usp,flashcp]", "method.options.ulysses_degree=2"],
+         "method flashcp (in grid.method=[usp,flashcp]) takes no option 'ulysses_degree'"),
+        (["-m", "grid.method=[usp,flashcp_ulysses],[flashcp]", "method.options.ulysses_degree=2"],
+         "flashcp-run grid.method=[usp,flashcp_ulysses] method.options.ulysses_degree=2"),
+        (["grid.method=[llama3]", "method.options.ulysses_degree=2"],
+         "no method in grid.method=[llama3] takes option 'ulysses_degree'; drop it"),
+        (["-m", "experiment=fig5", "method.options.target_imbalance=1.1"],
+         "methods llama3, per_doc, ring, zigzag (in grid.method=[llama3,per_doc,ring,zigzag,flashcp]) take no option 'target_imbalance'"),
     ],
 )  # fmt: skip
 def test_mistake_is_one_line_exit_2(capsys, monkeypatch, tmp_path, argv, expected):
@@ -111,6 +135,56 @@ def test_mistake_is_one_line_exit_2(capsys, monkeypatch, tmp_path, argv, expecte
     assert lines[0].startswith("flashcp-run: error: ") and expected in lines[0], lines[0]
     assert "base_" not in lines[0]  # the internal schemas are not choices
     assert not any(tmp_path.iterdir())  # refused before any job wrote anything
+
+
+@pytest.mark.parametrize(
+    ("entry", "argv"),
+    [
+        ("run", ["name=x"]),
+        ("run", ["-m", "cp_size=2,4", "name=x"]),
+        ("run", ["hydra.run.dir={file}/run"]),
+        ("calibration", []),
+        ("fig3", []),
+        ("sensitivity", []),
+        ("table2", []),
+    ],
+)
+def test_unwritable_output_folder_is_one_line_exit_2(capsys, monkeypatch, tmp_path, entry, argv):
+    """An output folder below a regular file (root writes anywhere else, so no chmod): one line
+    naming the setting and the file, exit code 2, nothing written."""
+    file = tmp_path / "file.txt"
+    file.write_text("not a folder")
+    argv = [a.format(file=file) for a in argv]
+    if not any(a.startswith("hydra.run.dir") for a in argv):
+        argv.append(f"results_dir={file}/sub")
+    code, _, err = _flashcp_run(capsys, monkeypatch, *argv, entry=_entry(entry))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    prog = "flashcp-run" if entry == "run" else f"flashcp-{entry}"
+    assert lines[0].startswith(f"{prog}: error: ") and f"{file} is a file, not a folder" in lines[0]
+    assert "results_dir=" in lines[0] or "hydra.run.dir" in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
+
+
+def test_check_output_dir(tmp_path):
+    from flashcp.results import check_output_dir
+
+    file = tmp_path / "f"
+    file.write_text("x")
+    for bad in (file, file / "a" / "b"):
+        with pytest.raises(
+            ValueError, match=f"--out {bad}: cannot write the folder {bad}: .*a file"
+        ):
+            check_output_dir(bad, f"--out {bad}")
+    check_output_dir(tmp_path / "new" / "deeper")  # creatable
+    check_output_dir(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # the probe left nothing
+    if os.geteuid() != 0:  # root writes into a read-only folder
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="takes no new entry"):
+            check_output_dir(ro / "x")
 
 
 def test_help_describes_every_group_and_the_main_fields(capsys, monkeypatch):

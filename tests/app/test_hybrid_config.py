@@ -1,15 +1,18 @@
 """A head-parallel method whose Ulysses degree the model's heads do not allow is refused at startup
-(one line naming the numbers and the nearest valid degrees), by ``flashcp-run`` (one run and every
-run of a grid) and by ``flashcp plan --num-heads``, instead of failing sequence by sequence."""
+(one line naming the numbers and the nearest valid degrees), by ``flashcp-run`` (one run, or a
+grid none of whose runs can be made; in a grid, that run alone becomes error rows) and by
+``flashcp plan --num-heads``, instead of failing sequence by sequence."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
 pytest.importorskip("hydra")
 from test_config_applied import SMALL, _compose
 
-from experiments.run import ConfigError, _checked_runs
+from experiments.run import ConfigError, _checked_runs, checked_grid
 from flashcp.cli import main
 
 
@@ -37,9 +40,16 @@ def test_heads_the_degree_does_not_allow_are_a_config_error(overrides, match):
 
 
 def test_grids_name_the_run_the_heads_refuse():
+    # in a grid, that run alone cannot be made: it becomes error rows, the others run
     cfg = _compose(*SMALL, "grid.method=[flashcp,ulysses]", "grid.cp_size=[4,8]",
                    "model.num_heads=12", "model.num_kv_heads=12")  # fmt: skip
-    with pytest.raises(ConfigError, match=r"grid run method=ulysses cp_size=8: .*nearest: 6, 12"):
+    runs, inapplicable = checked_grid(cfg)
+    assert len(runs) == 4 and list(inapplicable) == [3]
+    assert re.search(r"grid run method=ulysses cp_size=8: .*nearest: 6, 12", inapplicable[3])
+    # a grid none of whose runs can be made is refused
+    cfg = _compose(*SMALL, "grid.method=[ulysses]", "grid.cp_size=[8]", "model.num_heads=12",
+                   "model.num_kv_heads=12")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"nearest: 6, 12"):
         _checked_runs(cfg)
 
 

@@ -187,7 +187,7 @@ def test_failing_jobs_are_rows_and_the_sweep_goes_on(tmp_path):
     rows = read_rows(pinned / "rows.parquet")
     assert len(rows) == 2 * 2 * 2 + 2 * 2  # ok: 2 runs x 2 seq x 2 modes; failed: 2 runs x 2 modes
     failed = rows[rows["dataset"] == "file"]
-    assert failed["status"].str.startswith("error: ValueError").all()
+    assert failed["status"].str.startswith("error: ConfigError").all()  # a ValueError
     assert failed["status"].str.contains("missing.csv").all() and failed["seq_idx"].isna().all()
     assert rows["sweep_id"].nunique() == 1 and sorted(rows["job_num"].unique()) == list(range(4))
     assert not (pinned / LOCK_NAME).exists()  # released
@@ -207,15 +207,15 @@ def test_failing_jobs_are_rows_and_the_sweep_goes_on(tmp_path):
 
 
 def test_failing_single_run_prints_its_error_once(tmp_path):
-    """A single run whose work finds a bad value prints the command's one error line and no log
-    line repeating it (a sweep prints one per failed job: which job); the traceback is in its
-    log."""
+    """A single run with a value only its work would read (a missing length file) is refused
+    before anything is written: the command's one error line, exit code 2, no result folder, no
+    merge line."""
     proc = _cli(tmp_path, "dataset=file", "dataset.path=missing.csv", "name=one")
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "missing.csv" in proc.stderr and proc.stderr.count("missing.csv") == 1, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("flashcp-run: error: length file")
-    logs = [p.read_text() for p in (tmp_path / "one").glob("runs/file-*/*.log")]
-    assert len(logs) == 1 and "Traceback" in logs[0] and "missing.csv" in logs[0]
+    assert proc.stderr.strip().splitlines() == [
+        "flashcp-run: error: length file 'missing.csv' not found"
+    ], proc.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_error_rows_keep_integer_columns(tmp_path):
@@ -335,3 +335,81 @@ def test_a_job_whose_rows_all_failed_exits_nonzero(tmp_path, monkeypatch):
     limit[0], calls[:] = 1, []
     res = main(_small(tmp_path, "method=llama3", "name=good"))
     assert res["exit_code"] == 0 and res["error"] is None
+
+
+@pytest.mark.parametrize(
+    "methods", [("-m", "method=usp,flashcp_ulysses"), ("grid.method=[usp,flashcp_ulysses]",)]
+)
+def test_one_option_for_a_sweep_of_methods_that_all_take_it(tmp_path, methods):
+    """``method.options.ulysses_degree=2`` beside a sweep or grid of methods that all take it
+    (the config's own method, flashcp, does not) applies to each."""
+    proc = _cli(
+        tmp_path, *methods, "method.options.ulysses_degree=2", "cp_size=4", "context_len=4096",
+        "num_sequences=2", "name=u",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_rows(tmp_path / "u" / "rows.parquet")
+    assert sorted(rows["method"].unique()) == ["flashcp_ulysses", "usp"]
+    assert (rows["status"] == "ok").all()
+    options = {
+        m: json.loads(o) for m, o in zip(rows["method"], rows["method_options"], strict=True)
+    }
+    assert all(o["ulysses_degree"] == 2 for o in options.values()), options
+
+
+def test_grid_run_that_cannot_be_made_is_error_rows_others_run(tmp_path, caplog):
+    """ulysses at cp_size 16 with 24 heads (16 does not divide 24) in a grid with llama3 and
+    cp_size 8: that run is error rows naming why, the three others run, and one warning says so
+    before any work."""
+    cfg = _small(
+        tmp_path, "grid.method=[llama3,ulysses]", "grid.cp_size=[8,16]", "model.num_heads=24",
+        "model.num_kv_heads=8",
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="experiments.run"):
+        rows = read_rows(run(cfg))
+    warned = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "1 of 4 runs of the grid cannot be made" in warned[0], warned
+    assert "method=ulysses cp_size=16" in warned[0]
+    bad = (rows["method"] == "ulysses") & (rows["cp_size"] == 16)
+    assert bad.sum() == 2 and rows[bad]["seq_idx"].isna().all()  # one error row per mode
+    assert (
+        rows[bad]["status"].str.contains("ulysses degree 16 does not divide num_heads = 24").all()
+    )
+    ok = rows[~bad]
+    assert (ok["status"] == "ok").all()
+    assert sorted(set(zip(ok["method"], ok["cp_size"], strict=True))) == [
+        ("llama3", 8), ("llama3", 16), ("ulysses", 8)
+    ]  # fmt: skip
+    assert len(ok) == 3 * 3 * 2  # 3 runs x 3 sequences x 2 modes
+    assert rows["run_id"].nunique() == 4
+    # rerunning finds the job done (its rows hold exactly its runs)
+    with caplog.at_level(logging.INFO, logger="experiments.run"):
+        run(cfg)
+    assert any("already done" in r.message for r in caplog.records)
+
+
+def test_second_sweep_in_a_folder_says_which_runs_left_the_merge(tmp_path, caplog):
+    """A sweep merges its own runs (docs/sweeps.md): a second sweep with the same name= replaces
+    the merged rows and summary, and one warning counts the earlier runs that left them."""
+    from omegaconf import OmegaConf
+
+    from experiments.common.callbacks import AggregateResults
+
+    end = AggregateResults()
+    end.exp_dir = tmp_path / "t"
+    config = OmegaConf.create({"plots": [], "merged_rows": True})
+
+    def sweep(*methods: str) -> list[str]:  # what the end of a sweep of these runs logs
+        jobs = [{"rows": str(run(_small(tmp_path, f"method={m}")))} for m in methods]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="experiments.common.callbacks"):
+            assert end._merge_and_draw(config, jobs) == []
+        return [r.getMessage() for r in caplog.records if "left the merge" in r.getMessage()]
+
+    assert sweep("llama3", "flashcp") == []
+    lines = sweep("ring")
+    assert len(lines) == 1, lines
+    assert "2 run(s) of an earlier sweep left the merge" in lines[0]
+    assert "hold this sweep's 1 run(s) only" in lines[0] and "experiments.aggregate" in lines[0]
+    assert set(read_rows(tmp_path / "t" / "summary.csv")["method"]) == {"ring"}
+    assert sweep("ring") == []  # the same runs again: none left

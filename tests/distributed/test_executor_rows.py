@@ -66,7 +66,7 @@ def test_a_failing_sequence_is_the_same_row_everywhere():
     emu = execute("emulate", [spec], SEQS[:1])
     for df in (sim, emu):
         assert tuple(df.columns) == ROW_COLUMNS
-        assert df["status"].str.startswith("error: ValueError").all() and len(df) == 2
+        assert df["status"].str.startswith("error: DivisibilityError").all() and len(df) == 2
     assert sim.dtypes.equals(emu.dtypes)
     assert sim[["seq_idx", "mode", "status"]].equals(emu[["seq_idx", "mode", "status"]])
 

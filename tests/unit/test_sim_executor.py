@@ -83,7 +83,7 @@ def test_workers_give_the_same_rows(seqs, monkeypatch):
 def test_a_failing_sequence_is_a_row(seqs):
     bad = RunSpec("llama3", 3, SHAPES[0], ("train", "infer"), hardware="h100_sxm")
     rows = execute("sim", [bad], seqs)  # C = 16384 does not divide into 2 x 3 chunks
-    assert len(rows) == 6 and rows["status"].str.startswith("error: ValueError").all()
+    assert len(rows) == 6 and rows["status"].str.startswith("error: DivisibilityError").all()
     with pytest.raises(ValueError, match="unknown executor 'simulate'"):
         execute("simulate", [bad], seqs)
 

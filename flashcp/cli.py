@@ -265,7 +265,9 @@ def _advise_command(args: argparse.Namespace) -> int:
     """``flashcp advise``: every method's predicted step time on the given lengths; one table
     printed, the table, rows and breakdown figure written to ``--out``."""
     from flashcp.advise import advise, format_report, load_model, write_outputs
+    from flashcp.results import check_output_dir
 
+    check_output_dir(args.out, f"--out {args.out}")  # before any work, not after it
     shape = load_model(
         args.model, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
         head_dim=args.head_dim,

@@ -366,7 +366,7 @@ def check_config(cfg: Any, dataset: bool = True) -> None:
     from flashcp.registry import get_method
 
     get_method(cfg.method.name)  # ValueError naming the known methods
-    from flashcp.plan import MAX_TOKENS, check_cp_args
+    from flashcp.plan import MAX_TOKENS, check_context_len, check_cp_args
 
     check_cp_args(0, cfg.cp_size)  # 1 <= cp_size <= MAX_CP_SIZE
 
@@ -377,10 +377,9 @@ def check_config(cfg: Any, dataset: bool = True) -> None:
         )
     if cfg.seed < 0:
         raise ValueError(f"seed must be >= 0, got {cfg.seed}")
-    if cfg.context_len < 1 or cfg.context_len % cfg.cp_size:
-        raise ValueError(
-            f"context_len = {cfg.context_len} must be a positive multiple of cp_size = {cfg.cp_size}"
-        )
+    if cfg.context_len < 1:
+        raise ValueError(f"context_len must be >= 1, got {cfg.context_len}")
+    check_context_len(int(cfg.context_len), int(cfg.cp_size))  # names the nearest valid ones
     if dataset:
         check_dataset_config(cfg.dataset, int(cfg.context_len))
     if cfg.executor.name in ("dist", "emulate"):

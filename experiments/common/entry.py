@@ -145,15 +145,16 @@ def check_experiment_config(cfg: Any) -> None:
     from flashcp.comm import AttnShape
     from flashcp.config import check_modes
     from flashcp.executors.sim import check_workers
+    from flashcp.plan import check_context_len
 
     for key in ("cp_size", "num_sequences"):
         at_least(cfg, key, 1)
     if "workers" in cfg:
         check_workers(cfg.workers)
-    if "context_len" in cfg and (cfg.context_len < 1 or cfg.context_len % cfg.cp_size):
-        raise ValueError(
-            f"context_len = {cfg.context_len} must be a positive multiple of cp_size = {cfg.cp_size}"
-        )
+    if "context_len" in cfg:
+        if cfg.context_len < 1:
+            raise ValueError(f"context_len must be >= 1, got {cfg.context_len}")
+        check_context_len(int(cfg.context_len), int(cfg.cp_size))  # names the nearest valid ones
     if "modes" in cfg:
         check_modes(cfg.modes)
     if "model" in cfg:

@@ -115,6 +115,21 @@ def test_cli_prints_one_table_and_writes_outputs(capsys, lengths_file, tmp_path)
         assert (out_dir / name).stat().st_size > 0
 
 
+def test_an_out_folder_that_cannot_be_written_is_refused_before_any_work(
+    capsys, lengths_file, tmp_path, monkeypatch
+):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setattr(
+        "flashcp.advise.advise", lambda **kw: pytest.fail("advise ran before --out was checked")
+    )
+    args = ["advise", "--lengths", str(lengths_file), "--cp-size", "2", "--context-len",
+            str(CONTEXT), "--out", str(blocker / "sub")]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{blocker} is a file, not a folder" in err[0]
+
+
 @pytest.mark.parametrize(
     ("content", "extra", "needle"),
     [

@@ -1,0 +1,149 @@
+"""The loss and gradient reductions that make a CP (and data-parallel) step the one-device step.
+
+The one-device loss of a batch is ``L = sum_i ce_i / V``, the cross-entropy summed over the
+batch's V valid tokens (those with a label), divided by V. Each rank computes
+``L_r = sum_{i on r} ce_i / V`` with V all-reduced over the CP group (and the data-parallel group,
+when the one-device batch is every DP replica's sequences together), so ``L = sum_r L_r``. The CP
+ops' backward sends each rank the gradient of every other rank's loss with respect to the keys and
+values it owns, so rank r's parameter gradient is the part of ``dL/dtheta`` that flows through its
+tokens; a SUM all-reduce of the parameter gradients over the same groups is then ``dL/dtheta``:
+no division by the CP or DP size anywhere (docs/training.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flashcp.ops.collectives import resolve_group
+from flashcp.training.batch import IGNORE_INDEX
+
+__all__ = ["allreduce_grads", "count_valid_tokens", "cp_cross_entropy"]
+
+
+def _groups(groups) -> list:
+    """The process groups to reduce over: one group, or a sequence of them (None: the default
+    group); each resolved like the ops' CP group (ProcessGroup or 1-D DeviceMesh)."""
+    if groups is None or not isinstance(groups, list | tuple):
+        groups = [groups]
+    return [resolve_group(g) for g in groups]
+
+
+def count_valid_tokens(labels: torch.Tensor, groups=None, *, ignore_index: int = IGNORE_INDEX):
+    """Tokens with a label, summed over every rank of ``groups`` (one all-reduce per group).
+
+    Args:
+        labels: (T,) int64 this rank's labels.
+        groups: a process group (None: the default group), a 1-D DeviceMesh, or a list of them
+            (e.g. ``[cp_group, dp_group]``: reduced over each in turn, which covers their product
+            when they are orthogonal). ``[]``: this rank only.
+    Returns:
+        int64 0-d tensor on ``labels``' device, the same on every rank of the groups.
+    Raises:
+        ValueError: ``labels`` not 1-D int64, or a bad group.
+    """
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.dtype != torch.int64:
+        raise ValueError(
+            f"labels must be a 1-D int64 tensor, got {getattr(labels, 'shape', labels)}"
+        )
+    count = (labels != ignore_index).sum()
+    for g in _groups(groups):
+        if dist.is_initialized():
+            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=g)
+    return count
+
+
+def cp_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    groups=None,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    return_per_token: bool = False,
+):
+    """This rank's share of the batch's mean cross-entropy: its valid tokens' sum over the
+    valid tokens of every rank of ``groups``.
+
+    The shares of the ranks add up to the one-device loss; backpropagate each rank's share, then
+    :func:`allreduce_grads` over the same groups.
+
+    Args:
+        logits: (T, V) float, this rank's logits (any float dtype; the loss is in that dtype,
+            float32 at least).
+        labels: (T,) int64, ``ignore_index`` where a token has no target.
+        groups: as :func:`count_valid_tokens` (the CP group, then the DP group when given).
+        return_per_token: also return the (T,) per-token losses (0 where ignored).
+    Returns:
+        0-d tensor, differentiable (and the per-token losses when asked).
+    Raises:
+        ValueError: shapes or dtypes that do not match (before any collective), or no valid
+            token in the whole groups' batch (on every rank: the count is shared).
+    """
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(
+            f"logits must be a (T, V) float tensor, got {tuple(logits.shape)} {logits.dtype}"
+        )
+    if labels.dim() != 1 or labels.shape[0] != logits.shape[0] or labels.dtype != torch.int64:
+        raise ValueError(
+            f"labels must be ({logits.shape[0]},) int64 to match logits {tuple(logits.shape)}, "
+            f"got {tuple(labels.shape)} {labels.dtype}"
+        )
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= logits.shape[1]))
+    if bool(bad.any()):
+        raise ValueError(
+            f"label {int(labels[bad][0])} out of range for vocabulary size {logits.shape[1]}"
+        )
+    total = count_valid_tokens(labels, groups, ignore_index=ignore_index)
+    if int(total) == 0:
+        raise ValueError("no token with a label in the groups' batch: the mean loss is undefined")
+    x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    per_token = F.cross_entropy(x, labels, ignore_index=ignore_index, reduction="none")
+    loss = per_token.sum() / total.to(per_token.dtype)
+    return (loss, per_token) if return_per_token else loss
+
+
+def allreduce_grads(params, groups=None) -> None:
+    """SUM all-reduce of the parameters' gradients over ``groups``, in place (no rescaling).
+
+    A parameter without a gradient on this rank (e.g. a rank holding only pad) gets zeros first,
+    so every rank makes the same collectives. The gradients travel in one flat buffer per dtype
+    and device.
+
+    Args:
+        params: an ``nn.Module`` or an iterable of parameters (the same, in the same order, on
+            every rank).
+        groups: as :func:`count_valid_tokens`.
+    Raises:
+        ValueError: a parameter that does not require grad, or a bad group.
+    """
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    params = list(params) if isinstance(params, Iterable) else params
+    for p in params:
+        if not p.requires_grad:
+            raise ValueError(f"parameter of shape {tuple(p.shape)} does not require grad")
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    groups = _groups(groups)
+    if not dist.is_initialized() or not groups:
+        return
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        for g in groups:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g)
+        _unflatten(flat, grads)
+
+
+def _unflatten(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat`` back into ``grads`` (their sizes in order)."""
+    off = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[off : off + n].view_as(g))
+        off += n

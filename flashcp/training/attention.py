@@ -40,8 +40,12 @@ class CPAttention:
         self.op_options = op_options
         self._attn = get_attn_op(batch.plan.method)[1]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self._attn(q, k, v, self.meta, self.group, backend=self.backend, **self.op_options)
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **overrides
+    ) -> torch.Tensor:
+        """``out = attention(q, k, v)``; keywords (e.g. ``softmax_scale``) override the op's."""
+        options = {**self.op_options, **overrides}
+        return self._attn(q, k, v, self.meta, self.group, backend=self.backend, **options)
 
 
 class OneDeviceAttention:
@@ -67,9 +71,11 @@ class OneDeviceAttention:
         self.context_len = int(context_len)
         self.softmax_scale = softmax_scale
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q, k, v, *, softmax_scale: float | None = None) -> torch.Tensor:
+        """``out = attention(q, k, v)``; ``softmax_scale`` overrides the one given at init."""
         if q.shape[0] != self.context_len:
             raise ValueError(f"q has {q.shape[0]} rows, expected context_len = {self.context_len}")
-        out = reference_attention(q, k, v, self.lens, self.softmax_scale)
+        scale = self.softmax_scale if softmax_scale is None else softmax_scale
+        out = reference_attention(q, k, v, self.lens, scale)
         keep = torch.from_numpy(np.arange(self.context_len) < self.num_doc_tokens).to(q.device)
         return (out * keep[:, None, None]).to(q.dtype)

@@ -79,30 +79,54 @@ def cp_cross_entropy(
     Returns:
         0-d tensor, differentiable (and the per-token losses when asked).
     Raises:
-        ValueError: shapes or dtypes that do not match (before any collective), or no valid
-            token in the whole groups' batch (on every rank: the count is shared).
+        ValueError: shapes, dtypes or label values that do not match, on this rank or any rank of
+            the groups (every rank raises: the count's all-reduce carries a flag), or no valid
+            token in the whole groups' batch.
     """
-    if logits.dim() != 2 or not logits.is_floating_point():
+    problem = _loss_input_problem(logits, labels, ignore_index)
+    count = (
+        (labels != ignore_index).sum() if problem is None else torch.zeros((), dtype=torch.int64)
+    )
+    # the count travels with a flag of bad input, so a rank's bad input fails every rank of the
+    # groups at once (no peer left waiting in the next collective)
+    flags = torch.stack([count.to(torch.int64).cpu(), torch.tensor(int(problem is not None))])
+    flags = flags.to(logits.device if isinstance(logits, torch.Tensor) else "cpu")
+    for g in _groups(groups):
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=g)
+    if problem is not None:
+        raise ValueError(problem)
+    if int(flags[1]):
         raise ValueError(
-            f"logits must be a (T, V) float tensor, got {tuple(logits.shape)} {logits.dtype}"
+            f"{int(flags[1])} peer rank(s) passed bad logits or labels (see their errors)"
         )
-    if labels.dim() != 1 or labels.shape[0] != logits.shape[0] or labels.dtype != torch.int64:
-        raise ValueError(
-            f"labels must be ({logits.shape[0]},) int64 to match logits {tuple(logits.shape)}, "
-            f"got {tuple(labels.shape)} {labels.dtype}"
-        )
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= logits.shape[1]))
-    if bool(bad.any()):
-        raise ValueError(
-            f"label {int(labels[bad][0])} out of range for vocabulary size {logits.shape[1]}"
-        )
-    total = count_valid_tokens(labels, groups, ignore_index=ignore_index)
+    total = flags[0]
     if int(total) == 0:
         raise ValueError("no token with a label in the groups' batch: the mean loss is undefined")
     x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     per_token = F.cross_entropy(x, labels, ignore_index=ignore_index, reduction="none")
     loss = per_token.sum() / total.to(per_token.dtype)
     return (loss, per_token) if return_per_token else loss
+
+
+def _loss_input_problem(logits, labels, ignore_index: int) -> str | None:
+    """What is wrong with one rank's loss inputs (a message), or None."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        return f"logits must be a (T, V) float tensor, got {getattr(logits, 'shape', logits)}"
+    if (
+        not isinstance(labels, torch.Tensor)
+        or labels.dim() != 1
+        or labels.shape[0] != logits.shape[0]
+        or labels.dtype != torch.int64
+    ):
+        return (
+            f"labels must be ({logits.shape[0]},) int64 to match logits {tuple(logits.shape)}, "
+            f"got {getattr(labels, 'shape', labels)} {getattr(labels, 'dtype', '')}"
+        )
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= logits.shape[1]))
+    if bool(bad.any()):
+        return f"label {int(labels[bad][0])} out of range for vocabulary size {logits.shape[1]}"
+    return None
 
 
 def allreduce_grads(params, groups=None) -> None:

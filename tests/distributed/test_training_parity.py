@@ -254,3 +254,20 @@ def test_data_parallel_times_cp_matches_one_device():
     results = run_ranks(_dp_run, 4, DP_METHODS, timeout_s=120)
     errs = {(r, m): _maxdiff(res[m], ref) for r, res in enumerate(results) for m in DP_METHODS}
     assert max(errs.values()) <= TOL64, errs
+
+
+def _bad_label_on_one_rank(rank, world):
+    logits = torch.zeros(4, 8, dtype=torch.float64)
+    labels = torch.tensor([1, 2, 99 if rank == 1 else 3, -100])
+    try:
+        cp_cross_entropy(logits, labels)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_bad_labels_on_one_rank_fail_every_rank_at_once():
+    """A rank's bad input is a ValueError on every rank (the count's all-reduce carries a flag),
+    not a peer left waiting in the next collective."""
+    msgs = run_ranks(_bad_label_on_one_rank, 2, timeout_s=30)
+    assert "label 99 out of range" in msgs[1] and "peer rank" in msgs[0], msgs

@@ -8,7 +8,8 @@ labels, positions and metadata come from :mod:`flashcp.training.batch`, the loss
 :func:`flashcp.training.allreduce_grads`. Per-token losses, the loss, every parameter's gradient
 at every step and the parameters after the 3 steps must equal a one-device run of the same model
 (the float64 document-masked reference as its attention) within 1e-10 in float64. Two broken
-variants (labels shifted after sharding; the loss averaged per rank) must miss it, so the check
+variants (labels shifted after sharding; the loss averaged per rank; positions restarted per
+shard; gradients averaged over CP), each on one method per op family, must miss it, so the check
 can fail. One launch per CP size runs every method and variant.
 """
 
@@ -53,7 +54,9 @@ BATCHES = (
 )
 METHODS = method_names()  # every registered method, ILP included
 PLANNED_HERE = ("ilp",)  # time-limited solver: planned once here, handed to the ranks
-VARIANTS = ("ok", "labels_after_shard", "loss_per_rank")
+VARIANTS = ("ok", "labels_after_shard", "loss_per_rank", "positions_per_shard", "grads_averaged")
+#: one method per op family: all-gather (full, sharding-aware), ring, Ulysses, hybrid
+BROKEN_ON = ("llama3", "flashcp", "zigzag", "ulysses", "usp")
 
 
 def _input_ids(step: int, vocab: int) -> torch.Tensor:
@@ -108,7 +111,13 @@ def _rank_steps(rank, n, method, plans, dtype, variant):
         else:
             batch = plan_and_shard(ids, lens, method)
         labels = _broken_labels(batch) if variant == "labels_after_shard" else batch.labels
-        logits = model(batch.input_ids, batch.positions, CPAttention(batch, backend=backend))
+        positions = batch.positions
+        if variant == "positions_per_shard":  # restart at 0 at every shard of the rank
+            _, start, length = batch.plan.rank_shards(rank)
+            restart = torch.from_numpy(np.repeat(start, length))
+            positions = positions.clone()
+            positions[: restart.numel()] -= restart
+        logits = model(batch.input_ids, positions, CPAttention(batch, backend=backend))
         if variant == "loss_per_rank":  # mean over this rank's tokens, grads averaged over CP
             per_tok = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
             loss = per_tok.sum() / max((labels != IGNORE_INDEX).sum(), 1) / n
@@ -117,6 +126,11 @@ def _rank_steps(rank, n, method, plans, dtype, variant):
         opt.zero_grad()
         loss.backward()
         allreduce_grads(model)
+        if (
+            variant == "grads_averaged"
+        ):  # the loss already over the group's tokens: N times too small
+            for p in model.parameters():
+                p.grad /= n
         steps.append((per_tok.detach(), float(loss.detach()), _grads(model), batch.plan))
         opt.step()
     return steps, _params(model)
@@ -159,7 +173,13 @@ def _launch(n: int, dtypes: tuple, variants: tuple, methods: tuple):
         if m in methods
         for s, (lens, pad) in enumerate(BATCHES)
     }
-    cases = [(m, dt, v) for dt in dtypes for v in variants for m in methods]
+    cases = [
+        (m, dt, v)
+        for dt in dtypes
+        for v in variants
+        for m in methods
+        if v == "ok" or m in BROKEN_ON
+    ]
     results = run_ranks(_run, n, cases, plans, timeout_s=240)
     return {key: _errors(results, key) for key in cases}
 
@@ -174,11 +194,12 @@ def test_every_method_matches_one_device_float64(n):
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("variant", VARIANTS[1:])
 def test_broken_variants_fail_the_parity_check(n, variant):
-    """Each broken variant misses the tolerance by orders of magnitude on every method: the
+    """Each broken variant misses the tolerance by orders of magnitude on every op family: the
     parity check can fail, and fails on exactly these faults."""
     errs = _launch(n, (torch.float64,), VARIANTS, METHODS)
     passed = {m: e for (m, _, v), e in errs.items() if v == variant and e["grad"] <= 1e3 * TOL64}
     assert not passed, f"CP {n}: {variant} was not caught: {passed}"
+    assert sum(v == variant for (_, _, v) in errs) == len(BROKEN_ON)
     if variant == "labels_after_shard":  # only shard-boundary tokens move: per-token losses show it
         assert all(e["per_token"] > 1e-3 for (m, _, v), e in errs.items() if v == variant)
 

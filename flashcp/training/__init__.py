@@ -26,7 +26,7 @@ from flashcp.training.batch import (
     shard_batch,
     shift_labels,
 )
-from flashcp.training.loss import allreduce_grads, count_valid_tokens, cp_cross_entropy
+from flashcp.training.loss import allreduce_grads, cp_cross_entropy
 
 __all__ = [
     "IGNORE_INDEX",
@@ -34,7 +34,6 @@ __all__ = [
     "OneDeviceAttention",
     "RankBatch",
     "allreduce_grads",
-    "count_valid_tokens",
     "cp_cross_entropy",
     "doc_positions",
     "plan_and_shard",

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from flashcp.ops.collectives import resolve_group
 from flashcp.training.batch import IGNORE_INDEX
 
-__all__ = ["allreduce_grads", "count_valid_tokens", "cp_cross_entropy"]
+__all__ = ["allreduce_grads", "cp_cross_entropy"]
 
 
 def _groups(groups) -> list:
@@ -30,30 +30,6 @@ def _groups(groups) -> list:
     if groups is None or not isinstance(groups, list | tuple):
         groups = [groups]
     return [resolve_group(g) for g in groups]
-
-
-def count_valid_tokens(labels: torch.Tensor, groups=None, *, ignore_index: int = IGNORE_INDEX):
-    """Tokens with a label, summed over every rank of ``groups`` (one all-reduce per group).
-
-    Args:
-        labels: (T,) int64 this rank's labels.
-        groups: a process group (None: the default group), a 1-D DeviceMesh, or a list of them
-            (e.g. ``[cp_group, dp_group]``: reduced over each in turn, which covers their product
-            when they are orthogonal). ``[]``: this rank only.
-    Returns:
-        int64 0-d tensor on ``labels``' device, the same on every rank of the groups.
-    Raises:
-        ValueError: ``labels`` not 1-D int64, or a bad group.
-    """
-    if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.dtype != torch.int64:
-        raise ValueError(
-            f"labels must be a 1-D int64 tensor, got {getattr(labels, 'shape', labels)}"
-        )
-    count = (labels != ignore_index).sum()
-    for g in _groups(groups):
-        if dist.is_initialized():
-            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=g)
-    return count
 
 
 def cp_cross_entropy(
@@ -74,7 +50,9 @@ def cp_cross_entropy(
         logits: (T, V) float, this rank's logits (any float dtype; the loss is in that dtype,
             float32 at least).
         labels: (T,) int64, ``ignore_index`` where a token has no target.
-        groups: as :func:`count_valid_tokens` (the CP group, then the DP group when given).
+        groups: a process group (None: the default group), a 1-D DeviceMesh, or a list of them
+            (e.g. ``[cp_group, dp_group]``: reduced over each in turn, which covers their product
+            when they are orthogonal). ``[]``: this rank only.
         return_per_token: also return the (T,) per-token losses (0 where ignored).
     Returns:
         0-d tensor, differentiable (and the per-token losses when asked).
@@ -139,9 +117,10 @@ def allreduce_grads(params, groups=None) -> None:
     Args:
         params: an ``nn.Module`` or an iterable of parameters (the same, in the same order, on
             every rank).
-        groups: as :func:`count_valid_tokens`.
+        groups: as :func:`cp_cross_entropy`.
     Raises:
-        ValueError: a parameter that does not require grad, or a bad group.
+        ValueError: a parameter that does not require grad, a bad group, or ranks whose
+            parameters differ in number of elements (on every rank, before the reduction).
     """
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
@@ -154,6 +133,7 @@ def allreduce_grads(params, groups=None) -> None:
     groups = _groups(groups)
     if not dist.is_initialized() or not groups:
         return
+    _check_same_sizes(params, groups)
     buckets: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
@@ -162,6 +142,21 @@ def allreduce_grads(params, groups=None) -> None:
         for g in groups:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g)
         _unflatten(flat, grads)
+
+
+def _check_same_sizes(params, groups) -> None:
+    """Raise ValueError on every rank when the ranks' gradients differ in size (different models
+    would otherwise fail or hang inside the reduction): the min and max element counts, reduced."""
+    numel = sum(p.numel() for p in params)
+    device = params[0].grad.device if params else "cpu"
+    for g in groups:
+        bounds = torch.tensor([numel, -numel], dtype=torch.int64, device=device)
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=g)
+        if int(bounds[0]) != numel or int(-bounds[1]) != numel:
+            raise ValueError(
+                f"the ranks' parameters differ: {int(-bounds[1])} to {int(bounds[0])} elements "
+                f"(this rank: {numel}); every rank must pass the same parameters, in one order"
+            )
 
 
 def _unflatten(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:

@@ -292,3 +292,17 @@ def test_bad_labels_on_one_rank_fail_every_rank_at_once():
     not a peer left waiting in the next collective."""
     msgs = run_ranks(_bad_label_on_one_rank, 2, timeout_s=30)
     assert "label 99 out of range" in msgs[1] and "peer rank" in msgs[0], msgs
+
+
+def _different_models(rank, world):
+    model = torch.nn.Linear(2, 3 if rank == 1 else 2)
+    try:
+        allreduce_grads(model)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_with_different_parameters_fail_every_rank():
+    msgs = run_ranks(_different_models, 2, timeout_s=30)
+    assert all("parameters differ: 6 to 9 elements" in m for m in msgs), msgs

@@ -104,3 +104,14 @@ def test_one_device_attention_zeroes_pad_and_model_checks_inputs():
         TinyLlama(dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="num_kv_heads"):
         LlamaConfig(num_heads=4, num_kv_heads=3)
+
+
+def test_plan_and_shard_without_torch_distributed_is_cp1():
+    """No process group: one rank holds the whole batch (the loop runs unchanged on one device)."""
+    from flashcp.training import plan_and_shard
+
+    ids = torch.arange(8)
+    b = plan_and_shard(ids, [3, 0, 4], "flashcp")
+    assert b.plan.cp_size == 1 and torch.equal(b.input_ids, ids)
+    assert b.labels.tolist() == [1, 2, -100, 4, 5, 6, -100, -100]
+    assert b.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 0]

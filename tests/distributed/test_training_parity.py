@@ -184,14 +184,14 @@ def _launch(n: int, dtypes: tuple, variants: tuple, methods: tuple):
     return {key: _errors(results, key) for key in cases}
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_method_matches_one_device_float64(n):
     errs = _launch(n, (torch.float64,), VARIANTS, METHODS)
     bad = {m: e for (m, _, v), e in errs.items() if v == "ok" and max(e.values()) > TOL64}
     assert not bad, f"CP {n}: training step differs from one device (> {TOL64}): {bad}"
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("variant", VARIANTS[1:])
 def test_broken_variants_fail_the_parity_check(n, variant):
     """Each broken variant misses the tolerance by orders of magnitude on every op family: the

@@ -10,11 +10,11 @@ installed package unchanged, in a forked rank only (:func:`import_peer`):
   ``torch.library`` custom ops with the real argument names, defaults and return tuples, on the
   float64 kernel emulation (bfloat16 / float16 in and out, as FlashAttention-2 requires);
 * ``import ring_flash_attn`` runs its ``adapters`` (the Hugging Face patch, which the harness never
-  calls), and they import ``transformers`` at module level. Where ``transformers`` is not
-  installed (CI), a module named ``transformers`` with the one attribute the adapter reads at
-  import (``modeling_flash_attention_utils.is_flash_attn_greater_or_equal_2_10``) is put in
-  ``sys.modules`` of the rank's process, so that the package's own ``__init__`` runs; calling the
-  adapter would fail on it.
+  calls), and they import ``transformers`` at module level, including a name transformers 5
+  removed. So a module named ``transformers`` with the one attribute the adapter reads at import
+  (``modeling_flash_attention_utils.is_flash_attn_greater_or_equal_2_10``) is put in
+  ``sys.modules`` of the rank's process, whether or not transformers is installed, so that the
+  package's own ``__init__`` runs; calling the adapter would fail on it.
 
 :func:`peer_rows` and :func:`peer_cu_seqlens` give each function's own layout;
 :class:`PeerRecorder` records what the package issues (kernel calls, ATen ops, P2P exchanges and
@@ -66,15 +66,15 @@ def import_peer(namespace: str) -> types.ModuleType:
     pkg = make_flash_attn(FA_VERSION, namespace)
     sys.modules["flash_attn"] = pkg
     sys.modules["flash_attn.flash_attn_interface"] = pkg.flash_attn_interface
-    if not _installed("transformers"):
-        tf = types.ModuleType("transformers")
-        tf.__path__ = []
-        tf.__version__ = "0.0-stub"
-        utils = types.ModuleType("transformers.modeling_flash_attention_utils")
-        utils.is_flash_attn_greater_or_equal_2_10 = lambda: True
-        tf.modeling_flash_attention_utils = utils
-        sys.modules["transformers"] = tf
-        sys.modules["transformers.modeling_flash_attention_utils"] = utils
+    # the rank's process only: shadow any installed transformers (see the module docstring)
+    tf = types.ModuleType("transformers")
+    tf.__path__ = []
+    tf.__version__ = "0.0-stub"
+    utils = types.ModuleType("transformers.modeling_flash_attention_utils")
+    utils.is_flash_attn_greater_or_equal_2_10 = lambda: True
+    tf.modeling_flash_attention_utils = utils
+    sys.modules["transformers"] = tf
+    sys.modules["transformers.modeling_flash_attention_utils"] = utils
     import ring_flash_attn
 
     return ring_flash_attn

@@ -976,14 +976,24 @@ def execute(runs, seqs, *, progress: str | None = None):
     Returns:
         the rows (:func:`flashcp.executors.rows.finish_rows`).
     Raises:
-        ValueError: several runs, or (``check_memory``, default on) a plan of the job too large
-            for the device's memory (:func:`check_record_memory`), before any record pass.
+        ValueError: several runs, an op option set (``keep_gathered_kv``: not replayed here; use
+            ``executor=dist`` or ``sim``), or (``check_memory``, default on) a plan of the job
+            too large for the device's memory (:func:`check_record_memory`), before any record
+            pass.
 
     Logs one line first: the device it replays on (and why: no CUDA device) and the work ahead.
     """
     if len(runs) != 1:
         raise ValueError(f"executor=emulate runs one run per job, got {len(runs)}")
     run = runs[0]
+    from flashcp.registry import split_options
+
+    op_opts = {k: v for k, v in split_options(run.method, run.options)[1].items() if v}
+    if op_opts:
+        raise ValueError(
+            f"executor=emulate does not replay op options ({op_opts}); run them with "
+            "executor=dist or executor=sim"
+        )
     ex = dict(run.executor)
     hw = load_hardware(run.hardware)
     device = torch.device(ex.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))

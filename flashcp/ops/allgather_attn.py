@@ -334,9 +334,10 @@ def allgather_peak_bytes(
     and the peak is the largest phase. With ``keep_gathered_kv`` the gathered KV of every group,
     K = 2 Hkv D R e in all, stays alive from the forward to the end of the backward: the forward's
     gather and keys phases add the earlier groups' K - 2hDRe (the last group's are the largest),
-    its kernel phase adds K; the backward has no gather phase, its keys phase is
-    O_b + K + 2hD Tk e and every other backward phase adds K. Between the passes the op holds K
-    (plus out, lse), against nothing of its own by default.
+    its kernel phase adds K; the backward has no gather phase, its keys phase is O_b + 2hD Tk e.
+    K is allocated by the forward and held until the backward ends (``kept``): the backward's
+    peak above counts, as for inputs, only what it allocates itself, so the rank's bytes at that
+    peak are K more. Between the passes the op holds K (plus out, lse), nothing by default.
 
     Every term but O_f / O_b is proportional to h: grouping KV
     heads divides the extra memory by about Hkv / h. With one group (h = Hkv) the float32 gradient
@@ -350,7 +351,8 @@ def allgather_peak_bytes(
         heads_per_group, grad_comm_dtype, keep_gathered_kv: the op's options.
         staged_collectives: the process group's collectives stage through a temporary (gloo).
     Returns:
-        ``{"forward": bytes, "backward": bytes}``.
+        ``{"forward": bytes, "backward": bytes, "kept": K}`` (K = 0 without ``keep_gathered_kv``:
+        the op's own bytes held between the passes besides out and lse).
     """
     h = resolve_heads_per_group(heads_per_group, meta, num_kv_heads, head_dim, dtype)
     e = dtype.itemsize
@@ -373,12 +375,12 @@ def allgather_peak_bytes(
         o_f + kv * tk * e + s * g * h * t * (2 * d * e + a) + kept,
     )
     backward = o_b + max(
-        kv * tk * e + kept if keep_gathered_kv else max(gather, keys),
-        kv * tk * (e + a) + g * h * t * d * (3 * s * e + a) + kept,
-        kv * (tk + r) * a + kept,
-        kv * (r * a + m * c + max((st + cast) * n * m * c, cast * m * a)) + kept,
+        kv * tk * e if keep_gathered_kv else max(gather, keys),
+        kv * tk * (e + a) + g * h * t * d * (3 * s * e + a),
+        kv * (tk + r) * a,
+        kv * (r * a + m * c + max((st + cast) * n * m * c, cast * m * a)),
     )
-    return {"forward": int(forward), "backward": int(backward)}
+    return {"forward": int(forward), "backward": int(backward), "kept": int(kept)}
 
 
 def _head_groups(num_kv_heads: int, heads_per_group: int) -> list[tuple[int, int]]:

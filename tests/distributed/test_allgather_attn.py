@@ -596,6 +596,60 @@ def test_head_groups_bound_the_memory_as_stated():
         assert one - collectives[1, i] * staging[1] < 0.5 * every, (i, one, every)
 
 
+def _run_keep_memory(rank, n, lens, shape, groups):
+    from experiments.benchmarks.bench_memory import peak_bytes
+
+    h, hkv, d = shape
+    plan = make_plan_for("llama3", lens, n)
+    prepare, attn = get_attn_op("llama3")
+    meta = prepare(plan, rank)
+    q, k, v, dout = (
+        shard_tensor(x, plan, rank) for x in _inputs(lens, h, hkv, d, torch.float32, 0)
+    )
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    res = {}
+    for hpg in groups:
+        fwd = functools.partial(
+            attn, q, k, v, meta, backend=_ZeroKernel("zero"), heads_per_group=hpg,
+            keep_gathered_kv=True,
+        )  # fmt: skip
+        fwd().backward(dout)  # warm-up
+        best = None
+        for _ in range(3):  # gloo's late frees only add bytes: keep each quantity's least
+            out, f, held = peak_bytes(fwd, torch.device("cpu"), held=True)
+            _, b = peak_bytes(functools.partial(out.backward, dout), torch.device("cpu"))
+            best = (f, held, b) if best is None else tuple(map(min, best, (f, held, b)))
+        pred = allgather_peak_bytes(
+            meta, h, hkv, d, torch.float32, hpg, staged_collectives=True, keep_gathered_kv=True
+        )
+        default = allgather_peak_bytes(meta, h, hkv, d, torch.float32, hpg, staged_collectives=True)
+        held_pred = pred["kept"] + out.numel() * 4 + h * meta.tokens * 4  # + out, lse
+        res[hpg] = (*best, pred, default, held_pred, meta.send_max)
+    return res
+
+
+def test_keep_gathered_kv_memory_as_stated():
+    """With ``keep_gathered_kv`` the gathered KV, (T + N*M) x 2 x Hkv x D elements, stays
+    allocated from the forward to the backward: measured bytes held after the forward call equal
+    ``kept`` + out + lse of ``allgather_peak_bytes`` (up to one gloo staging buffer per
+    all-gather not yet freed), and the forward and backward peaks (bytes each call allocates)
+    are at least the stated ones and at most one staging buffer per collective more (as for the
+    default, ``test_head_groups_bound_the_memory_as_stated``)."""
+    n, lens, (h, hkv, d) = 2, [256, 128, 128], (8, 4, 32)
+    results = run_ranks(_run_keep_memory, n, lens, (h, hkv, d), (4, 1), timeout_s=120)
+    for hpg in (4, 1):
+        groups = hkv // hpg
+        staging = 2 * hpg * d * n * results[0][hpg][6] * 4
+        for res in results:
+            f, held, b, pred, default, held_pred, _ = res[hpg]
+            assert pred["kept"] == 2 * hkv * d * (256 + n * results[0][hpg][6]) * 4
+            assert default["kept"] == 0 and pred["forward"] >= default["forward"]
+            assert pred["backward"] <= default["backward"]  # allocated by the forward
+            assert 0 <= held - held_pred <= groups * staging, (hpg, held, held_pred)
+            assert 0 <= f - pred["forward"] <= groups * staging, (hpg, f, pred)
+            assert 0 <= b - pred["backward"] <= groups * staging, (hpg, b, pred)
+
+
 def test_comm_volume_counts_grad_comm_dtype():
     """dK/dV bytes follow grad_comm_dtype (default: float32 for a bf16 model, float64 for a
     float64 one); KV bytes stay in the model dtype."""

@@ -14,9 +14,9 @@ rank.
 Keys are assembled with one index gather from ``source = [local KV (T rows); gathered buffers
 (N * M rows)]``; a rank reads its own rows from the local part. Backward re-gathers the KV (nothing
 is kept between passes; ``keep_gathered_kv=True`` keeps each head group's ``source`` from the
-forward instead, one all-gather per layer and pass pair, at the memory
-:func:`allgather_peak_bytes` states), runs the kernel backward, scatter-adds dK/dV into a buffer shaped like
-``source`` in ``compute_dtype`` (float32, float64 for float64 inputs;
+forward instead: one all-gather per layer and pass pair, at the memory
+:func:`allgather_peak_bytes` states), runs the kernel backward, scatter-adds dK/dV into a buffer
+shaped like ``source`` in ``compute_dtype`` (float32, float64 for float64 inputs;
 :func:`flashcp.ops.backends.compute_dtype`), reduce-scatters the gathered part in
 ``grad_comm_dtype`` (default: the same, so every rank's partial sum is rounded once, at the end)
 so each owner receives the dK/dV of the rows it sent, and adds it to the local part.
@@ -339,8 +339,8 @@ def allgather_peak_bytes(
     peak above counts, as for inputs, only what it allocates itself, so the rank's bytes at that
     peak are K more. Between the passes the op holds K (plus out, lse), nothing by default.
 
-    Every term but O_f / O_b is proportional to h: grouping KV
-    heads divides the extra memory by about Hkv / h. With one group (h = Hkv) the float32 gradient
+    Every term but O_f / O_b (and K) is proportional to h: grouping KV heads divides the extra
+    memory by about Hkv / h. With one group (h = Hkv) the float32 gradient
     buffer alone is (T + N*M) x 2 x Hkv x D x 4 bytes: 4.5 GiB per layer at 128K tokens on 8 ranks
     with 32 KV heads and head_dim 128, 144 MiB per KV head. Kernel workspace comes on top (the
     FlashAttention backward keeps a float32 dq accumulator of the group's query heads).

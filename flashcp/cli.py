@@ -53,6 +53,7 @@ from flashcp.registry import (
     get_planner,
     method_names,
     options_schema,
+    split_options,
 )
 
 __all__ = ["format_table", "main", "pack_doc_lens", "parse_doc_lens", "parse_options"]
@@ -237,7 +238,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     try:
         plan = planner(
             doc_lens, args.cp_size, num_pad=args.num_pad, pad_to_multiple=args.pad_to_multiple,
-            **options,
+            **split_options(args.method, options)[0],  # op options do not change the plan
         )  # fmt: skip
     except DivisibilityError as exc:  # name this command's options, not the planner's
         raise ValueError(

@@ -12,7 +12,9 @@ them by default (:func:`flashcp.ops.collectives.resolve_grad_comm_dtype`).
 
 * ``allgather_full`` (``llama3``, ``per_doc``; Eq. 4): forward all-gathers the whole KV,
   (N-1) C/N tokens. Training all-gathers it again in the backward (no KV kept between passes) and
-  reduce-scatters dK/dV, the same tokens in ``grad_comm_dtype``.
+  reduce-scatters dK/dV, the same tokens in ``grad_comm_dtype``. With ``keep_gathered_kv`` the
+  backward uses the forward's gathered KV (no second all-gather): with ``grad_comm_dtype`` equal
+  to the model dtype that is Eq. 4's ``4 x comm_tokens_full x Hkv x D`` elements exactly.
 * ``allgather_sharded`` (``flashcp``; Eq. 5): the same with ``comm_tokens`` (each rank's
   contribution is padded to the largest rank's compact buffer).
 * ``p2p_ring`` (``ring``, ``zigzag``): N-1 steps, each receiving one KV block of C/N tokens
@@ -50,6 +52,7 @@ __all__ = [
     "MODES",
     "AttnShape",
     "alltoall_bytes",
+    "check_keep_gathered_kv_kind",
     "comm_volume",
     "grad_comm_bytes",
 ]
@@ -130,6 +133,22 @@ def grad_comm_bytes(shape: AttnShape, grad_comm_dtype: str | None = None) -> int
     return DTYPE_BYTES[grad_comm_dtype]
 
 
+def check_keep_gathered_kv_kind(plan: Plan, comm_kind: str, keep_gathered_kv) -> None:
+    """Raise ValueError unless ``keep_gathered_kv`` is a bool, and False where the op that runs
+    ``plan`` under ``comm_kind`` has no such option (only the all-gather family, without head
+    parallelism, keeps the gathered KV)."""
+    if not isinstance(keep_gathered_kv, bool | np.bool_):
+        raise ValueError(f"keep_gathered_kv must be True or False, got {keep_gathered_kv!r}")
+    if keep_gathered_kv and (
+        comm_kind not in ("allgather_full", "allgather_sharded") or plan.ulysses_degree > 1
+    ):
+        raise ValueError(
+            f"keep_gathered_kv=True is an option of the all-gather op family; a "
+            f"{plan.method} plan (comm_kind {comm_kind}, ulysses_degree {plan.ulysses_degree}) "
+            "is not run by it"
+        )
+
+
 def alltoall_bytes(tokens: int, heads: int, head_dim: int, dtype_bytes: int, degree: int) -> int:
     """Bytes one rank receives in one Ulysses all-to-all of a (tokens, heads, head_dim) tensor over
     ``degree`` ranks: ``(u - 1) / u * tokens * heads * head_dim * dtype_bytes`` (it keeps its own
@@ -138,7 +157,12 @@ def alltoall_bytes(tokens: int, heads: int, head_dim: int, dtype_bytes: int, deg
 
 
 def comm_volume(
-    plan: Plan, comm_kind: str, shape: AttnShape, mode: Mode, grad_comm_dtype: str | None = None
+    plan: Plan,
+    comm_kind: str,
+    shape: AttnShape,
+    mode: Mode,
+    grad_comm_dtype: str | None = None,
+    keep_gathered_kv: bool = False,
 ) -> dict[str, int]:
     """Bytes one rank receives per attention-layer step, by kind of communication.
 
@@ -152,13 +176,18 @@ def comm_volume(
         grad_comm_dtype: dtype of the dK/dV reduce-scatter (all-gather family) or ring hops
             (ring family), a key of :data:`DTYPE_BYTES`; None: the ops' default, the model dtype
             promoted to at least float32 (see :func:`grad_comm_bytes`).
+        keep_gathered_kv: the all-gather op's option
+            (:func:`flashcp.ops.allgather_attn.allgather_attention`): the forward's all-gather is
+            counted once, the backward issues none.
     Returns:
         ``{"allgather_bytes", "reducescatter_bytes", "p2p_bytes", "alltoall_bytes",
         "comm_bytes"}`` (ints; ``comm_bytes`` is their sum).
     Raises:
         ValueError: unknown ``comm_kind``, ``mode`` or ``grad_comm_dtype``; heads that the plan's
             Ulysses degree does not allow (:func:`flashcp.head_parallel.ulysses_heads`), or
-            ``alltoall`` for a plan whose degree is not its cp_size.
+            ``alltoall`` for a plan whose degree is not its cp_size; ``keep_gathered_kv`` not a
+            bool, or True for a kind other than ``allgather_*`` or a head-parallel plan (no op of
+            theirs keeps the KV).
     """
     from flashcp.head_parallel import ulysses_heads
 
@@ -166,6 +195,7 @@ def comm_volume(
     kinds = ("allgather_full", "allgather_sharded", "p2p_ring", "alltoall")
     if comm_kind not in kinds:
         raise ValueError(f"unknown comm_kind {comm_kind!r}; choose {', '.join(kinds)}")
+    check_keep_gathered_kv_kind(plan, comm_kind, keep_gathered_kv)
     train = mode == "train"
     grad_elem = grad_comm_bytes(shape, grad_comm_dtype)
     u = plan.cp_size if comm_kind == "alltoall" else plan.ulysses_degree
@@ -191,7 +221,7 @@ def comm_volume(
     if comm_kind in ("allgather_full", "allgather_sharded"):
         tokens = across.comm_tokens_full if comm_kind == "allgather_full" else across.comm_tokens
         one = kv_bytes(tokens, kv_heads, shape.head_dim, shape.dtype_bytes)
-        ag = 2 * one if train else one
+        ag = 2 * one if train and not keep_gathered_kv else one
         # bwd: dK/dV of the same rows, reduce-scattered in grad_comm_dtype
         rs = kv_bytes(tokens, kv_heads, shape.head_dim, grad_elem) if train else 0
     elif comm_kind == "p2p_ring":

@@ -507,12 +507,13 @@ def check_method_options(method: str, options: Any, context_len: int, cp_size: i
     from omegaconf import OmegaConf
 
     from flashcp.plan import DivisibilityError
-    from flashcp.registry import check_options, get_method, get_planner
+    from flashcp.registry import check_options, get_method, get_planner, split_options
 
     opts = check_options(
         method,
         OmegaConf.to_container(options, resolve=True) if OmegaConf.is_config(options) else options,
     )
+    opts = split_options(method, opts)[0]  # op options (keep_gathered_kv) are not the planner's
     spec = get_method(method)
     if not spec.fast:  # a trial solve is too slow to run here (the ILP): its own value checks
         from flashcp.plan import check_cp_args

@@ -75,9 +75,11 @@ __all__ = [
     "make_plan_for",
     "method_names",
     "methods",
+    "op_options",
     "option_names",
     "options_schema",
     "register_method",
+    "split_options",
     "unregister_method",
 ]
 
@@ -97,6 +99,12 @@ _DEFAULT_OP = {
     CommKind.ALLGATHER_SHARDED: OpFamily.ALLGATHER,
     CommKind.P2P_RING: OpFamily.RING,
     CommKind.ALLTOALL: OpFamily.ULYSSES,
+}
+#: options of an op family's ops, not of any planner: ``name -> (type, default)``. A method run
+#: by the family takes them among its options (``method.options.<name>``; :func:`options_schema`);
+#: :func:`split_options` hands them to the op and the simulator, never to the planner
+_OP_OPTIONS: dict[OpFamily, dict[str, tuple[type, Any]]] = {
+    OpFamily.ALLGATHER: {"keep_gathered_kv": (bool, False)},
 }
 #: the comm kinds each op family runs
 _FAMILY_KINDS = {
@@ -419,7 +427,8 @@ def get_planner(method: str) -> Callable[..., Plan]:
 
 
 def make_plan_for(method: str, doc_lens, cp_size: int, **options) -> Plan:
-    """Plan ``doc_lens`` over ``cp_size`` ranks with ``method`` (options go to the planner).
+    """Plan ``doc_lens`` over ``cp_size`` ranks with ``method`` (options go to the planner; op
+    options (:func:`op_options`) are accepted and do not change the plan).
 
     ``doc_lens`` may hold zero-length documents (skipped; the plan is the one without them, with
     the caller's document indices); ``num_pad=P`` adds P pad tokens after the last document and
@@ -435,7 +444,7 @@ def make_plan_for(method: str, doc_lens, cp_size: int, **options) -> Plan:
     )
     if unknown:
         _unknown_option(method, sorted(unknown)[0])
-    return planner(doc_lens, cp_size, **options)
+    return planner(doc_lens, cp_size, **split_options(method, options)[0])
 
 
 def get_attn_op(method: str) -> tuple[Callable, Callable]:
@@ -462,7 +471,51 @@ def options_schema(method: str) -> type:
         ValueError: unknown method.
     """
     spec = get_method(method)
-    return spec.options if spec.options is not None else _derived_schema(spec.planner)
+    schema = spec.options if spec.options is not None else _derived_schema(spec.planner)
+    return _with_op_options(schema, spec.op if spec.prepare is None else None)
+
+
+def op_options(method: str) -> dict[str, tuple[type, Any]]:
+    """``{name: (type, default)}`` of the options of the op family that runs ``method`` (e.g.
+    ``keep_gathered_kv`` of the all-gather family), which are method options but not planner
+    options.
+
+    Raises:
+        ValueError: unknown method.
+    """
+    spec = get_method(method)
+    return dict(_OP_OPTIONS.get(spec.op, {})) if spec.prepare is None else {}
+
+
+def split_options(method: str, options: Mapping[str, Any] | None) -> tuple[dict, dict]:
+    """``(planner options, op options)`` of ``method``'s ``options`` (:func:`op_options` names
+    the second; values as given).
+
+    Raises:
+        ValueError: unknown method.
+    """
+    ops = op_options(method)
+    given = dict(options or {})
+    return (
+        {k: v for k, v in given.items() if k not in ops},
+        {k: v for k, v in given.items() if k in ops},
+    )
+
+
+@cache
+def _with_op_options(schema: type, family: OpFamily | None) -> type:
+    """``schema`` with the fields of ``family``'s op options added (itself when none)."""
+    extra = _OP_OPTIONS.get(family, {})
+    names = {f.name for f in dataclasses.fields(schema)}
+    fields = [
+        (name, typ, dataclasses.field(default=default))
+        for name, (typ, default) in extra.items()
+        if name not in names
+    ]
+    if not fields:
+        return schema
+    frozen = schema.__dataclass_params__.frozen
+    return dataclasses.make_dataclass(schema.__name__, fields, bases=(schema,), frozen=frozen)
 
 
 @cache

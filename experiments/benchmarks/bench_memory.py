@@ -18,8 +18,11 @@ the saved LSE; dq, dk, dv) is. How bytes are measured:
   allocate (including kernel temporaries made as tensors), not gloo's internal transport buffers
   nor malloc calls outside PyTorch's allocator.
 
-The table gives, per method (and ``heads_per_group`` for the all-gather family), the largest
-rank's peak for the forward and the backward call, the op's inputs on that rank (q, k, v), the
+The table gives, per method (and ``heads_per_group`` and ``keep_gathered_kv`` for the all-gather
+family), the largest
+rank's peak for the forward and the backward call, what stays allocated from the forward's
+start to its end (``held``: out, lse and, with ``keep_gathered_kv``, the gathered KV kept for the
+backward), the op's inputs on that rank (q, k, v), the
 ratio peak / inputs, and for the all-gather family the peak predicted by
 :func:`flashcp.ops.allgather_attn.allgather_peak_bytes` (its own buffers and outputs; the kernel's
 workspace and the autograd engine's are not in it, so measured minus predicted is roughly that
@@ -50,6 +53,7 @@ from flashcp.ops.allgather_attn import (
     allgather_peak_bytes,
     resolve_heads_per_group,
 )
+from flashcp.ops.backends import compute_dtype
 from flashcp.ops.sharding import shard_tensor
 from flashcp.registry import get_method, make_plan_for, method_names, options_schema
 
@@ -65,8 +69,9 @@ def _head_groups(method: str) -> bool:
 # ---- measuring -----------------------------------------------------------------------------------
 
 
-def _cpu_peak(prof) -> int:
-    """Peak live bytes among CPU allocations recorded by ``prof`` (frees of older buffers ignored)."""
+def _cpu_peak(prof, at_end: bool = False) -> int:
+    """Peak live bytes among CPU allocations recorded by ``prof`` (frees of older buffers
+    ignored); ``at_end``: the live bytes at the end instead."""
     from torch._C._profiler import _EventType  # the event tree torch's own memory profiler reads
 
     def walk(nodes):
@@ -88,23 +93,26 @@ def _cpu_peak(prof) -> int:
         elif ptr in live:
             cur -= live.pop(ptr)
         peak = max(peak, cur)
-    return peak
+    return cur if at_end else peak
 
 
-def peak_bytes(fn, device: torch.device):
-    """``(fn(), peak bytes allocated during the call)`` (method in the module docstring)."""
+def peak_bytes(fn, device: torch.device, held: bool = False):
+    """``(fn(), peak bytes allocated during the call)`` (method in the module docstring);
+    ``held``: ``(fn(), peak, bytes allocated during the call and still live after it)``."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         result = fn()
         torch.cuda.synchronize(device)
-        return result, torch.cuda.max_memory_allocated(device) - base
+        peak = torch.cuda.max_memory_allocated(device) - base
+        live = torch.cuda.memory_allocated(device) - base
+        return (result, peak, live) if held else (result, peak)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    return result, _cpu_peak(prof)
+    return (result, _cpu_peak(prof), _cpu_peak(prof, True)) if held else (result, _cpu_peak(prof))
 
 
 def _nbytes(*tensors) -> int:
@@ -124,28 +132,30 @@ def _rank_rows(rank: int, n: int, args, plans: dict) -> list[dict]:
         for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)
     ]
     rows = []
-    for (method, hpg), plan in plans.items():
+    for (method, hpg, keep), plan in plans.items():
         prepare, attn = get_attn_op(method)
         meta = prepare(plan, rank)
         q, k, v, dout = (shard_tensor(x, plan, rank).to(device) for x in full)
         q, k, v = (x.requires_grad_() for x in (q, k, v))
-        opts = {"heads_per_group": hpg} if _head_groups(method) else {}
+        opts = {"heads_per_group": hpg, "keep_gathered_kv": keep} if _head_groups(method) else {}
         forward = functools.partial(attn, q, k, v, meta, backend=args.backend, **opts)
         forward().backward(dout)  # warm-up (lazy initialisation is not the op's memory)
         q.grad = k.grad = v.grad = None
         dist.barrier()
         t0 = time.perf_counter()
-        out, fwd_peak = peak_bytes(forward, device)
+        out, fwd_peak, held = peak_bytes(forward, device, held=True)
         _, bwd_peak = peak_bytes(functools.partial(out.backward, dout), device)
         wall = time.perf_counter() - t0
         inputs = _nbytes(q, k, v)
         row = {
             "method": method,
             "heads_per_group": "-",
+            "keep_gathered_kv": "-",
             "rank": rank,
             "inputs_bytes": inputs,
             "fwd_peak_bytes": fwd_peak,
             "fwd_returned_bytes": _nbytes(out),  # + the saved LSE, counted in the peak
+            "held_bytes": held,
             "bwd_peak_bytes": bwd_peak,
             "bwd_returned_bytes": _nbytes(q.grad, k.grad, v.grad),
             "wall_s": wall,
@@ -153,10 +163,14 @@ def _rank_rows(rank: int, n: int, args, plans: dict) -> list[dict]:
         if isinstance(meta, AllGatherMeta):
             used = resolve_heads_per_group(hpg, meta, args.kv_heads, args.head_dim, dtype)
             row["heads_per_group"] = f"{used} (auto)" if hpg is None else str(used)
+            row["keep_gathered_kv"] = "yes" if keep else "no"
             pred = allgather_peak_bytes(
                 meta, args.heads, args.kv_heads, args.head_dim, dtype, heads_per_group=hpg,
                 staged_collectives=device.type == "cpu",  # gloo stages through a temporary
+                keep_gathered_kv=keep,
             )  # fmt: skip
+            lse = meta.doc_tokens * args.heads * compute_dtype(dtype).itemsize
+            row["held_predicted_bytes"] = pred["kept"] + _nbytes(out) + lse
             row["fwd_peak_predicted_bytes"] = pred["forward"]
             row["bwd_peak_predicted_bytes"] = pred["backward"]
         rows.append(row)
@@ -191,9 +205,10 @@ def run(args) -> pd.DataFrame:
         options = {f.name for f in dataclasses.fields(options_schema(method))}
         opts = {"time_limit_s": 30.0} if "time_limit_s" in options else {}  # a solver's cap
         plan = make_plan_for(method, args.doc_lens, n, **opts)
-        groups = args.heads_per_group if _head_groups(method) else [None]
-        for hpg in groups:
-            plans[method, hpg] = plan
+        ag = _head_groups(method)
+        for hpg in args.heads_per_group if ag else [None]:
+            for keep in args.keep_gathered_kv if ag else [False]:
+                plans[method, hpg, keep] = plan
     ctx = mp.get_context("spawn" if args.device == "cuda" else "fork")
     queue = ctx.Queue()
     with socket.socket() as s:
@@ -224,17 +239,27 @@ def run(args) -> pd.DataFrame:
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
-    """Largest rank per (method, heads_per_group), in MiB, with the derived columns."""
-    key = ["method", "heads_per_group"]
+    """Largest rank per (method, heads_per_group, keep_gathered_kv), in MiB, with the derived
+    columns."""
+    key = ["method", "heads_per_group", "keep_gathered_kv"]
     g = df.groupby(key, sort=False).max(numeric_only=True).reset_index()
-    out = pd.DataFrame({"method": g["method"], "heads_per_group": g["heads_per_group"]})
+    out = g[key].copy()
     out["inputs_MiB"] = g["inputs_bytes"] / MIB
+    out["held_MiB"] = g["held_bytes"] / MIB
+    if "held_predicted_bytes" in g:
+        out["held_pred_MiB"] = g["held_predicted_bytes"] / MIB
     for p in ("fwd", "bwd"):
         out[f"{p}_peak_MiB"] = g[f"{p}_peak_bytes"] / MIB
         if f"{p}_peak_predicted_bytes" in g:
             out[f"{p}_pred_MiB"] = g[f"{p}_peak_predicted_bytes"] / MIB
         out[f"{p}_peak_per_input"] = g[f"{p}_peak_bytes"] / g["inputs_bytes"]
     return out
+
+
+def _yes(word: str) -> bool:
+    if word not in ("yes", "no"):
+        raise argparse.ArgumentTypeError(f"--keep-gathered-kv takes yes or no, got {word!r}")
+    return word == "yes"
 
 
 def main(argv=None) -> None:
@@ -254,6 +279,9 @@ def main(argv=None) -> None:
     ap.add_argument("--heads-per-group", type=lambda s: [None if x == "auto" else int(x) for x in s.split(",")],
                     default=None, help="all-gather family: comma-separated values, 'auto' = default "
                     "(default: all KV heads at once, then 1)")  # fmt: skip
+    ap.add_argument("--keep-gathered-kv", type=lambda s: [_yes(x) for x in s.split(",")],
+                    default=[False, True], help="all-gather family: comma-separated yes/no "
+                    "(default: no,yes)")  # fmt: skip
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--csv", default=None, help="also write the per-rank rows here")
     args = ap.parse_args(argv)

@@ -328,6 +328,7 @@ def measure_step(
     iters: int = 3,
     seed: int = 0,
     check: bool = True,
+    op_options=None,
 ) -> dict[str, float | int]:
     """Time one attention layer's CP step of ``plan`` on this process group.
 
@@ -341,6 +342,7 @@ def measure_step(
         warmup: untimed steps first; iters: timed steps (median reported).
         seed: seeds Q, K, V and dO (same on every rank).
         check: raise if the counted bytes differ from :func:`flashcp.comm.comm_volume`.
+        op_options: keyword options of the op (``keep_gathered_kv``), counted by the check too.
     Returns:
         every key of :data:`PHASE_COLUMNS` (ms; median over steps, max over ranks; ``total_ms`` is
         the wall time of the whole step; phases the method lacks are 0.0) and of
@@ -385,7 +387,10 @@ def measure_step(
             _sync(device)
             t0 = time.perf_counter()
             with torch.set_grad_enabled(train):
-                out = attn(ql, kl, vl, meta, group, backend=backend, counter=counter, timer=timer)
+                out = attn(
+                    ql, kl, vl, meta, group, backend=backend, counter=counter, timer=timer,
+                    **(op_options or {}),
+                )  # fmt: skip
                 if train:
                     out.backward(dout)
             _sync(device)
@@ -409,7 +414,7 @@ def measure_step(
         {k: int(x) for k, x in zip(COMM_COLUMNS, reduced[len(PHASE_COLUMNS) :], strict=True)}
     )
     if check:
-        check_comm(result, plan, shape, mode)
+        check_comm(result, plan, shape, mode, op_options)
     return result
 
 
@@ -455,6 +460,10 @@ def execute(runs, seqs, *, group=None):
         else torch.device("cpu")
     )
 
+    from flashcp.registry import split_options
+
+    op_opts = split_options(run.method, run.options)[1]  # keep_gathered_kv: the op's, not planned
+
     def share(i: int, plan_here) -> Planning:
         with abort_group_on_error(group, f"sequence {i}, sharing its plan"):
             return share_planning(plan_here, group)
@@ -466,7 +475,7 @@ def execute(runs, seqs, *, group=None):
             res = measure_step(
                 plan, run.shape, mode, group=group, device=device,
                 backend=ex.get("backend", "auto"), warmup=int(ex.get("warmup", 1)),
-                iters=int(ex.get("iters", 3)), seed=run.seed + i,
+                iters=int(ex.get("iters", 3)), seed=run.seed + i, op_options=op_opts,
             )  # fmt: skip
         return {k: [v] for k, v in res.items()}
 

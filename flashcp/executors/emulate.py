@@ -54,8 +54,9 @@ import queue
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -461,6 +462,7 @@ def record(
     keep: Sequence[int] | None = None,
     keep_outputs: bool = False,
     timeout_s: float = 120.0,
+    op_options: Mapping[str, Any] | None = None,
 ) -> Recording:
     """Run the plan's op on every rank at once, one thread per rank, in memory (untimed).
 
@@ -473,6 +475,7 @@ def record(
         keep_outputs: also keep the kept ranks' ``(out, dq, dk, dv)``.
         timeout_s: bound on every emulated collective and ring wait; the whole pass gets
             four times as long.
+        op_options: keyword options of the op (e.g. ``keep_gathered_kv``).
     Returns:
         the :class:`Recording`.
     Raises:
@@ -490,7 +493,9 @@ def record(
         meta = prepare(plan, rank)
         q, k, v = (x.detach().requires_grad_(train) for x in inputs[rank][:3])
         with torch.set_grad_enabled(train):
-            out = attn(q, k, v, meta, RecordingGroup(world, rank), backend=backend)
+            out = attn(
+                q, k, v, meta, RecordingGroup(world, rank), backend=backend, **(op_options or {})
+            )
         grads = _run_backward(out, inputs[rank][3], (q, k, v)) if train else ()
         if keep_outputs and rank in keep:
             outputs[rank] = (out.detach(), *(g.detach() for g in grads))
@@ -971,14 +976,24 @@ def execute(runs, seqs, *, progress: str | None = None):
     Returns:
         the rows (:func:`flashcp.executors.rows.finish_rows`).
     Raises:
-        ValueError: several runs, or (``check_memory``, default on) a plan of the job too large
-            for the device's memory (:func:`check_record_memory`), before any record pass.
+        ValueError: several runs, an op option set (``keep_gathered_kv``: not replayed here; use
+            ``executor=dist`` or ``sim``), or (``check_memory``, default on) a plan of the job
+            too large for the device's memory (:func:`check_record_memory`), before any record
+            pass.
 
     Logs one line first: the device it replays on (and why: no CUDA device) and the work ahead.
     """
     if len(runs) != 1:
         raise ValueError(f"executor=emulate runs one run per job, got {len(runs)}")
     run = runs[0]
+    from flashcp.registry import split_options
+
+    op_opts = {k: v for k, v in split_options(run.method, run.options)[1].items() if v}
+    if op_opts:
+        raise ValueError(
+            f"executor=emulate does not replay op options ({op_opts}); run them with "
+            "executor=dist or executor=sim"
+        )
     ex = dict(run.executor)
     hw = load_hardware(run.hardware)
     device = torch.device(ex.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))

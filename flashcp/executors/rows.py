@@ -121,14 +121,15 @@ def _method_spec(method: str) -> Any:
         return None
 
 
-def check_comm(result: dict, plan: Plan, shape, mode: str) -> dict[str, int]:
+def check_comm(result: dict, plan: Plan, shape, mode: str, op_options=None) -> dict[str, int]:
     """Compare counted bytes (``result[COMM_COLUMNS]``) with the plan's prediction
     (:func:`flashcp.comm.comm_volume` under the method's communication kind).
 
     Args:
         result: a step's result with every key of :data:`flashcp.results.COMM_COLUMNS` (bytes).
         plan: the plan the step ran; shape: its :class:`flashcp.comm.AttnShape`; mode: ``train``
-            or ``infer``.
+            or ``infer``; op_options: the op's options that change its bytes
+            (``keep_gathered_kv``; :func:`flashcp.registry.split_options`).
     Returns:
         the predicted ``comm_volume`` dict.
     Raises:
@@ -137,7 +138,7 @@ def check_comm(result: dict, plan: Plan, shape, mode: str) -> dict[str, int]:
     from flashcp.comm import comm_volume
     from flashcp.registry import COMM_KIND
 
-    expect = comm_volume(plan, COMM_KIND[plan.method], shape, mode)
+    expect = comm_volume(plan, COMM_KIND[plan.method], shape, mode, **(op_options or {}))
     got = {k: int(result[k]) for k in COMM_COLUMNS}
     if got != expect:
         raise ValueError(f"{plan.method}: counted bytes {got} differ from the plan's {expect}")

@@ -63,11 +63,12 @@ def _price(batch: Any, run: RunSpec) -> dict[str, dict[str, np.ndarray]]:
     Returns:
         per mode, (S,) arrays per phase and communication column.
     """
-    from flashcp.registry import COMM_KIND
+    from flashcp.registry import COMM_KIND, split_options
     from flashcp.sim.cost_model import price_plans
 
+    op_opts = split_options(run.method, run.options)[1]  # e.g. keep_gathered_kv
     out = price_plans(
-        batch, [run.shape], run.modes, [run.hardware], COMM_KIND[run.method], run.impl
+        batch, [run.shape], run.modes, [run.hardware], COMM_KIND[run.method], run.impl, **op_opts
     )
     return {mode: {c: v[0, 0, m] for c, v in out.items()} for m, mode in enumerate(run.modes)}
 

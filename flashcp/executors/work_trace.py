@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -295,6 +296,7 @@ def trace_work(
     seed: int = 0,
     ranks: Sequence[int] | None = None,
     timeout_s: float = 60.0,
+    op_options: Mapping[str, Any] | None = None,
 ) -> list[RankTrace]:
     """Record what each rank's op issues for ``plan`` (module docstring), on CPU.
 
@@ -306,6 +308,7 @@ def trace_work(
         seed: seeds the inputs (:func:`flashcp.executors.emulate.seeded_inputs`).
         ranks: ranks to trace (default all).
         timeout_s: bound on every emulated collective of the record pass.
+        op_options: keyword options of the op (e.g. ``keep_gathered_kv``), in both passes.
     Returns:
         one :class:`RankTrace` per traced rank, in order.
     Raises:
@@ -324,7 +327,9 @@ def trace_work(
         if isinstance(backend, str)
         else backend
     )
-    rec_pass = record(plan, mode, inputs, backend=inner, keep=ranks, timeout_s=timeout_s)
+    rec_pass = record(
+        plan, mode, inputs, backend=inner, keep=ranks, timeout_s=timeout_s, op_options=op_options
+    )
     prepare, attn = get_attn_op(plan.method)
     traces = []
     for rank in ranks:
@@ -337,7 +342,7 @@ def trace_work(
         q, k, v = (x.detach().requires_grad_(train) for x in inputs[rank][:3])
         dout = inputs[rank][3] if train else None
         with torch.set_grad_enabled(train), rec:
-            out = attn(q, k, v, meta, group, backend=be)
+            out = attn(q, k, v, meta, group, backend=be, **(op_options or {}))
             if train:  # the gradients returned, not accumulated into leaves (no copy there)
                 rec.phase, rec.step = "bwd", 0
                 torch.autograd.grad(out, (q, k, v), dout)

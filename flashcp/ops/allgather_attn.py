@@ -13,13 +13,16 @@ rank.
 
 Keys are assembled with one index gather from ``source = [local KV (T rows); gathered buffers
 (N * M rows)]``; a rank reads its own rows from the local part. Backward re-gathers the KV (nothing
-is kept between passes), runs the kernel backward, scatter-adds dK/dV into a buffer shaped like
-``source`` in ``compute_dtype`` (float32, float64 for float64 inputs;
+is kept between passes; ``keep_gathered_kv=True`` keeps each head group's ``source`` from the
+forward instead: one all-gather per layer and pass pair, at the memory
+:func:`allgather_peak_bytes` states), runs the kernel backward, scatter-adds dK/dV into a buffer
+shaped like ``source`` in ``compute_dtype`` (float32, float64 for float64 inputs;
 :func:`flashcp.ops.backends.compute_dtype`), reduce-scatters the gathered part in
 ``grad_comm_dtype`` (default: the same, so every rank's partial sum is rounded once, at the end)
 so each owner receives the dK/dV of the rows it sent, and adds it to the local part.
 Communicated volumes equal :func:`flashcp.comm.comm_volume`: forward all-gather, backward
-all-gather again plus a reduce-scatter of the same rows in ``grad_comm_dtype``.
+all-gather again (not with ``keep_gathered_kv``) plus a reduce-scatter of the same rows in
+``grad_comm_dtype``.
 
 K and V travel together as one ``(rows, 2, h, D)`` buffer in the model dtype; only KV heads move.
 Both passes process the KV heads in groups of h (``heads_per_group``, the head stride of
@@ -69,6 +72,7 @@ __all__ = [
     "build_allgather_meta",
     "check_heads_per_group",
     "check_inputs",
+    "check_keep_gathered_kv",
     "resolve_backend",
     "resolve_heads_per_group",
 ]
@@ -257,6 +261,12 @@ def check_heads_per_group(heads_per_group) -> None:
         raise ValueError(f"heads_per_group must be None or an integer >= 1, got {h!r}")
 
 
+def check_keep_gathered_kv(keep_gathered_kv) -> None:
+    """Raise ValueError unless ``keep_gathered_kv`` is a bool."""
+    if not isinstance(keep_gathered_kv, bool | np.bool_):
+        raise ValueError(f"keep_gathered_kv must be True or False, got {keep_gathered_kv!r}")
+
+
 def resolve_heads_per_group(
     heads_per_group, meta: AllGatherMeta, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
@@ -296,6 +306,7 @@ def allgather_peak_bytes(
     heads_per_group=None,
     grad_comm_dtype=None,
     staged_collectives: bool = False,
+    keep_gathered_kv: bool = False,
 ) -> dict[str, int]:
     """Peak bytes one rank's all-gather op allocates during its forward and its backward call
     (inputs excluded; outputs included from the moment they exist), kernel workspace excluded.
@@ -320,8 +331,16 @@ def allgather_peak_bytes(
                   scatter  O_b + 2hD (Tk + R) a                 key grads, gradient buffer
                   reduce   O_b + 2hD (R a + M c + max((st + [c != a]) N M c, [c != a] M a))
 
-    and the peak is the largest phase. Every term but O_f / O_b is proportional to h: grouping KV
-    heads divides the extra memory by about Hkv / h. With one group (h = Hkv) the float32 gradient
+    and the peak is the largest phase. With ``keep_gathered_kv`` the gathered KV of every group,
+    K = 2 Hkv D R e in all, stays alive from the forward to the end of the backward: the forward's
+    gather and keys phases add the earlier groups' K - 2hDRe (the last group's are the largest),
+    its kernel phase adds K; the backward has no gather phase, its keys phase is O_b + 2hD Tk e.
+    K is allocated by the forward and held until the backward ends (``kept``): the backward's
+    peak above counts, as for inputs, only what it allocates itself, so the rank's bytes at that
+    peak are K more. Between the passes the op holds K (plus out, lse), nothing by default.
+
+    Every term but O_f / O_b (and K) is proportional to h: grouping KV heads divides the extra
+    memory by about Hkv / h. With one group (h = Hkv) the float32 gradient
     buffer alone is (T + N*M) x 2 x Hkv x D x 4 bytes: 4.5 GiB per layer at 128K tokens on 8 ranks
     with 32 KV heads and head_dim 128, 144 MiB per KV head. Kernel workspace comes on top (the
     FlashAttention backward keeps a float32 dq accumulator of the group's query heads).
@@ -329,10 +348,11 @@ def allgather_peak_bytes(
 
     Args:
         meta: the rank's metadata; num_heads, num_kv_heads, head_dim, dtype: of q / k / v.
-        heads_per_group, grad_comm_dtype: the op's options.
+        heads_per_group, grad_comm_dtype, keep_gathered_kv: the op's options.
         staged_collectives: the process group's collectives stage through a temporary (gloo).
     Returns:
-        ``{"forward": bytes, "backward": bytes}``.
+        ``{"forward": bytes, "backward": bytes, "kept": K}`` (K = 0 without ``keep_gathered_kv``:
+        the op's own bytes held between the passes besides out and lse).
     """
     h = resolve_heads_per_group(heads_per_group, meta, num_kv_heads, head_dim, dtype)
     e = dtype.itemsize
@@ -347,17 +367,20 @@ def allgather_peak_bytes(
     kv = 2 * h * d  # elements per row of a group's K and V
     gather = kv * (r + m + st * n * m) * e
     keys = kv * (r + tk) * e
+    kept = 2 * num_kv_heads * d * r * e if keep_gathered_kv else 0  # K
+    prev = kept - kv * r * e if keep_gathered_kv else 0  # earlier groups' gathered KV
     forward = max(
-        s * o_f + gather, s * o_f + keys, o_f + kv * tk * e + s * g * h * t * (2 * d * e + a)
+        s * o_f + gather + prev,
+        s * o_f + keys + prev,
+        o_f + kv * tk * e + s * g * h * t * (2 * d * e + a) + kept,
     )
     backward = o_b + max(
-        gather,
-        keys,
+        kv * tk * e if keep_gathered_kv else max(gather, keys),
         kv * tk * (e + a) + g * h * t * d * (3 * s * e + a),
         kv * (tk + r) * a,
         kv * (r * a + m * c + max((st + cast) * n * m * c, cast * m * a)),
     )
-    return {"forward": int(forward), "backward": int(backward)}
+    return {"forward": int(forward), "backward": int(backward), "kept": int(kept)}
 
 
 def _head_groups(num_kv_heads: int, heads_per_group: int) -> list[tuple[int, int]]:
@@ -377,9 +400,10 @@ def _heads(x: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
     return x[:, h0:h1].contiguous()
 
 
-def _gather_kv(k, v, meta, send_rows, group, counter, timer):
+def _gather_kv(k, v, meta, send_rows, group, counter, timer, kept=None):
     """``source = [local K/V; all-gathered send buffers]``: (T + N*M, 2, h, D) for k, v of
-    shape (T, h, D) (views of one head group are fine: they are copied into ``source``)."""
+    shape (T, h, D) (views of one head group are fine: they are copied into ``source``).
+    ``kept``: a list that receives ``source`` (``keep_gathered_kv``)."""
     n, m, t = meta.cp_size, meta.send_max, meta.tokens
     with timer.phase("others"):
         source = k.new_empty((t + n * m, 2, *k.shape[1:]))
@@ -390,6 +414,8 @@ def _gather_kv(k, v, meta, send_rows, group, counter, timer):
     if m:
         with timer.phase("allgather"):
             all_gather_into_tensor(source[t:], send, group, counter)
+    if kept is not None:
+        kept.append(source)
     return source
 
 
@@ -405,12 +431,16 @@ def allgather_attn_forward(
     timer,
     *,
     heads_per_group: int | None = None,
+    kept: list | None = None,
 ):
     """Forward of the all-gather family, one group of KV heads (and their query heads) at a time.
 
     Args:
         q: (T, H, D); k, v: (T, Hkv, D); validated by :func:`check_inputs`.
         heads_per_group: see :func:`resolve_heads_per_group`.
+        kept: None, or an empty list that receives each group's gathered KV ``source``
+            ((T + N*M, 2, h, D) in k.dtype, group after group) for the backward
+            (``keep_gathered_kv``).
     Returns:
         out: (T, H, D) in q.dtype; lse: (H, T) in ``compute_dtype(q.dtype)``.
     """
@@ -424,7 +454,7 @@ def allgather_attn_forward(
         out = q.new_empty(q.shape)
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=compute_dtype(q.dtype), device=q.device)
     for h0, h1 in groups:
-        source = _gather_kv(k[:, h0:h1], v[:, h0:h1], meta, send_rows, group, counter, timer)
+        source = _gather_kv(k[:, h0:h1], v[:, h0:h1], meta, send_rows, group, counter, timer, kept)
         with timer.phase("others"):
             k_seg, v_seg = source.index_select(0, kv_index).unbind(1)  # (Tk, h, D) each
             del source
@@ -466,6 +496,7 @@ def allgather_attn_backward(
     *,
     heads_per_group: int | None = None,
     grad_comm_dtype=None,
+    kept: list | None = None,
 ):
     """Backward of the all-gather family, one group of h KV heads at a time: re-gather the
     group's KV, kernel backward, accumulate its dK/dV in ``compute_dtype`` into a buffer shaped
@@ -482,6 +513,8 @@ def allgather_attn_backward(
         grad_comm_dtype: dtype of the reduce-scatter
             (:func:`~flashcp.ops.collectives.resolve_grad_comm_dtype`; default
             ``compute_dtype(k.dtype)``).
+        kept: None (re-gather), or the forward's ``kept`` list: each group's gathered KV is
+            taken from it and no all-gather is issued.
     Returns:
         dq: (T, H, D); dk, dv: (T, Hkv, D); in the input dtypes.
     """
@@ -493,9 +526,12 @@ def allgather_attn_backward(
     gdt = resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)
     hpg = resolve_heads_per_group(heads_per_group, meta, hkv, d, k.dtype)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for h0, h1 in _head_groups(hkv, hpg):
+    for i, (h0, h1) in enumerate(_head_groups(hkv, hpg)):
         qh = slice(h0 * g, h1 * g)
-        source = _gather_kv(k[:, h0:h1], v[:, h0:h1], meta, send_rows, group, counter, timer)
+        if kept is not None:  # gathered in the forward
+            source = kept[i]
+        else:
+            source = _gather_kv(k[:, h0:h1], v[:, h0:h1], meta, send_rows, group, counter, timer)
         with timer.phase("others"):
             k_seg, v_seg = source.index_select(0, kv_index).unbind(1)  # (Tk, h, D) each
             rows = source.shape[0]
@@ -540,31 +576,38 @@ def allgather_attn_backward(
 
 
 class AllGatherAttn(torch.autograd.Function):
-    """Autograd glue of the all-gather family: saves (q, k, v, out, lse) and the call's context,
-    delegates both passes to :func:`allgather_attn_forward` / :func:`allgather_attn_backward`."""
+    """Autograd glue of the all-gather family: saves (q, k, v, out, lse), with ``keep`` each
+    head group's gathered KV too, and the call's context; delegates both passes to
+    :func:`allgather_attn_forward` / :func:`allgather_attn_backward`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, meta, group, scale, backend, counter, timer, hpg, grad_comm_dtype):
+    def forward(
+        ctx, q, k, v, meta, group, scale, backend, counter, timer, hpg, grad_comm_dtype, keep
+    ):  # fmt: skip
+        kept = [] if keep else None
         out, lse = allgather_attn_forward(
-            q, k, v, meta, group, scale, backend, counter, timer, heads_per_group=hpg
+            q, k, v, meta, group, scale, backend, counter, timer, heads_per_group=hpg, kept=kept
         )
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *(kept or ()))
         ctx.call = (meta, group, scale, backend, counter, timer)
         ctx.options = {"heads_per_group": hpg, "grad_comm_dtype": grad_comm_dtype}
+        ctx.keep = keep
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *kept = ctx.saved_tensors
         dq, dk, dv = allgather_attn_backward(
-            dout.contiguous(), q, k, v, out, lse, *ctx.call, **ctx.options
-        )
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+            dout.contiguous(), q, k, v, out, lse, *ctx.call, **ctx.options,
+            kept=kept if ctx.keep else None,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def allgather_attention(
     q, k, v, meta: AllGatherMeta, group=None, *, method: str, softmax_scale=None,
     backend="auto", counter=None, timer=None, grad_comm_dtype=None, heads_per_group=None,
+    keep_gathered_kv=False,
 ):  # fmt: skip
     """CP attention of the all-gather family for this rank's tokens (document-masked causal).
 
@@ -596,6 +639,11 @@ def allgather_attention(
             Default (None): the largest divisor of num_kv_heads whose float32 gradient buffer
             fits :data:`HEAD_GROUP_BUDGET_BYTES` (:func:`resolve_heads_per_group`); the KV
             all-gather and the reduce-scatter are then issued once per group (same total bytes).
+        keep_gathered_kv: keep each head group's gathered KV from the forward to the backward,
+            which then issues no all-gather (one per layer and pass pair, as Eq. 4 / Eq. 5 of the
+            FlashCP paper count): fewer bytes (:func:`flashcp.comm.comm_volume` with the same
+            option) for (T + N*M) x 2 x Hkv x D elements of the model dtype held between the
+            passes (:func:`allgather_peak_bytes`). Default False: re-gather in the backward.
     Returns:
         out: (T_local, num_heads, head_dim), differentiable w.r.t. q, k, v.
     Raises:
@@ -606,12 +654,25 @@ def allgather_attention(
     check_inputs(q, k, v, meta, AllGatherMeta, method, group)
     resolve_grad_comm_dtype(grad_comm_dtype, k.dtype)  # raises on a bad value
     check_heads_per_group(heads_per_group)
+    check_keep_gathered_kv(keep_gathered_kv)
+    keep = bool(keep_gathered_kv)
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     kernel = resolve_backend(backend, q.device, dtype=q.dtype, head_dim=q.shape[-1])
     meta.verify(group)
     if meta.doc_tokens == meta.tokens:
         return AllGatherAttn.apply(
-            q, k, v, meta, group, scale, kernel, counter, timer, heads_per_group, grad_comm_dtype
+            q,
+            k,
+            v,
+            meta,
+            group,
+            scale,
+            kernel,
+            counter,
+            timer,
+            heads_per_group,
+            grad_comm_dtype,
+            keep,
         )
     # pad rows (the last ones) take no part: output 0, gradient 0 through the slicing
     r = meta.doc_tokens
@@ -627,5 +688,6 @@ def allgather_attention(
         timer,
         heads_per_group,
         grad_comm_dtype,
+        keep,
     )
     return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, meta.tokens - r))

@@ -39,6 +39,7 @@ def _allgather(method: str, kind: CommKind) -> tuple[Callable, Callable]:
         allgather_attention,
         build_allgather_meta,
         check_heads_per_group,
+        check_keep_gathered_kv,
     )
     from flashcp.ops.single_device import single_device_attention, takes_single_device_path
 
@@ -49,10 +50,11 @@ def _allgather(method: str, kind: CommKind) -> tuple[Callable, Callable]:
 
     def attn(
         q, k, v, meta, group=None, *, softmax_scale=None, backend="auto", counter=None,
-        timer=None, grad_comm_dtype=None, heads_per_group=None,
+        timer=None, grad_comm_dtype=None, heads_per_group=None, keep_gathered_kv=False,
     ):  # fmt: skip
         if takes_single_device_path(meta):  # cp_size 1: no CP work (flashcp.ops.single_device)
             check_heads_per_group(heads_per_group)
+            check_keep_gathered_kv(keep_gathered_kv)
             return single_device_attention(
                 q, k, v, meta, group, method=method, softmax_scale=softmax_scale, backend=backend,
                 timer=timer, grad_comm_dtype=grad_comm_dtype,
@@ -60,7 +62,7 @@ def _allgather(method: str, kind: CommKind) -> tuple[Callable, Callable]:
         return allgather_attention(
             q, k, v, meta, group, method=method, softmax_scale=softmax_scale, backend=backend,
             counter=counter, timer=timer, grad_comm_dtype=grad_comm_dtype,
-            heads_per_group=heads_per_group,
+            heads_per_group=heads_per_group, keep_gathered_kv=keep_gathered_kv,
         )  # fmt: skip
 
     return _named(prepare, attn, method, "flashcp.ops.allgather_attn.allgather_attention")

@@ -32,7 +32,9 @@ fp32 gradient buffer fits ``AG_GROUP_BUDGET_BYTES``).
   (:meth:`HardwareProfile.allgather_us`, :meth:`HardwareProfile.reducescatter_us`).
 * backward, per group: the same gather, the kernel backward, dQ copied into place, dK/dV
   scatter-added into a zeroed fp32 buffer, reduce-scattered (``comm_volume``'s bytes) and added
-  to the local rows (when rows are sent), dK and dV copied out (two copies).
+  to the local rows (when rows are sent), dK and dV copied out (two copies). With
+  ``keep_gathered_kv`` (the op's option) the backward takes the forward's gathered KV: no source
+  buffer, no all-gather, only the index gather of the keys (``comm_volume`` with the option).
 * memory-bound ops (``others_ms``) cost ``launch_us`` + bytes read + written over
   ``copy_bw_gbps`` and ``host_op_us`` each; groups run one after another.
 * ``ring_flash_attn`` ``llama3`` (N contiguous chunks): G = num_kv_heads / heads_k_stride head
@@ -101,7 +103,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from flashcp import compiled
-from flashcp.comm import AttnShape, check_mode, comm_volume, grad_comm_bytes
+from flashcp.comm import (
+    AttnShape,
+    check_keep_gathered_kv_kind,
+    check_mode,
+    comm_volume,
+    grad_comm_bytes,
+)
 from flashcp.head_parallel import one_group_documents
 from flashcp.plan import Plan, cu_seqlens
 from flashcp.registry import COMM_KIND
@@ -367,6 +375,7 @@ class PlanCost:
     """Everything about one plan the step model needs that does not depend on shape or mode.
 
     Build once per (plan, hardware, comm_kind, impl) and call :meth:`step` per (shape, mode).
+    ``keep_gathered_kv``: the all-gather op's option (``impl="ours"`` only; ValueError elsewhere).
 
     Attributes (all-gather family; (N,) arrays indexed by rank): ``fwd``, ``bwd`` (:class:`TileStats`
     of the rank's one varlen call), ``q_rows``, ``kv_rows``, ``send_rows`` (tokens).
@@ -376,9 +385,11 @@ class PlanCost:
 
     def __init__(
         self, plan: Plan, hw: HardwareProfile, comm_kind: str, impl: str = "ours", *,
-        one_device: bool = True,
+        one_device: bool = True, keep_gathered_kv: bool = False,
     ) -> None:  # fmt: skip
         check_impl(plan.method, impl)
+        _check_keep(plan, comm_kind, impl, keep_gathered_kv)
+        self.keep = bool(keep_gathered_kv)
         self.plan = plan
         self.hw = hw
         self.comm_kind = comm_kind
@@ -429,7 +440,10 @@ class PlanCost:
         the same (a shallow copy; only ``hw`` changes), else rebuilt."""
         blocks = ("fwd_block_q", "fwd_block_k", "bwd_block_q", "bwd_block_k")
         if any(getattr(hw, b) != getattr(self.hw, b) for b in blocks):
-            return PlanCost(self.plan, hw, self.comm_kind, self.impl, one_device=self.one_device)
+            return PlanCost(
+                self.plan, hw, self.comm_kind, self.impl, one_device=self.one_device,
+                keep_gathered_kv=self.keep,
+            )  # fmt: skip
         other = copy.copy(self)
         other.hw = hw
         other._fwd_memo = {}  # forward compute depends on the profile's constants
@@ -1028,7 +1042,7 @@ class PlanCost:
         """
         check_mode(mode)
         train = mode == "train"
-        vol = comm_volume(self.plan, self.comm_kind, shape, mode)
+        vol = comm_volume(self.plan, self.comm_kind, shape, mode, keep_gathered_kv=self.keep)
         if self.single:
             fwd_k, bwd_k = (float(x[0]) for x in self._alltoall_kernels_us(shape, train))
             t, r = self.plan.context_len, float(self.q_rows[0])
@@ -1074,6 +1088,7 @@ def step_many(costs: Sequence[PlanCost], shape: AttnShape, mode: str) -> dict[st
         c.hw is first.hw
         and c.n == first.n
         and c.comm_kind == first.comm_kind
+        and c.keep == first.keep
         and c.inner is None
         and not c.plain_ulysses
         and not c.single
@@ -1301,7 +1316,8 @@ def _step_allgather_batch(
     plans on (S, N) arrays (``c_(x)`` marks a per-plan value broadcast over ranks)."""
     first = costs[0]
     hw, n, kind = first.hw, first.n, first.comm_kind
-    vols = [comm_volume(c.plan, kind, shape, mode) for c in costs]
+    keep = first.keep
+    vols = [comm_volume(c.plan, kind, shape, mode, keep_gathered_kv=keep) for c in costs]
     vol = {k: np.array([v[k] for v in vols], dtype=np.int64) for k in COMM_COLUMNS}
     local = np.stack([c.q_rows for c in costs])  # (S, N)
     kv_rows = np.stack([c.kv_rows for c in costs])
@@ -1314,7 +1330,7 @@ def _step_allgather_batch(
             [hw.collective_us(b, t, busbw, op) for b, t in zip(nbytes, total, strict=True)]
         )
 
-    out = _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vol, coll)
+    out = _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vol, coll, keep)
     phases = [out[c] for c in PHASE_COLUMNS if c != "total_ms"]
     out["total_ms"] = np.array([math.fsum(x) for x in zip(*phases, strict=True)])
     out.update(vol)
@@ -1334,18 +1350,29 @@ def _ag_head_groups(n, local, send_max, hkv: int, d: int):
     return rows, hg, hkv // hg
 
 
-def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vol, coll):
+def _check_keep(plan: Plan, comm_kind: str, impl: str, keep_gathered_kv) -> None:
+    """Raise ValueError where ``keep_gathered_kv`` is not a bool or has no op that keeps the KV
+    (:func:`flashcp.comm.check_keep_gathered_kv_kind`; ``impl`` other than ``ours``)."""
+    check_keep_gathered_kv_kind(plan, comm_kind, keep_gathered_kv)
+    if keep_gathered_kv and impl != "ours":
+        raise ValueError(f"keep_gathered_kv=True is an option of impl=ours, not impl={impl}")
+
+
+def _allgather_phases(
+    hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vol, coll, keep=False
+):  # fmt: skip
     """Phase times (ms; (S,) arrays, ``total_ms`` left out) of the project's all-gather op for S
     plans from their (S, N) statistics: ``local`` / ``kv_rows`` query and key rows per rank,
     ``send_max`` (S,) the largest rank's send rows, ``vol`` their communication bytes, ``coll``
-    :meth:`HardwareProfile.collective_us` over arrays ``(recv_bytes, total_bytes, busbw, op)``."""
+    :meth:`HardwareProfile.collective_us` over arrays ``(recv_bytes, total_bytes, busbw, op)``;
+    ``keep``: the backward reuses the forward's gathered KV (no source buffer, no all-gather)."""
     train = mode == "train"
     h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
     op_us = functools.partial(_op_us, hw)
     rows, hg, groups = _ag_head_groups(n, local, send_max, hkv, d)
     qh = h // groups
     total_scale = n / (n - 1) if n > 1 else 1.0
-    n_ag = 2 if train else 1
+    n_ag = 2 if train and not keep else 1
     ag_bytes = vol["allgather_bytes"] / n_ag / groups
     ag = coll(ag_bytes, ag_bytes * total_scale, hw.allgather_busbw_gbps, "all_gather")
     c_ = lambda a: a[:, None]  # noqa: E731  (S,) -> (S, 1)
@@ -1353,7 +1380,7 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
     if kernels is not None:
         return _allgather_phases_compiled(
             kernels, hw, rows, hg, groups, qh, ag, ag_bytes, local, kv_rows, send_max, fwd, bwd,
-            shape, train, vol, coll, total_scale,
+            shape, train, vol, coll, total_scale, keep,
         )  # fmt: skip
     kv_el = 2.0 * hg * d
     build = op_us(4, local * c_(kv_el) * e * 2 + c_(send_max * kv_el * e * 3))
@@ -1396,13 +1423,15 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
             + c_(send_max * kv_el * 12)
             + local * c_(kv_el) * (4 + e),
         )
+        # with keep: no source buffer (its 4 ops), no all-gather
+        bbuild, bag = (0.0, np.zeros_like(ag)) if keep else (build, ag)
         bwd_copies = (
-            build + keys + grads + np.where(c_(split), op_us(3, local * c_(qh) * d * e * 2), 0.0)
+            bbuild + keys + grads + np.where(c_(split), op_us(3, local * c_(qh) * d * e * 2), 0.0)
         )
-        bwd_ops = 11 + sends + np.where(split, 3, 0)
-        dev_b = c_(groups) * (c_(ag) + bwd_copies + bwd_k + c_(rs))
-        host_b = groups * (2 * coll_host + hw.host_op_us * (bwd_ops + 1))
-        out["allgather_ms"] = out["allgather_ms"] + groups * ag / 1e3
+        bwd_ops = 11 - 4 * keep + sends + np.where(split, 3, 0)
+        dev_b = c_(groups) * (c_(bag) + bwd_copies + bwd_k + c_(rs))
+        host_b = groups * ((1 if keep else 2) * coll_host + hw.host_op_us * (bwd_ops + 1))
+        out["allgather_ms"] = out["allgather_ms"] + groups * bag / 1e3
         out["attn_bwd_ms"] = (c_(groups) * bwd_k).max(axis=1) / 1e3
         out["reducescatter_ms"] = groups * rs / 1e3
         out["others_ms"] = (
@@ -1414,7 +1443,7 @@ def _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vo
 
 def _allgather_phases_compiled(
     kernels, hw, rows, hg, groups, qh, ag, ag_bytes, local, kv_rows, send_max, fwd, bwd, shape,
-    train, vol, coll, total_scale,
+    train, vol, coll, total_scale, keep=False,
 ):  # fmt: skip
     """:func:`_allgather_phases` with its per-rank part in
     :func:`flashcp.sim.price_kernels.allgather_ranks` (the same numbers, to the bit); the
@@ -1442,7 +1471,7 @@ def _allgather_phases_compiled(
     res = kernels.allgather_ranks(
         f64(local), f64(kv_rows), f64(send_max), f64(rows), i64(hg), i64(groups), i64(qh),
         f64(np.broadcast_to(ag, (s,))), f64(np.broadcast_to(rs, (s,))), f64(coll_host),
-        f64(np.stack(fwd)), f64(np.stack(bwd)), train, d, shape.dtype_bytes, consts,
+        f64(np.stack(fwd)), f64(np.stack(bwd)), train, d, shape.dtype_bytes, consts, keep,
     )  # fmt: skip
     out = {
         "allgather_ms": groups * ag / 1e3,
@@ -1454,7 +1483,7 @@ def _allgather_phases_compiled(
         "others_ms": res[1] / 1e3,
     }
     if train:
-        out["allgather_ms"] = out["allgather_ms"] + groups * ag / 1e3
+        out["allgather_ms"] = out["allgather_ms"] + groups * (0.0 if keep else ag) / 1e3
         out["attn_bwd_ms"] = res[2] / 1e3
         out["reducescatter_ms"] = groups * rs / 1e3
         out["others_ms"] = out["others_ms"] + res[3] / 1e3
@@ -1485,6 +1514,7 @@ def simulate(
     mode: str,
     comm_kind: str | None = None,
     impl: str = "ours",
+    keep_gathered_kv: bool = False,
 ) -> dict[str, float]:
     """Simulate one attention layer's CP step of ``plan``.
 
@@ -1497,16 +1527,19 @@ def simulate(
         comm_kind: ``allgather_full``, ``allgather_sharded`` or ``p2p_ring``; default
             ``COMM_KIND[plan.method]``.
         impl: ``ours`` or ``ring_flash_attn`` (:mod:`flashcp.sim.impl`).
+        keep_gathered_kv: the all-gather op's option (:class:`PlanCost`).
     Returns:
         Every column of ``PHASE_COLUMNS`` (ms, floats; ``total_ms`` is their sum) and of
         ``COMM_COLUMNS`` (bytes one rank receives, ints, from :func:`flashcp.comm.comm_volume`).
     Raises:
         ValueError: unknown mode, comm_kind, impl or hardware profile, an impl that does not
-            run the plan's method, or a plan or shape of another type.
+            run the plan's method, ``keep_gathered_kv`` where no op keeps the KV, or a plan or
+            shape of another type.
     """
     _check_sim_args([plan], [shape], [mode])
     kind = _check_comm_kind(plan, comm_kind)
-    return PlanCost(plan, load_hardware(hw), kind, impl).step(shape, mode)
+    cost = PlanCost(plan, load_hardware(hw), kind, impl, keep_gathered_kv=keep_gathered_kv)
+    return cost.step(shape, mode)
 
 
 def simulate_many(
@@ -1816,16 +1849,20 @@ class PlanBatch:
         return TileStats(*fwd), TileStats(*bwd), q_rows, kv_rows, q_gather, k_gather
 
     # ---- pricing -----------------------------------------------------------------------------
-    def volumes(self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int):
+    def volumes(
+        self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int, keep=False
+    ):  # fmt: skip
         """:func:`flashcp.comm.comm_volume` of every plan: (S,) int64 per column of
         ``COMM_COLUMNS``. This batch holds the plans across head-parallel groups (the group plans
-        when ``u`` > 1, ``cp_size`` the original plans' N)."""
-        key = ("volumes", comm_kind, shape, mode, u, cp_size)
+        when ``u`` > 1, ``cp_size`` the original plans' N); ``keep``: ``keep_gathered_kv``."""
+        key = ("volumes", comm_kind, shape, mode, u, cp_size, keep)
         if key not in self._stats:
-            self._stats[key] = self._volumes(comm_kind, shape, mode, u, cp_size)
+            self._stats[key] = self._volumes(comm_kind, shape, mode, u, cp_size, keep)
         return dict(self._stats[key])
 
-    def _volumes(self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int):
+    def _volumes(
+        self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int, keep=False
+    ):  # fmt: skip
         from flashcp.comm import alltoall_bytes
         from flashcp.head_parallel import ulysses_heads
         from flashcp.plan import kv_bytes
@@ -1849,7 +1886,7 @@ class PlanBatch:
         if comm_kind in ("allgather_full", "allgather_sharded"):
             tokens = self.tokens_full if comm_kind == "allgather_full" else self.tokens_sharded
             one = kv_bytes(tokens, kv_heads, d, e)
-            ag = 2 * one if train else one
+            ag = 2 * one if train and not keep else one
             rs = kv_bytes(tokens, kv_heads, d, grad_elem) if train else zero
         elif comm_kind == "p2p_ring":
             one = kv_bytes(self.tokens_full, kv_heads, d, e)
@@ -1865,10 +1902,11 @@ class PlanBatch:
 
     def phases(
         self, hw: HardwareProfile, comm_kind: str, impl: str, method: str, shape: AttnShape,
-        mode: str, vol: dict[str, np.ndarray],
+        mode: str, vol: dict[str, np.ndarray], keep=False,
     ) -> dict[str, np.ndarray]:  # fmt: skip
         """Phase times (ms, (S,) arrays, ``total_ms`` left out) of every plan of this batch, no
-        head parallelism around them (:meth:`PlanCost.step`'s model)."""
+        head parallelism around them (:meth:`PlanCost.step`'s model); ``keep``:
+        ``keep_gathered_kv``."""
         n = self.n
         if comm_kind == "p2p_ring":
             key = ("stack", impl, method, id(hw))
@@ -1911,7 +1949,7 @@ class PlanBatch:
         send = self.q_rows if comm_kind == "allgather_full" else self.send_rows
         coll = functools.partial(_collective_us_v, hw)
         return _allgather_phases(
-            hw, n, self.q_rows, kv_rows, send.max(axis=1), fwd, bwd, shape, mode, vol, coll
+            hw, n, self.q_rows, kv_rows, send.max(axis=1), fwd, bwd, shape, mode, vol, coll, keep
         )
 
 
@@ -1928,6 +1966,7 @@ def price_plans(
     hardware,
     comm_kind: str | None = None,
     impl: str = "ours",
+    keep_gathered_kv: bool = False,
 ) -> dict[str, np.ndarray]:
     """:func:`simulate` of every plan x hardware profile x shape x mode in one call, from the
     plans' arrays: each plan group (same cp_size, method and head-parallel degree) is priced with
@@ -1944,6 +1983,8 @@ def price_plans(
             :func:`load_hardware`) or a sequence of P of them.
         comm_kind: as in :func:`simulate` (default: each plan's method's).
         impl: ``ours`` or ``ring_flash_attn``.
+        keep_gathered_kv: the all-gather op's option (:class:`PlanCost`); every plan must be run
+            by that op (all-gather comm kind, no head parallelism) with ``impl="ours"``.
     Returns:
         Every column of ``PHASE_COLUMNS`` (ms, float64) and ``COMM_COLUMNS`` (bytes, int64) as a
         (P, K, M, S) array indexed ``[profile, shape, mode, plan]``.
@@ -1955,7 +1996,8 @@ def price_plans(
 
     Raises:
         ValueError: as :func:`simulate` (unknown mode, comm_kind, impl or profile, an impl that does
-            not run a plan's method, heads a plan's Ulysses degree does not allow); a ring-family
+            not run a plan's method, heads a plan's Ulysses degree does not allow;
+            ``keep_gathered_kv`` where no op keeps the KV); a ring-family
             plan that alone would need more than half the machine's memory
             (:func:`ring_price_bytes`), before any is priced.
     """
@@ -1972,6 +2014,7 @@ def price_plans(
         kind = kinds.get(p.method)
         if kind is None:
             kind = kinds[p.method] = _check_comm_kind(p, comm_kind)
+        _check_keep(p, kind, impl, keep_gathered_kv)
         u = p.ulysses_degree if kind != "alltoall" else 1
         # one group (u = N > 1) of whole documents: plain Ulysses (PlanCost.plain_ulysses)
         if u > 1 and kind != "alltoall" and one_group_documents(p) is not None:
@@ -1999,8 +2042,9 @@ def price_plans(
         for chunk in chunked[key]:
             whole = batch if batch is not None and len(chunk) == len(plans) else None
             part = _price_group(
-                [plans[i] for i in chunk], kind, impl, method, u, hws, shapes, modes, whole
-            )
+                [plans[i] for i in chunk], kind, impl, method, u, hws, shapes, modes, whole,
+                keep=bool(keep_gathered_kv),
+            )  # fmt: skip
             for col in out:
                 out[col][..., chunk] = part[col]
     return out
@@ -2115,7 +2159,7 @@ def _attention_passes(batch, hw, kind, method, shape, train) -> list[np.ndarray]
 
 
 def _price_group(
-    plans, kind, impl, method, u, hws, shapes, modes, batch=None
+    plans, kind, impl, method, u, hws, shapes, modes, batch=None, keep=False
 ) -> dict[str, np.ndarray]:
     """:func:`price_plans` of plans sharing (comm_kind, method, cp_size, Ulysses degree u), from
     ``batch`` (a :class:`PlanBatch` of exactly these plans, statistics kept) when given."""
@@ -2160,9 +2204,9 @@ def _price_group(
                 heads.heads_per_rank, heads.kv_heads_per_rank, shape.head_dim, shape.dtype
             )
         for m, mode in enumerate(modes):
-            vol = batch.volumes(kind, shape, mode, a2a_u, n)
+            vol = batch.volumes(kind, shape, mode, a2a_u, n, keep)
             for a, hw in enumerate(hws):
-                ph = batch.phases(hw, kind, impl, inner_method, inner_shape, mode, vol)
+                ph = batch.phases(hw, kind, impl, inner_method, inner_shape, mode, vol, keep)
                 if u > 1:
                     t = batch.context_len / n
                     a2a = _alltoall_phases(hw, shape, mode == "train", u, t, 0.0, 0.0,

@@ -181,11 +181,11 @@ def impl_plan(method: str, impl: str, doc_lens, cp_size: int, **options) -> tupl
         ValueError: unknown impl, a method the impl does not run, options given to a
             ring-flash-attn layout, or what the planner raises.
     """
-    from flashcp.registry import get_planner
+    from flashcp.registry import get_planner, split_options
 
     check_impl(method, impl)
     if impl == "ours":
-        return get_planner(method)(doc_lens, cp_size, **options), 0
+        return get_planner(method)(doc_lens, cp_size, **split_options(method, options)[0]), 0
     if options:
         raise ValueError(f"method.impl=ring_flash_attn takes no planner options, got {options}")
     d = check_doc_lens(doc_lens)

@@ -476,8 +476,9 @@ def ring_pass(attn, other, host, idle, hop_us, tail_us, phi, slowdown):
 
 @njit(cache=True)
 def allgather_ranks(
-    local, kv_rows, send_max, rows, hg, groups, qh, ag, rs, coll_host, fwd, bwd, train, d, e, c
-):
+    local, kv_rows, send_max, rows, hg, groups, qh, ag, rs, coll_host, fwd, bwd, train, d, e, c,
+    keep=False,
+):  # fmt: skip
     """The per-rank part of :func:`flashcp.sim.cost_model._allgather_phases` (the project's
     all-gather op) for S plans: the same float64 operations in the same order, so the same
     numbers to the bit (a maximum over ranks is exact in any order).
@@ -489,7 +490,8 @@ def allgather_ranks(
         call (0 when nothing is sent); fwd, bwd: (3, S, N) float64 tile statistics; train: the
         backward too; d, e: head_dim and dtype bytes; c: (9,) float64 profile constants
         ``launch_us, copy_bw_gbps * 1e3, host_op_us, bwd_extra_kernels, fwd_cta_overhead_us,
-        fwd tile_us, bwd_cta_overhead_us, bwd tile_us, num_sms``.
+        fwd tile_us, bwd_cta_overhead_us, bwd tile_us, num_sms``; keep: the backward reuses the
+        forward's gathered KV (``keep_gathered_kv``: no source buffer, no all-gather).
     Returns:
         (4, S) float64: per plan the largest rank's forward attention and forward others, its
         backward attention and backward others (µs; zeros without ``train``).
@@ -507,7 +509,10 @@ def allgather_ranks(
         send_b = send_max[p] * kv_el * e * 3
         sends = 1 if send_max[p] > 0 else 0
         bwd_ops = 11 + sends + (3 if split else 0)
-        host_b = g * (2 * coll_host[p] + host_op * (bwd_ops + 1))
+        if keep:
+            bwd_ops = bwd_ops - 4
+        host_b = g * ((1 if keep else 2) * coll_host[p] + host_op * (bwd_ops + 1))
+        bag = 0.0 if keep else ag[p]
         gqa = h != k
         launches = extra_k + (1 if gqa else 0)
         grads_fixed = rows[p] * kv_el * 4
@@ -545,12 +550,12 @@ def allgather_ranks(
             grads = (6 + sends) * launch + (
                 lq * h * d * e * 2 + grads_fixed + kv * kv_el * 12 + send_g + lq * kv_el * (4 + e)
             ) / copy_bw
-            bcopies = build + keys + grads
+            bcopies = (0.0 if keep else build) + keys + grads
             if split:
                 bcopies = bcopies + (3 * launch + (lq * h * d * e * 2) / copy_bw)
             else:
                 bcopies = bcopies + 0.0
-            dev_b = g * (ag[p] + bcopies + bwd_k + rs[p])
+            dev_b = g * (bag + bcopies + bwd_k + rs[p])
             ba = max(ba, g * bwd_k)
             bo = max(bo, g * bcopies + max(host_b - dev_b, 0.0))
         out[0, p], out[1, p] = fa, fo

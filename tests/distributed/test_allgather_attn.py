@@ -238,6 +238,8 @@ def test_bad_metadata_raises_before_communication(monkeypatch):
             ({"heads_per_group": 0}, "heads_per_group must be"),
             ({"heads_per_group": 1.5}, "heads_per_group must be"),
             ({"heads_per_group": True}, "heads_per_group must be"),
+            ({"keep_gathered_kv": 1}, "keep_gathered_kv must be"),
+            ({"keep_gathered_kv": "yes"}, "keep_gathered_kv must be"),
         ):
             with pytest.raises(ValueError, match=match):
                 attn(q1, kv1, kv1, meta1, backend="cpu", **opts)
@@ -344,6 +346,152 @@ def test_float64_is_float64_end_to_end_for_every_method(n):
                 if gt.dtype != torch.float64 or not err <= 1e-10 * max(1.0, float(wt.abs().max())):
                     failures.append(f"{m} N={n} {lens} hpg={hpg} {what}: {gt.dtype} err {err:.3g}")
     assert not failures, "\n".join(failures)
+
+
+# ---- keep_gathered_kv: one all-gather per layer and pass pair -------------------------------------
+
+AG_METHODS = ("llama3", "per_doc", "flashcp", "flashcp_refined", "ilp")
+#: (doc_lens, H, Hkv, D): a bf16 case for the traffic of Eq. 4 / Eq. 5
+EQ_CASE = ([40, 8, 30, 12, 38], 4, 2, 16)
+
+
+def _run_keep(rank, n, cases, plans, eq_plans):
+    res = {}
+    for ci, (lens, h, hkv, d, hpg, _) in enumerate(cases):
+        q, k, v, dout = _inputs(lens, h, hkv, d, torch.float64, ci)
+        for m in AG_METHODS:
+            plan = plans[ci, m]
+            prepare, attn = get_attn_op(m)
+            ql, kl, vl = (shard_tensor(x, plan, rank).requires_grad_() for x in (q, k, v))
+            counter = CommCounter()
+            out = attn(ql, kl, vl, prepare(plan, rank), backend="reference", counter=counter,
+                       heads_per_group=hpg, keep_gathered_kv=True)  # fmt: skip
+            out.backward(shard_tensor(dout, plan, rank))
+            res[ci, m] = (out.detach(), ql.grad, kl.grad, vl.grad, counter.as_dict())
+    lens, h, hkv, d = EQ_CASE
+    q, k, v, dout = _inputs(lens, h, hkv, d, torch.bfloat16, 0)
+    for m, plan in eq_plans.items():
+        prepare, attn = get_attn_op(m)
+        for keep in (False, True):
+            ql, kl, vl = (shard_tensor(x, plan, rank).requires_grad_() for x in (q, k, v))
+            counter = CommCounter()
+            out = attn(ql, kl, vl, prepare(plan, rank), backend="cpu", counter=counter,
+                       grad_comm_dtype="bfloat16", keep_gathered_kv=keep)  # fmt: skip
+            out.backward(shard_tensor(dout, plan, rank))
+            res["eq", m, keep] = counter.as_dict()
+    return res
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_keep_gathered_kv_is_exact_and_gathers_once(n):
+    """``keep_gathered_kv=True`` on every all-gather method, float64 end to end: out, dq, dk, dv
+    within 1e-10 of the float64 reference (one and several head groups), and the counted bytes
+    equal ``comm_volume(..., keep_gathered_kv=True)``: the forward's all-gather only. With
+    ``grad_comm_dtype`` the model dtype (bf16) the traffic is Eq. 4 for llama3 / per_doc
+    (``4 x comm_tokens_full x Hkv x D`` elements) and Eq. 5 for flashcp (``comm_tokens``), half
+    of what the default (re-gather) moves."""
+    cases = [c for c in F64_CASES if n in c[5]]
+    plans = {(ci, m): make_plan_for(m, c[0], n) for ci, c in enumerate(cases) for m in AG_METHODS}
+    eq_plans = {m: make_plan_for(m, EQ_CASE[0], n) for m in METHODS}
+    results = run_ranks(_run_keep, n, cases, plans, eq_plans, timeout_s=240)
+    failures = []
+    for ci, (lens, h, hkv, d, hpg, _) in enumerate(cases):
+        q, k, v, dout = _inputs(lens, h, hkv, d, torch.float64, ci)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref = reference_attention(*leaves, lens)
+        ref.backward(dout)
+        want = [ref.detach()] + [x.grad for x in leaves]
+        shape = AttnShape(h, hkv, d, "float64")
+        for m in AG_METHODS:
+            plan = plans[ci, m]
+            got = [unshard([results[r][ci, m][i] for r in range(n)], plan) for i in range(4)]
+            for what, gt, wt in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+                err = _err(gt, wt)
+                if gt.dtype != torch.float64 or not err <= 1e-10 * max(1.0, float(wt.abs().max())):
+                    failures.append(f"{m} N={n} {lens} hpg={hpg} {what}: {gt.dtype} err {err:.3g}")
+            kind = COMM_KIND[m]
+            expect = comm_volume(plan, kind, shape, "train", keep_gathered_kv=True)
+            assert (
+                expect["allgather_bytes"] == comm_volume(plan, kind, shape, "infer")["comm_bytes"]
+            )
+            for r in range(n):
+                if results[r][ci, m][4] != expect:
+                    failures.append(
+                        f"{m} N={n} {lens} rank {r}: {results[r][ci, m][4]} != {expect}"
+                    )
+    lens, h, hkv, d = EQ_CASE
+    shape = AttnShape(h, hkv, d, "bfloat16")
+    for m, plan in eq_plans.items():
+        tokens = plan.comm_tokens if m == "flashcp" else plan.comm_tokens_full
+        assert tokens > 0, m
+        eq = 4 * tokens * hkv * d * 2  # Eq. 4 / Eq. 5 in bytes: K and V, forward and backward
+        for keep in (False, True):
+            vol = comm_volume(plan, COMM_KIND[m], shape, "train", "bfloat16", keep)
+            assert vol["comm_bytes"] == (1 if keep else 1.5) * eq, (m, keep, vol, eq)
+            for r in range(n):
+                if results[r]["eq", m, keep] != vol:
+                    failures.append(f"{m} N={n} keep={keep} rank {r}: {results[r]['eq', m, keep]}")
+        default = comm_volume(plan, COMM_KIND[m], shape, "train")["comm_bytes"]
+        assert default == 2 * eq, (m, default, eq)  # re-gather + float32 gradients: twice Eq. 4
+    assert not failures, "\n".join(failures)
+
+
+def _run_keep_pad(rank, n, plans, inputs):
+    res = {}
+    for m, plan in plans.items():
+        prepare, attn = get_attn_op(m)
+        q, k, v, dout = (shard_tensor(x, plan, rank) for x in inputs)
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        counter = CommCounter()
+        out = attn(q, k, v, prepare(plan, rank), backend="reference", counter=counter,
+                   heads_per_group=1, keep_gathered_kv=True)  # fmt: skip
+        out.backward(dout)
+        res[m] = (out.detach(), q.grad, k.grad, v.grad, counter.as_dict())
+    return res
+
+
+def test_keep_gathered_kv_with_pad_rows():
+    """Pad rows (``pad_to_multiple``) with ``keep_gathered_kv``, float64, two head groups:
+    document rows within 1e-10 of the reference, pad rows output and gradient 0, counted bytes
+    equal ``comm_volume`` with the option."""
+    n, lens, (h, hkv, d) = 4, [37, 20, 9], (4, 2, 8)
+    plans = {m: make_plan_for(m, lens, n, pad_to_multiple=True) for m in METHODS}
+    c = sum(lens)
+    q, k, v, dout = _inputs(lens, h, hkv, d, torch.float64, 7)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = reference_attention(*leaves, lens)
+    ref.backward(dout)
+    want = [ref.detach()] + [x.grad for x in leaves]
+    failures = []
+    for m, plan in plans.items():
+        pad = plan.context_len - c
+        assert pad > 0, m
+        inputs = [
+            torch.cat([x, torch.randn(pad, *x.shape[1:], dtype=x.dtype)]) for x in (q, k, v, dout)
+        ]
+        res = run_ranks(_run_keep_pad, n, {m: plan}, inputs, timeout_s=120)
+        got = [unshard([res[r][m][i] for r in range(n)], plan) for i in range(4)]
+        for what, gt, wt in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+            err = _err(gt[:c], wt)
+            if not err <= 1e-10 * max(1.0, float(wt.abs().max())) or gt[c:].abs().max() != 0:
+                failures.append(f"{m} {what}: err {err:.3g}, pad max {float(gt[c:].abs().max())}")
+        shape = AttnShape(h, hkv, d, "float64")
+        expect = comm_volume(plan, COMM_KIND[m], shape, "train", keep_gathered_kv=True)
+        failures += [f"{m} rank {r}: {res[r][m][4]}" for r in range(n) if res[r][m][4] != expect]
+    assert not failures, "\n".join(failures)
+
+
+def test_keep_gathered_kv_is_refused_where_no_op_keeps_it():
+    shape = AttnShape(4, 2, 16, "bfloat16")
+    ring = make_plan_for("ring", [40, 24], 2)
+    with pytest.raises(ValueError, match="keep_gathered_kv=True is an option of the all-gather"):
+        comm_volume(ring, "p2p_ring", shape, "train", keep_gathered_kv=True)
+    usp = make_plan_for("flashcp_ulysses", [40, 24], 4, ulysses_degree=2)
+    with pytest.raises(ValueError, match="ulysses_degree 2"):
+        comm_volume(usp, "allgather_sharded", shape, "train", keep_gathered_kv=True)
+    plan = make_plan_for("llama3", [40, 24], 2)
+    with pytest.raises(ValueError, match="keep_gathered_kv must be True or False, got 'no'"):
+        comm_volume(plan, "allgather_full", shape, "train", keep_gathered_kv="no")
 
 
 # ---- dK/dV reductions in float32 ---------------------------------------------------------------------
@@ -491,6 +639,60 @@ def test_head_groups_bound_the_memory_as_stated():
         assert stated_one < 0.5 * stated_every, (i, stated_one, stated_every)
         one, every = (min(res[hpg][i] for res in results) for hpg in (1, 4))
         assert one - collectives[1, i] * staging[1] < 0.5 * every, (i, one, every)
+
+
+def _run_keep_memory(rank, n, lens, shape, groups):
+    from experiments.benchmarks.bench_memory import peak_bytes
+
+    h, hkv, d = shape
+    plan = make_plan_for("llama3", lens, n)
+    prepare, attn = get_attn_op("llama3")
+    meta = prepare(plan, rank)
+    q, k, v, dout = (
+        shard_tensor(x, plan, rank) for x in _inputs(lens, h, hkv, d, torch.float32, 0)
+    )
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    res = {}
+    for hpg in groups:
+        fwd = functools.partial(
+            attn, q, k, v, meta, backend=_ZeroKernel("zero"), heads_per_group=hpg,
+            keep_gathered_kv=True,
+        )  # fmt: skip
+        fwd().backward(dout)  # warm-up
+        best = None
+        for _ in range(3):  # gloo's late frees only add bytes: keep each quantity's least
+            out, f, held = peak_bytes(fwd, torch.device("cpu"), held=True)
+            _, b = peak_bytes(functools.partial(out.backward, dout), torch.device("cpu"))
+            best = (f, held, b) if best is None else tuple(map(min, best, (f, held, b)))
+        pred = allgather_peak_bytes(
+            meta, h, hkv, d, torch.float32, hpg, staged_collectives=True, keep_gathered_kv=True
+        )
+        default = allgather_peak_bytes(meta, h, hkv, d, torch.float32, hpg, staged_collectives=True)
+        held_pred = pred["kept"] + out.numel() * 4 + h * meta.tokens * 4  # + out, lse
+        res[hpg] = (*best, pred, default, held_pred, meta.send_max)
+    return res
+
+
+def test_keep_gathered_kv_memory_as_stated():
+    """With ``keep_gathered_kv`` the gathered KV, (T + N*M) x 2 x Hkv x D elements, stays
+    allocated from the forward to the backward: measured bytes held after the forward call equal
+    ``kept`` + out + lse of ``allgather_peak_bytes`` (up to one gloo staging buffer per
+    all-gather not yet freed), and the forward and backward peaks (bytes each call allocates)
+    are at least the stated ones and at most one staging buffer per collective more (as for the
+    default, ``test_head_groups_bound_the_memory_as_stated``)."""
+    n, lens, (h, hkv, d) = 2, [256, 128, 128], (8, 4, 32)
+    results = run_ranks(_run_keep_memory, n, lens, (h, hkv, d), (4, 1), timeout_s=120)
+    for hpg in (4, 1):
+        groups = hkv // hpg
+        staging = 2 * hpg * d * n * results[0][hpg][6] * 4
+        for res in results:
+            f, held, b, pred, default, held_pred, _ = res[hpg]
+            assert pred["kept"] == 2 * hkv * d * (256 + n * results[0][hpg][6]) * 4
+            assert default["kept"] == 0 and pred["forward"] >= default["forward"]
+            assert pred["backward"] <= default["backward"]  # allocated by the forward
+            assert 0 <= held - held_pred <= groups * staging, (hpg, held, held_pred)
+            assert 0 <= f - pred["forward"] <= groups * staging, (hpg, f, pred)
+            assert 0 <= b - pred["backward"] <= groups * staging, (hpg, b, pred)
 
 
 def test_comm_volume_counts_grad_comm_dtype():

@@ -333,3 +333,34 @@ def test_a_rank_stuck_after_the_abort_exits_with_the_peers_error(capfd):
     assert "injected failure on rank 1" in err
     for r in (0, 2):
         assert f"rank {r}: still blocked 1 s after aborting its process group; exiting" in err
+
+
+def _keep_rows(rank, n):
+    from flashcp.executors import RunSpec, execute
+
+    rows = {}
+    for method in ("llama3", "flashcp"):
+        for opts in ({}, {"keep_gathered_kv": True}):
+            spec = RunSpec(
+                method=method, cp_size=n, shape=AttnShape(4, 2, 8, "float32"), modes=("train",),
+                options=opts, executor={"backend": "cpu", "warmup": 0, "iters": 1},
+            )  # fmt: skip
+            out = execute("dist", [spec], [np.array(LENS)], group=None)
+            if out is not None:
+                rows[method, bool(opts)] = out.iloc[0].to_dict()
+    return rows
+
+
+def test_keep_gathered_kv_method_option_runs_the_op_with_it():
+    """``executor=dist`` hands the method option ``keep_gathered_kv`` to the op (not the
+    planner): the counted bytes pass the executor's check against ``comm_volume`` with the
+    option, the forward's all-gather only, half the default's all-gather bytes."""
+    res = run_ranks(_keep_rows, 2, timeout_s=120)[0]
+    shape = AttnShape(4, 2, 8, "float32")
+    for method in ("llama3", "flashcp"):
+        base, keep = res[method, False], res[method, True]
+        assert base["status"] == keep["status"] == "ok"
+        plan = make_plan_for(method, LENS, 2)
+        want = comm_volume(plan, COMM_KIND[method], shape, "train", keep_gathered_kv=True)
+        assert {c: keep[c] for c in COMM_COLUMNS} == want
+        assert 2 * keep["allgather_bytes"] == base["allgather_bytes"] > 0

@@ -353,3 +353,65 @@ def test_price_plans_refuses_a_plan_too_large_for_memory(monkeypatch):
         price_plans(plans, SHAPES, MODES, HWS)
     monkeypatch.setattr(cost_model, "_physical_memory_bytes", lambda: 2 * need)
     price_plans(plans, SHAPES, MODES, HWS)  # fits: priced
+
+
+#: the methods the all-gather op runs without head parallelism (``keep_gathered_kv`` applies)
+KEEP_METHODS = ["llama3", "per_doc", "flashcp", "flashcp_refined"]
+
+
+@pytest.mark.parametrize("compiled_mode", ["0", "1"])
+@pytest.mark.parametrize("cp_size", [4, 8])
+def test_keep_gathered_kv_priced_by_both_paths(compiled_mode, cp_size, monkeypatch):
+    """``keep_gathered_kv``: price_plans (NumPy and compiled) equals the per-plan PlanCost to
+    1e-12, and both price no backward all-gather: the forward's all-gather time and bytes only, a
+    shorter step, the same attention and reduce-scatter as the default."""
+    if compiled_mode == "1":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("FLASHCP_COMPILED", compiled_mode)
+    plans = [p for m in KEEP_METHODS for p in _plans(m, cp_size, 3, seed=60 + cp_size)]
+    got = price_plans(plans, SHAPES, MODES, HWS, keep_gathered_kv=True)
+    base = price_plans(plans, SHAPES, MODES, HWS)
+    for a, hw in enumerate(HWS):
+        for b, shape in enumerate(SHAPES):
+            for m, mode in enumerate(MODES):
+                for k, plan in enumerate(plans):
+                    ref = simulate(plan, shape, hw, mode, keep_gathered_kv=True)
+                    for col in PHASE_COLUMNS:
+                        np.testing.assert_allclose(
+                            got[col][a, b, m, k], ref[col], rtol=1e-12, atol=0,
+                            err_msg=f"{plan.method} {hw.name} {shape} {mode} plan {k} {col}",
+                        )  # fmt: skip
+                    for col in COMM_COLUMNS:
+                        assert got[col][a, b, m, k] == ref[col], (plan.method, col)
+    train, infer = MODES.index("train"), MODES.index("infer")
+    for col in ("attn_fwd_ms", "attn_bwd_ms", "reducescatter_ms", "reducescatter_bytes"):
+        np.testing.assert_array_equal(got[col], base[col], err_msg=col)
+    for col in ("allgather_ms", "allgather_bytes"):
+        np.testing.assert_array_equal(got[col][:, :, train], base[col][:, :, infer], err_msg=col)
+        np.testing.assert_array_equal(got[col][:, :, infer], base[col][:, :, infer], err_msg=col)
+    assert (got["total_ms"][:, :, train] < base["total_ms"][:, :, train]).all()
+    assert (got["others_ms"][:, :, train] < base["others_ms"][:, :, train]).all()
+    np.testing.assert_array_equal(got["total_ms"][:, :, infer], base["total_ms"][:, :, infer])
+
+
+def test_keep_gathered_kv_compiled_bitwise(monkeypatch):
+    pytest.importorskip("numba")
+    plans = [p for m in KEEP_METHODS for p in _plans(m, 8, 2, seed=70)]
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FLASHCP_COMPILED", mode)
+        got[mode] = price_plans(plans, SHAPES, MODES, HWS, keep_gathered_kv=True)
+    for col in got["0"]:
+        np.testing.assert_array_equal(got["1"][col], got["0"][col], err_msg=col)
+
+
+def test_keep_gathered_kv_refused_where_no_op_keeps_it():
+    ring = _plans("ring", 4, 1, seed=1)
+    llama3 = _plans("llama3", 4, 1, seed=1)
+    with pytest.raises(ValueError, match="keep_gathered_kv=True is an option of the all-gather"):
+        price_plans(llama3 + ring, SHAPES, MODES, HWS, keep_gathered_kv=True)
+    with pytest.raises(ValueError, match="keep_gathered_kv must be True or False, got 1"):
+        price_plans(llama3, SHAPES, MODES, HWS, keep_gathered_kv=1)
+    with pytest.raises(ValueError, match="not impl=ring_flash_attn"):
+        simulate(llama3[0], SHAPES[0], HWS[0], "train", impl="ring_flash_attn",
+                 keep_gathered_kv=True)  # fmt: skip

@@ -41,8 +41,10 @@ from flashcp.registry import (
     get_planner,
     make_plan_for,
     method_names,
+    op_options,
     options_schema,
     register_method,
+    split_options,
     unregister_method,
 )
 from flashcp.sim import load_hardware, simulate
@@ -117,14 +119,38 @@ def test_every_method_config_validates_against_its_options_schema(method):
     assert data["name"] == method
     opts = data.get("options") or {}
     assert check_options(method, opts) == opts
-    # the schema is the planner's keyword-only options with their defaults
+    # the schema is the planner's keyword-only options with their defaults, then its op
+    # family's options (keep_gathered_kv of the all-gather family)
     schema = {f.name: f.default for f in dataclasses.fields(options_schema(method))}
     params = inspect.signature(get_planner(method)).parameters
-    assert schema == {
-        k: p.default
-        for k, p in params.items()
-        if p.kind is p.KEYWORD_ONLY and k not in ("num_pad", "pad_to_multiple", "validate")
-    }
+    ops = {k: default for k, (_, default) in op_options(method).items()}
+    assert (
+        schema
+        == {
+            k: p.default
+            for k, p in params.items()
+            if p.kind is p.KEYWORD_ONLY and k not in ("num_pad", "pad_to_multiple", "validate")
+        }
+        | ops
+    )
+    assert ("keep_gathered_kv" in ops) == (get_method(method).op is OpFamily.ALLGATHER)
+
+
+def test_op_options_reach_the_op_not_the_planner():
+    """``keep_gathered_kv`` is a method option of every all-gather method (typed, a yes/no word
+    is a bool), split off before planning (same plan), refused for other methods."""
+    assert check_options("llama3", {"keep_gathered_kv": "yes"}) == {"keep_gathered_kv": True}
+    assert split_options("flashcp", {"target_imbalance": 1.1, "keep_gathered_kv": True}) == (
+        {"target_imbalance": 1.1},
+        {"keep_gathered_kv": True},
+    )
+    for m in ("llama3", "per_doc", "flashcp", "flashcp_refined"):
+        assert make_plan_for(m, [40, 24], 2, keep_gathered_kv=True) == make_plan_for(m, [40, 24], 2)
+    with pytest.raises(ValueError, match=r"bad value 'maybe' for option 'keep_gathered_kv'"):
+        check_options("per_doc", {"keep_gathered_kv": "maybe"})
+    for m in ("ring", "zigzag", "ulysses", "usp", "flashcp_ulysses"):
+        with pytest.raises(ValueError, match=r"has no option 'keep_gathered_kv'"):
+            check_options(m, {"keep_gathered_kv": True})
 
 
 def test_bad_options_name_the_option_and_list_the_valid_ones():

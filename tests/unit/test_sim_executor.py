@@ -195,3 +195,31 @@ def test_head_groups_at_128k_equal_simulate():
                     want = simulate(plan, spec.shape, hw, mode)
                     for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
                         assert row[col] == pytest.approx(want[col], rel=1e-12, abs=0), col
+
+
+def test_keep_gathered_kv_method_option_reaches_the_pricing(seqs):
+    """``options={"keep_gathered_kv": True}`` (``+method.options.keep_gathered_kv=true``) plans
+    the same plans and prices them with the option: rows equal ``simulate(...,
+    keep_gathered_kv=True)``, one all-gather of bytes per training step instead of two; the
+    emulate executor refuses it before any work."""
+    hw = load_hardware("h100_sxm")
+    for method in ("llama3", "flashcp"):
+        runs = [
+            RunSpec(method, 4, SHAPES[0], ("train",), hardware=hw, options=opts)
+            for opts in ({}, {"keep_gathered_kv": True})
+        ]
+        rows = execute("sim", runs, seqs)
+        assert (rows["status"] == "ok").all()
+        base, keep = (rows[rows["run_idx"] == j].reset_index() for j in (0, 1))
+        assert (2 * keep["allgather_bytes"] == base["allgather_bytes"]).all()
+        for i, d in enumerate(seqs):
+            plan, _ = impl_plan(method, "ours", d, 4)
+            want = simulate(plan, SHAPES[0], hw, "train", keep_gathered_kv=True)
+            for col in PHASE_COLUMNS:
+                assert keep[col][i] == pytest.approx(want[col], rel=1e-12, abs=0), col
+            for col in COMM_COLUMNS:
+                assert keep[col][i] == want[col], col
+    run = RunSpec("llama3", 4, SHAPES[0], ("train",), hardware=hw,
+                  options={"keep_gathered_kv": True}, executor={"device": "cpu"})  # fmt: skip
+    with pytest.raises(ValueError, match="executor=emulate does not replay op options"):
+        execute("emulate", [run], seqs)

@@ -60,6 +60,9 @@ SAMPLES = (
     ("ring", 4, (4, 14, 24), {"num_pad": 22}),
     ("llama3", 4, (40, 8, 24, 56), {}),
     ("per_doc", 4, (40, 8, 24, 56), {}),
+    # the all-gather op's keep_gathered_kv (an op option, not a planner's): no backward gather
+    ("llama3", 4, (40, 8, 24, 56), {"keep_gathered_kv": True}),
+    ("flashcp", 4, (40, 8, 24, 56), {"keep_gathered_kv": True}),
     ("flashcp", 2, (12, 20, 8), {}),
     ("flashcp", 4, (40, 8, 24, 56), {}),
     ("flashcp_refined", 4, (40, 8, 24, 56), {}),
@@ -349,12 +352,16 @@ def _family(method: str) -> str:
 def _sample(i: int, j: int):
     method, n, docs, opts = SAMPLES[i]
     shape = SHAPES[j]
+    opts = dict(opts)
+    keep = opts.pop("keep_gathered_kv", False)
     if "layout" in opts:
         plan = make_plan(method, n, np.array(docs), *(np.array(c) for c in opts["layout"]))
     else:
         plan = make_plan_for(method, np.array(docs), n, **opts)
-    traces = trace_work(plan, shape, "train")
-    return plan, shape, trace_account(traces, HW, n), work_account(plan, shape, "train", HW)
+    op_options = {"keep_gathered_kv": True} if keep else None
+    traces = trace_work(plan, shape, "train", op_options=op_options)
+    acc = work_account(plan, shape, "train", HW, keep_gathered_kv=keep)
+    return plan, shape, trace_account(traces, HW, n), acc
 
 
 def _ctx(method, plan, shape, acc) -> Ctx:
@@ -532,7 +539,10 @@ def test_every_method_is_sampled():
     "i",
     range(len(SAMPLES)),
     ids=[
-        f"{s[0]}-N{s[1]}-{len(s[2])}docs" + ("-layout" if "layout" in s[3] else "") for s in SAMPLES
+        f"{s[0]}-N{s[1]}-{len(s[2])}docs"
+        + ("-layout" if "layout" in s[3] else "")
+        + ("-keepkv" if s[3].get("keep_gathered_kv") else "")
+        for s in SAMPLES
     ],
 )
 def test_work_equals(i, j):

@@ -158,7 +158,7 @@ def check_train_config(cfg: Any) -> None:
     from flashcp.registry import method_names
     from flashcp.training.model import LlamaConfig
 
-    check_experiment_config(cfg)
+    at_least(cfg, "cp_size", 1)
     world = _world_size()
     if world % int(cfg.cp_size):
         how = (
@@ -168,6 +168,7 @@ def check_train_config(cfg: Any) -> None:
             f"cp_size = {cfg.cp_size} must be the world size ({world}, {how}) or a divisor of it "
             "(CP groups of cp_size ranks, data parallel over the rest)"
         )
+    check_experiment_config(cfg)
     at_least(cfg, "steps", 1)
     at_least(cfg, "lr", 0.0, strict=True)
     at_least(cfg, "timeout_s", 0.0, strict=True)

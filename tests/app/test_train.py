@@ -2,11 +2,12 @@
 per step whose losses equal a one-process CP 1 run of the same seed and batches (float64), and
 bad values are refused in one line with exit code 2 before any process group is made.
 
-Every command starts at once (``Popen``) and the test then waits for all of them: about 20 s on
-2 busy cores instead of the sum of their start-ups."""
+The two runs start at once (``Popen``) and the test then waits for both; the refusals run the
+command in this process (as tests/app/test_errors.py does)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -15,8 +16,11 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 
-from experiments.train import PHASES, TRAIN_ROW_SCHEMA
+from experiments.train import PHASES, TRAIN_ROW_SCHEMA, cli
 
 REPO = Path(__file__).resolve().parents[2]
 #: a tiny float64 run: 3 steps of C = 128 tokens (documents of 1 to 40 tokens)
@@ -56,34 +60,25 @@ def _wait(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
     return proc.returncode, err
 
 
-def test_cp2_under_torchrun_matches_one_process_and_bad_values_are_refused(tmp_path):
+def _lens_file(tmp_path: Path) -> Path:
     lens = tmp_path / "lens.txt"
     lens.write_text("\n".join(str(x) for x in (1, 7, 40, 13, 2, 31, 25, 9, 18, 4)) + "\n")
-    common = [*TINY, f"dataset.path={lens}", f"results_dir={tmp_path}"]
-    port = _free_port()
+    return lens
+
+
+def test_cp2_under_torchrun_matches_one_process(tmp_path):
+    common = [*TINY, f"dataset.path={_lens_file(tmp_path)}", f"results_dir={tmp_path}"]
     procs = {
         "cp2": _start(
             ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-             "127.0.0.1", "--master-port", str(port), "-m", "experiments.train", "cp_size=2",
-             *common, "name=cp2"],
+             "127.0.0.1", "--master-port", str(_free_port()), "-m", "experiments.train",
+             "cp_size=2", *common, "name=cp2"],
             _env(),
         ),
         "cp1": _start(["-m", "experiments.train", *common, "name=cp1"], _env()),
-        # cp_size beyond the one process of a run without torchrun
-        "bad_cp": _start(["-m", "experiments.train", "cp_size=2", *common, "name=b1"], _env()),
-        # Ulysses over 4 ranks with 2 heads, as rank 0 of a 4-rank torchrun job: refused
-        # before the rendezvous (nobody else ever joins it; a collective would wait its timeout)
-        "bad_heads": _start(
-            ["-m", "experiments.train", "cp_size=4", "method=ulysses", "llama.num_heads=2",
-             "llama.num_kv_heads=2", "timeout_s=30", *common, "name=b2"],
-            _env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(_free_port())),
-        ),
     }  # fmt: skip
     done = {k: _wait(p) for k, p in procs.items()}
-
-    for key in ("cp2", "cp1"):
-        code, err = done[key]
+    for key, (code, err) in done.items():
         assert code == 0, f"{key}: {err[-3000:]}"
     cp2 = pd.read_csv(tmp_path / "cp2" / "train_rows.csv")
     cp1 = pd.read_csv(tmp_path / "cp1" / "train_rows.csv")
@@ -104,13 +99,57 @@ def test_cp2_under_torchrun_matches_one_process_and_bad_values_are_refused(tmp_p
     assert diff <= TOL, f"CP 2 losses differ from CP 1 by {diff}"
     assert cp1["loss"].iloc[0] > 3.0  # about log(64): an untrained model, a real loss
 
-    for key, words in {
-        "bad_cp": ("cp_size = 2", "world size (1"),
-        "bad_heads": ("method=ulysses at cp_size = 4", "does not divide num_heads = 2"),
-    }.items():
-        code, err = done[key]
-        lines = [ln for ln in err.splitlines() if ln.strip()]
-        assert code == 2, f"{key}: exit {code}\n{err[-3000:]}"
-        assert len(lines) == 1 and lines[0].startswith("flashcp-train: error: "), err[-3000:]
-        assert all(w in lines[0] for w in words), lines[0]
-        assert not (tmp_path / f"b{1 if key == 'bad_cp' else 2}").exists()  # nothing written
+
+@pytest.fixture
+def _isolate_hydra():
+    """The command runs Hydra in this process: undo its config singleton and logging handlers."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    HydraConfig.instance().cfg = None
+    GlobalHydra.instance().clear()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "words"),
+    [
+        # cp_size beyond the one process of a run without torchrun
+        (["cp_size=2"], {}, ("cp_size = 2", "world size (1")),
+        # Ulysses over 4 ranks with 2 heads, as rank 0 of a 4-rank torchrun job: refused before
+        # the rendezvous (nobody else ever joins it: a collective would wait its timeout)
+        (
+            ["cp_size=4", "method=ulysses", "llama.num_heads=2", "llama.num_kv_heads=2"],
+            {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1"},
+            ("method=ulysses at cp_size = 4", "does not divide num_heads = 2"),
+        ),
+        (["method=nope"], {}, ("method=nope: no such option",)),
+    ],
+    ids=["cp_size", "heads", "method"],
+)
+def test_bad_values_are_refused_before_any_work(
+    tmp_path, capsys, monkeypatch, _isolate_hydra, argv, env, words
+):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(sys, "argv", ["flashcp-train"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    for key, value in {**env, "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as info:
+        cli(
+            [
+                *TINY,
+                f"dataset.path={_lens_file(tmp_path)}",
+                f"results_dir={tmp_path}",
+                "name=b",
+                *argv,
+            ]
+        )
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert info.value.code == 2, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("flashcp-train: error: "), err[-3000:]
+    assert all(w in lines[0] for w in words), lines[0]
+    assert not (tmp_path / "b").exists() and not dist.is_initialized()  # nothing written or joined

@@ -364,6 +364,10 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
             problem = run_values_problem(config, prog, multirun)
         if problem is not None:
             return problem
+    else:  # another command's registered value check (register_value_check), if any
+        problem = run_values_problem(config, prog, multirun)
+        if problem is not None:
+            return problem
     ranks = _submitit_ranks(config)
     dist = "executor" in config and config.executor.name == "dist"
     if ranks is not None and dist and not _is_sweep(config, "cp_size"):

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from flashcp.data import sample_dataset
-from flashcp.results import write_csv_atomic
+from flashcp.results import check_output_dir, write_csv_atomic
 
 #: (variant name, dataset, weighting): the variants the harness can sample for each named dataset
 VARIANTS: tuple[tuple[str, str, str], ...] = (
@@ -139,10 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the sampler's seed (flashcp-run's)")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        print(f"error: --out {out} is a file, not a folder", file=sys.stderr)
-        return 2
     try:
+        check_output_dir(out, f"--out {out}")  # before any work
         df = dataset_stats(args.context_len, args.num_sequences, args.seed)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

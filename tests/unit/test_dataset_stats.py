@@ -44,8 +44,10 @@ def test_committed_table_is_what_the_sampler_gives():
     pd.testing.assert_frame_equal(again, committed, check_dtype=False, rtol=1e-12)
 
 
-def test_out_that_is_a_file_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_out_that_cannot_be_written_is_one_line(tmp_path, capsys, below):
     f = tmp_path / "f"
     f.write_text("")
-    assert main(["--out", str(f), "--num-sequences", "2"]) == 2
-    assert "is a file" in capsys.readouterr().err
+    assert main(["--out", str(f / below), "--num-sequences", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a file, not a folder" in err[0]

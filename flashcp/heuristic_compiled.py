@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcp.compiled import njit
+from flashcp.compiled.jit import njit
 from flashcp.plan_kernels import _entry, _failed, _stack, finish_plan, per_doc_sizes
 
 __all__ = ["algorithm1", "flashcp_plan"]
@@ -415,7 +415,7 @@ def flashcp_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate, target):
     checks of :func:`flashcp.plan.planner_entry` (:func:`flashcp.plan_kernels._entry`: more than
     ``EXACT_TOKENS`` tokens go the general path), :func:`algorithm1` and
     :func:`flashcp.plan_kernels.finish_plan` (compiled into this function: the cache's key covers
-    both modules' sources, :func:`flashcp.compiled.njit`).
+    both modules' sources, :func:`flashcp.compiled.jit.njit`).
 
     Args:
         doc_lens: (n_docs,) int64. cp_size: N >= 1. num_pad: pad tokens >= 0.

@@ -440,7 +440,7 @@ def test_preload_loads_the_kernels_once_for_a_big_job(monkeypatch, tmp_path):
     """``preload`` (a big sim job, before its workers fork): with a ready cache the kernels from
     the next request on, loaded once; off or with a cold cache nothing is loaded (the cold cache
     starts the background compile) and the warm-up requests stay."""
-    from flashcp import compile_cache
+    from flashcp.compiled import warm as compile_cache
 
     monkeypatch.setenv("FLASHCP_COMPILED", "auto")
     monkeypatch.setattr(compiled, "_REQUESTS", iter(range(10**9)))
@@ -480,7 +480,7 @@ def test_background_compile_takes_the_lock_once(monkeypatch, tmp_path):
 
 def test_background_compile_marks_the_cache_ready(tmp_path):
     """``python -c WARM_UP_COMMAND MARKER`` (what the background process runs:
-    :func:`flashcp.compile_cache.main`) loads or compiles
+    :func:`flashcp.compiled.warm.main`) loads or compiles
     every kernel, writes the marker and drops the lock."""
     marker = tmp_path / "kernels-test.ready"
     marker.with_suffix(".lock").touch()

@@ -5,9 +5,10 @@ readable NumPy / pure-Python one (the reference: the paper's Algorithm 1 in
 :mod:`flashcp.heuristic`, the checks in :meth:`flashcp.plan.Plan.validate`), and numba kernels
 that compute the same plans, bit for bit, in microseconds (:mod:`flashcp.plan_kernels`,
 :mod:`flashcp.heuristic_compiled`, :mod:`flashcp.refined_compiled`; the batched step model's tile
-statistics in :mod:`flashcp.sim.price_kernels`). The kernels are used when numba can be imported; without it
-(e.g. on an image that lacks numba) every caller falls back to the reference, with identical
-results.
+statistics in :mod:`flashcp.sim.price_kernels`). The kernels are used when numba can be imported;
+without it (e.g. on an image that lacks numba) every caller falls back to the reference, with
+identical results. This module loads them by name (:func:`load`); they are declared with
+:func:`flashcp.compiled.jit.njit`, and :mod:`flashcp.compiled.warm` compiles them ahead.
 
 numba costs a process about 1.3 s before its first kernel runs (importing numba, loading the
 cached kernels), which pays off only for a process that plans many sequences (a sweep's worker:
@@ -20,7 +21,7 @@ the tests of the kernels), ``FLASHCP_COMPILED=0`` never. The mode only decides t
 plans are the same.
 
 The kernels are compiled once per machine (a minute or more on 2 busy cores) and cached by numba
-in a folder named by a key over every kernel module's source (:func:`njit`, :func:`cache_folder`):
+in a folder named by a key over every kernel module's source (:mod:`flashcp.compiled.jit`):
 numba keys a function's cached code on its own file only, so without the key a kernel that calls
 one of another module (``flashcp_plan`` calls ``finish_plan``) kept the callee's old code after an
 edit of that module. The folder is ``kernels-<key>`` under the first of ``$NUMBA_CACHE_DIR/flashcp``
@@ -28,7 +29,7 @@ edit of that module. The folder is ``kernels-<key>`` under the first of ``$NUMBA
 can be written; where none can (a read-only install and home) the kernels are not cached: ``auto``
 mode runs the references and ``FLASHCP_COMPILED=1`` compiles them in each process, each saying so
 in one log line (same plans either way). In ``auto`` mode the compile is kept off the command
-that needs it: a process that finds the cache cold starts :func:`flashcp.compile_cache.warm_up` in
+that needs it: a process that finds the cache cold starts :func:`flashcp.compiled.warm.warm_up` in
 a detached background process at the lowest CPU priority (:data:`WARM_UP_COMMAND`; one per cache
 folder, under a lock file) and goes on with the references; it looks again every
 :data:`RECHECK_CALLS` requests and switches to the kernels once the background compile has marked
@@ -38,19 +39,23 @@ the cache ready (:func:`marker`).
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib
-import importlib.metadata
-import inspect
 import itertools
-import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
+
+from flashcp.compiled.jit import (
+    KERNEL_MODULES,
+    cache_folder,
+    marker,
+    numba_available,
+    numba_versions,
+    say_once,
+)
 
 __all__ = [
     "RECHECK_CALLS",
@@ -60,7 +65,6 @@ __all__ = [
     "enabled",
     "load",
     "marker",
-    "njit",
     "ready_now",
     "skip_warmup",
     "skipping_warmup",
@@ -74,24 +78,12 @@ _REQUESTS = itertools.count()
 #: requests between two looks for the ready marker while the cache is cold (``auto`` mode)
 RECHECK_CALLS = 2000
 #: what the background compile runs (``python -c ... MARKER``; also by hand, without a marker)
-WARM_UP_COMMAND = "import sys; from flashcp.compile_cache import main; sys.exit(main(sys.argv[1:]))"
+WARM_UP_COMMAND = "import sys; from flashcp.compiled.warm import main; sys.exit(main(sys.argv[1:]))"
 #: a background compile's lock older than this (seconds) is taken to be dead
 LOCK_TIMEOUT_S = 900.0
 #: this process's view of the cache (``auto`` mode): ready, requests since the last look, and
 #: whether it has started a background compile
 _CACHE = {"ready": False, "since_look": 0, "spawned": False, "skip": False}
-
-#: modules of kernels, by the name callers ask for (only these may use :func:`njit`)
-_MODULES = {
-    "plan": "flashcp.plan_kernels",
-    "heuristic": "flashcp.heuristic_compiled",
-    "refined": "flashcp.refined_compiled",
-    "price": "flashcp.sim.price_kernels",
-}
-#: the sources the cache key hashes: every kernel module and this one (it sets how they compile)
-_KEYED = (*sorted(_MODULES.values()), __name__)
-
-log = logging.getLogger(__name__)
 
 
 def _mode() -> str:
@@ -106,19 +98,10 @@ def _mode() -> str:
     return mode
 
 
-@functools.cache
-def _numba_available() -> bool:
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def enabled() -> bool:
     """True when the compiled kernels can be used: numba imports and ``FLASHCP_COMPILED`` is not
     ``0``."""
-    return _mode() != "0" and _numba_available()
+    return _mode() != "0" and numba_available()
 
 
 def load(name: str) -> ModuleType | None:
@@ -130,8 +113,8 @@ def load(name: str) -> ModuleType | None:
     Raises:
         ValueError: an unknown ``name`` or ``FLASHCP_COMPILED`` value.
     """
-    if name not in _MODULES:
-        raise ValueError(f"unknown kernels module {name!r}; choose from {sorted(_MODULES)}")
+    if name not in KERNEL_MODULES:
+        raise ValueError(f"unknown kernels module {name!r}; choose from {sorted(KERNEL_MODULES)}")
     mode = _mode()
     if mode == "0":
         return None
@@ -163,176 +146,14 @@ def skipping_warmup() -> bool:
 def skip_warmup() -> None:
     """From now on :func:`load` answers the kernels at once in ``auto`` mode (no
     :data:`WARMUP_CALLS` requests of references): for a process that has just loaded every
-    kernel (:func:`flashcp.compile_cache.preload`). Worker processes forked afterwards inherit
+    kernel (:func:`flashcp.compiled.warm.preload`). Worker processes forked afterwards inherit
     it, with the loaded kernels."""
     _CACHE["skip"] = True
 
 
 @functools.cache
 def _import(name: str) -> ModuleType | None:
-    return importlib.import_module(_MODULES[name]) if _numba_available() else None
-
-
-def _source(module: str) -> Path:
-    """The source file of ``module`` (one of :data:`_KEYED`), beside this package's."""
-    return Path(__file__).resolve().parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
-
-
-def _digest(path: Path) -> str:
-    """sha256 of the file's bytes (read again when its size or modification time changes).
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    st = path.stat()
-    return _digest_of(path, st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=64)
-def _digest_of(path: Path, mtime_ns: int, size: int) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _digests() -> dict[str, str] | None:
-    """sha256 of the bytes of every source of :data:`_KEYED`, by module; None when one cannot be
-    read (then nothing is cached)."""
-    try:
-        return {m: _digest(_source(m)) for m in _KEYED}
-    except OSError:
-        return None
-
-
-def _versions() -> str | None:
-    """The versions the compiled code depends on besides the sources; None without numba."""
-    try:
-        libs = [importlib.metadata.version(p) for p in ("numba", "llvmlite", "numpy")]
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return "|".join([sys.version, *libs])
-
-
-def _cache_bases() -> list[Path]:
-    """Where a kernels cache folder may go, in order (module docstring)."""
-    bases = []
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        bases.append(Path(os.environ["NUMBA_CACHE_DIR"]) / "flashcp")
-    bases.append(Path(__file__).resolve().parent / "__pycache__")
-    user = os.environ.get("XDG_CACHE_HOME")
-    if not user:
-        try:
-            user = str(Path.home() / ".cache")
-        except (KeyError, RuntimeError):  # no home directory
-            user = None
-    if user:
-        bases.append(Path(user) / "flashcp")
-    return bases
-
-
-def cache_folder(digests: dict[str, str] | None = None) -> tuple[Path | None, str]:
-    """The folder numba caches the kernels in: ``kernels-<key>`` under the first writable folder
-    of the module docstring's list, the key a sha256 of the Python, numba, llvmlite and NumPy
-    versions and of every kernel module's source (an edit of any recompiles them all).
-
-    Args:
-        digests: the sources' hashes to key on (default: read now).
-    Returns:
-        ``(folder, why)``: the folder, created, and ``""``; or None and why nothing can be
-        cached (numba is not installed, a source cannot be read, no folder can be written).
-    """
-    versions = _versions()
-    if versions is None:
-        return None, "numba is not installed"
-    digests = _digests() if digests is None else digests
-    if digests is None or set(digests) != set(_KEYED):
-        return None, "the kernels' sources cannot be read"
-    h = hashlib.sha256(versions.encode())
-    for module in _KEYED:
-        h.update(f"|{module}|{digests[module]}".encode())
-    name = f"kernels-{h.hexdigest()[:16]}"
-    bases = _cache_bases()
-    for base in bases:
-        try:
-            (base / name).mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=base / name).close()  # as numba checks a cache folder
-        except OSError:
-            continue
-        return base / name, ""
-    return None, f"none of {', '.join(str(b) for b in bases)} can be written"
-
-
-def marker() -> Path | None:
-    """The ready marker of the kernels' cache (``<cache folder>/ready``), or None where nothing can
-    be cached (:func:`cache_folder`)."""
-    folder, _ = cache_folder()
-    return None if folder is None else folder / "ready"
-
-
-@functools.cache
-def _say_once(message: str) -> None:
-    log.warning(message)
-
-
-@functools.cache
-def _compile_cache() -> tuple[Path | None, dict[str, str]]:
-    """This process's kernels cache folder and the source hashes it is keyed on, fixed at the first
-    kernel defined (:func:`njit`); None where nothing can be cached (said once)."""
-    digests = _digests() or {}
-    folder, why = cache_folder(digests)
-    if folder is None:
-        _say_once(
-            f"flashcp: the compiled kernels cannot be cached ({why}); they are compiled in "
-            "this process (the same plans; NUMBA_CACHE_DIR=<a writable folder> caches them)"
-        )
-    return folder, digests
-
-
-def njit(**options):
-    """``numba.njit`` for the kernel modules (``from flashcp.compiled import njit``): with
-    ``cache=True`` the compiled code is cached in :func:`cache_folder`, keyed on every kernel
-    module's source, instead of beside its own file (keyed on that file alone, numba would load a
-    kernel compiled with another module's old kernels); where nothing can be cached, or the
-    function's source changed since the key was taken, it is compiled in this process only.
-
-    Args:
-        options: numba.njit's (``cache``, ``inline``).
-    Raises:
-        ValueError: a function outside the modules of :data:`_MODULES` (the key would miss it).
-    """
-    import numba
-    from numba.core.caching import NullCache
-
-    cache = options.pop("cache", False)
-
-    def decorate(fn):
-        if fn.__module__ not in _MODULES.values():
-            raise ValueError(
-                f"{fn.__module__}.{fn.__qualname__}: flashcp.compiled.njit keys its cache on the "
-                f"modules {sorted(_MODULES.values())} only; add the module there"
-            )
-        kernel = numba.njit(**options)(fn)
-        if not cache or not hasattr(kernel, "enable_caching"):  # NUMBA_DISABLE_JIT: fn itself
-            return kernel
-        folder, digests = _compile_cache()
-        try:
-            now = _digest(Path(inspect.getfile(fn)))
-        except OSError:
-            now = None
-        if folder is None or now != digests.get(fn.__module__):
-            return kernel
-        old = numba.config.CACHE_DIR
-        numba.config.CACHE_DIR = str(folder)  # numba's NUMBA_CACHE_DIR locator, for this kernel
-        try:
-            kernel.enable_caching()
-        except RuntimeError:  # no locator: compile in this process (the dispatcher's own default)
-            kernel._cache = NullCache()
-        finally:
-            numba.config.CACHE_DIR = old
-        path = kernel.stats.cache_path
-        if path is None or Path(path).parent != folder:  # numba fell back to an unkeyed folder
-            kernel._cache = NullCache()
-        return kernel
-
-    return decorate
+    return importlib.import_module(KERNEL_MODULES[name]) if numba_available() else None
 
 
 def _cache_ready() -> bool:
@@ -346,8 +167,8 @@ def _cache_ready() -> bool:
     ready = marker()
     if ready is None:
         _, why = cache_folder()
-        if _versions() is not None:
-            _say_once(
+        if numba_versions() is not None:
+            say_once(
                 f"flashcp: the compiled kernels cannot be cached ({why}); planning with the "
                 "reference code (the same plans; NUMBA_CACHE_DIR=<a writable folder> caches them)"
             )

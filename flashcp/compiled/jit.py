@@ -32,9 +32,9 @@ log = logging.getLogger("flashcp.compiled")
 #: modules of kernels, by the name callers ask for (:func:`flashcp.compiled.load`; only these may
 #: use :func:`njit`)
 KERNEL_MODULES = {
-    "plan": "flashcp.plan_kernels",
-    "heuristic": "flashcp.heuristic_compiled",
-    "refined": "flashcp.refined_compiled",
+    "plan": "flashcp.plan.kernels",
+    "heuristic": "flashcp.planners.flashcp.compiled",
+    "refined": "flashcp.planners.flashcp_refined.compiled",
     "price": "flashcp.sim.price_kernels",
 }
 #: the sources the cache key hashes: every kernel module and this one (it sets how they compile)

@@ -102,8 +102,8 @@ import numpy as np
 
 from flashcp import compiled
 from flashcp.comm import AttnShape, check_mode, comm_volume, grad_comm_bytes
-from flashcp.head_parallel import one_group_documents
 from flashcp.plan import Plan, cu_seqlens
+from flashcp.plan.head_parallel import one_group_documents
 from flashcp.registry import COMM_KIND
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim.hardware import HardwareProfile, interp_loglog_v, load_hardware
@@ -260,7 +260,7 @@ def _alltoall_phases(
     ``bwd_k`` µs: scalars, or (S,) arrays for S plans (phase times in ms, ``total_ms`` left
     out). ``kernels``: the kernels run in this stage (Ulysses; a hybrid's are its inner op's);
     ``pad``: 1 where the forward pads the output before gathering heads (scalar or (S,))."""
-    from flashcp.head_parallel import ulysses_heads
+    from flashcp.plan.head_parallel import ulysses_heads
 
     u = degree
     heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, u)
@@ -406,7 +406,7 @@ class PlanCost:
             self._init_alltoall()
             return
         #: a hybrid with one group (u = N) is plain Ulysses, as its op runs it
-        #: (:func:`flashcp.head_parallel.one_group_documents`): priced as ``alltoall``
+        #: (:func:`flashcp.plan.head_parallel.one_group_documents`): priced as ``alltoall``
         self.plain_ulysses = comm_kind != "alltoall" and one_group_documents(plan) is not None
         if self.plain_ulysses:
             self.u = 1
@@ -580,7 +580,7 @@ class PlanCost:
         self.q_rows = self.kv_rows = np.full(n, rows)
 
     def _alltoall_heads(self, shape: AttnShape):
-        from flashcp.head_parallel import ulysses_heads
+        from flashcp.plan.head_parallel import ulysses_heads
 
         heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, self.n)
         local = AttnShape(
@@ -602,7 +602,7 @@ class PlanCost:
 
     def _hybrid_shape(self, shape: AttnShape) -> AttnShape:
         """The heads one rank of a head-parallel group attends with: H/u and r Hkv/u."""
-        from flashcp.head_parallel import ulysses_heads
+        from flashcp.plan.head_parallel import ulysses_heads
 
         heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, self.u)
         return AttnShape(heads.heads_per_rank, heads.kv_heads_per_rank, shape.head_dim, shape.dtype)
@@ -1827,8 +1827,8 @@ class PlanBatch:
 
     def _volumes(self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int):
         from flashcp.comm import alltoall_bytes
-        from flashcp.head_parallel import ulysses_heads
         from flashcp.plan import kv_bytes
+        from flashcp.plan.head_parallel import ulysses_heads
 
         train = mode == "train"
         grad_elem = grad_comm_bytes(shape)
@@ -1892,7 +1892,7 @@ class PlanBatch:
             p2p_us = functools.partial(_p2p_us_v, hw)
             return _ring_phases(stack, shape, mode, vol["p2p_bytes"], fwd_p2p, p2p_us)
         if comm_kind == "alltoall":
-            from flashcp.head_parallel import ulysses_heads
+            from flashcp.plan.head_parallel import ulysses_heads
 
             fwd, bwd, rows = self.alltoall(hw)
             heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, n)
@@ -2031,7 +2031,7 @@ def attention_balance(
     Raises:
         ValueError: as :func:`price_plans`.
     """
-    from flashcp.head_parallel import ulysses_heads
+    from flashcp.plan.head_parallel import ulysses_heads
 
     check_mode(mode)
     train = mode == "train"
@@ -2087,7 +2087,7 @@ def _attention_passes(batch, hw, kind, method, shape, train) -> list[np.ndarray]
             passes.append(stack._ring_bwd_compute(shape)[0])
         return passes
     if kind == "alltoall":
-        from flashcp.head_parallel import ulysses_heads
+        from flashcp.plan.head_parallel import ulysses_heads
 
         fwd, bwd, rows = batch.alltoall(hw)
         heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, n)
@@ -2119,7 +2119,7 @@ def _price_group(
 ) -> dict[str, np.ndarray]:
     """:func:`price_plans` of plans sharing (comm_kind, method, cp_size, Ulysses degree u), from
     ``batch`` (a :class:`PlanBatch` of exactly these plans, statistics kept) when given."""
-    from flashcp.head_parallel import ulysses_heads
+    from flashcp.plan.head_parallel import ulysses_heads
 
     if kind == "single":
         return _price_single(plans, hws, shapes, modes, batch)

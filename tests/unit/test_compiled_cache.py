@@ -73,13 +73,13 @@ def test_an_edited_kernel_reaches_every_module_that_calls_it(tmp_path):
     heuristic_compiled's cached code on heuristic_compiled.py, which did not change, and kept the
     old ``_failed`` compiled into it.)"""
     root = _copy(tmp_path / "src", "flashcp")
-    for module in ("plan_kernels", "heuristic_compiled"):
+    for module in ("plan/kernels", "planners/flashcp/compiled"):
         with (root / "flashcp" / f"{module}.py").open("a") as f:
             f.write(PROBE)
     home = tmp_path / "home"
     assert _probe(root, home, "plan", "heuristic") == {"plan": [3, 0], "heuristic": [3, 0]}
     assert _probe(root, home, "heuristic", "plan") == {"plan": [3, 1], "heuristic": [3, 1]}
-    kernels = root / "flashcp" / "plan_kernels.py"
+    kernels = root / "flashcp" / "plan" / "kernels.py"
     text = kernels.read_text()
     assert text.count("    out[1] = status\n") == 1
     kernels.write_text(text.replace("    out[1] = status\n", "    out[1] = status + 100\n"))

@@ -1,10 +1,10 @@
 """Exact FlashCP planning as an integer linear programme (arXiv 2606.08476, §3.4; docs/design.md §3).
 
-The heuristic (:mod:`flashcp.heuristic`) decides which documents to cut and where; this package
+The heuristic (:mod:`flashcp.planners.flashcp`) decides which documents to cut and where; this package
 solves the same problem exactly at a chosen granularity, with PuLP and CBC (bundled) or HiGHS
-(``pip install flashcp[highs]``). Modules: :mod:`~flashcp.ilp.model` (pieces and the two
-formulations), :mod:`~flashcp.ilp.worker` (the solver process and its watchdog),
-:mod:`~flashcp.ilp.planner` (:func:`plan_ilp`: warm start, solve, read the plan, fall back).
+(``pip install flashcp[highs]``). Modules: :mod:`~flashcp.planners.ilp.model` (pieces and the two
+formulations), :mod:`~flashcp.planners.ilp.worker` (the solver process and its watchdog),
+:mod:`~flashcp.planners.ilp.planner` (:func:`plan_ilp`: warm start, solve, read the plan, fall back).
 
 What it optimises
 -----------------
@@ -69,7 +69,7 @@ the heuristics' plans are far from optimal (Pile sequences with a 64K-token book
 where the optimum is above 0.5). So with a warm start, ``plan_ilp`` first solves the LP
 relaxation, *dives* (fixes the most decided fractional last-shard choice and re-solves, one
 document at a time) and cuts the fractional solution into a plan instead of rounding it
-(:func:`~flashcp.ilp.model.round_fractions`: piece i gives ``len_i * x[i, r]`` tokens to rank
+(:func:`~flashcp.planners.ilp.model.round_fractions`: piece i gives ``len_i * x[i, r]`` tokens to rank
 r, so every rank keeps exactly C / N). Head pieces shared between ranks cost what the LP counted;
 only documents whose last shard the LP still shares pay extra. When that plan meets the cap and
 beats the heuristic seed, its cut points join the grid (as the seed's do) and it is the MIP start
@@ -82,7 +82,7 @@ root bound after HiGHS's cuts stays within about 1% of the best plans found in l
 the MIP's own heuristics leave a heuristic start untouched for minutes (every rank must keep
 exactly C / N tokens, an equality knapsack that rounding and diving rarely satisfy). With
 ``lns`` (on when ``highspy`` is installed), ``plan_ilp`` first improves the start by
-large-neighbourhood search over pairs of ranks (:func:`~flashcp.ilp.worker.pair_lns`): keep
+large-neighbourhood search over pairs of ranks (:func:`~flashcp.planners.ilp.worker.pair_lns`): keep
 every rank's variables but two ranks' fixed at the incumbent, solve that sub-MIP (the two ranks
 may exchange tails and head pieces and cut documents differently while keeping C / N tokens
 each), and go round the N (N - 1) / 2 pairs until a round brings nothing or half the time
@@ -98,7 +98,7 @@ gap and status keep their meaning.
 
 Solving honestly
 ----------------
-The solve runs in a separate process under a watchdog (:mod:`flashcp.ilp.worker`): past
+The solve runs in a separate process under a watchdog (:mod:`flashcp.planners.ilp.worker`): past
 ``time_limit_s`` plus a grace period the solver's process group is killed and its files deleted.
 PuLP's ``LpStatus`` reads "Optimal" for a MIP cut short with an incumbent, so the planner reads
 the *solution* status: proven optimal (within ``gap``) gives status ``"ok"``; an incumbent without
@@ -106,14 +106,14 @@ proof gives ``"time_limit"`` (``info`` holds its bound and gap); no solution (in
 no incumbent, solver error) returns the warm start's plan (the better heuristic of ``flashcp`` and
 ``flashcp_refined`` by default; ``info["fallback_method"]`` names it) with status ``"fallback"``
 and a warning (or raises ``ValueError`` with ``on_failure="raise"``). Every comparison with the
-cap ``max_imbalance`` allows the relative tolerance :data:`~flashcp.ilp.model.CAP_TOLERANCE`
+cap ``max_imbalance`` allows the relative tolerance :data:`~flashcp.planners.ilp.model.CAP_TOLERANCE`
 (1e-9): a warm start at exactly the cap is accepted. The best bound B also bounds
 what any plan on the same pieces can save: ``comm_saving <= 1 - max(0, B - max_imbalance) /
 comm_weight`` (``info["saving_upper_bound"]``).
 """
 
-from flashcp.ilp.model import CAP_TOLERANCE, FORMULATIONS, block_pieces, meets_cap
-from flashcp.ilp.planner import plan_ilp, plan_objective, saving_bound
+from flashcp.planners.ilp.model import CAP_TOLERANCE, FORMULATIONS, block_pieces, meets_cap
+from flashcp.planners.ilp.planner import plan_ilp, plan_objective, saving_bound
 
 __all__ = [
     "CAP_TOLERANCE",

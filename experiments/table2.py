@@ -47,7 +47,7 @@ from experiments.common.entry import (
 )
 from experiments.common.launch import launch
 from flashcp.config import DatasetConfig
-from flashcp.progress import progress_bar
+from flashcp.executors.progress import progress_bar
 from flashcp.results import markdown_table
 
 __all__ = [

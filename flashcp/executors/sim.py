@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from flashcp.executors.progress import progress_bar
 from flashcp.executors.rows import (
     PLAN_COLUMNS,
     error_status,
@@ -36,7 +37,6 @@ from flashcp.executors.rows import (
     plan_sequences,
 )
 from flashcp.executors.spec import RunSpec
-from flashcp.progress import progress_bar
 
 __all__ = [
     "PLAN_COLUMNS",

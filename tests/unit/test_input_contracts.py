@@ -143,7 +143,7 @@ def test_kernel_time_takes_profile_names_and_refuses_fractions():
 
 
 def test_advise_refuses_a_comma_string_of_methods():
-    from flashcp.advise import advise
+    from flashcp.cli.advise import advise
 
     with pytest.raises(ValueError, match=r"e.g. \['flashcp', 'zigzag'\]\), got the string"):
         advise(dataset="pile", cp_size=8, methods="flashcp,zigzag")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from flashcp.kinds import CommKind, OpFamily
-from flashcp.layout import split_packed
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
+from flashcp.planners.layout import split_packed
 from flashcp.registry import MethodSpec
 
 

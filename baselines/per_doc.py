@@ -2,7 +2,7 @@
 
 Layout: every document cut into 2N chunks; rank r holds chunk r and chunk 2N-1-r of every document.
 Remainder tokens (d mod 2N) are spread round-robin over ranks so every rank holds exactly C/N tokens
-with no padding (:func:`flashcp.layout.per_doc_chunk_sizes`). Communication: all-gather of the full
+with no padding (:func:`flashcp.planners.layout.per_doc_chunk_sizes`). Communication: all-gather of the full
 KV, reduce-scatter of dK/dV.
 """
 
@@ -12,8 +12,8 @@ import numpy as np
 
 from flashcp import compiled
 from flashcp.kinds import CommKind, OpFamily
-from flashcp.layout import per_doc_chunk_sizes, per_doc_columns
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
+from flashcp.planners.layout import per_doc_chunk_sizes, per_doc_columns
 from flashcp.registry import MethodSpec
 
 

@@ -10,8 +10,8 @@ computes on r + 1 blocks (the ring's known load imbalance).
 from __future__ import annotations
 
 from flashcp.kinds import CommKind, OpFamily
-from flashcp.layout import split_packed
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
+from flashcp.planners.layout import split_packed
 from flashcp.registry import MethodSpec
 
 

@@ -11,8 +11,8 @@ computes every document for H/N heads, so the plan is balanced by construction
 from __future__ import annotations
 
 from flashcp.kinds import CommKind, OpFamily
-from flashcp.layout import split_packed
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
+from flashcp.planners.layout import split_packed
 from flashcp.registry import MethodSpec
 
 
@@ -22,7 +22,7 @@ def plan_ulysses(doc_lens, cp_size: int, *, num_pad: int = 0, validate: bool = T
     N ranks (``info["ulysses_degree"] = cp_size``).
 
     Heads are checked by the op and by :func:`flashcp.comm.comm_volume`
-    (:func:`flashcp.head_parallel.ulysses_heads`), which know them.
+    (:func:`flashcp.plan.head_parallel.ulysses_heads`), which know them.
 
     Raises:
         ValueError: bad lengths, ``cp_size`` < 1, or C (pad included) not divisible by N.

@@ -4,7 +4,7 @@ head-parallel x ring context parallelism.
 Layout: the N ranks form G = N/u groups of u consecutive ranks (``ulysses_degree = u``). Across
 the groups, the zigzag layout (:mod:`baselines.zigzag`: every document in 2G chunks, group g
 holding chunks g and 2G-1-g); inside a group, the group's rows cut into u consecutive pieces of
-C/N (:func:`flashcp.head_parallel.split_groups`). Communication: an all-to-all inside each group
+C/N (:func:`flashcp.plan.head_parallel.split_groups`). Communication: an all-to-all inside each group
 (Ulysses, H/u heads per rank over the group's tokens) and ring P2P across the groups for those
 heads (:mod:`flashcp.ops.hybrid_attn`).
 """
@@ -12,9 +12,9 @@ heads (:mod:`flashcp.ops.hybrid_attn`).
 from __future__ import annotations
 
 from baselines.zigzag import plan_zigzag
-from flashcp.head_parallel import check_ulysses_degree, split_groups
 from flashcp.kinds import CommKind, OpFamily
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, planner_entry
+from flashcp.plan.head_parallel import check_ulysses_degree, split_groups
 from flashcp.registry import MethodSpec
 
 
@@ -29,10 +29,10 @@ def plan_usp(
 ) -> Plan:
     """Plan USP with Ulysses degree u: zigzag over N/u groups, each group's rows in u pieces.
 
-    ``ulysses_degree=None`` takes the default of :func:`flashcp.head_parallel.check_ulysses_degree`.
+    ``ulysses_degree=None`` takes the default of :func:`flashcp.plan.head_parallel.check_ulysses_degree`.
 
     Heads are checked against u by the op and by :func:`flashcp.comm.comm_volume`
-    (:func:`flashcp.head_parallel.ulysses_heads`), which know them.
+    (:func:`flashcp.plan.head_parallel.ulysses_heads`), which know them.
 
     Raises:
         ValueError: bad lengths, ``cp_size`` < 1, C (pad included) not divisible by N, or a

@@ -37,7 +37,7 @@ does a replayed unit or a ``dist`` row that failed (the others are still written
    (its plain entry, no Hydra) for every method.
 6. ``kernels.csv``: one varlen kernel call per rank for every method's all-gather layout, forward
    and backward, measured vs :func:`flashcp.sim.attention_kernel_ms`
-   (:func:`flashcp.sim.calibration.measure_kernels`).
+   (:func:`flashcp.executors.kernels.measure_kernels`).
 7. ``summary.md``: what ran, how long each step took, measured vs simulated per method and phase,
    the fitted constants.
 
@@ -71,18 +71,14 @@ import torch  # noqa: E402
 from flashcp.comm import AttnShape  # noqa: E402
 from flashcp.data import load_distribution, sample_sequences  # noqa: E402
 from flashcp.executors import RunSpec, execute  # noqa: E402
+from flashcp.executors.kernels import measure_kernels  # noqa: E402
 from flashcp.executors.rows import ILP_COLUMNS  # noqa: E402
 from flashcp.ops.backends import get_backend  # noqa: E402
 from flashcp.registry import method_names  # noqa: E402
 from flashcp.resources import source_root  # noqa: E402
 from flashcp.results import PHASE_COLUMNS, markdown_table, provenance, write_csv_atomic  # noqa: E402
 from flashcp.sim import HardwareProfile, load_hardware  # noqa: E402
-from flashcp.sim.calibration import (  # noqa: E402
-    fit_replays,
-    free_constants,
-    measure_kernels,
-    measured_vs_model,
-)
+from flashcp.sim.calibration import fit_replays, free_constants, measured_vs_model  # noqa: E402
 
 METHODS = method_names(paper=True)
 DATASETS = ("wlb_llm", "pile", "redpajama")
@@ -349,7 +345,7 @@ def kernel_rows(
     args, device: torch.device, shape: AttnShape, hw: HardwareProfile, budget: Budget
 ) -> list[dict]:
     """Measured vs simulated kernel time per (case, method, rank, pass), while the budget lasts
-    (:func:`flashcp.sim.calibration.measure_kernels`): one 128K document, 16 of 8K, and every
+    (:func:`flashcp.executors.kernels.measure_kernels`): one 128K document, 16 of 8K, and every
     sampled sequence."""
     c = args.context_len
     cases = {"1x128K": np.array([c]), "16x8K": np.full(16, c // 16)}

@@ -2,7 +2,7 @@
 ``flashcp-sensitivity`` (or ``python -m experiments.sensitivity``; conf/sensitivity.yaml,
 :class:`SensitivityConfig`).
 
-Every overhead constant of the hardware profile (:data:`VARIED`) is varied over a plausible range,
+Every overhead constant of the hardware profile (:data:`VARIED`, :mod:`flashcp.sim.perturb`) is varied over a plausible range,
 a factor of ``1/2`` to ``2`` of its calibrated value (``factor``; for
 ``nccl_slowdown`` the factor applies to its excess over 1, for ``overlap_fraction`` to the part
 not overlapped; values stay within what the profile accepts):
@@ -38,10 +38,8 @@ and ``tornado.png``.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +64,7 @@ from flashcp.data.datasets import DatasetName
 from flashcp.data.distributions import WEIGHTINGS
 from flashcp.results import markdown_table
 from flashcp.sim.hardware import HardwareProfile
+from flashcp.sim.perturb import OPTIONAL_VARIED, VARIED, joint_factors, perturb
 
 log = logging.getLogger(__name__)
 
@@ -254,62 +253,6 @@ def check_sensitivity_config(cfg: Any) -> None:
         )
 
 
-#: the overhead constants varied (the kernel tile rates, fixed by the FA2 table, are not)
-VARIED = (
-    "launch_us",
-    "copy_bw_gbps",
-    "fwd_cta_overhead_us",
-    "bwd_cta_overhead_us",
-    "collective_latency_us",
-    "allgather_busbw_gbps",
-    "p2p_latency_us",
-    "p2p_bw_gbps",
-    "host_op_us",
-    "collective_host_us",
-    "ring_step_fwd_us",
-    "ring_step_bwd_us",
-    "doc_host_us",
-    "merge_bytes_scripted",
-    "merge_bytes_eager",
-    "accum_bytes_eager",
-    "nccl_slowdown",
-    "overlap_fraction",
-)
-#: constants a study may add to VARIED (``constants``): the all-to-all bus bandwidth, which follows
-#: ``allgather_busbw_gbps`` when not varied itself (its profile value is derived from it)
-OPTIONAL_VARIED = ("alltoall_busbw_gbps",)
-
-
-def perturb(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
-    """``hw`` with each named constant scaled by its factor (module docstring for the special
-    cases); ``reducescatter_busbw_gbps`` follows ``allgather_busbw_gbps``, and so does
-    ``alltoall_busbw_gbps`` unless it is among ``factors`` itself.
-
-    Raises:
-        ValueError: an unknown constant.
-    """
-    vals: dict[str, float] = {}
-    for k, f in factors.items():
-        if k not in (*VARIED, *OPTIONAL_VARIED):
-            known = ", ".join((*VARIED, *OPTIONAL_VARIED))
-            raise ValueError(f"{k!r} is not a varied constant; choose from {known}")
-        v = float(getattr(hw, k))
-        if k == "nccl_slowdown":
-            vals[k] = 1.0 + (v - 1.0) * f
-        elif k == "overlap_fraction":
-            vals[k] = min(1.0, 1.0 - (1.0 - v) * f)
-        elif k == "collective_latency_us":  # stays below the published curve's smallest time
-            cap = min(hw._curve_seconds()) * 1e6 * 0.99
-            vals[k] = min(v * f, cap)
-        else:
-            vals[k] = v * f
-        if k == "allgather_busbw_gbps":
-            vals["reducescatter_busbw_gbps"] = hw.reducescatter_busbw_gbps * f
-            if "alltoall_busbw_gbps" not in factors:
-                vals["alltoall_busbw_gbps"] = hw.alltoall_busbw_gbps * f
-    return dataclasses.replace(hw, **vals)
-
-
 #: the provenance columns of a data variant in every output row (as flashcp-run records them)
 VARIANT_COLUMNS = (
     "dataset_variant", "dataset", "weighting", "dataset_path", "dataset_sha256", "dataset_cap",
@@ -330,27 +273,6 @@ def _variant_columns(v: DataVariant, context_len: int) -> dict[str, Any]:
         "dataset_cap": v.cap if v.cap is not None else 4 * int(context_len),
         "overlong": v.overlong,
     }
-
-
-def joint_factors(
-    num_draws: int, factor: float, seed: int, varied: tuple[str, ...] = VARIED
-) -> list[dict[str, float]]:
-    """The joint study's draws: ``num_draws`` points of a Latin hypercube
-    (``scipy.stats.qmc.LatinHypercube``, seeded) of log-uniform factors in ``[1/factor, factor]``,
-    one per constant of ``varied`` (default :data:`VARIED`; give each to :func:`perturb`).
-
-    Raises:
-        ValueError: ``num_draws`` < 1 or ``factor`` <= 1.
-    """
-    from scipy.stats import qmc
-
-    if int(num_draws) < 1 or not float(factor) > 1.0:
-        raise ValueError(
-            f"joint draws need num_draws >= 1 and factor > 1, got {num_draws}, {factor}"
-        )
-    lhs = qmc.LatinHypercube(d=len(varied), seed=int(seed)).random(int(num_draws))
-    logf = (2.0 * lhs - 1.0) * math.log(float(factor))
-    return [dict(zip(varied, row.tolist(), strict=True)) for row in np.exp(logf)]
 
 
 def _profiles(

@@ -8,10 +8,10 @@ the ILP's mean saving over the sequences where it proved its optimum (status ``o
 ``saving_minus_ilp`` the same against the ILP's returned plan on every sequence (proven or
 not), and ``saving_bound_minus_saving`` the mean distance from the planner's saving to the upper bound
 that the ILP's best bound proves for any plan on its pieces at the imbalance cap
-(:func:`flashcp.ilp.saving_bound`), over every sequence with a bound. The ILP row adds how many
+(:func:`flashcp.planners.ilp.saving_bound`), over every sequence with a bound. The ILP row adds how many
 solves were proven optimal, stopped on the time limit with an incumbent, or fell back to the
 heuristic; its mean gap; how many improved on their warm start, how many warm starts the
-solver accepted, how many started from the rounded LP relaxation (:func:`flashcp.ilp.plan_ilp`,
+solver accepted, how many started from the rounded LP relaxation (:func:`flashcp.planners.ilp.plan_ilp`,
 ``lp_rounding``) and how many starts the neighbourhood search improved (``lns``). Times: mean and p90 per sequence (heuristics: median of 3 runs).
 
 Outputs in ``out_dir``: ``table2_rows.csv`` (one row per planner x sequence, with a ``status``
@@ -47,7 +47,7 @@ from experiments.common.entry import (
 )
 from experiments.common.launch import launch
 from flashcp.config import DatasetConfig
-from flashcp.progress import progress_bar
+from flashcp.executors.progress import progress_bar
 from flashcp.results import markdown_table
 
 __all__ = [
@@ -102,14 +102,14 @@ class Table2Config(ExperimentConfig):
     formulation: str = "patterns"
     #: relative gap at which an ILP solve counts as proven optimal
     gap: float = 0.01
-    #: weight of communication in the ILP objective (flashcp.ilp.plan_ilp)
+    #: weight of communication in the ILP objective (flashcp.planners.ilp.plan_ilp)
     comm_weight: float = 1.0
     #: the ILP's MIP start: best | flashcp | flashcp_refined | null (none)
     warm_start: str | None = "best"
     #: also try a MIP start cut from the LP relaxation (needs a warm_start)
     lp_rounding: bool = True
     #: improve the MIP start by a neighbourhood search over pairs of ranks (null: on when highspy
-    #: is installed; flashcp.ilp.plan_ilp)
+    #: is installed; flashcp.planners.ilp.plan_ilp)
     lns: bool | None = None
     #: HiGHS options by name, passed to the solver (checked before any solve). The default
     #: mip_heuristic_effort 1.0 (HiGHS's own: 0.05) is the setting experiments/benchmarks/bench_ilp.py
@@ -156,7 +156,7 @@ def _ilp_row(args: tuple) -> dict:
     """Solve one sequence with the ILP (top-level so a process pool can run it)."""
     import warnings
 
-    from flashcp.ilp import plan_ilp
+    from flashcp.planners.ilp import plan_ilp
 
     seq, doc_lens, cp_size, opts = args
     t0 = time.perf_counter()
@@ -287,7 +287,7 @@ def run_table2(
         context_len: C in tokens.
         cp_size: N.
         time_limit_s: ILP wall-clock limit per sequence, seconds.
-        block_size: ILP granularity in tokens (:func:`flashcp.ilp.block_pieces`).
+        block_size: ILP granularity in tokens (:func:`flashcp.planners.ilp.block_pieces`).
         seed: sampling seed. Sequences are sampled as ``flashcp-run`` samples them
             (:func:`flashcp.data.sample_dataset` with its defaults: documents weighting, cap
             4 x C, documents longer than C split), so they are the ones of Fig. 5 / 7.
@@ -299,7 +299,7 @@ def run_table2(
             Each row counts its sequence's ``overlong_docs`` and ``overlong_tokens_cut``.
         target_imbalance: R for ``flashcp`` and ``flashcp_refined``, and the ILP's imbalance cap.
         solver, gap, comm_weight, warm_start, formulation, lp_rounding, lns, highs_options: passed to
-            :func:`flashcp.ilp.plan_ilp` (``highs_options`` equal to flashcp-table2's default,
+            :func:`flashcp.planners.ilp.plan_ilp` (``highs_options`` equal to flashcp-table2's default,
             :data:`DEFAULT_HIGHS_OPTIONS`, is dropped under ``solver="cbc"``). The default warm start is the better heuristic, so the
             ILP row is never worse than the best plan known; ``gap`` is the relative gap at which
             a solve counts as proven optimal.
@@ -316,7 +316,7 @@ def run_table2(
     workers = check_workers(workers)
     if solver != "highs" and dict(highs_options or {}) == DEFAULT_HIGHS_OPTIONS:
         highs_options = None  # flashcp-table2's default is for HiGHS only
-    from flashcp.refined import plan_flashcp_refined
+    from flashcp.planners.flashcp_refined import plan_flashcp_refined
     from flashcp.registry import get_planner
     from flashcp.results import provenance, write_csv_atomic
 

@@ -239,8 +239,8 @@ def run_train(cfg: DictConfig) -> Path:
 
     from flashcp.data import overlong_note, sample_dataset
     from flashcp.executors.dist import init_from_env
+    from flashcp.executors.progress import progress_bar
     from flashcp.ops.collectives import plan_on_one_rank
-    from flashcp.progress import progress_bar
     from flashcp.registry import make_plan_for
     from flashcp.results import config_hash, provenance, write_csv_atomic
     from flashcp.training import CPAttention, allreduce_grads, cp_cross_entropy, shard_batch

@@ -1,6 +1,6 @@
 """FlashCP harness: context parallelism over packed, document-masked sequences.
 
-The library: the plan data model (:mod:`flashcp.plan`), the planners (:mod:`flashcp.heuristic`,
+The library: the plan data model (:mod:`flashcp.plan`), the planners (:mod:`flashcp.planners.flashcp`,
 the baselines in the top-level :mod:`baselines` package; each method's spec sits beside its
 planner and :mod:`flashcp.registry` finds them through the ``flashcp.methods`` entry points),
 document-length samplers (:mod:`flashcp.data`), the simulator (:mod:`flashcp.sim`) and the

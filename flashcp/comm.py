@@ -26,7 +26,7 @@ them by default (:func:`flashcp.ops.collectives.resolve_grad_comm_dtype`).
   docs/design.md §3): one all-to-all of a (T, h, D) tensor over a group of u ranks, T = C/N rows
   per rank (pad rows included: they travel in the equal-split all-to-all), makes one rank receive
   ``(u - 1) / u * T * h * D`` elements. The forward moves q (h = H), k and v (h = r Hkv each, r
-  the KV replication of :func:`flashcp.head_parallel.ulysses_heads`) in and the output (H) back;
+  the KV replication of :func:`flashcp.plan.head_parallel.ulysses_heads`) in and the output (H) back;
   training moves dO (H) in and dQ (H), dK, dV (r Hkv) back: dQ, and dK / dV when r = 1, are whole
   gradients in the model dtype; replicated KV heads' gradients are partial sums, in
   ``grad_comm_dtype``. Communication across the N / u groups is the family above of
@@ -152,7 +152,7 @@ def check_keep_gathered_kv_kind(plan: Plan, comm_kind: str, keep_gathered_kv) ->
 def alltoall_bytes(tokens: int, heads: int, head_dim: int, dtype_bytes: int, degree: int) -> int:
     """Bytes one rank receives in one Ulysses all-to-all of a (tokens, heads, head_dim) tensor over
     ``degree`` ranks: ``(u - 1) / u * tokens * heads * head_dim * dtype_bytes`` (it keeps its own
-    1/u). ``heads`` must divide by ``degree`` (:func:`flashcp.head_parallel.ulysses_heads`)."""
+    1/u). ``heads`` must divide by ``degree`` (:func:`flashcp.plan.head_parallel.ulysses_heads`)."""
     return (degree - 1) * tokens * (heads // degree) * head_dim * dtype_bytes
 
 
@@ -184,12 +184,12 @@ def comm_volume(
         "comm_bytes"}`` (ints; ``comm_bytes`` is their sum).
     Raises:
         ValueError: unknown ``comm_kind``, ``mode`` or ``grad_comm_dtype``; heads that the plan's
-            Ulysses degree does not allow (:func:`flashcp.head_parallel.ulysses_heads`), or
+            Ulysses degree does not allow (:func:`flashcp.plan.head_parallel.ulysses_heads`), or
             ``alltoall`` for a plan whose degree is not its cp_size; ``keep_gathered_kv`` not a
             bool, or True for a kind other than ``allgather_*`` or a head-parallel plan (no op of
             theirs keeps the KV).
     """
-    from flashcp.head_parallel import ulysses_heads
+    from flashcp.plan.head_parallel import ulysses_heads
 
     check_mode(mode)
     kinds = ("allgather_full", "allgather_sharded", "p2p_ring", "alltoall")

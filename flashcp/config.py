@@ -543,12 +543,12 @@ def check_method_heads(
 
     Raises:
         MethodNotApplicable: one line naming the method, cp_size, the degree, the heads and the
-            nearest valid degrees (:func:`flashcp.head_parallel.ulysses_heads`).
+            nearest valid degrees (:func:`flashcp.plan.head_parallel.ulysses_heads`).
     """
     from omegaconf import OmegaConf
 
-    from flashcp.head_parallel import check_ulysses_degree, ulysses_heads
     from flashcp.kinds import OpFamily
+    from flashcp.plan.head_parallel import check_ulysses_degree, ulysses_heads
     from flashcp.registry import get_method
 
     if trial is not None:

@@ -35,8 +35,9 @@ Discovery imports the modules that hold the specs (light: no torch, no solver); 
 named ``"module:function"`` are imported only when first used, so importing :mod:`flashcp` imports
 neither the baselines nor torch. :func:`register_method` adds a method at run time (tests,
 notebooks). This module imports only the leaf modules :mod:`flashcp.kinds` and
-:mod:`flashcp.resources`: the data model (:mod:`flashcp.plan`) does not read it, and the method
-modules import it without a circle (it imports them by name, after they are loaded).
+:mod:`flashcp.resources`: the data model (:mod:`flashcp.plan`) does not read it, the method
+modules import it without a circle (it imports them by name, after they are loaded), and the ops
+read it (:func:`flashcp.ops.get_attn_op` binds a method's op family), never the other way.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ __all__ = [
     "OpFamily",
     "check_options",
     "comm_kind_of",
-    "get_attn_op",
     "get_method",
     "get_planner",
     "load_target",
@@ -445,16 +445,6 @@ def make_plan_for(method: str, doc_lens, cp_size: int, **options) -> Plan:
     if unknown:
         _unknown_option(method, sorted(unknown)[0])
     return planner(doc_lens, cp_size, **split_options(method, options)[0])
-
-
-def get_attn_op(method: str) -> tuple[Callable, Callable]:
-    """``(prepare_fn, attn_fn)`` of ``method``'s real op: :func:`flashcp.ops.get_attn_op`
-    (imported on first use, so this module imports no op code).
-
-    Raises:
-        ValueError: unknown method (the message lists the known ones).
-    """
-    return importlib.import_module("flashcp.ops").get_attn_op(method)
 
 
 # ---- planner options -----------------------------------------------------------------------------

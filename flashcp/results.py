@@ -79,7 +79,7 @@ IDENTITY_COLUMNS: tuple[str, ...] = (
     "code_version",
 )  # fmt: skip
 
-#: ``plan.info`` keys of an ILP plan (:func:`flashcp.ilp.plan_ilp`) that every row carries as
+#: ``plan.info`` keys of an ILP plan (:func:`flashcp.planners.ilp.plan_ilp`) that every row carries as
 #: ``ilp_<key>``: the solve's status, relative gap, objective (of the returned plan), best bound,
 #: solver threads asked for (null: the solver's default), whether a warm start was given and
 #: accepted, and the heuristic whose plan a fallback returned (null: no fallback)

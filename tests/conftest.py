@@ -16,7 +16,7 @@ examples, so a failure reproduces and a pass means the same thing on every machi
 ``HYPOTHESIS_PROFILE=explore`` draws fresh random examples (to look for new failures locally).
 
 The compiled (numba) planner and pricing kernels are compiled once, in this process, before any
-test (:func:`flashcp.compile_cache.warm_up`): the multi-rank tests fork their ranks from it (they
+test (:func:`flashcp.compiled.warm.warm_up`): the multi-rank tests fork their ranks from it (they
 inherit the loaded kernels) and later processes load them from the cache, instead of several
 processes compiling them at once on a fresh checkout (a minute each on two busy cores).
 """
@@ -44,7 +44,7 @@ def _one_intra_op_thread():
 
 @pytest.fixture(autouse=True, scope="session")
 def _compiled_kernels_once():
-    from flashcp.compile_cache import warm_up
+    from flashcp.compiled.warm import warm_up
 
     if os.environ.get("FLASHCP_COMPILED") != "0":
         warm_up()  # also marks the cache ready: no test starts a background compile

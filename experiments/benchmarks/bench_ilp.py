@@ -52,7 +52,7 @@ __all__ = [
 
 
 def _ilp_row(sweep: str, doc_lens: np.ndarray, cp_size: int, **opts) -> dict:
-    from flashcp.ilp import plan_ilp
+    from flashcp.planners.ilp import plan_ilp
 
     t0 = time.perf_counter()
     with warnings.catch_warnings():
@@ -178,10 +178,10 @@ def bench_time_to_gap(
 ) -> list[dict]:
     """Per sequence of the Table 2 setup (Pile, N = 4, 128K, cap 1.02, warm start ``best``): the
     ILP's wall time until its relative gap is proven <= ``gap`` (status ``ok``), or the limit;
-    per value of ``lp_rounding`` (:func:`flashcp.ilp.plan_ilp`: the LP-rounded MIP start) and,
+    per value of ``lp_rounding`` (:func:`flashcp.planners.ilp.plan_ilp`: the LP-rounded MIP start) and,
     for HiGHS, of ``heuristic_efforts`` (its ``mip_heuristic_effort``; None: HiGHS's default 0.05).
     ``saving_gap`` is the honest distance on communication alone: the saving that the best bound
-    proves for any plan on the grid (:func:`flashcp.ilp.saving_bound`) minus the plan's saving."""
+    proves for any plan on the grid (:func:`flashcp.planners.ilp.saving_bound`) minus the plan's saving."""
     from flashcp.data import load_distribution, sample_sequences
 
     seqs = sample_sequences(load_distribution("pile"), num_sequences, 131072, seed=seed)
@@ -266,8 +266,8 @@ def bench_wlb_cp8(
 def bench_heuristics(num_sequences: int = 20, repeats: int = 5, seed: int = 0) -> list[dict]:
     """Per-sequence planning time of ``flashcp`` and ``flashcp_refined`` at 128K, N = 4 and 8."""
     from flashcp.data import load_distribution, sample_sequences
-    from flashcp.heuristic import plan_flashcp
-    from flashcp.refined import plan_flashcp_refined
+    from flashcp.planners.flashcp import plan_flashcp
+    from flashcp.planners.flashcp_refined import plan_flashcp_refined
 
     seqs = sample_sequences(load_distribution("pile"), num_sequences, 131072, seed=seed)
     planners = {"flashcp": plan_flashcp, "flashcp_refined": plan_flashcp_refined}

@@ -35,8 +35,8 @@ import numpy as np
 import pandas as pd
 
 from flashcp.data import load_distribution, sample_sequences
-from flashcp.heuristic import plan_flashcp
-from flashcp.refined import plan_flashcp_refined
+from flashcp.planners.flashcp import plan_flashcp
+from flashcp.planners.flashcp_refined import plan_flashcp_refined
 from flashcp.registry import get_planner
 
 DATASETS = ("wlb_llm", "pile", "redpajama")

@@ -12,7 +12,8 @@ identity and provenance.
 
 Every executor runs the same row loop (:mod:`flashcp.executors.rows`: plan each sequence, measure
 the plans, build the rows), so they write the same columns, of the same types, by construction;
-they differ only in how a plan is measured, and import that module, never each other.
+they differ only in how a plan is measured, and import that module and :mod:`flashcp.executors.spec`
+(:class:`RunSpec`), never each other nor this package, which loads them by name.
 
 * :mod:`flashcp.executors.sim`: the analytic cost model; plans each (sequence, method, options,
   cp_size) once and prices every run that shares the plan (several models, hardware profiles).
@@ -25,11 +26,10 @@ they differ only in how a plan is measured, and import that module, never each o
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
-from flashcp.comm import AttnShape
+from flashcp.executors.spec import RunSpec
 
 __all__ = ["EXECUTORS", "RunSpec", "execute"]
 
@@ -39,45 +39,6 @@ EXECUTORS: dict[str, str] = {
     "dist": "flashcp.executors.dist",
     "emulate": "flashcp.executors.emulate",
 }
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What an executor needs to know of one run.
-
-    Attributes:
-        method: registry method name; ``options`` its planner options; ``impl`` its
-            implementation (``ours`` or ``ring_flash_attn``, :mod:`flashcp.sim.impl`).
-        cp_size: N, ranks.
-        shape: query heads, KV heads, head_dim and dtype of the attention layer.
-        modes: ``train`` and/or ``infer``.
-        hardware: a :class:`flashcp.sim.HardwareProfile` (sim, emulate) or None (dist).
-        seed: seed of the run (dist and emulate draw Q/K/V from ``seed + seq_idx``).
-        executor: the executor's own options (dist/emulate: ``backend``, ``warmup``, ``iters``,
-            ``timeout_s``; emulate: ``ranks``, ``nccl_traffic``, ``device``).
-    """
-
-    method: str
-    cp_size: int
-    shape: AttnShape
-    modes: tuple[str, ...]
-    options: Mapping[str, Any] = field(default_factory=dict)
-    impl: str = "ours"
-    hardware: Any = None
-    seed: int = 0
-    executor: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def plan_key(self) -> tuple:
-        """Runs with equal keys share their plans: (method, impl, cp_size, options)."""
-        import json
-
-        return (
-            self.method,
-            self.impl,
-            self.cp_size,
-            json.dumps(dict(self.options), sort_keys=True),
-        )
 
 
 def execute(executor: str, runs: Sequence[RunSpec], seqs: Sequence[Any], **kwargs: Any):

@@ -515,7 +515,7 @@ def main(argv=None) -> int:
     import pandas as pd
 
     from flashcp.data import DATASETS, load_distribution, sample_sequences
-    from flashcp.executors import RunSpec
+    from flashcp.executors.spec import RunSpec
     from flashcp.registry import method_names
     from flashcp.results import write_csv_atomic
 

@@ -61,13 +61,13 @@ from typing import Any
 import torch
 
 from flashcp.comm import AttnShape, check_mode, comm_volume
+from flashcp.executors.progress import progress_bar
 from flashcp.executors.rows import check_comm, finish_rows, measure_rows, plan_sequences
 from flashcp.ops import get_attn_op
 from flashcp.ops.collectives import CommCounter, LocalGroup
 from flashcp.ops.sharding import shard_tensor
 from flashcp.ops.timing import PhaseTimer, record_event
 from flashcp.plan import Plan
-from flashcp.progress import progress_bar
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim.hardware import HardwareProfile, load_hardware
 
@@ -972,7 +972,7 @@ def execute(runs, seqs, *, progress: str | None = None):
             and ``device``: where to replay, default CUDA if available, else CPU).
         seqs: (n_docs,) int64 document lengths per sequence.
         progress: label of a progress bar on a terminal, one step per (sequence, mode) replayed
-            (None: no bar; :func:`flashcp.progress.progress_bar`).
+            (None: no bar; :func:`flashcp.executors.progress.progress_bar`).
     Returns:
         the rows (:func:`flashcp.executors.rows.finish_rows`).
     Raises:

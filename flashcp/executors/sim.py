@@ -10,8 +10,8 @@ is slow, the ILP, so the progress bar moves per sequence), plans them, and price
 of the chunk, all its modes, in one call of :func:`flashcp.sim.cost_model.price_plans` (numpy
 operations over the chunk's plans and ranks; equal to :func:`flashcp.sim.simulate` per plan,
 tested to 1e-12). Rows are built as columns. A job of at least
-:data:`flashcp.compile_cache.PRELOAD_PLANS` plans loads the compiled kernels once, before its
-workers fork (:func:`flashcp.compile_cache.preload`).
+:data:`flashcp.compiled.warm.PRELOAD_PLANS` plans loads the compiled kernels once, before its
+workers fork (:func:`flashcp.compiled.warm.preload`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from flashcp.executors import RunSpec
+from flashcp.executors.progress import progress_bar
 from flashcp.executors.rows import (
     PLAN_COLUMNS,
     error_status,
@@ -36,7 +36,7 @@ from flashcp.executors.rows import (
     plan_metrics,
     plan_sequences,
 )
-from flashcp.progress import progress_bar
+from flashcp.executors.spec import RunSpec
 
 __all__ = [
     "PLAN_COLUMNS",
@@ -178,7 +178,7 @@ def execute(
         ValueError: ``workers`` outside [1, :func:`max_workers`], an unknown mode, hardware profile or impl of a run.
     """
     from flashcp.comm import check_mode
-    from flashcp.compile_cache import PRELOAD_PLANS, preload
+    from flashcp.compiled.warm import PRELOAD_PLANS, preload
     from flashcp.registry import get_method
     from flashcp.sim import load_hardware
     from flashcp.sim.impl import check_impl

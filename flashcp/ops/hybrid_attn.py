@@ -1,7 +1,7 @@
 """Hybrid head-parallel CP: Ulysses inside groups of u ranks, another CP op across the groups
 (``usp``: zigzag ring P2P; ``flashcp_ulysses``: FlashCP's sharding-aware KV all-gather).
 
-Layout (:func:`flashcp.head_parallel.split_groups`): ranks ``g u .. g u + u - 1`` form group g and
+Layout (:func:`flashcp.plan.head_parallel.split_groups`): ranks ``g u .. g u + u - 1`` form group g and
 hold, in order, the rows of super-rank g of the plan's :meth:`~flashcp.plan.Plan.group_plan`.
 Process groups (:func:`hybrid_groups`, 2-D): ``intra`` = the u ranks of this rank's group,
 ``cross`` = the G = N/u ranks with this rank's position j inside their groups; ranks are the CP
@@ -42,7 +42,6 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from flashcp.head_parallel import UlyssesHeads, one_group_documents, ulysses_heads
 from flashcp.kinds import CommKind
 from flashcp.ops.allgather_attn import (
     AllGatherMeta,
@@ -71,6 +70,7 @@ from flashcp.ops.ulysses_attn import (
     ulysses_forward,
 )
 from flashcp.plan import Plan, cu_seqlens
+from flashcp.plan.head_parallel import UlyssesHeads, one_group_documents, ulysses_heads
 
 __all__ = [
     "HybridAttnFunction",

@@ -2,7 +2,7 @@
 
 Layout: the ``ulysses`` plan (:mod:`baselines.ulysses`): N contiguous chunks of T = C/N tokens,
 chunk r on rank r. With u = N ranks in the group and r the KV replication of
-:func:`flashcp.head_parallel.ulysses_heads`:
+:func:`flashcp.plan.head_parallel.ulysses_heads`:
 
 Forward: one all-to-all moves q, k, v together (per destination rank j: query heads
 ``j H/u .. (j+1) H/u`` and KV heads ``j h_kv .. (j+1) h_kv`` of the KV heads replicated r times,
@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from flashcp.head_parallel import UlyssesHeads, ulysses_heads
 from flashcp.ops.backends import VarlenBackend, compute_dtype, get_backend, resolve_softmax_scale
 from flashcp.ops.collectives import (
     all_to_all_single,
@@ -42,6 +41,7 @@ from flashcp.ops.collectives import (
 )
 from flashcp.ops.timing import as_timer
 from flashcp.plan import Plan, cu_seqlens
+from flashcp.plan.head_parallel import UlyssesHeads, ulysses_heads
 
 __all__ = [
     "UlyssesAttnFunction",
@@ -181,7 +181,7 @@ def ulysses_forward(q, k, v, meta: UlyssesMeta, heads: UlyssesHeads, group, back
 
     Args:
         q: (T, H, D); k, v: (T, Hkv, D); checked by :func:`ulysses_attn`.
-        heads: :func:`~flashcp.head_parallel.ulysses_heads` of the shapes and the group size.
+        heads: :func:`~flashcp.plan.head_parallel.ulysses_heads` of the shapes and the group size.
         backend: varlen kernel backend; scale: softmax scale; counter, timer: as the op's.
     Returns:
         out: (T, H, D) in q.dtype; saved: ``(q_h, k_h, v_h, out_h, lse_h)``, the head-parallel

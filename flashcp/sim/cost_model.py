@@ -2,93 +2,12 @@
 
 The result has every column of :data:`flashcp.results.PHASE_COLUMNS` (milliseconds) and of
 :data:`flashcp.results.COMM_COLUMNS` (bytes one rank receives, from
-:func:`flashcp.comm.comm_volume`; never recomputed here). Synchronous phases are decided by the
-slowest rank. Training is forward + backward; inference is the forward only. What is launched
-depends on the implementation (``impl``, :mod:`flashcp.sim.impl`); every constant is a field of
-:class:`~flashcp.sim.hardware.HardwareProfile` with its public source in ``conf/hardware/``.
-
-**Two queues.** Every op has a device time (a kernel: ``launch_us`` + its work; a memory-bound op:
-``launch_us`` + bytes / ``copy_bw_gbps``; a collective: latency + bytes / bandwidth) and a host
-time (``host_op_us`` per eager op, ``collective_host_us`` per collective call, ``ring_step_*_us``
-per ring step, ``doc_host_us`` per document of a Python loop over documents). Host and device run
-concurrently, so a sequence of ops takes ``max(device time, host time)``; the host excess is
-charged to ``others_ms``.
-
-**Overlap.** Communication meant to hide behind compute (a ring step's P2P, ring-flash-attn's
-next all-gather) overlaps only ``overlap_fraction`` of its time; while it runs, compute is slowed
-by ``nccl_slowdown`` (:func:`overlap_us`).
-
-**All-gather family** (``allgather_full``: ``llama3``, ``per_doc``; ``allgather_sharded``:
-``flashcp``). ``ours`` (:mod:`flashcp.ops.allgather_attn`): every rank runs one varlen call over
-its shards (shard (p, s) is the segment q_len = s, kv_len = p + s, causal bottom-right;
-docs/design.md §2), one group of KV heads at a time (the largest divisor of num_kv_heads whose
-fp32 gradient buffer fits ``AG_GROUP_BUDGET_BYTES``).
-
-* forward, per group: the source buffer (local K/V copied in, send rows packed by index), an
-  all-gather (``allgather_full``: every local row; ``allgather_sharded``: the rows of non-last
-  shards), one index gather of every segment's keys, the kernel, the outputs copied into place.
-  A collective costs ``latency + recv_bytes / (busbw * falloff)``, the falloff the
-  collective's own per-size table where the profile has one
-  (:meth:`HardwareProfile.allgather_us`, :meth:`HardwareProfile.reducescatter_us`).
-* backward, per group: the same gather, the kernel backward, dQ copied into place, dK/dV
-  scatter-added into a zeroed fp32 buffer, reduce-scattered (``comm_volume``'s bytes) and added
-  to the local rows (when rows are sent), dK and dV copied out (two copies). With
-  ``keep_gathered_kv`` (the op's option) the backward takes the forward's gathered KV: no source
-  buffer, no all-gather, only the index gather of the keys (``comm_volume`` with the option).
-* memory-bound ops (``others_ms``) cost ``launch_us`` + bytes read + written over
-  ``copy_bw_gbps`` and ``host_op_us`` each; groups run one after another.
-* ``ring_flash_attn`` ``llama3`` (N contiguous chunks): G = num_kv_heads / heads_k_stride head
-  groups; forward ``AG_0 + sum_g overlap(attn_g, AG_{g+1})``; backward the same with the backward
-  kernels, a dK/dV buffer zeroed per group (the gathered size), then two reduce-scatters per group
-  after its kernel (not overlapped) and two copies into place.
-
-**Ring family** (``p2p_ring``: ``ring``, ``zigzag``). Step t = 0..N-1: rank r attends its local
-queries to the KV block of rank (r - t) mod N while receiving the next block (N - 1 P2P steps of
-``comm_volume``'s bytes / (N - 1) each). Segments per (step, rank, document): at t = 0 one causal
-segment over the rank's own tokens of the document; at t >= 1 one full rectangle of the local
-pieces that see any of the source's pieces against the source pieces they see (exact for these
-layouts). ``ours`` launches a kernel unless the whole source block lies after the local block;
-ring-flash-attn's ring skips t > rank, its zigzag never skips. After each kernel the partial
-output is merged by LSE (``merge_bytes_eager`` or ``_fused`` per element of out, one op per
-``ImplOps.merge_ops``); a step that uses part of a block gathers it by index (and scatters the
-merged rows back; ring-flash-attn's zigzag takes slices instead when there is one document, and
-its gathers by a host-side mask each synchronise the stream, leaving the device idle for one
-``host_op_us``); the backward accumulates dQ, dK, dV. Per step t the device time of rank r is
-``overlap_us(attention + merges, p2p_step)`` and the step takes
-``max_r max(device, host)``; the backward's last dK/dV hop is exposed after its last step.
-
-**Head-parallel all-to-all** (``alltoall``: ``ulysses``; :meth:`PlanCost._step_alltoall`). Every
-rank runs one varlen call over every whole document for H/N query heads (and its r Hkv / N KV
-heads), the same call on every rank, so the kernel model of :mod:`flashcp.sim.kernel` on whole
-documents; the forward's two all-to-alls (q, k, v in; the output back) and the backward's three
-(dO in; dQ, dK/dV back) are blocking collectives of ``comm_volume``'s bytes priced by
-:meth:`HardwareProfile.alltoall_us`; the packing, splitting and padding copies around them are
-memory-bound ops (``others_ms``). ``alltoall_ms`` holds the all-to-alls.
-
-**cp_size 1** (``impl="ours"``; :attr:`PlanCost.single`, :func:`_single_phases`): no CP work,
-whatever the method. The op (:mod:`flashcp.ops.single_device`) runs one varlen call per pass over
-the whole documents with every head; pad rows cost one copy forward and four backward; nothing
-is communicated. Every method is priced the same there.
-
-``attn_*_ms`` hold attention kernels (slowed by contention), ``others_ms`` merges, copies,
-accumulations and host excess, ``p2p_ms`` / ``allgather_ms`` / ``reducescatter_ms`` the exposed
-communication; ``total_ms`` is their sum.
-
-Not modelled: the early-exiting CTAs of a varlen grid sized by the longest segment, overlap of
-the all-gather with other layers' work, and stream-ordering stalls beyond the two-queue bound.
-
-Speed: a plan's tile counts, segment lists and copy counts do not depend on heads, head_dim,
-dtype or mode; :func:`simulate_many` computes them once and then prices each (shape, mode) with a
-few numpy operations on (N,) or (N, N) arrays. :func:`price_plans` prices many plans x hardware
-profiles x shapes x modes in one call: a :class:`PlanBatch` concatenates the plans' shard arrays
-and builds every plan's statistics at once (per tile shape), communication volumes and collective
-times are computed over arrays of plans, and the step formulas run on (S, N) (all-gather family,
-:func:`_allgather_phases`) or (S, N, N) arrays (ring family: :class:`PlanCost`'s ring methods work
-on any leading axes). The per-plan path (:class:`PlanCost`, :func:`simulate`) is the reference it
-is tested against (1e-12); :func:`step_many` prices a list of built :class:`PlanCost` objects.
-Where numba runs (:mod:`flashcp.compiled`), the batch's per-rank sums and tile statistics, the
-ring family's per-step formulas and pass and the all-gather op's per-rank formulas run as the
-kernels of :mod:`flashcp.sim.price_kernels`, which return the NumPy path's numbers to the bit.
+:func:`flashcp.comm.comm_volume`; never recomputed here). :func:`simulate` prices one plan
+(:class:`PlanCost`, the reference), :func:`price_plans` many plans x hardware profiles x shapes x
+modes at once (:class:`PlanBatch`, equal to the reference to 1e-12, and to the bit where the
+kernels of :mod:`flashcp.sim.price_kernels` run). What each family launches and how a phase is
+priced (two queues, overlap, the all-gather, ring and all-to-all families, cp_size 1):
+docs/simulator.md ("The step model, per family").
 """
 
 from __future__ import annotations
@@ -110,8 +29,8 @@ from flashcp.comm import (
     comm_volume,
     grad_comm_bytes,
 )
-from flashcp.head_parallel import one_group_documents
 from flashcp.plan import Plan, cu_seqlens
+from flashcp.plan.head_parallel import one_group_documents
 from flashcp.registry import COMM_KIND
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim.hardware import HardwareProfile, interp_loglog_v, load_hardware
@@ -268,7 +187,7 @@ def _alltoall_phases(
     ``bwd_k`` µs: scalars, or (S,) arrays for S plans (phase times in ms, ``total_ms`` left
     out). ``kernels``: the kernels run in this stage (Ulysses; a hybrid's are its inner op's);
     ``pad``: 1 where the forward pads the output before gathering heads (scalar or (S,))."""
-    from flashcp.head_parallel import ulysses_heads
+    from flashcp.plan.head_parallel import ulysses_heads
 
     u = degree
     heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, u)
@@ -417,7 +336,7 @@ class PlanCost:
             self._init_alltoall()
             return
         #: a hybrid with one group (u = N) is plain Ulysses, as its op runs it
-        #: (:func:`flashcp.head_parallel.one_group_documents`): priced as ``alltoall``
+        #: (:func:`flashcp.plan.head_parallel.one_group_documents`): priced as ``alltoall``
         self.plain_ulysses = comm_kind != "alltoall" and one_group_documents(plan) is not None
         if self.plain_ulysses:
             self.u = 1
@@ -594,7 +513,7 @@ class PlanCost:
         self.q_rows = self.kv_rows = np.full(n, rows)
 
     def _alltoall_heads(self, shape: AttnShape):
-        from flashcp.head_parallel import ulysses_heads
+        from flashcp.plan.head_parallel import ulysses_heads
 
         heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, self.n)
         local = AttnShape(
@@ -616,7 +535,7 @@ class PlanCost:
 
     def _hybrid_shape(self, shape: AttnShape) -> AttnShape:
         """The heads one rank of a head-parallel group attends with: H/u and r Hkv/u."""
-        from flashcp.head_parallel import ulysses_heads
+        from flashcp.plan.head_parallel import ulysses_heads
 
         heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, self.u)
         return AttnShape(heads.heads_per_rank, heads.kv_heads_per_rank, shape.head_dim, shape.dtype)
@@ -1864,8 +1783,8 @@ class PlanBatch:
         self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int, keep=False
     ):  # fmt: skip
         from flashcp.comm import alltoall_bytes
-        from flashcp.head_parallel import ulysses_heads
         from flashcp.plan import kv_bytes
+        from flashcp.plan.head_parallel import ulysses_heads
 
         train = mode == "train"
         grad_elem = grad_comm_bytes(shape)
@@ -1930,7 +1849,7 @@ class PlanBatch:
             p2p_us = functools.partial(_p2p_us_v, hw)
             return _ring_phases(stack, shape, mode, vol["p2p_bytes"], fwd_p2p, p2p_us)
         if comm_kind == "alltoall":
-            from flashcp.head_parallel import ulysses_heads
+            from flashcp.plan.head_parallel import ulysses_heads
 
             fwd, bwd, rows = self.alltoall(hw)
             heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, n)
@@ -2075,7 +1994,7 @@ def attention_balance(
     Raises:
         ValueError: as :func:`price_plans`.
     """
-    from flashcp.head_parallel import ulysses_heads
+    from flashcp.plan.head_parallel import ulysses_heads
 
     check_mode(mode)
     train = mode == "train"
@@ -2131,7 +2050,7 @@ def _attention_passes(batch, hw, kind, method, shape, train) -> list[np.ndarray]
             passes.append(stack._ring_bwd_compute(shape)[0])
         return passes
     if kind == "alltoall":
-        from flashcp.head_parallel import ulysses_heads
+        from flashcp.plan.head_parallel import ulysses_heads
 
         fwd, bwd, rows = batch.alltoall(hw)
         heads = ulysses_heads(shape.num_heads, shape.num_kv_heads, n)
@@ -2163,7 +2082,7 @@ def _price_group(
 ) -> dict[str, np.ndarray]:
     """:func:`price_plans` of plans sharing (comm_kind, method, cp_size, Ulysses degree u), from
     ``batch`` (a :class:`PlanBatch` of exactly these plans, statistics kept) when given."""
-    from flashcp.head_parallel import ulysses_heads
+    from flashcp.plan.head_parallel import ulysses_heads
 
     if kind == "single":
         return _price_single(plans, hws, shapes, modes, batch)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcp.compiled import njit
+from flashcp.compiled.jit import njit
 
 __all__ = [
     "allgather_ranks",

@@ -1,4 +1,4 @@
-"""``flashcp advise`` (:mod:`flashcp.advise`): its table, its breakdown of the step time, and its
+"""``flashcp advise`` (:mod:`flashcp.cli.advise`): its table, its breakdown of the step time, and its
 one-line errors; and the cost model's per-rank attention account it reads
 (:func:`flashcp.sim.cost_model.attention_balance`)."""
 
@@ -9,8 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from flashcp.advise import HOST_CONSTANTS, PARTS, TABLE_COLUMNS, advise
 from flashcp.cli import main
+from flashcp.cli.advise import HOST_CONSTANTS, PARTS, TABLE_COLUMNS, advise
 from flashcp.comm import AttnShape
 from flashcp.registry import get_planner, method_names
 from flashcp.sim.cost_model import PlanBatch, attention_balance, price_plans
@@ -121,7 +121,7 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_any_work(
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     monkeypatch.setattr(
-        "flashcp.advise.advise", lambda **kw: pytest.fail("advise ran before --out was checked")
+        "flashcp.cli.advise.advise", lambda **kw: pytest.fail("advise ran before --out was checked")
     )
     args = ["advise", "--lengths", str(lengths_file), "--cp-size", "2", "--context-len",
             str(CONTEXT), "--out", str(blocker / "sub")]  # fmt: skip

@@ -416,7 +416,7 @@ def test_table2_and_sensitivity_sample_the_sequences_of_flashcp_run(
 ):
     import experiments.sensitivity as sens
     import experiments.table2 as t2
-    import flashcp.ilp as ilp
+    import flashcp.planners.ilp as ilp
     from flashcp.data import load_distribution, sample_sequences
     from flashcp.registry import make_plan_for
 

@@ -144,7 +144,7 @@ def test_fitted_constants_errors_name_the_file(tmp_path, monkeypatch):
 
 def test_advise_model_file_errors_name_the_file(tmp_path, monkeypatch):
     import flashcp.resources
-    from flashcp.advise import load_model
+    from flashcp.cli.advise import load_model
 
     conf = tmp_path / "conf"
     shutil.copytree(flashcp.resources.resource_path("conf") / "model", conf / "model")

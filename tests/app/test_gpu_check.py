@@ -109,8 +109,10 @@ def test_pytest_step_verdicts():
 _CORE = """
 import sys
 import flashcp, flashcp.ops, flashcp.sim, flashcp.sim.calibration, flashcp.data
-import flashcp.executors.dist, flashcp.executors.emulate, flashcp.executors.sim
-from flashcp.registry import get_attn_op, make_plan_for, methods
+import flashcp.executors.dist, flashcp.executors.emulate, flashcp.executors.kernels
+import flashcp.executors.sim
+from flashcp.ops import get_attn_op
+from flashcp.registry import make_plan_for, methods
 for m in methods():
     if m.name != "ilp":  # the ILP planner needs PuLP
         make_plan_for(m.name, [300, 100, 600, 24], 4)
@@ -137,7 +139,8 @@ def test_the_library_core_imports_without_hydra_omegaconf_pulp():
 
 def test_the_check_is_a_driver_over_the_executors_and_the_calibration_module():
     """No rows or fits of its own: the replays through ``execute("emulate")``, the predictions
-    through ``execute("sim")``, the fit and the kernel timings in ``flashcp.sim.calibration``."""
+    through ``execute("sim")``, the fit in ``flashcp.sim.calibration``, the kernel timings in
+    ``flashcp.executors.kernels``."""
     import inspect
 
     src = inspect.getsource(gpu_check)

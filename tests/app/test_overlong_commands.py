@@ -56,7 +56,7 @@ def test_note_says_what_the_rule_did():
 
 def test_every_command_takes_the_rule_with_the_same_default():
     from experiments.table2 import Table2Config, run_table2
-    from flashcp.advise import advise
+    from flashcp.cli.advise import advise
     from flashcp.config import DatasetConfig
 
     sub = build_parser()._subparsers._group_actions[0].choices

@@ -434,7 +434,7 @@ def test_timers_and_side_stream_use_the_tensors_device(monkeypatch):
     got = group.ring_wait(group.ring_post([torch.zeros(3)], tag=0))
     assert torch.equal(got[0], torch.ones(3))
     assert [c.kind for c in group.timeline()] == ["post", "wait"]
-    from flashcp.sim.calibration import _time_ms  # the GPU check's kernel timer
+    from flashcp.executors.kernels import _time_ms  # the GPU check's kernel timer
 
     assert _time_ms(lambda: None, dev, warmup=0, iters=2) == 1.0
     kinds = {k for k, _ in fake.log}

@@ -96,7 +96,7 @@ def test_every_method_at_cp_size_1_is_priced_the_same():
 def test_advise_says_the_methods_are_identical_at_cp_size_1():
     """``flashcp advise`` at cp_size 1: every method's step time and speedup range is llama3's
     (1.0), and the report says why in one line; at cp_size 2 it does not."""
-    from flashcp.advise import advise, format_report
+    from flashcp.cli.advise import advise, format_report
 
     kw = dict(dataset="pile", context_len=4096, num_sequences=4, num_draws=2, draw_sequences=2)
     one = advise(cp_size=1, **kw)

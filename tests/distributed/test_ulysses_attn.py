@@ -20,11 +20,11 @@ from mp_utils import run_ranks
 
 from baselines.ulysses import plan_ulysses
 from flashcp.comm import AttnShape, alltoall_bytes, comm_volume
-from flashcp.head_parallel import ulysses_heads, valid_ulysses_degrees
 from flashcp.ops.collectives import CommCounter
 from flashcp.ops.reference import document_mask, reference_attention
 from flashcp.ops.sharding import shard_tensor, unshard
 from flashcp.ops.ulysses_attn import prepare_ulysses, ulysses_attn
+from flashcp.plan.head_parallel import ulysses_heads, valid_ulysses_degrees
 from flashcp.registry import COMM_KIND, make_plan_for
 
 F64, BF16 = torch.float64, torch.bfloat16

@@ -9,7 +9,15 @@ interpreter until the function runs), and the circles this test was written agai
 deferred ones. An edge goes to the deepest module the statement names (``from a.b import c`` is
 an edge to ``a.b.c`` when that is a module, else to ``a.b``); the packages above it are not
 edges, since Python runs their ``__init__`` whatever the importer. Imports of names outside the
-three packages, and imports by string (``importlib.import_module``), are not edges.
+three packages are not edges.
+
+Imports by string are edges too (:func:`string_imports`): ``importlib.import_module("a.b")`` with
+a literal name, and the loaders by name (``flashcp.compiled``'s kernel modules, the executors'
+table): in a module that calls ``importlib.import_module`` with a computed name, every string
+constant that is a project module's dotted name (``a.b``: a bare package name is more often a
+distribution's), in the module or in a project module it imports (a table kept beside the
+loader), is an edge to it. A string import hides a
+circle from the interpreter as a deferred import does.
 
 A deferred ``from m import name`` runs only when its function does: one naming what m does not
 have (moved or renamed since) passes every test that does not call it and fails the first user
@@ -86,7 +94,50 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
             target = _resolve(name, modules)
             if target is not None and target != module:
                 found.add(target)
-    return found
+    literal, loader = string_imports(tree, modules)
+    if loader:
+        for source in (module, *found):
+            literal |= module_names_in(ast.parse(modules[source].read_text()), modules)
+    return found | (literal - {module})
+
+
+def _is_import_module(node: ast.AST) -> bool:
+    """True for a call of ``importlib.import_module`` (or of ``import_module`` by that name)."""
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    return (isinstance(f, ast.Attribute) and f.attr == "import_module") or (
+        isinstance(f, ast.Name) and f.id == "import_module"
+    )
+
+
+def string_imports(tree: ast.AST, modules: dict[str, Path]) -> tuple[set[str], bool]:
+    """The project modules a parsed module imports by a literal ``importlib.import_module``
+    argument, and whether it also calls it with a computed name (a loader by name: the module
+    docstring)."""
+    found: set[str] = set()
+    loader = False
+    for call in (n for n in ast.walk(tree) if _is_import_module(n)):
+        arg = call.args[0] if call.args else None
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            target = _resolve(arg.value, modules)
+            if target is not None:
+                found.add(target)
+        else:
+            loader = True
+    return found, loader
+
+
+def module_names_in(tree: ast.AST, modules: dict[str, Path]) -> set[str]:
+    """The dotted string constants of a parsed module that are modules of ``modules``."""
+    return {
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant)
+        and isinstance(n.value, str)
+        and "." in n.value
+        and n.value in modules
+    }
 
 
 def top_level_names(path: Path) -> set[str] | None:
@@ -273,6 +324,41 @@ def _write(root: Path, files: dict[str, str]) -> None:
                 "p/sub/c.py": "from ..a import x\n",
             },
             [["p.a", "p.b", "p.sub.c"]],
+        ),
+        # a literal ``importlib.import_module`` closes the circle
+        (
+            {
+                "p/__init__.py": "",
+                "p/a.py": "import importlib\ndef f():\n    return importlib.import_module('p.b')\n",
+                "p/b.py": "from p.a import f\n",
+            },
+            [["p.a", "p.b"]],
+        ),
+        # a loader by name (a table of module names, imported by a computed name) closes it
+        (
+            {
+                "p/__init__.py": "",
+                "p/load.py": (
+                    "import importlib\nMODS = {'k': 'p.kern'}\n"
+                    "def load(n):\n    return importlib.import_module(MODS[n])\n"
+                ),
+                "p/kern.py": "from p.load import load\n",
+                "p/other.py": "import importlib\nX = 'p.kern'\n",  # no loader: not an edge
+            },
+            [["p.kern", "p.load"]],
+        ),
+        # ... also with its table in a module beside it, which the kernels import
+        (
+            {
+                "p/__init__.py": "",
+                "p/table.py": "MODS = {'k': 'p.kern'}\ndef deco(f):\n    return f\n",
+                "p/load.py": (
+                    "import importlib\nfrom p.table import MODS\n"
+                    "def load(n):\n    return importlib.import_module(MODS[n])\n"
+                ),
+                "p/kern.py": "from p.table import deco\nimport p.load\n",
+            },
+            [["p.kern", "p.load"]],
         ),
         # no circle: imports one way only, a package above the importer is not an edge
         (

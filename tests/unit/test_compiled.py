@@ -1,11 +1,11 @@
 """The compiled planners and plan kernels (numba, :mod:`flashcp.compiled`) against their readable
 references: identical plans (digest, status, info, metrics) on sampled and adversarial inputs.
 
-* ``flashcp``: the compiled Algorithm 1 (:mod:`flashcp.heuristic_compiled`) against
-  :func:`flashcp.heuristic.plan_flashcp_reference` (the paper's heuristic in plain Python) on
+* ``flashcp``: the compiled Algorithm 1 (:mod:`flashcp.planners.flashcp.compiled`) against
+  :func:`flashcp.planners.flashcp.plan_flashcp_reference` (the paper's heuristic in plain Python) on
   10,000+ sequences sampled from the three datasets at 4K-128K, CP 2-16, several targets, and on
-  adversarial inputs; ``flashcp_refined`` (:mod:`flashcp.refined_compiled`) against
-  :func:`flashcp.refined.plan_flashcp_refined_reference` likewise on 2,010 sequences (2K-128K).
+  adversarial inputs; ``flashcp_refined`` (:mod:`flashcp.planners.flashcp_refined.compiled`) against
+  :func:`flashcp.planners.flashcp_refined.plan_flashcp_refined_reference` likewise on 2,010 sequences (2K-128K).
 * every planner: the plan built with every kernel (layouts, ``make_plan``'s merge, the checks,
   the per-rank sums) against the one built with none (NumPy, as without numba).
 * the baselines' fused kernels (one call: checks, layout, merge, validation, sums, metrics;
@@ -30,9 +30,9 @@ import pytest
 
 from flashcp import compiled
 from flashcp.data import load_distribution, sample_sequences
-from flashcp.heuristic import plan_flashcp, plan_flashcp_reference
 from flashcp.plan import Plan, make_plan
-from flashcp.refined import plan_flashcp_refined, plan_flashcp_refined_reference
+from flashcp.planners.flashcp import plan_flashcp, plan_flashcp_reference
+from flashcp.planners.flashcp_refined import plan_flashcp_refined, plan_flashcp_refined_reference
 from flashcp.registry import FAST_METHODS, get_planner
 
 pytestmark = pytest.mark.skipif(not compiled.enabled(), reason="numba is not installed")
@@ -305,7 +305,7 @@ def test_fused_flashcp_is_the_general_path(monkeypatch):
     one compiled call) gives the plan of the general path (``_plan``: Algorithm 1 compiled, then
     ``packed_plan``), and takes only the inputs it can: lists, zero-length documents, other
     options and non-numeric targets go the general way (and raise its errors)."""
-    import flashcp.heuristic as heuristic
+    import flashcp.planners.flashcp as heuristic
 
     cases = mixed_cases()[:300]
     fused = [_view(plan_flashcp(d, n, num_pad=pad, pad_to_multiple=True)) for d, n, pad in cases]
@@ -440,7 +440,7 @@ def test_preload_loads_the_kernels_once_for_a_big_job(monkeypatch, tmp_path):
     """``preload`` (a big sim job, before its workers fork): with a ready cache the kernels from
     the next request on, loaded once; off or with a cold cache nothing is loaded (the cold cache
     starts the background compile) and the warm-up requests stay."""
-    from flashcp import compile_cache
+    from flashcp.compiled import warm as compile_cache
 
     monkeypatch.setenv("FLASHCP_COMPILED", "auto")
     monkeypatch.setattr(compiled, "_REQUESTS", iter(range(10**9)))
@@ -480,7 +480,7 @@ def test_background_compile_takes_the_lock_once(monkeypatch, tmp_path):
 
 def test_background_compile_marks_the_cache_ready(tmp_path):
     """``python -c WARM_UP_COMMAND MARKER`` (what the background process runs:
-    :func:`flashcp.compile_cache.main`) loads or compiles
+    :func:`flashcp.compiled.warm.main`) loads or compiles
     every kernel, writes the marker and drops the lock."""
     marker = tmp_path / "kernels-test.ready"
     marker.with_suffix(".lock").touch()

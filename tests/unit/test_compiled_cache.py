@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from flashcp import compile_cache, compiled
+from flashcp import compiled
+from flashcp.compiled import jit
+from flashcp.compiled import warm as compile_cache
 
 pytestmark = pytest.mark.skipif(not compiled.enabled(), reason="numba is not installed")
 
@@ -71,13 +73,13 @@ def test_an_edited_kernel_reaches_every_module_that_calls_it(tmp_path):
     heuristic_compiled's cached code on heuristic_compiled.py, which did not change, and kept the
     old ``_failed`` compiled into it.)"""
     root = _copy(tmp_path / "src", "flashcp")
-    for module in ("plan_kernels", "heuristic_compiled"):
+    for module in ("plan/kernels", "planners/flashcp/compiled"):
         with (root / "flashcp" / f"{module}.py").open("a") as f:
             f.write(PROBE)
     home = tmp_path / "home"
     assert _probe(root, home, "plan", "heuristic") == {"plan": [3, 0], "heuristic": [3, 0]}
     assert _probe(root, home, "heuristic", "plan") == {"plan": [3, 1], "heuristic": [3, 1]}
-    kernels = root / "flashcp" / "plan_kernels.py"
+    kernels = root / "flashcp" / "plan" / "kernels.py"
     text = kernels.read_text()
     assert text.count("    out[1] = status\n") == 1
     kernels.write_text(text.replace("    out[1] = status\n", "    out[1] = status + 100\n"))
@@ -151,28 +153,28 @@ def test_kernels_fall_back_where_no_cache_folder_can_be_written(tmp_path):
 def test_the_cache_key_covers_every_kernel_source(monkeypatch, tmp_path):
     """The cache folder changes with any kernel module's source, and with none of them it is
     this checkout's ``__pycache__`` (then the user's cache, then nothing, with the reason)."""
-    digests = compiled._digests()
-    assert set(digests) == {*compiled._MODULES.values(), "flashcp.compiled"}
+    digests = jit._digests()
+    assert set(digests) == {*jit.KERNEL_MODULES.values(), "flashcp.compiled.jit"}
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
-    folder, why = compiled.cache_folder(digests)
+    folder, why = jit.cache_folder(digests)
     assert why == "" and folder.parent == REPO / "flashcp" / "__pycache__"
     assert re.fullmatch(r"kernels-[0-9a-f]{16}", folder.name)
     names = {folder.name}
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))  # the folders made below
-    assert compiled.cache_folder(digests)[0] == tmp_path / "numba" / "flashcp" / folder.name
+    assert jit.cache_folder(digests)[0] == tmp_path / "numba" / "flashcp" / folder.name
     for module in digests:
-        edited, _ = compiled.cache_folder({**digests, module: "0" * 64})
+        edited, _ = jit.cache_folder({**digests, module: "0" * 64})
         names.add(edited.name)
     assert len(names) == len(digests) + 1
     blocked = tmp_path / "file"
     blocked.write_text("")
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(blocked))
-    monkeypatch.setattr(compiled, "_cache_bases", lambda: [blocked / "a", blocked / "b"])
-    assert compiled.cache_folder(digests) == (
+    monkeypatch.setattr(jit, "_cache_bases", lambda: [blocked / "a", blocked / "b"])
+    assert jit.cache_folder(digests) == (
         None,
         f"none of {blocked / 'a'}, {blocked / 'b'} can be written",
     )
-    assert compiled.cache_folder({}) == (None, "the kernels' sources cannot be read")
+    assert jit.cache_folder({}) == (None, "the kernels' sources cannot be read")
 
 
 def test_auto_mode_says_once_that_it_runs_the_references(monkeypatch, caplog):
@@ -183,19 +185,19 @@ def test_auto_mode_says_once_that_it_runs_the_references(monkeypatch, caplog):
     monkeypatch.setattr(
         compiled, "_CACHE", {"ready": False, "since_look": 0, "spawned": False, "skip": False}
     )
-    monkeypatch.setattr(compiled, "_cache_bases", list)
+    monkeypatch.setattr(jit, "_cache_bases", list)
     monkeypatch.setattr(compiled, "_spawn_warm_up", lambda marker: pytest.fail("spawned"))
-    compiled._say_once.cache_clear()
+    jit.say_once.cache_clear()
     assert compiled.marker() is None
     assert all(compiled.load("plan") is None for _ in range(3 * compiled.RECHECK_CALLS))
     assert not compile_cache.preload()
     notices = [r.getMessage() for r in caplog.records if NOTICE in r.getMessage()]
     assert len(notices) == 1 and "reference code" in notices[0]
-    compiled._say_once.cache_clear()
+    jit.say_once.cache_clear()
 
 
 def test_only_the_keyed_modules_define_kernels():
-    """Every numba kernel of the package goes through :func:`flashcp.compiled.njit` (so its module
+    """Every numba kernel of the package goes through :func:`flashcp.compiled.jit.njit` (so its module
     is in the cache key): no other module imports numba's decorators, and ``njit`` refuses a
     function of another module."""
     uses = {
@@ -203,19 +205,19 @@ def test_only_the_keyed_modules_define_kernels():
         for p in (REPO / "flashcp").rglob("*.py")
         if re.search(r"^\s*(from numba\b|import numba\b)", p.read_text(), re.M)
     }
-    assert uses == {"flashcp/compiled.py"}
+    assert uses == {"flashcp/compiled/jit.py"}
     kernels = {
         ".".join(p.relative_to(REPO).with_suffix("").parts)
         for p in (REPO / "flashcp").rglob("*.py")
-        if re.search(r"^from flashcp\.compiled import njit$", p.read_text(), re.M)
+        if re.search(r"^from flashcp\.compiled\.jit import njit$", p.read_text(), re.M)
     }
-    assert kernels == set(compiled._MODULES.values())
+    assert kernels == set(jit.KERNEL_MODULES.values())
 
     def outside(x):
         return x
 
-    with pytest.raises(ValueError, match=re.escape("outside: flashcp.compiled.njit")):
-        compiled.njit(cache=True)(outside)
+    with pytest.raises(ValueError, match=re.escape("outside: flashcp.compiled.jit.njit")):
+        jit.njit(cache=True)(outside)
 
 
 def test_prune_removes_only_this_checkouts_older_keys(monkeypatch, tmp_path):
@@ -226,7 +228,7 @@ def test_prune_removes_only_this_checkouts_older_keys(monkeypatch, tmp_path):
     (own / "__pycache__" / "kernels-old" / "flashcp_x").mkdir(parents=True)
     (own / "__pycache__" / "kernels-0123.ready").touch()
     (own / "__pycache__" / "plan.cpython-311.pyc").touch()
-    monkeypatch.setattr(compiled, "__file__", str(own / "compiled.py"))
+    monkeypatch.setattr(jit, "__file__", str(own / "compiled" / "jit.py"))
     shared = tmp_path / "shared"
     (shared / "kernels-old").mkdir(parents=True)
     assert compile_cache.prune(shared / "kernels-new") == []
@@ -242,14 +244,14 @@ def test_prune_removes_only_this_checkouts_older_keys(monkeypatch, tmp_path):
 def test_every_kernel_is_cached_in_the_keyed_folder():
     """Every kernel of every compiled module (the planners', the plan model's, the pricing's) is
     cached in this process's keyed folder, none beside its source."""
-    folder, _ = compiled._compile_cache()
+    folder, _ = jit._compile_cache()
     assert folder is not None
     seen = 0
-    for module in compiled._MODULES.values():
+    for module in jit.KERNEL_MODULES.values():
         for name, kernel in vars(importlib.import_module(module)).items():
             if getattr(kernel, "__module__", None) == module and hasattr(kernel, "stats"):
                 assert Path(kernel.stats.cache_path).parent == folder, (module, name)
                 seen += 1
     assert seen == sum(
-        compiled._source(m).read_text().count("\n@njit(") for m in compiled._MODULES.values()
+        jit._source(m).read_text().count("\n@njit(") for m in jit.KERNEL_MODULES.values()
     )

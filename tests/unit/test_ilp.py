@@ -14,11 +14,11 @@ import warnings
 import numpy as np
 import pytest
 
-from flashcp.heuristic import plan_flashcp
-from flashcp.ilp import FORMULATIONS, block_pieces, plan_ilp, plan_objective
-from flashcp.ilp.worker import _cbc_log
 from flashcp.plan import make_plan
-from flashcp.refined import plan_flashcp_refined
+from flashcp.planners.flashcp import plan_flashcp
+from flashcp.planners.flashcp_refined import plan_flashcp_refined
+from flashcp.planners.ilp import FORMULATIONS, block_pieces, plan_ilp, plan_objective
+from flashcp.planners.ilp.worker import _cbc_log
 from flashcp.registry import COMM_KIND, get_planner
 
 
@@ -418,7 +418,7 @@ def test_refined_and_ilp_share_the_zero_length_and_pad_handling(planner, opts):
 
 
 def _lp_instance(seed, n=3, block=8):
-    from flashcp.ilp.model import Instance
+    from flashcp.planners.ilp.model import Instance
 
     rng = np.random.default_rng(seed)
     d = rng.integers(1, 40, size=int(rng.integers(4, 9)))
@@ -429,7 +429,7 @@ def _lp_instance(seed, n=3, block=8):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_rounding_a_fractional_solution_gives_a_valid_plan(seed):
-    from flashcp.ilp.model import round_fractions
+    from flashcp.planners.ilp.model import round_fractions
 
     inst = _lp_instance(seed)
     n, tpr = inst.cp_size, inst.tokens_per_rank
@@ -445,7 +445,7 @@ def test_rounding_a_fractional_solution_gives_a_valid_plan(seed):
     plan.validate()  # every token once, exactly C / N per rank (Eq. 1, Eq. 2)
     # an integral point is reproduced exactly: the plan of a heuristic, one-hot on the grid
     ref = plan_flashcp(inst.doc_lens, n)
-    from flashcp.ilp.model import piece_ranks, refine_grid
+    from flashcp.planners.ilp.model import piece_ranks, refine_grid
 
     fine = refine_grid(inst, ref.doc, ref.start)
     ranks = piece_ranks(
@@ -459,7 +459,7 @@ def test_rounding_a_fractional_solution_gives_a_valid_plan(seed):
 
 
 def test_refine_grid_keeps_every_cut_and_adds_the_new_ones():
-    from flashcp.ilp.model import refine_grid
+    from flashcp.planners.ilp.model import refine_grid
 
     inst = _lp_instance(0, block=4)
     fine = refine_grid(inst, np.array([0, 1, 1]), np.array([1, 2, 0]))
@@ -492,8 +492,8 @@ def test_lp_rounded_start_is_valid_and_never_worse_than_the_grid_optimum(solver)
 @pytest.mark.skipif("highs" not in _solvers(), reason="needs highspy")
 @pytest.mark.parametrize("formulation", FORMULATIONS)
 def test_pair_lns_only_improves_and_keeps_a_solution_of_the_model(formulation):
-    from flashcp.ilp.model import build_model, piece_ranks, refine_grid
-    from flashcp.ilp.worker import pair_lns
+    from flashcp.planners.ilp.model import build_model, piece_ranks, refine_grid
+    from flashcp.planners.ilp.worker import pair_lns
 
     inst = _lp_instance(1, block=4)
     n = inst.cp_size
@@ -550,8 +550,8 @@ LNS_TRIPLE_DOCS = [25, 20, 11, 13, 2, 3, 2]
 def test_lns_beyond_pairs_escapes_a_local_optimum_of_pairs():
     """From the pairs' local optimum, freeing three ranks (one of them a bottleneck) finds a
     better solution of the model on this instance; every step stays a solution of the model."""
-    from flashcp.ilp.model import Instance, build_model, piece_ranks
-    from flashcp.ilp.worker import pair_lns
+    from flashcp.planners.ilp.model import Instance, build_model, piece_ranks
+    from flashcp.planners.ilp.worker import pair_lns
 
     d, n, block, cap = np.array(LNS_TRIPLE_DOCS), 4, 4, 1.1
     seed = plan_flashcp(d, n, target_imbalance=cap)

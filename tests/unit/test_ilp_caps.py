@@ -9,10 +9,10 @@ import warnings
 import numpy as np
 import pytest
 
-from flashcp.heuristic import plan_flashcp
-from flashcp.ilp import CAP_TOLERANCE, meets_cap, plan_ilp
-from flashcp.ilp.worker import _within_bounds
-from flashcp.refined import plan_flashcp_refined
+from flashcp.planners.flashcp import plan_flashcp
+from flashcp.planners.flashcp_refined import plan_flashcp_refined
+from flashcp.planners.ilp import CAP_TOLERANCE, meets_cap, plan_ilp
+from flashcp.planners.ilp.worker import _within_bounds
 
 
 @pytest.mark.parametrize(

@@ -143,7 +143,7 @@ def test_kernel_time_takes_profile_names_and_refuses_fractions():
 
 
 def test_advise_refuses_a_comma_string_of_methods():
-    from flashcp.advise import advise
+    from flashcp.cli.advise import advise
 
     with pytest.raises(ValueError, match=r"e.g. \['flashcp', 'zigzag'\]\), got the string"):
         advise(dataset="pile", cp_size=8, methods="flashcp,zigzag")
@@ -182,7 +182,7 @@ def test_every_figure_name_is_one_draw_knows(tmp_path):
 )  # fmt: skip
 def test_ilp_option_mistakes_are_refused_before_the_solve(options, message):
     pytest.importorskip("pulp")
-    from flashcp.ilp.planner import check_ilp_options, plan_ilp
+    from flashcp.planners.ilp.planner import check_ilp_options, plan_ilp
 
     with pytest.raises(ValueError) as info:
         check_ilp_options(**options)
@@ -194,7 +194,7 @@ def test_ilp_option_mistakes_are_refused_before_the_solve(options, message):
 
 def test_ilp_takes_a_real_cbc_path_and_numpy_threads(tmp_path):
     pytest.importorskip("pulp")
-    from flashcp.ilp.planner import check_ilp_options
+    from flashcp.planners.ilp.planner import check_ilp_options
 
     exe = tmp_path / "cbc"
     exe.write_text("#!/bin/sh\n")
@@ -239,7 +239,7 @@ def test_per_doc_layout_past_max_chunks_is_refused(monkeypatch, method):
     """The NumPy Per-Doc layout refuses documents x 2 * cp_size chunks above MAX_PER_DOC_CHUNKS
     before it allocates its (documents, 2N) chunk sizes (the fused kernels hold only the non-empty
     chunks and need no such limit)."""
-    from flashcp import layout
+    from flashcp.planners import layout
 
     monkeypatch.setenv("FLASHCP_COMPILED", "0")
     monkeypatch.setattr(layout, "MAX_PER_DOC_CHUNKS", 63)  # 4 documents x 16 chunks = 64

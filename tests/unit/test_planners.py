@@ -390,7 +390,7 @@ def test_per_doc_hand_checked():
 
 
 def test_per_doc_remainders_hand_checked():
-    # [5, 11], N = 2 (flashcp.layout.per_doc_chunk_sizes): doc 0 = 4 chunks of 1 plus 1 extra token
+    # [5, 11], N = 2 (flashcp.planners.layout.per_doc_chunk_sizes): doc 0 = 4 chunks of 1 plus 1 extra token
     # to rank 0 (its first extra: front chunk): sizes [2, 1, 1, 1]. Doc 1 = chunks of 2 plus 3
     # extra tokens, the round-robin cursor now at rank 1: ranks 1, 0, 1 -> rank 1 front and back,
     # rank 0 (its second single extra: back chunk): sizes [2, 3, 3, 3].

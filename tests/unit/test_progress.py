@@ -1,6 +1,6 @@
 """Long work says what it is doing: ``executor=emulate`` logs the device it replays on and counts
 its replays on a progress bar, and ``executor=sim`` moves its bar per sequence when a planner is
-slow (the ILP); bars go through tqdm on a terminal only (flashcp.progress)."""
+slow (the ILP); bars go through tqdm on a terminal only (flashcp.executors.progress)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from flashcp.comm import AttnShape
 from flashcp.executors import RunSpec, execute
-from flashcp.progress import progress_bar
+from flashcp.executors.progress import progress_bar
 from flashcp.sim import load_hardware
 
 SHAPE = AttnShape(2, 2, 8, "float32")

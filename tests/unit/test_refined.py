@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashcp.heuristic import plan_flashcp
 from flashcp.plan import doc_workload, make_plan
-from flashcp.refined import _VARIANTS, _pack, plan_flashcp_refined
+from flashcp.planners.flashcp import plan_flashcp
+from flashcp.planners.flashcp_refined import _VARIANTS, _pack, plan_flashcp_refined
 
 #: WLB-LLM, 64K, sequence 0 of the Table 2 sampler (seed 0), longest first: every document is
 #: shorter than C/N = 8192 at CP 8, and the longest alone is 1.09 W_mean (Eq. 3)

@@ -2,9 +2,9 @@
 
 Both formulations describe the same plans (an assignment of every piece to a rank, with exactly
 C / N tokens per rank) and the same objective, so they have the same optimum; they differ in how
-tight their LP relaxations are. :mod:`flashcp.ilp` documents both.
+tight their LP relaxations are. :mod:`flashcp.planners.ilp` documents both.
 
-Everything here is a pure function of numpy arrays; :mod:`flashcp.ilp.worker` calls it inside the
+Everything here is a pure function of numpy arrays; :mod:`flashcp.planners.ilp.worker` calls it inside the
 solver process.
 """
 
@@ -32,7 +32,7 @@ __all__ = [
     "round_fractions",
 ]
 
-#: the ILP formulations (see :mod:`flashcp.ilp`)
+#: the ILP formulations (see :mod:`flashcp.planners.ilp`)
 FORMULATIONS = ("patterns", "pieces")
 #: relative tolerance of every comparison with the imbalance cap ``max_imbalance``: a value v
 #: meets cap c when ``v <= c * (1 + CAP_TOLERANCE)`` (:func:`meets_cap`). It applies to the
@@ -175,7 +175,7 @@ class Model:
             every rank (summing to the group's size), or None.
         rank_vars: ``[[var, ...], ...]``, per rank r the variables that place something on r
             (every variable but the two maxima belongs to exactly one rank); the neighbourhoods
-            of :func:`flashcp.ilp.worker.pair_lns` free two ranks' variables and fix the rest.
+            of :func:`flashcp.planners.ilp.worker.pair_lns` free two ranks' variables and fix the rest.
     """
 
     prob: Any
@@ -241,7 +241,7 @@ def _with_maxima(model: Model, inst: Instance, seed_rank: np.ndarray | None, z_w
 
 
 def _build_pieces(inst: Instance, seed_rank: np.ndarray | None) -> Model:
-    """The piece-assignment formulation (see :mod:`flashcp.ilp`, ``formulation="pieces"``)."""
+    """The piece-assignment formulation (see :mod:`flashcp.planners.ilp`, ``formulation="pieces"``)."""
     import pulp
 
     n, tpr, mean_work = inst.cp_size, inst.tokens_per_rank, inst.mean_work
@@ -305,7 +305,7 @@ def _build_pieces(inst: Instance, seed_rank: np.ndarray | None) -> Model:
 
 
 def _build_patterns(inst: Instance, seed_rank: np.ndarray | None) -> Model:
-    """The tail-pattern formulation (see :mod:`flashcp.ilp`, ``formulation="patterns"``)."""
+    """The tail-pattern formulation (see :mod:`flashcp.planners.ilp`, ``formulation="patterns"``)."""
     import pulp
 
     n, tpr, mean_work = inst.cp_size, inst.tokens_per_rank, inst.mean_work

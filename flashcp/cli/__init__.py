@@ -1,5 +1,5 @@
 """Command-line tools outside the Hydra app: ``flashcp plan`` inspects one plan, ``flashcp
-advise`` compares every method on a user's document lengths (:mod:`flashcp.advise`).
+advise`` compares every method on a user's document lengths (:mod:`flashcp.cli.advise`).
 
 Examples::
 
@@ -265,7 +265,7 @@ def _plan_command(args: argparse.Namespace) -> int:
 def _advise_command(args: argparse.Namespace) -> int:
     """``flashcp advise``: every method's predicted step time on the given lengths; one table
     printed, the table, rows and breakdown figure written to ``--out``."""
-    from flashcp.advise import advise, format_report, load_model, write_outputs
+    from flashcp.cli.advise import advise, format_report, load_model, write_outputs
     from flashcp.results import check_output_dir
 
     check_output_dir(args.out, f"--out {args.out}")  # before any work, not after it

@@ -1,5 +1,5 @@
 """Algorithm 1 of the paper (arXiv 2606.08476, §3.3) compiled with numba: the same steps, in the
-same order and with the same tie-breaks, as the readable reference :mod:`flashcp.heuristic`,
+same order and with the same tie-breaks, as the readable reference :mod:`flashcp.planners.flashcp`,
 which is its oracle (``tests/unit/test_compiled.py`` compares their plans).
 
 :func:`algorithm1` is the reference's search loop (steps 1-2c) and shard emission in one call.
@@ -10,15 +10,15 @@ ties of the stable sorts in step 2b. ``cap`` bounds the pieces of a rank: every 
 plus one per cut (at most N - 1 receivers in each of at most N donor rounds). Three sets of these
 buffers are allocated once per call: the best plan so far and the two step-2b variants of the
 current Per-Doc set. :func:`flashcp_plan` is the whole planner in one call (the argument checks,
-this search, the merge, validation and metrics of :func:`flashcp.plan_kernels.finish_plan`).
+this search, the merge, validation and metrics of :func:`flashcp.plan.kernels.finish_plan`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from flashcp.compiled import njit
-from flashcp.plan_kernels import _entry, _failed, _stack, finish_plan, per_doc_sizes
+from flashcp.compiled.jit import njit
+from flashcp.plan.kernels import _entry, _failed, _stack, finish_plan, per_doc_sizes
 
 __all__ = ["algorithm1", "flashcp_plan"]
 
@@ -319,7 +319,7 @@ def _fewest_cuts_pass(
 
 @njit(cache=True)
 def algorithm1(lens, n, tpr, target):
-    """The reference :func:`flashcp.heuristic.plan_flashcp` after its argument checks.
+    """The reference :func:`flashcp.planners.flashcp.plan_flashcp` after its argument checks.
 
     Args:
         lens: (n_docs,) int64 document lengths (all > 0).
@@ -411,18 +411,18 @@ def algorithm1(lens, n, tpr, target):
 
 @njit(cache=True)
 def flashcp_plan(doc_lens, cp_size, num_pad, pad_to_multiple, validate, target):
-    """:func:`flashcp.heuristic.plan_flashcp` of documents all of length >= 1 in one call: the
-    checks of :func:`flashcp.plan.planner_entry` (:func:`flashcp.plan_kernels._entry`: more than
+    """:func:`flashcp.planners.flashcp.plan_flashcp` of documents all of length >= 1 in one call: the
+    checks of :func:`flashcp.plan.planner_entry` (:func:`flashcp.plan.kernels._entry`: more than
     ``EXACT_TOKENS`` tokens go the general path), :func:`algorithm1` and
-    :func:`flashcp.plan_kernels.finish_plan` (compiled into this function: the cache's key covers
-    both modules' sources, :func:`flashcp.compiled.njit`).
+    :func:`flashcp.plan.kernels.finish_plan` (compiled into this function: the cache's key covers
+    both modules' sources, :func:`flashcp.compiled.jit.njit`).
 
     Args:
         doc_lens: (n_docs,) int64. cp_size: N >= 1. num_pad: pad tokens >= 0.
         pad_to_multiple, validate: as the planner's. target: R >= 1 (checked by the caller).
     Returns:
         ``(buf, ratio, per_doc)``: ``finish_plan``'s buffer (a 2-entry one with its status where
-        the fused path does not take the input: :data:`flashcp.plan_kernels.FUSED_STATUS`), the
+        the fused path does not take the input: :data:`flashcp.plan.kernels.FUSED_STATUS`), the
         plan's imbalance ratio and its Per-Doc documents (sorted).
     """
     status, num_pad = _entry(doc_lens, cp_size, num_pad, pad_to_multiple, 1)

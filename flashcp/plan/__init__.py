@@ -437,7 +437,7 @@ class Plan:
 
     @functools.cached_property
     def _rank_sums(self) -> _RankSums | None:
-        """Per-rank sums from one compiled pass (:func:`flashcp.plan_kernels.rank_sums`), or None:
+        """Per-rank sums from one compiled pass (:func:`flashcp.plan.kernels.rank_sums`), or None:
         the properties then use NumPy. A fused planner (:func:`fused_plan`) sets them, with the
         metrics, when it builds the plan."""
         kernels = compiled.load("plan")
@@ -513,7 +513,7 @@ class Plan:
         # w.sum() / w.size is w.mean() (the same sum, then the same division), without its wrapper
         return float(w.max() / (w.sum() / w.size)) if w.any() else 1.0
 
-    # ---- head parallelism (docs/design.md §3; flashcp.head_parallel) ---------------------------
+    # ---- head parallelism (docs/design.md §3; flashcp.plan.head_parallel) ---------------------------
     @property
     def ulysses_degree(self) -> int:
         """u, ranks of a head-parallel (Ulysses) group: ``info["ulysses_degree"]``, 1 (no head
@@ -857,7 +857,7 @@ class Plan:
         return plan
 
 
-#: rows of :func:`flashcp.plan_kernels.rank_sums`'s sums that are counts: doc tokens, send tokens,
+#: rows of :func:`flashcp.plan.kernels.rank_sums`'s sums that are counts: doc tokens, send tokens,
 #: shards (row 1 is the workload)
 _COUNT_ROWS = [0, 2, 3]
 
@@ -866,7 +866,7 @@ class _RankSums(NamedTuple):
     """A plan's per-rank sums (:attr:`Plan._rank_sums`): ``counts`` (3 N,) int64, the doc tokens,
     send tokens and shards of ranks 0..N-1 one after the other, ``work`` (N,), the workloads
     (float64; int64, exact, from a fused planner), and, computed with them as exact integers
-    where the context has at most :data:`flashcp.plan_kernels.EXACT_TOKENS` tokens (else None),
+    where the context has at most :data:`flashcp.plan.kernels.EXACT_TOKENS` tokens (else None),
     the maxima of the doc and send tokens and of the workloads, the total workload, whether any
     rank has work (u = 1), the documents cut into more than one shard and the most shards on a
     rank."""
@@ -892,13 +892,13 @@ def fused_plan(
     validate: Any,
 ) -> Plan | None:
     """A baseline's plan from one compiled call that checks the arguments, lays out the shards,
-    merges, validates and sums them (:func:`flashcp.plan_kernels.ring_plan` and the like), with its
+    merges, validates and sums them (:func:`flashcp.plan.kernels.ring_plan` and the like), with its
     metrics and digest buffer attached; or None, and the caller takes the general path (which
     plans the same, or raises the error naming the bad value): kernels off, arguments of other
     types, a zero-length document, a total not divisible as the layout needs, ...
 
     Args:
-        kernel: name of the fused kernel in :mod:`flashcp.plan_kernels`.
+        kernel: name of the fused kernel in :mod:`flashcp.plan.kernels`.
         method: planner name stored in the plan.
         doc_lens: (n_docs,) int64 ndarray (anything else: None).
         cp_size, num_pad: Python ints, >= 1 and >= 0.
@@ -938,7 +938,7 @@ def fused_args(
 
 
 def buffer_plan(buf: np.ndarray, method: str, n: int, nd: int, status: str, info: dict) -> Plan:
-    """The :class:`Plan` a fused kernel's buffer holds (:func:`flashcp.plan_kernels.finish_plan`
+    """The :class:`Plan` a fused kernel's buffer holds (:func:`flashcp.plan.kernels.finish_plan`
     describes it; status 0), its arrays views of the buffer, with its metrics and digest bytes;
     ``info`` already JSON-clean (:func:`json_value`)."""
     doc_tokens, num_pad, max_tokens, max_send, max_work, total_work, any_work = buf[-11:-4].tolist()
@@ -973,11 +973,11 @@ def packed_plan(
     validate: bool = True,
 ) -> Plan:
     """``make_plan(method, cp_size, doc_lens, *cols, status=status, info=info, pad=pad,
-    validate=validate)`` in one compiled call (:func:`flashcp.plan_kernels.finish_plan`: the
+    validate=validate)`` in one compiled call (:func:`flashcp.plan.kernels.finish_plan`: the
     merge, the validation, the per-rank sums and the metrics), for a compiled planner's output:
     the same plan (arrays, digest, metrics), with its metrics and digest bytes attached as a
     fused planner's. Where the kernel does not take the input (kernels off, other dtypes, a
-    context over :data:`flashcp.plan_kernels.EXACT_TOKENS` tokens) or finds it invalid,
+    context over :data:`flashcp.plan.kernels.EXACT_TOKENS` tokens) or finds it invalid,
     :func:`make_plan` builds the plan (and raises its error).
 
     Args:
@@ -1153,7 +1153,7 @@ def planner_entry(
         method: the method name (stored in the all-empty plan).
         chunks_per_rank: equal chunks per rank the layout needs (2 for ``llama3``), so that the
             total must divide by ``chunks_per_rank * cp_size``.
-        fused: name of a kernel of :mod:`flashcp.plan_kernels` that computes the whole plan of
+        fused: name of a kernel of :mod:`flashcp.plan.kernels` that computes the whole plan of
             ``func`` in one call (:func:`fused_plan`): tried first when the compiled kernels are
             on, for the common case (an int64 array of lengths >= 1, plain ints and bools, no
             option but ``validate``); every other case takes the path described here. Or a

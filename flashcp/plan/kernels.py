@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcp.compiled import njit
+from flashcp.compiled.jit import njit
 
 __all__ = [
     "FUSED_STATUS",
@@ -197,7 +197,7 @@ def rank_sums(cp_size, doc_lens, rank, doc, start, length):
 @njit(cache=True)
 def _doc_split(d, n):
     """``(base, whole, part)`` of a document of length ``d`` in the rule of
-    :func:`flashcp.layout.per_doc_chunk_sizes`: every chunk gets ``base = d // 2N``, every rank
+    :func:`flashcp.planners.layout.per_doc_chunk_sizes`: every chunk gets ``base = d // 2N``, every rank
     ``whole`` of the ``d % 2N`` extra tokens and ``part`` ranks from the first one one more
     (``rem // n``, ``rem % n`` without dividing: 0 <= rem < 2N)."""
     base, rem = d // (2 * n), d % (2 * n)
@@ -218,7 +218,7 @@ def _rank_extra(r, n, first, whole, part, parity):
 @njit(cache=True)
 def _doc_chunk_sizes(d, n, first, parity, row):
     """The 2N chunk sizes of one document of length ``d`` into ``row`` ((2N,) int64), the rule of
-    :func:`flashcp.layout.per_doc_chunk_sizes`: ``first`` is the rank of its first extra token,
+    :func:`flashcp.planners.layout.per_doc_chunk_sizes`: ``first`` is the rank of its first extra token,
     ``parity`` (N,) the extra tokens each rank got from the documents before (updated). Returns
     the next document's ``first``."""
     base, whole, part = _doc_split(d, n)
@@ -233,7 +233,7 @@ def _doc_chunk_sizes(d, n, first, parity, row):
 
 @njit(cache=True)
 def per_doc_sizes(doc_lens, n, cursor):
-    """:func:`flashcp.layout.per_doc_chunk_sizes` (its docstring says the rule) in one pass:
+    """:func:`flashcp.planners.layout.per_doc_chunk_sizes` (its docstring says the rule) in one pass:
     ``(sizes, cursor)``, sizes (n_docs, 2N) int64."""
     m = doc_lens.size
     sizes = np.empty((m, 2 * n), np.int64)
@@ -246,7 +246,7 @@ def per_doc_sizes(doc_lens, n, cursor):
 
 @njit(cache=True)
 def split_packed(doc_lens, num_chunks, num_pad):
-    """:func:`flashcp.layout.split_packed` in one pass, for a chunk size ``(sum(doc_lens) +
+    """:func:`flashcp.planners.layout.split_packed` in one pass, for a chunk size ``(sum(doc_lens) +
     num_pad) // num_chunks`` >= 1: ``(cols, chunk_pad)``, cols (4, n_pieces) int64 the columns
     chunk, doc, start, length."""
     m = doc_lens.size
@@ -283,7 +283,7 @@ def split_packed(doc_lens, num_chunks, num_pad):
 def per_doc_layout(doc_lens, n, num_pad):
     """The Per-Doc layout of :func:`baselines.per_doc.per_doc_layout` in one pass: ``(cols, pad)``,
     cols (4, n_shards) int64 the shard columns rank, doc, start, length, rank-major, per document chunk r then chunk 2N-1-r, empty
-    chunks left out (:func:`flashcp.layout.per_doc_columns` keeps them for ``make_plan`` to
+    chunks left out (:func:`flashcp.planners.layout.per_doc_columns` keeps them for ``make_plan`` to
     drop), and (N,) pad tokens per rank."""
     m = doc_lens.size
     sizes, _ = per_doc_sizes(doc_lens, n, 0)

@@ -3,10 +3,10 @@
 ``flashcp.compiled`` starts this in a background process when it finds the cache cold
 (:data:`flashcp.compiled.WARM_UP_COMMAND`); by hand::
 
-    python -c "from flashcp.compile_cache import warm_up; print(warm_up())"
+    python -c "from flashcp.compiled.warm import warm_up; print(warm_up())"
 
-It lives apart from :mod:`flashcp.compiled` because it plans and prices (it imports the registry and
-the cost model, which import :mod:`flashcp.compiled`).
+It is a module of its own because it plans and prices (it imports the registry and the cost
+model, which import :mod:`flashcp.compiled`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from flashcp import compiled
+from flashcp.compiled import jit
 
 __all__ = ["PRELOAD_PLANS", "main", "preload", "prune", "warm_up"]
 
@@ -71,7 +72,7 @@ def prune(folder: Path) -> list[Path]:
     Returns:
         The paths removed.
     """
-    own = Path(compiled.__file__).resolve().parent / "__pycache__"
+    own = Path(jit.__file__).resolve().parents[1] / "__pycache__"
     if folder.resolve().parent != own:
         return []
     removed = []

@@ -11,8 +11,8 @@ with the cost model (:func:`flashcp.sim.cost_model.price_plans`) and returns one
   the sequences;
 * ``speedup_vs_llama3``: the median over sequences of llama3's step time over the method's, and
   ``speedup_min`` / ``speedup_max``: the range of that median over joint draws of the hardware
-  constants' uncertainty (:func:`experiments.sensitivity.joint_factors` and
-  :func:`experiments.sensitivity.perturb`: every overhead constant x1/2 .. x2 in a Latin
+  constants' uncertainty (:func:`flashcp.sim.perturb.joint_factors` and
+  :func:`flashcp.sim.perturb.perturb`: every overhead constant x1/2 .. x2 in a Latin
   hypercube), priced on the first ``draw_sequences`` sequences;
 * ``imbalance_ratio`` (median; workload of the busiest rank over the mean, docs/design.md §2) and
   ``comm_mib_per_rank`` (median MiB one rank receives in the step, every pass);
@@ -249,8 +249,8 @@ def _speedup_draws(
 ) -> dict[str, np.ndarray]:
     """Per method, the median over the first ``k`` sequences of llama3's step time over its own,
     for each of ``num_draws`` joint draws of the constants: (num_draws,) arrays."""
-    from experiments.sensitivity import joint_factors, perturb
     from flashcp.sim.cost_model import PlanBatch, price_plans
+    from flashcp.sim.perturb import joint_factors, perturb
 
     profiles = [perturb(hw, f) for f in joint_factors(num_draws, factor, seed)]
     totals = {

@@ -1,9 +1,9 @@
 """``flashcp_ulysses``: FlashCP's planner over head-parallel groups (docs/design.md §3).
 
 The N ranks form G = N/u groups of u consecutive ranks (``ulysses_degree = u``). FlashCP's
-heuristic (paper Algorithm 1, :func:`flashcp.heuristic.plan_flashcp`, unchanged) plans the
+heuristic (paper Algorithm 1, :func:`flashcp.planners.flashcp.plan_flashcp`, unchanged) plans the
 documents over the G groups as super-ranks; each group's rows are cut into u consecutive pieces
-(:func:`flashcp.head_parallel.split_groups`). The op (:mod:`flashcp.ops.hybrid_attn`) runs
+(:func:`flashcp.plan.head_parallel.split_groups`). The op (:mod:`flashcp.ops.hybrid_attn`) runs
 Ulysses inside each group (every rank attends over its group's shards for H/u heads) and
 FlashCP's sharding-aware KV all-gather across the groups, so the plan's imbalance ratio and
 communication saving are those of the FlashCP plan of the G super-ranks
@@ -12,10 +12,10 @@ communication saving are those of the FlashCP plan of the G super-ranks
 
 from __future__ import annotations
 
-from flashcp.head_parallel import check_ulysses_degree, split_groups
-from flashcp.heuristic import plan_flashcp
 from flashcp.kinds import CommKind, OpFamily
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, planner_entry
+from flashcp.plan.head_parallel import check_ulysses_degree, split_groups
+from flashcp.planners.flashcp import plan_flashcp
 from flashcp.registry import MethodSpec
 
 __all__ = ["plan_flashcp_ulysses"]
@@ -35,7 +35,7 @@ def plan_flashcp_ulysses(
 
     Args:
         ulysses_degree: u, ranks per group, dividing ``cp_size``; None: the default of
-            :func:`~flashcp.head_parallel.check_ulysses_degree` (heads are checked by the op and
+            :func:`~flashcp.plan.head_parallel.check_ulysses_degree` (heads are checked by the op and
             by :func:`flashcp.comm.comm_volume`, which know them).
         target_imbalance: R of Algorithm 1, over the groups.
     Raises:

@@ -1,6 +1,6 @@
 """:func:`plan_ilp`: warm start, solve under a watchdog, read the plan back, or fall back.
 
-The formulations and what they optimise are documented in :mod:`flashcp.ilp`.
+The formulations and what they optimise are documented in :mod:`flashcp.planners.ilp`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from flashcp.ilp.model import FORMULATIONS, Instance, block_pieces, meets_cap, piece_ranks
-from flashcp.ilp.worker import check_highs_options, run_job
 from flashcp.kinds import CommKind, OpFamily
 from flashcp.plan import Plan, check_cp_args, check_doc_lens, make_plan, planner_entry
+from flashcp.planners.ilp.model import FORMULATIONS, Instance, block_pieces, meets_cap, piece_ranks
+from flashcp.planners.ilp.worker import check_highs_options, run_job
 from flashcp.registry import MethodSpec
 
 __all__ = ["plan_ilp", "plan_objective", "saving_bound"]
@@ -62,10 +62,10 @@ def _heuristic(
     doc_lens: np.ndarray, cp_size: int, method: str, target: float, comm_weight: float
 ) -> Plan:
     """The seed / fallback plan of ``method``; ``best`` = the lower objective of the two
-    heuristics among those meeting ``target`` (:func:`~flashcp.ilp.model.meets_cap`; ties:
+    heuristics among those meeting ``target`` (:func:`~flashcp.planners.ilp.model.meets_cap`; ties:
     ``flashcp_refined``)."""
-    from flashcp.heuristic import plan_flashcp
-    from flashcp.refined import plan_flashcp_refined
+    from flashcp.planners.flashcp import plan_flashcp
+    from flashcp.planners.flashcp_refined import plan_flashcp_refined
 
     if method == "flashcp":
         return plan_flashcp(doc_lens, cp_size, target_imbalance=target)
@@ -206,7 +206,7 @@ def plan_ilp(
     lns: bool | None = None,
     lns_max_size: int = 2,
 ) -> Plan:
-    """Plan FlashCP's layout by solving the ILP of :mod:`flashcp.ilp`.
+    """Plan FlashCP's layout by solving the ILP of :mod:`flashcp.planners.ilp`.
 
     Optimises ``imbalance_ratio + comm_weight * (1 - comm_saving)`` subject to
     ``imbalance_ratio <= max_imbalance`` over plans that cut documents at piece boundaries
@@ -215,19 +215,19 @@ def plan_ilp(
     Args:
         doc_lens: (n_docs,) int, document lengths in packed order (sum C divisible by N).
         cp_size: N >= 1.
-        block_size: piece granularity in tokens (see :func:`flashcp.ilp.block_pieces`).
+        block_size: piece granularity in tokens (see :func:`flashcp.planners.ilp.block_pieces`).
         time_limit_s: wall-clock limit of the solve (model build included), seconds; None: no
             limit and no watchdog.
         gap: relative optimality gap at which the solver may stop and call the result optimal
             (None: solver default).
         solver: ``"cbc"`` (bundled with PuLP) or ``"highs"`` (needs ``highspy``).
         formulation: ``"patterns"`` (tail patterns, tight LP bound) or ``"pieces"`` (piece
-            assignment, the original); same optimum, see :mod:`flashcp.ilp`.
+            assignment, the original); same optimum, see :mod:`flashcp.planners.ilp`.
         comm_weight: weight of ``comm_tokens / comm_tokens_full`` against the imbalance ratio in
             the objective (dimensionless, >= 0).
         max_imbalance: hard cap on the imbalance ratio (>= 1); default 1.05, the ``flashcp``
             heuristic's default target. None: no cap. Met up to the relative tolerance
-            :data:`flashcp.ilp.model.CAP_TOLERANCE` (a plan at exactly the cap is never
+            :data:`flashcp.planners.ilp.model.CAP_TOLERANCE` (a plan at exactly the cap is never
             rejected for a rounding error, nor is the warm start).
         warm_start: ``"best"`` (the better of ``flashcp`` and ``flashcp_refined`` by the
             objective, among those meeting the cap), ``"flashcp"``, ``"flashcp_refined"`` or
@@ -253,17 +253,17 @@ def plan_ilp(
         validate: check the fallback plan's invariants (a solver's plan is always checked).
         lp_rounding: before the MIP, solve its LP relaxation and cut the fractional solution
             into a plan (each piece shared among ranks in the LP's proportions,
-            :func:`flashcp.ilp.model.round_fractions`); when that plan meets the cap and beats
+            :func:`flashcp.planners.ilp.model.round_fractions`); when that plan meets the cap and beats
             the warm start, its cut points are added to the grid and it becomes the MIP start
             (``info["warm_start_source"] = "lp_rounding"``). Like the warm start's cut points,
             only with a ``warm_start``: without one the grid is exactly ``block_size``'s.
         lns: improve the MIP start, before the MIP, by large-neighbourhood search over pairs of
-            ranks (:func:`flashcp.ilp.worker.pair_lns`: free two ranks, fix the others, solve
+            ranks (:func:`flashcp.planners.ilp.worker.pair_lns`: free two ranks, fix the others, solve
             the sub-MIP with HiGHS) until half of ``time_limit_s``; needs a ``warm_start`` and
             ``highspy`` (whatever ``solver`` finishes the solve). None: on when ``highspy`` is
             installed. ``lns_max_size`` (>= 2; default 2: pairs only): after a round of pairs
             brings nothing, free three ranks, then up to ``lns_max_size``, each set holding the
-            rank of highest communication or workload (:func:`flashcp.ilp.worker.pair_lns`). ``info``: ``lns``, ``lns_start_objective``, ``lns_objective``,
+            rank of highest communication or workload (:func:`flashcp.planners.ilp.worker.pair_lns`). ``info``: ``lns``, ``lns_start_objective``, ``lns_objective``,
             ``lns_solves``, ``lns_time_s``, ``lns_max_size`` (the
             largest neighbourhood, in ranks, the search reached).
     Returns:

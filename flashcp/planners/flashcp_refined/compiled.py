@@ -1,6 +1,6 @@
 """``flashcp_refined``'s packing pass compiled with numba: the same steps, in the same order, with
 the same integer and floating-point operations as the readable reference
-:func:`flashcp.refined._pack` (its oracle: ``tests/unit/test_compiled.py`` compares the plans).
+:func:`flashcp.planners.flashcp_refined.reference._pack` (its oracle: ``tests/unit/test_compiled.py`` compares the plans).
 
 The reference's closures become small functions taking what they read; its bisections
 (``_largest`` with a predicate) are written out per predicate; the deferred head's receivers
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcp.compiled import njit
+from flashcp.compiled.jit import njit
 
 __all__ = ["pack"]
 
@@ -154,7 +154,7 @@ def _by_send(cands, send):
 def pack(
     lens, order, n, tpr, budget, spread, alpha, zigzag, joint_tail, send_bound, defer, work_bound
 ):
-    """Reference :func:`flashcp.refined._pack` (same arguments; ``lens`` and ``order`` int64
+    """Reference :func:`flashcp.planners.flashcp_refined.reference._pack` (same arguments; ``lens`` and ``order`` int64
     arrays).
 
     Returns:

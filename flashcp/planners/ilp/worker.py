@@ -3,7 +3,7 @@
 A MIP solver can overrun its own time limit or hang (a stuck CBC binary, a HiGHS call that never
 returns), and a solver that runs inside the planner's process, or as its child, cannot be stopped
 safely from Python. So :func:`run_job` builds and solves the model in a separate process
-(``python -m flashcp.ilp.worker JOB RESULT``) started in its own session, whose files (the job, the
+(``python -m flashcp.planners.ilp.worker JOB RESULT``) started in its own session, whose files (the job, the
 result, PuLP's ``*-pulp.mps`` / ``*-pulp.mst`` / ``*-pulp.sol``, the solver's log) all live in one
 temporary folder. The planner waits at most ``time_limit_s + grace_s``; past that it kills the
 whole process group (the worker and the solver binary it started) and deletes the folder. The
@@ -139,7 +139,7 @@ def _lp_rounded_start(
     Solve the LP, then dive: fix the most decided fractional last-shard choice, re-solve, and
     repeat, one document at a time (at most :data:`_DIVE_SOLVES` LP solves; a choice that makes
     the LP infeasible is forbidden instead), then round the counts of aggregated documents. Cut
-    the root and the dived solutions into plans (:func:`flashcp.ilp.model.round_fractions`) and
+    the root and the dived solutions into plans (:func:`flashcp.planners.ilp.model.round_fractions`) and
     keep the better; when it meets the imbalance cap and beats ``seed_objective``, return it as
     a MIP start on the grid refined by its cut points. The LP solves count against the solve's
     time limit (they run before it starts); the dive stops at ``deadline``
@@ -150,8 +150,8 @@ def _lp_rounded_start(
     """
     import pulp
 
-    from flashcp.ilp.model import meets_cap, piece_ranks, refine_grid, round_fractions
     from flashcp.plan import make_plan
+    from flashcp.planners.ilp.model import meets_cap, piece_ranks, refine_grid, round_fractions
 
     out = {"lp_bound": None, "objective": None, "instance": None, "seed_rank": None}
     cats = {v.name: v.cat for v in model.prob.variables()}
@@ -257,7 +257,7 @@ def pair_lns(
 
     The objective is a max over ranks (imbalance, Eq. 3; communication, Eq. 5), and the MIP's own
     heuristics rarely move a 128K start whose ranks each hold exactly C / N tokens. Each
-    neighbourhood keeps every rank's variables (:attr:`~flashcp.ilp.model.Model.rank_vars`) fixed
+    neighbourhood keeps every rank's variables (:attr:`~flashcp.planners.ilp.model.Model.rank_vars`) fixed
     at the incumbent except those of two ranks a, b, and solves that sub-MIP (HiGHS, one thread,
     at most ``sub_time_s`` seconds, started from the incumbent): the two ranks may exchange any
     tails and head pieces, and cut their documents differently, as long as they keep their
@@ -395,10 +395,10 @@ def pair_lns(
 
 def _within_bounds(var, value: float) -> float:
     """A MIP start value moved onto its variable's bound when it lies outside by at most
-    :data:`flashcp.ilp.model.CAP_TOLERANCE` (relative): PuLP refuses any initial value outside
+    :data:`flashcp.planners.ilp.model.CAP_TOLERANCE` (relative): PuLP refuses any initial value outside
     the bounds, and a start from the heuristic or the neighbourhood search can sit a rounding
     error beyond one. A value further out is returned as is (PuLP then names it)."""
-    from flashcp.ilp.model import CAP_TOLERANCE
+    from flashcp.planners.ilp.model import CAP_TOLERANCE
 
     value = float(value)
     lo, hi = var.lowBound, var.upBound
@@ -412,7 +412,7 @@ def _within_bounds(var, value: float) -> float:
 def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     """Build and solve one model (runs in the worker process).
 
-    ``job``: ``formulation``, ``instance`` (:class:`flashcp.ilp.model.Instance`), ``seed_rank``
+    ``job``: ``formulation``, ``instance`` (:class:`flashcp.planners.ilp.model.Instance`), ``seed_rank``
     ((n_pieces,) int64 or None), ``solver`` (``cbc`` / ``highs``), ``solver_path`` (a CBC
     executable, or None for PuLP's bundled one), ``time_limit_s`` (wall clock for build + solve,
     or None), ``gap``, ``threads``, ``tmpdir``; optional ``highs_options`` (HiGHS options by
@@ -435,7 +435,7 @@ def solve_job(job: dict[str, Any]) -> dict[str, Any]:
     """
     import pulp
 
-    from flashcp.ilp.model import Infeasible, build_model
+    from flashcp.planners.ilp.model import Infeasible, build_model
 
     t0 = time.perf_counter()
     c0 = _cpu_s()
@@ -621,7 +621,7 @@ def run_job(job: dict[str, Any], time_limit_s: float | None, grace_s: float) -> 
         )}  # fmt: skip
         with open(err_path, "wb") as err:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "flashcp.ilp.worker", job_path, res_path],
+                [sys.executable, "-m", "flashcp.planners.ilp.worker", job_path, res_path],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,

@@ -16,7 +16,7 @@ __all__ = ["MAX_PER_DOC_CHUNKS", "per_doc_chunk_sizes", "per_doc_columns", "spli
 
 #: the most chunks :func:`per_doc_chunk_sizes` cuts (documents x 2 * cp_size; its (documents,
 #: 2N) int64 sizes then take at most 1 GiB): 2**27. The fused per-document kernels
-#: (:mod:`flashcp.plan_kernels`) hold only the non-empty chunks and do not need it
+#: (:mod:`flashcp.plan.kernels`) hold only the non-empty chunks and do not need it
 MAX_PER_DOC_CHUNKS = 2**27
 
 

@@ -32,7 +32,8 @@ warning that names both versions.
 
 Failures. A bad value is refused before anything is written (:func:`checked_grid`, registered as
 the launch check: every run's config, its dataset and hardware profile). A run of a grid that
-cannot be made at its setting becomes error rows while the others run. A job that raises becomes
+cannot be made at its setting becomes error rows while the others run, and the job exits 1 with
+one line counting the failed runs. A job that raises becomes
 rows with ``status = "error: ..."`` and its traceback in its log;
 the sweep goes on, and :mod:`experiments.common.callbacks` ends it with one line counting the failed jobs
 and a non-zero exit code. A sequence whose planner or simulation fails is a row of its own.
@@ -593,6 +594,12 @@ def checked_grid(cfg: DictConfig) -> tuple[list[DictConfig], dict[int, str]]:
                 raise
             except ValueError as exc:
                 failed[i] = exc
+        for i in failed:  # a value no method takes (cp_size=0): refused, never error rows
+            where = f"grid run {_grid_label(cfg, runs[i])}: " if len(runs) > 1 else ""
+            try:
+                _check_setting(runs[i])
+            except ValueError as exc:
+                raise ConfigError(f"{where}{exc}") from None
         made = {str(r.method.name) for i, r in enumerate(runs) if i not in failed}
         for i, exc in failed.items():  # wrong for the method everywhere, or no run at all
             if len(failed) == len(runs) or not (
@@ -610,6 +617,22 @@ def checked_grid(cfg: DictConfig) -> tuple[list[DictConfig], dict[int, str]]:
         raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _check_setting(run_cfg: DictConfig) -> None:
+    """The checks of a run's values that hold whatever its method: ``1 <= cp_size <=
+    MAX_CP_SIZE``, ``context_len`` a multiple of ``cp_size``, the model's head shape. A grid
+    value failing one (``grid.cp_size=[4,0]``) is a bad value, not a run that cannot be made.
+
+    Raises:
+        ValueError: naming the bad value.
+    """
+    from flashcp.comm import AttnShape
+    from flashcp.plan import check_context_len
+
+    check_context_len(int(run_cfg.context_len), run_cfg.cp_size)  # checks cp_size's range too
+    m = run_cfg.model
+    AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
 
 
 def _checked_runs(cfg: DictConfig) -> list[DictConfig]:
@@ -805,6 +828,21 @@ def _every_row_failed(out: Path | None) -> str | None:
     return str(status[0])
 
 
+def _failed_runs(out: Path | None) -> str | None:
+    """``k of n runs failed, e.g. <status>`` if some runs in ``out`` (a job's ``rows.parquet``)
+    have no ``ok`` row (a grid's runs that cannot be made at their setting), else None."""
+    if out is None:
+        return None
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(out, columns=["run_id", "status"]).to_pandas()
+    ok = rows["status"].eq("ok").groupby(rows["run_id"], sort=False).any()
+    if ok.all():
+        return None
+    first = rows.loc[rows["run_id"] == ok.index[~ok.to_numpy()][0], "status"].iloc[0]
+    return f"{int((~ok).sum())} of {len(ok)} runs failed (error rows), e.g. {first}"
+
+
 def _error_rows(run_cfg: DictConfig, exc: BaseException) -> list[dict[str, Any]]:
     """The rows of a run that failed as a whole: one per mode, ``seq_idx`` missing,
     ``status = "error: <type>: <message>"``."""
@@ -859,6 +897,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         if failed is not None:  # the rows stay (each names its error); the exit code says so
             log.error("%s: every row failed, e.g. %s", cfg.get("run_key", "run"), failed)
             return {"rows": str(out), "error": f"every row failed, e.g. {failed}", "exit_code": 1}
+        lost = _failed_runs(out)
+        if lost is not None:  # a grid's runs that became error rows: the others' rows stay
+            log.error("%s: %s", cfg.get("run_key", "run"), lost)
+            return {"rows": str(out), "error": lost, "exit_code": 1}
         return {"rows": str(out) if out is not None else None, "error": None, "exit_code": 0}
     except Exception as exc:
         key = cfg.get("run_key", "run")

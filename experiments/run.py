@@ -276,7 +276,7 @@ def grid_runs(cfg: DictConfig) -> list[DictConfig]:
     every model and hardware profile.
 
     Raises:
-        ConfigError: an unknown grid key or option, an empty list, or a grid under
+        ConfigError: an unknown grid key or option, an empty list, a repeated value, or a grid under
             ``executor=dist`` or ``emulate`` (one run per job).
     """
     import itertools
@@ -295,6 +295,7 @@ def grid_runs(cfg: DictConfig) -> list[DictConfig]:
     for k, values in grid.items():
         if not values:
             raise ConfigError(f"grid.{k} is empty; list at least one value or leave it null")
+    _check_grid_repeats(grid)
     changes = {k: group_changes(cfg, k) for k in GRID_GROUPS if k in grid}
     loaded = {
         (k, v): OmegaConf.merge(_group_option(k, str(v)), changes[k])
@@ -312,6 +313,22 @@ def grid_runs(cfg: DictConfig) -> list[DictConfig]:
                 run_cfg[k] = loaded[(k, v)].copy() if k in GRID_GROUPS else v
         runs.append(run_cfg)
     return runs
+
+
+def _check_grid_repeats(grid: dict[str, Any]) -> None:
+    """Refuse a grid list that repeats a value (the same run twice), naming it.
+
+    Raises:
+        ConfigError: ``grid.cp_size=[4,4] lists 4 twice``.
+    """
+    for k, values in grid.items():
+        values = list(values or ())
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:
+            raise ConfigError(
+                f"grid.{k}=[{','.join(map(str, values))}] lists {', '.join(twice)} twice: the same "
+                "run would be made twice; list each value once"
+            )
 
 
 def _changed(value: Any, base: Any) -> Any:
@@ -671,7 +688,8 @@ def _check_hardware(runs: list[DictConfig]) -> None:
 
 def _shared_values(config: DictConfig) -> None:
     """The sweep check of ``flashcp-run`` (``-m``): the dataset (:func:`flashcp.config.check_dataset_config`),
-    the hardware profile (:func:`_check_hardware`) and the method options a ``grid.method`` keeps
+    the hardware profile (:func:`_check_hardware`), a repeated grid value and the method options
+    a ``grid.method`` keeps
     (:func:`_grid_method_options`) every job of the sweep shares, each when no
     swept key (:func:`experiments.common.launch.swept_keys`) changes it, so a bad shared value is
     refused before any job instead of failing every job. ``config``: the sweep's composed config.
@@ -687,6 +705,8 @@ def _shared_values(config: DictConfig) -> None:
     try:
         if not varies("dataset", "context_len") and int(config.context_len) >= 1:
             check_dataset_config(config.dataset, int(config.context_len))
+        if not varies("grid"):
+            _check_grid_repeats(_container(config.get("grid")) or {})
         if not varies("method", "grid"):
             _grid_method_options(config)
         grid_hw = (_container(config.get("grid")) or {}).get("hardware")

@@ -82,6 +82,13 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
         (["experiment=fig5"], "add -m (flashcp-run -m experiment=fig5), or hydra.sweeper.params=null"),
         (["hydra/launcher=joblib"], "a single run ignores it; add -m"),
         (["cp_size=0"], "cp_size must be >= 1, got 0"),
+        # name= is one folder below results_dir: never outside it, never results_dir itself
+        (["name=../../escape"], "name=../../escape is not one folder name"),
+        (["name=a/b"], "name=a/b is not one folder name"),
+        (["name=/tmp/abs"], "name=/tmp/abs is not one folder name"),
+        (["name=.."], "name=.. is not one folder name"),
+        (["name="], "name= is empty"),
+        (["-m", "name=", "cp_size=2,4"], "name= is empty"),
         # a grid value no method takes is refused, not error rows beside the other runs
         (["grid.cp_size=[4,0]", "num_sequences=2"], "grid run cp_size=0: cp_size must be >= 1, got 0"),
         (["grid.cp_size=[-2,4]", "grid.method=[llama3,flashcp]"], "cp_size=-2: cp_size must be >= 1, got -2"),
@@ -396,3 +403,16 @@ def test_launcher_in_experiment_config_needs_multirun(capsys, monkeypatch, tmp_p
     )
     assert code == 2 and err.strip().count("\n") == 0
     assert "hydra/launcher=joblib launches the jobs of a sweep" in err and "add -m" in err
+
+
+def test_name_is_checked_resolved():
+    """``name=`` is checked as it resolves: an interpolation naming one folder passes, one that
+    resolves to a path does not."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(
+        {"name": "f3_${model.name}", "model": {"name": "h32"}, "results_dir": "o"}
+    )
+    assert launch.name_problem(cfg) is None
+    cfg.model.name = "../up"
+    assert "name=f3_../up is not one folder name" in launch.name_problem(cfg)

@@ -654,9 +654,42 @@ def _check_setting(run_cfg: DictConfig) -> None:
 
 def _checked_runs(cfg: DictConfig) -> list[DictConfig]:
     """The runs of :func:`checked_grid` that can be made (the check ``flashcp-run`` registers
-    for a single run: it raises for a bad value and lets a grid's inapplicable runs pass)."""
+    for a single run: it raises for a bad value and lets a grid's inapplicable runs pass), and
+    under ``executor=emulate`` the job's memory (:func:`_check_emulate_memory`)."""
     runs, inapplicable = checked_grid(cfg)
-    return [r for i, r in enumerate(runs) if i not in inapplicable]
+    made = [r for i, r in enumerate(runs) if i not in inapplicable]
+    for r in made:
+        if r.executor.name == "emulate":
+            _check_emulate_memory(cfg, r)
+    return made
+
+
+def _check_emulate_memory(cfg: DictConfig, run_cfg: DictConfig) -> None:
+    """Sample and plan the job's sequences as the job will and refuse, before its folder is
+    written, a plan whose record pass needs more memory than the device has
+    (:func:`flashcp.executors.emulate.check_job_memory`; ``executor.check_memory=false`` skips
+    it). Planning is cheap beside the replay it guards.
+
+    Raises:
+        ConfigError: naming the estimate and the memory available.
+    """
+    if not bool(run_cfg.executor.get("check_memory", True)):
+        return
+    from flashcp.data import sample_dataset
+    from flashcp.executors.emulate import check_job_memory
+    from flashcp.executors.rows import plan_sequences
+
+    ds = cfg.dataset
+    seqs, _ = sample_dataset(
+        str(ds.name), int(cfg.num_sequences), int(cfg.context_len), seed=int(cfg.seed),
+        weighting=str(ds.weighting), cap=None if ds.cap is None else int(ds.cap),
+        overlong=str(ds.overlong), path=ds.path,
+    )  # fmt: skip
+    spec = run_spec(run_cfg)
+    try:
+        check_job_memory(spec, plan_sequences(spec, seqs).plans)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_hardware(runs: list[DictConfig]) -> None:

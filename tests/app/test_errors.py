@@ -416,3 +416,21 @@ def test_name_is_checked_resolved():
     assert launch.name_problem(cfg) is None
     cfg.model.name = "../up"
     assert "name=f3_../up is not one folder name" in launch.name_problem(cfg)
+
+
+def test_emulate_memory_refusal_writes_nothing(capsys, monkeypatch, tmp_path):
+    """An ``executor=emulate`` job whose record pass would not fit the device is refused with one
+    line before its folder is written (no rows, no summary, no runs/)."""
+    import flashcp.executors.emulate as emulate
+
+    monkeypatch.setattr(emulate, "available_memory_bytes", lambda device: 2**20)  # 1 MiB free
+    code, _, err = _flashcp_run(
+        capsys, monkeypatch, "executor=emulate", "cp_size=2",
+        "dataset=pile", "method=zigzag", "num_sequences=2", "context_len=4096", "name=e4",
+        f"results_dir={tmp_path}",
+    )  # fmt: skip
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "executor=emulate: zigzag at cp_size = 2" in lines[0], err
+    assert "but 0.0 GiB is available" in lines[0]
+    assert not any(tmp_path.iterdir())

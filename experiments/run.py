@@ -615,8 +615,8 @@ def checked_grid(cfg: DictConfig) -> tuple[list[DictConfig], dict[int, str]]:
             where = f"grid run {_grid_label(cfg, runs[i])}: " if len(runs) > 1 else ""
             try:
                 _check_setting(runs[i])
-            except ValueError as exc:
-                raise ConfigError(f"{where}{exc}") from None
+            except ValueError:  # the run's own message: it names the method's valid values
+                raise ConfigError(f"{where}{failed[i]}") from None
         made = {str(r.method.name) for i, r in enumerate(runs) if i not in failed}
         for i, exc in failed.items():  # wrong for the method everywhere, or no run at all
             if len(failed) == len(runs) or not (

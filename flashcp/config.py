@@ -379,7 +379,11 @@ def check_config(cfg: Any, dataset: bool = True) -> None:
         raise ValueError(f"seed must be >= 0, got {cfg.seed}")
     if cfg.context_len < 1:
         raise ValueError(f"context_len must be >= 1, got {cfg.context_len}")
-    check_context_len(int(cfg.context_len), int(cfg.cp_size))  # names the nearest valid ones
+    from flashcp.registry import get_planner
+
+    # the nearest valid ones for the method's layout (llama3: multiples of 2 * cp_size)
+    chunks = getattr(get_planner(cfg.method.name), "chunks_per_rank", 1)
+    check_context_len(int(cfg.context_len), int(cfg.cp_size), chunks)
     if dataset:
         check_dataset_config(cfg.dataset, int(cfg.context_len))
     if cfg.executor.name in ("dist", "emulate"):

@@ -107,6 +107,8 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
         (["seed=-1"], "seed must be >= 0, got -1"),
         # flashcp-run has no num_pad: its remedy is context_len
         (["method=llama3", "cp_size=4", "context_len=16388"], "(2 equal chunks per rank; use context_len = 16384 or 16392)"),
+        # the suggested values suit the method's layout (llama3: 2 chunks per rank)
+        (["method=llama3", "context_len=1000", "cp_size=3"], "use context_len = 996 or 1002)"),
         (["cp_size=4", "context_len=4099"], "not divisible by cp_size = 4: every rank must hold exactly context_len / cp_size tokens (use context_len = 4096 or 4100)"),
         (["cp_size=1000000000", "context_len=1000000000"], "cp_size = 1000000000 is above MAX_CP_SIZE = 2**16"),
         (["workers=100000"], "workers must be in [1, "),
@@ -254,7 +256,8 @@ def test_experiment_entry_mistake_is_one_line_exit_2(
         ("table2", ["cp_size=4", "context_len=16388"], "(2 equal chunks per rank; use context_len = 16384 or 16392)"),
         ("sensitivity", ["methods=[zigzag]"], "must include llama3"),
         ("sensitivity", ["context_len=16392"], "(2 equal chunks per rank; use context_len = 16384 or 16400)"),
-        ("sensitivity", ["context_len=16391"], "not divisible by cp_size = 8: every rank must hold exactly context_len / cp_size tokens (use context_len = 16384 or 16392)"),
+        ("sensitivity", ["context_len=16391"], "not divisible by cp_size = 8: every rank must hold exactly context_len / cp_size tokens (use context_len = 16384 or 16400)"),
+        ("table2", ["cp_size=3", "context_len=1000"], "(use context_len = 996 or 1002)"),
         ("sensitivity", ["dataset=file"], "dataset=file needs dataset.path="),
         ("sensitivity", ["datasets=[file]"], "file needs a path; select it with dataset=file dataset.path="),
         ("sensitivity", ["datasets=[]"], "no data variant"),

@@ -644,12 +644,11 @@ def _check_setting(run_cfg: DictConfig) -> None:
     Raises:
         ValueError: naming the bad value.
     """
-    from flashcp.comm import AttnShape
+    from flashcp.config import check_model_config
     from flashcp.plan import check_context_len
 
     check_context_len(int(run_cfg.context_len), run_cfg.cp_size)  # checks cp_size's range too
-    m = run_cfg.model
-    AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
+    check_model_config(run_cfg.model)
 
 
 def _checked_runs(cfg: DictConfig) -> list[DictConfig]:

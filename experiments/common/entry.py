@@ -144,8 +144,7 @@ def check_experiment_config(cfg: Any, chunks_per_rank: int = 1) -> None:
     Raises:
         ValueError: naming the bad value.
     """
-    from flashcp.comm import AttnShape
-    from flashcp.config import check_modes
+    from flashcp.config import check_model_config, check_modes
     from flashcp.executors.sim import check_workers
     from flashcp.plan import check_context_len
 
@@ -160,8 +159,7 @@ def check_experiment_config(cfg: Any, chunks_per_rank: int = 1) -> None:
     if "modes" in cfg:
         check_modes(cfg.modes)
     if "model" in cfg:
-        m = cfg.model
-        AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
+        check_model_config(cfg.model)
 
 
 def log_job_error(log: Any, message: str, exc: BaseException) -> None:

@@ -82,6 +82,9 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
         (["experiment=fig5"], "add -m (flashcp-run -m experiment=fig5), or hydra.sweeper.params=null"),
         (["hydra/launcher=joblib"], "a single run ignores it; add -m"),
         (["cp_size=0"], "cp_size must be >= 1, got 0"),
+        # a head mismatch names where each count came from and the setting that fixes it
+        (["method=ulysses", "model.num_heads=6", "cp_size=4"], "model.num_heads = 6 is not a multiple of model=h32's num_kv_heads = 32: set model.num_kv_heads= to a divisor of 6 (1, 2, 3, 6)"),
+        (["model=h32kv8", "model.num_kv_heads=5"], "model=h32kv8's num_heads = 32 is not a multiple of model.num_kv_heads = 5"),
         # name= is one folder below results_dir: never outside it, never results_dir itself
         (["name=../../escape"], "name=../../escape is not one folder name"),
         (["name=a/b"], "name=a/b is not one folder name"),

@@ -69,15 +69,24 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_doc_lens(text: str) -> list[int]:
-    """Parse ``"4,12"`` (commas and/or whitespace) into a list of ints.
+    """Parse ``"4,12"`` (items separated by commas, lengths within an item by whitespace: ``"4 12"``
+    and ``"4, 12"`` too) into a list of ints.
 
     Raises:
-        ValueError: a token that is not an integer (named). An empty list is returned as is (a
-            sequence of no document: every rank gets an empty plan).
+        ValueError: an empty ``text`` (no document: ``--doc-lens 0`` plans an empty sequence), an
+            empty item (``100,,200``, a trailing comma) or a token that is not an integer (named).
     """
+    if not text.strip():
+        raise ValueError("--doc-lens is empty: give the document lengths, e.g. --doc-lens 4,12")
     out = []
-    for token in re.split(r"[,\s]+", text.strip()):
-        if token:
+    for i, item in enumerate(text.split(",")):
+        tokens = item.split()
+        if not tokens:
+            raise ValueError(
+                f"--doc-lens {text!r}: item {i + 1} is empty (two commas in a row, or a comma at "
+                "an end); give one length between commas"
+            )
+        for token in tokens:
             try:
                 out.append(int(token))
             except ValueError:

@@ -207,7 +207,12 @@ def test_doc_lens_file_npy(capsys, tmp_path):
     [
         (["--doc-lens", "4,x"], "'x'"),
         (["--doc-lens", "4.5,11.5"], "'4.5'"),
-        (["--doc-lens", "", "--context-len", "4"], "doc_lens sum to 0"),
+        (["--doc-lens", "", "--context-len", "4"], "--doc-lens is empty"),
+        (["--doc-lens", ""], "--doc-lens is empty"),
+        (["--doc-lens", " "], "--doc-lens is empty"),
+        (["--doc-lens", "100,,200"], "--doc-lens '100,,200': item 2 is empty"),
+        (["--doc-lens", "4,12,"], "item 3 is empty"),
+        (["--doc-lens", ",4,12"], "item 1 is empty"),
         (["--doc-lens", "4,12", "--num-pad", "-1"], "--num-pad must be >= 0, got -1"),
         (["--doc-lens", "4,11"], "--num-pad 1, or --pad-to-multiple)"),
         (["--doc-lens", "4,11", "--num-pad", "2"], "--num-pad 3, or --pad-to-multiple)"),
@@ -305,7 +310,7 @@ def test_zero_length_documents_and_empty_input(capsys, method):
     data = plan_json(capsys, "--method", method, "--cp-size", "2", "--doc-lens", "16,24,0,0")
     assert data["doc_lens"] == [16, 24, 0, 0]
     assert_json_matches_plan(data, make_plan_for(method, [16, 24], 2))
-    for text in ("", ",", "0,0"):
+    for text in ("0", "0,0"):  # an empty sequence is written as zero-length documents
         data = plan_json(capsys, "--method", method, "--cp-size", "2", "--doc-lens", text)
         assert [r["shards"] for r in data["ranks"]] == [[], []] and data["num_pieces"] == 0
 

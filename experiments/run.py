@@ -32,7 +32,8 @@ warning that names both versions.
 
 Failures. A bad value is refused before anything is written (:func:`checked_grid`, registered as
 the launch check: every run's config, its dataset and hardware profile). A run of a grid that
-cannot be made at its setting becomes error rows while the others run. A job that raises becomes
+cannot be made at its setting becomes error rows while the others run, and the job exits 1 with
+one line counting the failed runs. A job that raises becomes
 rows with ``status = "error: ..."`` and its traceback in its log;
 the sweep goes on, and :mod:`experiments.common.callbacks` ends it with one line counting the failed jobs
 and a non-zero exit code. A sequence whose planner or simulation fails is a row of its own.
@@ -275,7 +276,7 @@ def grid_runs(cfg: DictConfig) -> list[DictConfig]:
     every model and hardware profile.
 
     Raises:
-        ConfigError: an unknown grid key or option, an empty list, or a grid under
+        ConfigError: an unknown grid key or option, an empty list, a repeated value, or a grid under
             ``executor=dist`` or ``emulate`` (one run per job).
     """
     import itertools
@@ -294,6 +295,7 @@ def grid_runs(cfg: DictConfig) -> list[DictConfig]:
     for k, values in grid.items():
         if not values:
             raise ConfigError(f"grid.{k} is empty; list at least one value or leave it null")
+    _check_grid_repeats(grid)
     changes = {k: group_changes(cfg, k) for k in GRID_GROUPS if k in grid}
     loaded = {
         (k, v): OmegaConf.merge(_group_option(k, str(v)), changes[k])
@@ -311,6 +313,22 @@ def grid_runs(cfg: DictConfig) -> list[DictConfig]:
                 run_cfg[k] = loaded[(k, v)].copy() if k in GRID_GROUPS else v
         runs.append(run_cfg)
     return runs
+
+
+def _check_grid_repeats(grid: dict[str, Any]) -> None:
+    """Refuse a grid list that repeats a value (the same run twice), naming it.
+
+    Raises:
+        ConfigError: ``grid.cp_size=[4,4] lists 4 twice``.
+    """
+    for k, values in grid.items():
+        values = list(values or ())
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:
+            raise ConfigError(
+                f"grid.{k}=[{','.join(map(str, values))}] lists {', '.join(twice)} twice: the same "
+                "run would be made twice; list each value once"
+            )
 
 
 def _changed(value: Any, base: Any) -> Any:
@@ -593,6 +611,12 @@ def checked_grid(cfg: DictConfig) -> tuple[list[DictConfig], dict[int, str]]:
                 raise
             except ValueError as exc:
                 failed[i] = exc
+        for i in failed:  # a value no method takes (cp_size=0): refused, never error rows
+            where = f"grid run {_grid_label(cfg, runs[i])}: " if len(runs) > 1 else ""
+            try:
+                _check_setting(runs[i])
+            except ValueError:  # the run's own message: it names the method's valid values
+                raise ConfigError(f"{where}{failed[i]}") from None
         made = {str(r.method.name) for i, r in enumerate(runs) if i not in failed}
         for i, exc in failed.items():  # wrong for the method everywhere, or no run at all
             if len(failed) == len(runs) or not (
@@ -612,11 +636,59 @@ def checked_grid(cfg: DictConfig) -> tuple[list[DictConfig], dict[int, str]]:
         raise ConfigError(str(exc)) from None
 
 
+def _check_setting(run_cfg: DictConfig) -> None:
+    """The checks of a run's values that hold whatever its method: ``1 <= cp_size <=
+    MAX_CP_SIZE``, ``context_len`` a multiple of ``cp_size``, the model's head shape. A grid
+    value failing one (``grid.cp_size=[4,0]``) is a bad value, not a run that cannot be made.
+
+    Raises:
+        ValueError: naming the bad value.
+    """
+    from flashcp.config import check_model_config
+    from flashcp.plan import check_context_len
+
+    check_context_len(int(run_cfg.context_len), run_cfg.cp_size)  # checks cp_size's range too
+    check_model_config(run_cfg.model)
+
+
 def _checked_runs(cfg: DictConfig) -> list[DictConfig]:
     """The runs of :func:`checked_grid` that can be made (the check ``flashcp-run`` registers
-    for a single run: it raises for a bad value and lets a grid's inapplicable runs pass)."""
+    for a single run: it raises for a bad value and lets a grid's inapplicable runs pass), and
+    under ``executor=emulate`` the job's memory (:func:`_check_emulate_memory`)."""
     runs, inapplicable = checked_grid(cfg)
-    return [r for i, r in enumerate(runs) if i not in inapplicable]
+    made = [r for i, r in enumerate(runs) if i not in inapplicable]
+    for r in made:
+        if r.executor.name == "emulate":
+            _check_emulate_memory(cfg, r)
+    return made
+
+
+def _check_emulate_memory(cfg: DictConfig, run_cfg: DictConfig) -> None:
+    """Sample and plan the job's sequences as the job will and refuse, before its folder is
+    written, a plan whose record pass needs more memory than the device has
+    (:func:`flashcp.executors.emulate.check_job_memory`; ``executor.check_memory=false`` skips
+    it). Planning is cheap beside the replay it guards.
+
+    Raises:
+        ConfigError: naming the estimate and the memory available.
+    """
+    if not bool(run_cfg.executor.get("check_memory", True)):
+        return
+    from flashcp.data import sample_dataset
+    from flashcp.executors.emulate import check_job_memory
+    from flashcp.executors.rows import plan_sequences
+
+    ds = cfg.dataset
+    seqs, _ = sample_dataset(
+        str(ds.name), int(cfg.num_sequences), int(cfg.context_len), seed=int(cfg.seed),
+        weighting=str(ds.weighting), cap=None if ds.cap is None else int(ds.cap),
+        overlong=str(ds.overlong), path=ds.path,
+    )  # fmt: skip
+    spec = run_spec(run_cfg)
+    try:
+        check_job_memory(spec, plan_sequences(spec, seqs).plans)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_hardware(runs: list[DictConfig]) -> None:
@@ -648,7 +720,8 @@ def _check_hardware(runs: list[DictConfig]) -> None:
 
 def _shared_values(config: DictConfig) -> None:
     """The sweep check of ``flashcp-run`` (``-m``): the dataset (:func:`flashcp.config.check_dataset_config`),
-    the hardware profile (:func:`_check_hardware`) and the method options a ``grid.method`` keeps
+    the hardware profile (:func:`_check_hardware`), a repeated grid value and the method options
+    a ``grid.method`` keeps
     (:func:`_grid_method_options`) every job of the sweep shares, each when no
     swept key (:func:`experiments.common.launch.swept_keys`) changes it, so a bad shared value is
     refused before any job instead of failing every job. ``config``: the sweep's composed config.
@@ -664,6 +737,8 @@ def _shared_values(config: DictConfig) -> None:
     try:
         if not varies("dataset", "context_len") and int(config.context_len) >= 1:
             check_dataset_config(config.dataset, int(config.context_len))
+        if not varies("grid"):
+            _check_grid_repeats(_container(config.get("grid")) or {})
         if not varies("method", "grid"):
             _grid_method_options(config)
         grid_hw = (_container(config.get("grid")) or {}).get("hardware")
@@ -805,6 +880,21 @@ def _every_row_failed(out: Path | None) -> str | None:
     return str(status[0])
 
 
+def _failed_runs(out: Path | None) -> str | None:
+    """``k of n runs failed, e.g. <status>`` if some runs in ``out`` (a job's ``rows.parquet``)
+    have no ``ok`` row (a grid's runs that cannot be made at their setting), else None."""
+    if out is None:
+        return None
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(out, columns=["run_id", "status"]).to_pandas()
+    ok = rows["status"].eq("ok").groupby(rows["run_id"], sort=False).any()
+    if ok.all():
+        return None
+    first = rows.loc[rows["run_id"] == ok.index[~ok.to_numpy()][0], "status"].iloc[0]
+    return f"{int((~ok).sum())} of {len(ok)} runs failed (error rows), e.g. {first}"
+
+
 def _error_rows(run_cfg: DictConfig, exc: BaseException) -> list[dict[str, Any]]:
     """The rows of a run that failed as a whole: one per mode, ``seq_idx`` missing,
     ``status = "error: <type>: <message>"``."""
@@ -859,6 +949,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         if failed is not None:  # the rows stay (each names its error); the exit code says so
             log.error("%s: every row failed, e.g. %s", cfg.get("run_key", "run"), failed)
             return {"rows": str(out), "error": f"every row failed, e.g. {failed}", "exit_code": 1}
+        lost = _failed_runs(out)
+        if lost is not None:  # a grid's runs that became error rows: the others' rows stay
+            log.error("%s: %s", cfg.get("run_key", "run"), lost)
+            return {"rows": str(out), "error": lost, "exit_code": 1}
         return {"rows": str(out) if out is not None else None, "error": None, "exit_code": 0}
     except Exception as exc:
         key = cfg.get("run_key", "run")

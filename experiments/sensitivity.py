@@ -207,7 +207,7 @@ def check_sensitivity_config(cfg: Any) -> None:
     from flashcp.plan import check_context_len
     from flashcp.registry import get_method
 
-    check_experiment_config(cfg)
+    check_experiment_config(cfg, chunks_per_rank=2)  # llama3 among the methods: 2N chunks
     at_least(cfg, "num_draws", 2)
     at_least(cfg, "factor", 1.0, strict=True)
     for method in cfg.methods:

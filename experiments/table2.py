@@ -130,7 +130,7 @@ def check_table2_config(cfg: Any) -> None:
     Raises:
         ValueError: naming the bad value.
     """
-    check_experiment_config(cfg)
+    check_experiment_config(cfg, chunks_per_rank=2)  # llama3 among the methods: 2N chunks
     at_least(cfg, "block_size", 1)
     at_least(cfg, "target_imbalance", 1.0)
     at_least(cfg, "time_limit_s", 0.0, strict=True)

@@ -362,7 +362,6 @@ def check_config(cfg: Any, dataset: bool = True) -> None:
     dataset as the sampler reads it (:func:`check_dataset_config`); a caller checking the runs of
     one job, which share it, checks it once.
     """
-    from flashcp.comm import AttnShape
     from flashcp.registry import get_method
 
     get_method(cfg.method.name)  # ValueError naming the known methods
@@ -379,7 +378,11 @@ def check_config(cfg: Any, dataset: bool = True) -> None:
         raise ValueError(f"seed must be >= 0, got {cfg.seed}")
     if cfg.context_len < 1:
         raise ValueError(f"context_len must be >= 1, got {cfg.context_len}")
-    check_context_len(int(cfg.context_len), int(cfg.cp_size))  # names the nearest valid ones
+    from flashcp.registry import get_planner
+
+    # the nearest valid ones for the method's layout (llama3: multiples of 2 * cp_size)
+    chunks = getattr(get_planner(cfg.method.name), "chunks_per_rank", 1)
+    check_context_len(int(cfg.context_len), int(cfg.cp_size), chunks)
     if dataset:
         check_dataset_config(cfg.dataset, int(cfg.context_len))
     if cfg.executor.name in ("dist", "emulate"):
@@ -412,7 +415,7 @@ def check_config(cfg: Any, dataset: bool = True) -> None:
     check_workers(cfg.workers)
     check_modes(cfg.modes)
     m = cfg.model
-    AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
+    check_model_config(m)
     trial = check_method_options(
         cfg.method.name, cfg.method.options, int(cfg.context_len), int(cfg.cp_size)
     )
@@ -421,6 +424,49 @@ def check_config(cfg: Any, dataset: bool = True) -> None:
         int(m.num_kv_heads), trial,
     )  # fmt: skip
     check_impl_config(cfg.method.name, cfg.method.get("impl", "ours"), cfg.executor.name)
+
+
+def check_model_config(m: Any) -> None:
+    """Check a model config's attention shape (:class:`flashcp.comm.AttnShape`). A head count
+    that is not a multiple of the KV head count names where each came from (the model file's
+    value, or one set on the command line) and the settings that fix it.
+
+    Raises:
+        ValueError: naming the bad value.
+    """
+    from flashcp.comm import AttnShape
+
+    try:
+        AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
+    except ValueError:
+        h, kv = m.num_heads, m.num_kv_heads
+        if not (isinstance(h, int) and isinstance(kv, int) and h >= 1 and kv >= 1 and h % kv):
+            raise
+        file = _model_file(str(m.get("name", "")))
+
+        def what(key: str, v: int) -> str:
+            return f"model={m.name}'s {key} = {v}" if file.get(key) == v else f"model.{key} = {v}"
+
+        divisors = [d for d in range(1, h + 1) if h % d == 0]
+        raise ValueError(
+            f"{what('num_heads', h)} is not a multiple of {what('num_kv_heads', kv)}: set "
+            f"model.num_kv_heads= to a divisor of {h} ({', '.join(map(str, divisors))}), e.g. "
+            f"model.num_kv_heads={h}, or model.num_heads= to a multiple of {kv}"
+        ) from None
+
+
+def _model_file(name: str) -> dict[str, Any]:
+    """The fields of ``conf/model/<name>.yaml`` ({} if there is no such readable file)."""
+    import yaml
+
+    from flashcp.resources import resource_path
+
+    try:
+        with (resource_path("conf") / "model" / f"{name}.yaml").open() as fh:
+            data = yaml.safe_load(fh)
+    except (OSError, ValueError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def check_dataset_config(ds: Any, context_len: int) -> None:

@@ -131,19 +131,20 @@ def at_least(cfg: Any, key: str, low: float, strict: bool = False) -> None:
             raise ValueError(f"{key} must be {'>' if strict else '>='} {low}, got {v}")
 
 
-def check_experiment_config(cfg: Any) -> None:
+def check_experiment_config(cfg: Any, chunks_per_rank: int = 1) -> None:
     """Check the values of an experiment's config that a type cannot pin down and that every
     experiment with the field shares (``cp_size``, ``num_sequences`` >= 1; ``workers`` in [1,
     :func:`flashcp.executors.sim.max_workers`];
-    ``context_len`` a positive multiple of ``cp_size``; ``modes``; the ``model`` shape), before
+    ``context_len`` a positive multiple of ``chunks_per_rank * cp_size``, the most chunks per
+    rank of the experiment's methods (2 with llama3), the message naming the nearest ones that
+    are; ``modes``; the ``model`` shape), before
     any work; the fields a schema does not have are skipped. An experiment checks its own
     fields after these (its ``check`` of :func:`run_experiment`).
 
     Raises:
         ValueError: naming the bad value.
     """
-    from flashcp.comm import AttnShape
-    from flashcp.config import check_modes
+    from flashcp.config import check_model_config, check_modes
     from flashcp.executors.sim import check_workers
     from flashcp.plan import check_context_len
 
@@ -154,12 +155,11 @@ def check_experiment_config(cfg: Any) -> None:
     if "context_len" in cfg:
         if cfg.context_len < 1:
             raise ValueError(f"context_len must be >= 1, got {cfg.context_len}")
-        check_context_len(int(cfg.context_len), int(cfg.cp_size))  # names the nearest valid ones
+        check_context_len(int(cfg.context_len), int(cfg.cp_size), chunks_per_rank)
     if "modes" in cfg:
         check_modes(cfg.modes)
     if "model" in cfg:
-        m = cfg.model
-        AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
+        check_model_config(cfg.model)
 
 
 def log_job_error(log: Any, message: str, exc: BaseException) -> None:

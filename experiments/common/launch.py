@@ -284,6 +284,28 @@ def _sweep_sizes(config: Any) -> dict[str, int]:
     }
 
 
+def name_problem(config: Any) -> str | None:
+    """Why ``name`` (resolved: ``name=f3_${model.name}`` works) cannot name the command's one
+    folder below ``results_dir``: empty (the results would land in ``results_dir`` itself),
+    absolute, ``.``/``..`` or holding a path separator (``name=../../escape`` would write outside
+    it); None when it can (or the config has no ``name``)."""
+    if "name" not in config:
+        return None
+    name = str(config.name)
+    if not name.strip():
+        return (
+            f"name= is empty: it names the folder below results_dir={config.results_dir} that the "
+            "results go to; give one (name=my_run)"
+        )
+    if name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
+        return (
+            f"name={name} is not one folder name: results go to <results_dir>/<name>, so name "
+            "takes no '/', '\\', '.' or '..'; to write elsewhere set results_dir= (name=my_run "
+            "results_dir=/path/to/results)"
+        )
+    return None
+
+
 def experiment_sweep_problem(config: Any, prog: str) -> str | None:
     """A sweep (``-m``) of an experiment entry whose jobs would write the same folder: each job
     writes its tables to ``<results_dir>/<name>``, so a later job would overwrite an earlier one's.
@@ -321,6 +343,9 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
         method_names()  # the registry's declarations load (a bad one would fail every job)
     except ValueError as exc:
         return str(exc)
+    problem = name_problem(config)
+    if problem is not None:
+        return problem
     choices = config.hydra.runtime.choices
     experiment = choices.get("experiment")
     if prog != PROG and multirun:

@@ -69,15 +69,24 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_doc_lens(text: str) -> list[int]:
-    """Parse ``"4,12"`` (commas and/or whitespace) into a list of ints.
+    """Parse ``"4,12"`` (items separated by commas, lengths within an item by whitespace: ``"4 12"``
+    and ``"4, 12"`` too) into a list of ints.
 
     Raises:
-        ValueError: a token that is not an integer (named). An empty list is returned as is (a
-            sequence of no document: every rank gets an empty plan).
+        ValueError: an empty ``text`` (no document: ``--doc-lens 0`` plans an empty sequence), an
+            empty item (``100,,200``, a trailing comma) or a token that is not an integer (named).
     """
+    if not text.strip():
+        raise ValueError("--doc-lens is empty: give the document lengths, e.g. --doc-lens 4,12")
     out = []
-    for token in re.split(r"[,\s]+", text.strip()):
-        if token:
+    for i, item in enumerate(text.split(",")):
+        tokens = item.split()
+        if not tokens:
+            raise ValueError(
+                f"--doc-lens {text!r}: item {i + 1} is empty (two commas in a row, or a comma at "
+                "an end); give one length between commas"
+            )
+        for token in tokens:
             try:
                 out.append(int(token))
             except ValueError:
@@ -86,9 +95,16 @@ def parse_doc_lens(text: str) -> list[int]:
 
 
 def pack_doc_lens(
-    doc_lens, context_len: int, *, overlong: str = "split", source: str | None = None
+    doc_lens,
+    context_len: int,
+    *,
+    overlong: str = "split",
+    source: str | None = None,
+    num_pad: int = 0,
 ) -> tuple[np.ndarray, dict[str, int]]:
-    """Pack documents into one sequence of exactly ``context_len`` tokens, as the sampler does.
+    """Pack documents into one sequence of exactly ``context_len - num_pad`` tokens (``num_pad``
+    pad tokens complete ``context_len``, which counts pad as the planners do), as the sampler
+    does.
 
     Documents longer than ``context_len`` are first handled by the ``overlong`` rule every
     command applies (:func:`flashcp.data.apply_overlong`: ``split`` into pieces of at most C
@@ -100,28 +116,40 @@ def pack_doc_lens(
         context_len: C >= 1.
         overlong: ``split`` | ``cut`` | ``error`` (``flashcp plan --overlong``).
         source: where the lengths came from, for messages.
+        num_pad: pad tokens after the documents (``flashcp plan --num-pad``), 0 <= P < C.
     Returns:
-        packed: (k,) int64, the packed lengths, summing to ``context_len``;
+        packed: (k,) int64, the packed lengths, summing to ``context_len - num_pad``;
         counts: ``{"overlong_docs", "overlong_tokens_cut"}`` in the packed sequence: documents
         (pieces under ``split``) from a document longer than C, and tokens the ``cut`` discarded.
     Raises:
-        ValueError: bad lengths, ``context_len`` < 1, lengths summing to less than C, an unknown
-            ``overlong`` rule, or ``overlong = "error"`` with a document longer than C.
+        ValueError: bad lengths, ``context_len`` < 1, ``num_pad`` outside ``[0, C)``, lengths
+            summing to less than ``C - num_pad`` (the message names the ``--num-pad`` that fills
+            the sequence, and leaving out ``--context-len``), an unknown ``overlong`` rule, or
+            ``overlong = "error"`` with a document longer than C.
     """
     d = check_doc_lens(doc_lens)
     if context_len < 1:
         raise ValueError(f"context_len must be >= 1, got {context_len}")
+    if not 0 <= num_pad < context_len:
+        raise ValueError(
+            f"--num-pad {num_pad} must be >= 0 and leave room for documents in --context-len "
+            f"{context_len} (pad counts in it)"
+        )
     d, long, cut, _ = apply_overlong(d, context_len, overlong, option="--overlong", source=source)
     cu = np.cumsum(d)
-    if d.size == 0 or cu[-1] < context_len:
+    docs = context_len - num_pad  # the document tokens of the sequence
+    if d.size == 0 or cu[-1] < docs:
+        have = int(d.sum())
+        less = f" less num_pad = {num_pad}" if num_pad else ""
         raise ValueError(
-            f"{f'{source}: ' if source else ''}doc_lens sum to {int(d.sum())}, fewer than "
-            f"context_len = {context_len}: "
-            "not enough tokens to fill the sequence"
+            f"{f'{source}: ' if source else ''}doc_lens sum to {have}, fewer than "
+            f"context_len = {context_len}{less}: not enough tokens to fill the sequence; pad "
+            f"the rest with --num-pad {context_len - have} (pad counts in --context-len), or "
+            f"leave out --context-len (C = their sum, {have})"
         )
-    k = int(np.searchsorted(cu, context_len))  # first document that reaches C
+    k = int(np.searchsorted(cu, docs))  # first document that reaches C - num_pad
     packed = d[: k + 1].copy()
-    packed[k] -= int(cu[k]) - context_len
+    packed[k] -= int(cu[k]) - docs
     counts = {
         "overlong_docs": int(long[: k + 1].sum()),
         "overlong_tokens_cut": int(cut[: k + 1].sum()),
@@ -212,15 +240,16 @@ def _plan_command(args: argparse.Namespace) -> int:
         doc_lens = parse_doc_lens(args.doc_lens)
         source = "--doc-lens"
     counts = {"overlong_docs": 0, "overlong_tokens_cut": 0}
+    if args.num_pad < 0:
+        raise ValueError(f"--num-pad must be >= 0, got {args.num_pad}")
     if args.context_len is not None:
         doc_lens, counts = pack_doc_lens(
-            doc_lens, args.context_len, overlong=args.overlong, source=source
-        )
+            doc_lens, args.context_len, overlong=args.overlong, source=source,
+            num_pad=args.num_pad,
+        )  # fmt: skip
         note = overlong_note(counts, args.overlong, args.context_len, source, "--overlong")
         if note:
             print(f"flashcp plan: {note}", file=sys.stderr)
-    if args.num_pad < 0:
-        raise ValueError(f"--num-pad must be >= 0, got {args.num_pad}")
     options = check_options(args.method, parse_options(args.option))
     if args.target_imbalance is not None:
         if not _takes_target(args.method):
@@ -387,8 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--context-len",
         type=int,
-        help="pack the documents into exactly this many tokens (the last one cut); "
-        "default: use the lengths as given (C = their sum)",
+        help="pack the documents into exactly this many tokens, --num-pad included (the last "
+        "one cut); default: use the lengths as given (C = their sum, plus --num-pad)",
     )
     p.add_argument(
         "--overlong",
@@ -415,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="P",
-        help="pad tokens after the last document (no document's; no work, never sent)",
+        help="pad tokens after the last document (no document's; no work, never sent); with "
+        "--context-len they count in it",
     )
     p.add_argument(
         "--pad-to-multiple",

@@ -25,7 +25,8 @@ for the backward: :func:`flashcp.sim.kernel.tile_us` per ``block_q x block_k`` p
 
 Bad input (a missing or malformed length file, an unknown dataset, method, model or hardware
 profile, ``cp_size`` < 1, a context length that is not a multiple of ``2 * cp_size``, documents
-longer than the context under ``overlong="error"``, a method that does not apply when named)
+longer than the context under ``overlong="error"``, a bad method option value (checked before
+any planning), a method that does not apply when named)
 raises ValueError naming the value; the CLI prints it as one line and exits with status 2.
 Documents longer than the context are split by default, as every command does
 (:func:`flashcp.data.apply_overlong`); the CLI reports how many on stderr.
@@ -311,6 +312,7 @@ def advise(
     Raises:
         ValueError: bad input (module docstring).
     """
+    from flashcp.config import check_method_options
     from flashcp.executors import RunSpec
     from flashcp.executors.rows import plan_sequences
     from flashcp.registry import check_options, get_method, method_names
@@ -361,6 +363,12 @@ def advise(
                 "(--methods)"
             )
         opts[m] = check_options(m, o)
+        try:  # the values too (planning one trial sequence), before any sampling or planning
+            check_method_options(m, opts[m], int(context_len), n)
+        except ValueError as exc:
+            raise ValueError(
+                f"method_options (flashcp advise --option {m}.KEY=VALUE) for {m!r}: {exc}"
+            ) from None
     seqs, counts, source = _sample(
         lengths, dataset, int(context_len), int(num_sequences), int(seed), overlong
     )

@@ -130,21 +130,27 @@ def _is_numeric_column(values: pd.Series) -> bool:
 
 
 def _column_of(frame: pd.DataFrame, p: Path, numeric) -> str:
-    """The ``doc_len`` column (any case), else the first column whose every value is a number."""
+    """The ``doc_len`` column (any case), else the only numeric column; several numeric columns
+    and no ``doc_len`` is an error (never a guess: an id column would be read as lengths)."""
     names = [str(c).lower() for c in frame.columns]
     if "doc_len" in names:
         return frame.columns[names.index("doc_len")]
     cols = [c for c in frame.columns if numeric(frame[c])]
+    if len(cols) == 1:
+        return cols[0]
+    have = [str(c) for c in frame.columns]
     if not cols:
         raise ValueError(
-            f"length file {p}: no column named doc_len and no numeric column in "
-            f"{[str(c) for c in frame.columns]}"
+            f"length file {p}: no column named doc_len and no numeric column in {have}"
         )
-    return cols[0]
+    raise ValueError(
+        f"length file {p}: no column named doc_len and several numeric columns {have}: "
+        f"rename the column of lengths to doc_len"
+    )
 
 
 def _read_frame(p: Path, suffix: str) -> np.ndarray:
-    """Lengths from a Parquet or JSON file: the ``doc_len`` column, else the first numeric one."""
+    """Lengths from a Parquet or JSON file: the ``doc_len`` column, else the only numeric one."""
     try:
         if suffix == ".parquet":
             frame = pd.read_parquet(p)
@@ -191,7 +197,13 @@ def _read_text(p: Path) -> np.ndarray:
         msg = re.sub(r"line (\d+)", lambda m: f"line {lines[int(m[1]) - 1][0]}", str(e))
         raise ValueError(f"length file {p}: cannot parse as CSV: {msg}") from None
     start, col = 0, 0
-    if not all(_is_number(c) for c in rows.iloc[0] if isinstance(c, str)):
+    header = not all(_is_number(c) for c in rows.iloc[0] if isinstance(c, str))
+    if not header and rows.shape[1] > 1:
+        raise ValueError(
+            f"length file {p}: {rows.shape[1]} columns and no header: add a header row naming "
+            f"the column of lengths doc_len"
+        )
+    if header:
         start = 1
         frame = rows.iloc[1:].set_axis([str(c).strip() for c in rows.iloc[0]], axis=1)
         col = list(frame.columns).index(
@@ -213,10 +225,13 @@ def read_lengths_file(path: str | Path) -> np.ndarray:
 
     * ``.npy``: a 1-D integer array, or floats with integral values.
     * ``.parquet`` (needs ``pyarrow``), ``.json`` (a list, or an object or records with columns),
-      ``.jsonl`` (JSON Lines): the column named ``doc_len``, else the first numeric column.
+      ``.jsonl`` (JSON Lines): the column named ``doc_len``, else the only numeric column.
     * CSV (``.csv``, or any file whose first data line has a comma), read with pandas: with a
-      header, the column named ``doc_len``, else the first column whose every value is a number;
-      without a header, the first column.
+      header, the column named ``doc_len``, else the only column whose every value is a number;
+      without a header, a single column.
+
+    A table with several numeric columns and none named ``doc_len`` (or several columns and no
+    header) is refused: which column holds the lengths is never guessed.
     * otherwise plain text, one length per line.
 
     In CSV and text files blank lines and ``#`` comments are skipped.
@@ -227,8 +242,9 @@ def read_lengths_file(path: str | Path) -> np.ndarray:
         drops them).
     Raises:
         ValueError: the file is missing or unreadable, holds no lengths, or holds a value that is not
-            an integer in ``[0, MAX_TOKENS]`` (:data:`flashcp.plan.MAX_TOKENS`); the message names
-            the file, the line (or row) and the value.
+            an integer in ``[0, MAX_TOKENS]`` (:data:`flashcp.plan.MAX_TOKENS`), or the column of
+            lengths is ambiguous; the message names the file, the line (or row) and the value, or
+            the columns.
     """
     p = Path(path)
     if p.is_dir():

@@ -77,6 +77,7 @@ __all__ = [
     "RecordingGroup",
     "ReplayGroup",
     "available_memory_bytes",
+    "check_job_memory",
     "check_record_memory",
     "compose_comm",
     "emulate_ranks",
@@ -213,6 +214,33 @@ def check_record_memory(
             f"executor.check_memory=false skips this check"
         )
     return need
+
+
+def job_device(run) -> torch.device:
+    """Where ``executor=emulate`` replays ``run`` (a :class:`flashcp.executors.RunSpec`):
+    ``executor.device``, else CUDA if available, else CPU."""
+    dev = dict(run.executor).get("device")
+    return torch.device(dev or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def check_job_memory(run, plans: Sequence[Plan]) -> None:
+    """:func:`check_record_memory` of the largest of ``plans`` (a job's, of ``run``: a
+    :class:`flashcp.executors.RunSpec`) in each of its modes, on :func:`job_device`; nothing
+    when ``executor.check_memory`` is false. The harness calls it before the job's folder is
+    written, and :func:`execute` again before any record pass.
+
+    Raises:
+        ValueError: the estimate exceeds the available memory (:func:`check_record_memory`).
+    """
+    ex = dict(run.executor)
+    if not bool(ex.get("check_memory", True)) or not plans:
+        return
+    ranks = None if ex.get("ranks") is None else [int(r) for r in ex["ranks"]]
+    worst = max(
+        plans, key=lambda p: max(record_memory_bytes(p, run.shape, m, ranks) for m in run.modes)
+    )
+    for mode in run.modes:
+        check_record_memory(worst, run.shape, mode, job_device(run), ranks)
 
 
 # ---- recording: one thread per rank ----------------------------------------------------------------
@@ -996,7 +1024,7 @@ def execute(runs, seqs, *, progress: str | None = None):
         )
     ex = dict(run.executor)
     hw = load_hardware(run.hardware)
-    device = torch.device(ex.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = job_device(run)
     ranks = None if ex.get("ranks") is None else [int(r) for r in ex["ranks"]]
     planned = plan_sequences(run, seqs)
     why = ""
@@ -1009,15 +1037,7 @@ def execute(runs, seqs, *, progress: str | None = None):
         "all" if ranks is None else f"{len(ranks)}", run.cp_size, int(ex.get("warmup", 1)),
         int(ex.get("iters", 3)), ex.get("backend", "auto"),
     )  # fmt: skip
-    check_memory = bool(ex.get("check_memory", True))
-    if check_memory and planned.plans:
-        # before any record pass: the largest plan of the job decides (one line, exit code 2)
-        worst = max(
-            planned.plans,
-            key=lambda p: max(record_memory_bytes(p, run.shape, m, ranks) for m in run.modes),
-        )
-        for mode in run.modes:
-            check_record_memory(worst, run.shape, mode, device, ranks)
+    check_job_memory(run, planned.plans)  # before any record pass (one line, exit code 2)
     seq_of = {
         id(p): int(planned.seq["seq_idx"][k])
         for k, p in zip(planned.ok, planned.plans, strict=True)
@@ -1031,7 +1051,8 @@ def execute(runs, seqs, *, progress: str | None = None):
                 warmup=int(ex.get("warmup", 1)), iters=int(ex.get("iters", 3)),
                 seed=run.seed + seq_of[id(plan)], ranks=ranks,
                 nccl_traffic=bool(ex.get("nccl_traffic", False)),
-                timeout_s=float(ex.get("timeout_s", 120.0)), check_memory=check_memory,
+                timeout_s=float(ex.get("timeout_s", 120.0)),
+                check_memory=bool(ex.get("check_memory", True)),
             )  # fmt: skip
         finally:
             bar.update(1)

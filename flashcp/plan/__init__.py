@@ -1227,6 +1227,7 @@ def planner_entry(
         params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
         planner.__signature__ = sig.replace(parameters=[*params, *extra, *var_kw])
         planner.is_planner_entry = True
+        planner.chunks_per_rank = chunks_per_rank  # what check_context_len needs of a method
         return planner
 
     return wrap

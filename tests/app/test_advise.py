@@ -153,6 +153,17 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_any_work(
             "method_options (flashcp advise --option ilp.KEY=VALUE) for 'ilp', which this",
         ),
         ("100\n", ["--methods", "ilp", "--option", "ilp.nope=1"], "has no option 'nope'"),
+        # option values are checked before any planning (not one failure line per sequence)
+        (
+            "100\n",
+            ["--methods", "flashcp", "--option", "flashcp.target_imbalance=0.9"],
+            "for 'flashcp': target_imbalance must be a number >= 1, got 0.9",
+        ),
+        (
+            "100\n",
+            ["--methods", "ilp", "--option", "ilp.time_limit_s=-1"],
+            "for 'ilp': time_limit_s",
+        ),
     ],
 )
 def test_bad_input_is_one_line(capsys, tmp_path, content, extra, needle):

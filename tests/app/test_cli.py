@@ -146,6 +146,19 @@ def test_pack_doc_lens():
     assert n == {"overlong_docs": 1, "overlong_tokens_cut": 8}
 
 
+def test_context_len_counts_num_pad(capsys):
+    """``--context-len C --num-pad P`` packs C - P document tokens, so the remedy the shortfall
+    message names (``--num-pad``) works beside ``--context-len``."""
+    data = plan_json(
+        capsys, *"--method ring --cp-size 2 --doc-lens 4,12 --context-len 20 --num-pad 4".split()
+    )
+    assert data["doc_lens"] == [4, 12] and data["num_pad"] == 4 and data["context_len"] == 20
+    data = plan_json(
+        capsys, *"--method ring --cp-size 2 --doc-lens 4,12,9 --context-len 20 --num-pad 2".split()
+    )
+    assert data["doc_lens"] == [4, 12, 2] and data["context_len"] == 20
+
+
 def test_target_imbalance_is_passed_to_flashcp(capsys):
     args = ["--method", "flashcp", "--cp-size", "2", "--doc-lens", "12,4"]
     loose = plan_json(capsys, *args, "--target-imbalance", "2.0")
@@ -207,12 +220,30 @@ def test_doc_lens_file_npy(capsys, tmp_path):
     [
         (["--doc-lens", "4,x"], "'x'"),
         (["--doc-lens", "4.5,11.5"], "'4.5'"),
-        (["--doc-lens", "", "--context-len", "4"], "doc_lens sum to 0"),
+        (["--doc-lens", "", "--context-len", "4"], "--doc-lens is empty"),
+        (["--doc-lens", ""], "--doc-lens is empty"),
+        (["--doc-lens", " "], "--doc-lens is empty"),
+        (["--doc-lens", "100,,200"], "--doc-lens '100,,200': item 2 is empty"),
+        (["--doc-lens", "4,12,"], "item 3 is empty"),
+        (["--doc-lens", ",4,12"], "item 1 is empty"),
         (["--doc-lens", "4,12", "--num-pad", "-1"], "--num-pad must be >= 0, got -1"),
         (["--doc-lens", "4,11"], "--num-pad 1, or --pad-to-multiple)"),
         (["--doc-lens", "4,11", "--num-pad", "2"], "--num-pad 3, or --pad-to-multiple)"),
         (["--doc-lens", "4,-12"], "doc_lens[1] = -12"),
         (["--doc-lens", "4,12", "--context-len", "20"], "context_len = 20"),
+        # too few tokens: the message names the remedies
+        (
+            ["--doc-lens", "4,12", "--context-len", "20"],
+            "--num-pad 4 (pad counts in --context-len), or leave out --context-len (C = their sum, 16)",
+        ),
+        (
+            ["--doc-lens", "4,12", "--context-len", "24", "--num-pad", "2"],
+            "context_len = 24 less num_pad = 2: not enough tokens to fill the sequence; pad the rest with --num-pad 8",
+        ),
+        (
+            ["--doc-lens", "4,12", "--context-len", "8", "--num-pad", "8"],
+            "--num-pad 8 must be >= 0 and leave room",
+        ),
         (["--doc-lens", "4,12", "--context-len", "0"], "context_len must be >= 1, got 0"),
         (["--doc-lens", "4,12", "--context-len", "15"], "context_len = 15"),
         (["--doc-lens", "4,13"], "context_len = 17"),
@@ -305,7 +336,7 @@ def test_zero_length_documents_and_empty_input(capsys, method):
     data = plan_json(capsys, "--method", method, "--cp-size", "2", "--doc-lens", "16,24,0,0")
     assert data["doc_lens"] == [16, 24, 0, 0]
     assert_json_matches_plan(data, make_plan_for(method, [16, 24], 2))
-    for text in ("", ",", "0,0"):
+    for text in ("0", "0,0"):  # an empty sequence is written as zero-length documents
         data = plan_json(capsys, "--method", method, "--cp-size", "2", "--doc-lens", text)
         assert [r["shards"] for r in data["ranks"]] == [[], []] and data["num_pieces"] == 0
 

@@ -82,6 +82,23 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
         (["experiment=fig5"], "add -m (flashcp-run -m experiment=fig5), or hydra.sweeper.params=null"),
         (["hydra/launcher=joblib"], "a single run ignores it; add -m"),
         (["cp_size=0"], "cp_size must be >= 1, got 0"),
+        # a head mismatch names where each count came from and the setting that fixes it
+        (["method=ulysses", "model.num_heads=6", "cp_size=4"], "model.num_heads = 6 is not a multiple of model=h32's num_kv_heads = 32: set model.num_kv_heads= to a divisor of 6 (1, 2, 3, 6)"),
+        (["model=h32kv8", "model.num_kv_heads=5"], "model=h32kv8's num_heads = 32 is not a multiple of model.num_kv_heads = 5"),
+        # name= is one folder below results_dir: never outside it, never results_dir itself
+        (["name=../../escape"], "name=../../escape is not one folder name"),
+        (["name=a/b"], "name=a/b is not one folder name"),
+        (["name=/tmp/abs"], "name=/tmp/abs is not one folder name"),
+        (["name=.."], "name=.. is not one folder name"),
+        (["name="], "name= is empty"),
+        (["-m", "name=", "cp_size=2,4"], "name= is empty"),
+        # a grid value no method takes is refused, not error rows beside the other runs
+        (["grid.cp_size=[4,0]", "num_sequences=2"], "grid run cp_size=0: cp_size must be >= 1, got 0"),
+        (["grid.cp_size=[-2,4]", "grid.method=[llama3,flashcp]"], "cp_size=-2: cp_size must be >= 1, got -2"),
+        (["grid.method=[flashcp,flashcp]", "num_sequences=2", "name=dup"], "grid.method=[flashcp,flashcp] lists flashcp twice"),
+        (["grid.cp_size=[4,8,4]"], "grid.cp_size=[4,8,4] lists 4 twice"),
+        (["-m", "grid.model=[h16,h16]", "cp_size=2,4"], "grid.model=[h16,h16] lists h16 twice"),
+        (["grid.cp_size=[4,3]", "context_len=4096"], "grid run cp_size=3: context_len = 4096 is not divisible by cp_size = 3"),
         (["modes=[train,train]"], "lists train twice"),
         (["method=ilp", "method.options.block_size=-3"], "block_size must be an integer >= 1, got -3"),
         (["method=ilp", "method.options.solver=glpk"], "solver must be one of ('cbc', 'highs'), got 'glpk'"),
@@ -93,6 +110,8 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
         (["seed=-1"], "seed must be >= 0, got -1"),
         # flashcp-run has no num_pad: its remedy is context_len
         (["method=llama3", "cp_size=4", "context_len=16388"], "(2 equal chunks per rank; use context_len = 16384 or 16392)"),
+        # the suggested values suit the method's layout (llama3: 2 chunks per rank)
+        (["method=llama3", "context_len=1000", "cp_size=3"], "use context_len = 996 or 1002)"),
         (["cp_size=4", "context_len=4099"], "not divisible by cp_size = 4: every rank must hold exactly context_len / cp_size tokens (use context_len = 4096 or 4100)"),
         (["cp_size=1000000000", "context_len=1000000000"], "cp_size = 1000000000 is above MAX_CP_SIZE = 2**16"),
         (["workers=100000"], "workers must be in [1, "),
@@ -240,7 +259,8 @@ def test_experiment_entry_mistake_is_one_line_exit_2(
         ("table2", ["cp_size=4", "context_len=16388"], "(2 equal chunks per rank; use context_len = 16384 or 16392)"),
         ("sensitivity", ["methods=[zigzag]"], "must include llama3"),
         ("sensitivity", ["context_len=16392"], "(2 equal chunks per rank; use context_len = 16384 or 16400)"),
-        ("sensitivity", ["context_len=16391"], "not divisible by cp_size = 8: every rank must hold exactly context_len / cp_size tokens (use context_len = 16384 or 16392)"),
+        ("sensitivity", ["context_len=16391"], "not divisible by cp_size = 8: every rank must hold exactly context_len / cp_size tokens (use context_len = 16384 or 16400)"),
+        ("table2", ["cp_size=3", "context_len=1000"], "(use context_len = 996 or 1002)"),
         ("sensitivity", ["dataset=file"], "dataset=file needs dataset.path="),
         ("sensitivity", ["datasets=[file]"], "file needs a path; select it with dataset=file dataset.path="),
         ("sensitivity", ["datasets=[]"], "no data variant"),
@@ -389,3 +409,34 @@ def test_launcher_in_experiment_config_needs_multirun(capsys, monkeypatch, tmp_p
     )
     assert code == 2 and err.strip().count("\n") == 0
     assert "hydra/launcher=joblib launches the jobs of a sweep" in err and "add -m" in err
+
+
+def test_name_is_checked_resolved():
+    """``name=`` is checked as it resolves: an interpolation naming one folder passes, one that
+    resolves to a path does not."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(
+        {"name": "f3_${model.name}", "model": {"name": "h32"}, "results_dir": "o"}
+    )
+    assert launch.name_problem(cfg) is None
+    cfg.model.name = "../up"
+    assert "name=f3_../up is not one folder name" in launch.name_problem(cfg)
+
+
+def test_emulate_memory_refusal_writes_nothing(capsys, monkeypatch, tmp_path):
+    """An ``executor=emulate`` job whose record pass would not fit the device is refused with one
+    line before its folder is written (no rows, no summary, no runs/)."""
+    import flashcp.executors.emulate as emulate
+
+    monkeypatch.setattr(emulate, "available_memory_bytes", lambda device: 2**20)  # 1 MiB free
+    code, _, err = _flashcp_run(
+        capsys, monkeypatch, "executor=emulate", "cp_size=2",
+        "dataset=pile", "method=zigzag", "num_sequences=2", "context_len=4096", "name=e4",
+        f"results_dir={tmp_path}",
+    )  # fmt: skip
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "executor=emulate: zigzag at cp_size = 2" in lines[0], err
+    assert "but 0.0 GiB is available" in lines[0]
+    assert not any(tmp_path.iterdir())

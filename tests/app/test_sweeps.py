@@ -386,6 +386,10 @@ def test_grid_run_that_cannot_be_made_is_error_rows_others_run(tmp_path, caplog)
     with caplog.at_level(logging.INFO, logger="experiments.run"):
         run(cfg)
     assert any("already done" in r.message for r in caplog.records)
+    # the job exits 1 with one line counting the failed runs, so a script notices
+    res = run_mod.main(cfg)
+    assert res["exit_code"] == 1 and res["error"].startswith("1 of 4 runs failed"), res
+    assert "ulysses degree 16 does not divide num_heads = 24" in res["error"]
 
 
 def test_second_sweep_in_a_folder_says_which_runs_left_the_merge(tmp_path, caplog):

@@ -410,8 +410,8 @@ def test_user_file_formats(tmp_path):
     files = [
         write(tmp_path, "a.txt", "5\n10\n\n# comment\n3\n7\n"),
         write(tmp_path, "b.csv", "name,doc_len\nx,5\ny,10\nz,3\nw,7\n"),
-        write(tmp_path, "c.csv", "name,len,other\nx,5,1\ny,10,2\nz,3,3\nw,7,4\n"),  # 1st numeric
-        write(tmp_path, "d.csv", "5,1\n10,2\n3,3\n7,4\n"),  # no header: first column
+        write(tmp_path, "c.csv", "name,len\nx,5\ny,10\nz,3\nw,7\n"),  # the only numeric
+        write(tmp_path, "d.csv", "id,doc_len,len\n0,5,1\n1,10,2\n2,3,3\n3,7,4\n"),  # doc_len
     ]
     np.save(tmp_path / "e.npy", want)
     np.save(tmp_path / "f.npy", want.astype(np.float32))
@@ -448,6 +448,8 @@ def test_user_file_weightings(tmp_path):
         ("header.csv", "doc_len\n", "only a header"),
         ("badcol.csv", "doc_len,x\n4,1\nfoo,2\n", "'foo'"),
         ("nonum.csv", "a,b\nx,y\n", "no column named doc_len"),
+        ("ids.csv", "doc_id,length\n0,5000\n1,3000\n", "['doc_id', 'length']"),
+        ("noheader.csv", "5,1\n10,2\n", "no header"),
     ],
 )
 def test_bad_user_files(tmp_path, name, text, bad):
@@ -459,7 +461,7 @@ def test_bad_user_files(tmp_path, name, text, bad):
 
 def test_user_frame_formats(tmp_path):
     """JSON, JSON Lines and Parquet length files (read with pandas): the doc_len column, else the
-    first numeric one."""
+    only numeric one."""
     want = [5, 10, 3, 7]
     files = [
         write(tmp_path, "a.json", "[5, 10, 3, 7]"),
@@ -490,6 +492,7 @@ def test_user_frame_formats(tmp_path):
         ("frac.json", '{"doc_len": [2, 2.5]}', "2.5"),
         ("null.json", '{"doc_len": [2, null]}', "no value in row 1"),
         ("words.json", '{"a": ["x", "y"]}', "no column named doc_len"),
+        ("ids.jsonl", '{"id": 0, "n": 5}\n{"id": 1, "n": 7}\n', "rename the column"),
         ("empty.json", "[]", "no document lengths"),
         ("broken.json", "[1, 2", "cannot read"),
         ("rows.csv", "a,b\n1,2\n3,4,5\n", "cannot parse"),

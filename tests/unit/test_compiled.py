@@ -94,6 +94,7 @@ def adversarial() -> list[tuple[np.ndarray, int, int]]:
     ],
     ids=["flashcp", "flashcp_refined"],
 )
+@pytest.mark.slow  # the adversarial-input property test below is the inner loop's check
 def test_compiled_equals_reference_on_sampled_sequences(fast_planner, ref_planner, sizes):
     """10,050 (flashcp) / 2,010 (flashcp_refined) sampled sequences x (CP, target) drawn per
     sequence: identical plans."""
@@ -131,6 +132,7 @@ def test_compiled_equals_reference_on_adversarial_inputs(fast_planner, ref_plann
         assert key(fast) == key(ref_planner(d, n, pad_to_multiple=True))
 
 
+@pytest.mark.slow
 def test_compiled_flashcp_at_large_cp_size():
     """CP 128-1024: the compiled planner's piece buffers grow with the documents plus 2N (they
     were N^2 per rank, 75 GB at CP 1024, a MemoryError), and it keeps the reference's plans;
@@ -552,6 +554,7 @@ def full_key(plan: Plan) -> tuple:
     )
 
 
+@pytest.mark.slow
 def test_fused_baselines_equal_reference_on_sampled_sequences(monkeypatch):
     """2,700 sampled sequences (three datasets, 2K-128K, CP 2-16, pad, pad_to_multiple, validate
     on and off) x the four baselines: the fused plan equals the reference's (NumPy, no kernel) in

@@ -66,6 +66,7 @@ def _probe(root: Path, home: Path, *names: str) -> dict[str, list[int]]:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow  # compiles in two scratch processes
 def test_an_edited_kernel_reaches_every_module_that_calls_it(tmp_path):
     """Edit plan_kernels' ``_failed`` (called by a kernel of plan_kernels and one of
     heuristic_compiled) after both were compiled and cached: both give the new result, whichever

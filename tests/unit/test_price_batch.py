@@ -132,7 +132,9 @@ DEGENERATE = [([2, 2, 2, 2], 4, 0), ([1] * 3, 4, 1), ([7], 8, 1), ([], 3, 3), ([
 
 
 @pytest.mark.parametrize("compiled_mode", ["0", "1"])
-@pytest.mark.parametrize("method", method_names())
+@pytest.mark.parametrize(
+    "method", [pytest.param(m, marks=pytest.mark.slow) if m == "ilp" else m for m in method_names()]
+)
 def test_degenerate_plans_every_method(method, compiled_mode, monkeypatch):
     if compiled_mode == "1":
         pytest.importorskip("numba")

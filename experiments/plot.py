@@ -12,6 +12,8 @@
 * ``fig3``: kernel efficiency (TFLOP/s per layout) from ``fig3.csv`` — the paper's Fig. 3.
 * ``fig5_peers``: ``fig5`` with the head-parallel peers (``ulysses``, ``usp`` per
   ``ulysses_degree``, ``flashcp_ulysses``), bars grouped by (heads, KV heads, CP size).
+* ``fig5_step``: ``fig5`` at the attention layer and the whole model's step side by side
+  (:mod:`experiments.plot_step`).
 
 A figure that cannot be drawn faithfully raises ValueError saying why (two summary rows for one bar,
 a grid the figure has no axis for); a bar or point without data is drawn as a marked gap ("n/a"),
@@ -418,15 +420,18 @@ def plot_fig3(table: pd.DataFrame, out: Path) -> Path:
 
 
 def draw(fig: str, exp_dir: str | Path) -> Path:
-    """Draw figure ``fig`` (fig3 | fig5 | fig6 | fig7 | fig5_peers) from the CSVs in ``exp_dir``.
+    """Draw figure ``fig`` (fig3 | fig5 | fig6 | fig7 | fig5_peers | fig5_step) from the CSVs in
+    ``exp_dir``.
 
     Raises:
         ValueError: unknown figure name, its CSV is missing or unreadable, or the data cannot be
             drawn faithfully (the message names the CSV and says why).
     """
+    from experiments.plot_step import plot_fig5_step
+
     exp_dir = Path(exp_dir)
     plotters = {"fig5": plot_fig5, "fig6": plot_fig6, "fig7": plot_fig7, "fig3": plot_fig3,
-                "fig5_peers": plot_fig5_peers}  # fmt: skip
+                "fig5_peers": plot_fig5_peers, "fig5_step": plot_fig5_step}  # fmt: skip
     if fig not in plotters:
         raise ValueError(f"unknown figure {fig!r}; choose one of {', '.join(plotters)}")
     csv = exp_dir / ("fig3.csv" if fig == "fig3" else "summary.csv")
@@ -453,7 +458,7 @@ def _cli(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("fig", choices=["fig3", "fig5", "fig6", "fig7", "fig5_peers"],
+    ap.add_argument("fig", choices=["fig3", "fig5", "fig6", "fig7", "fig5_peers", "fig5_step"],
                     help="figure to draw")  # fmt: skip
     ap.add_argument("exp_dir", metavar="RESULTS_DIR/NAME", help="experiment folder with its CSV")
     args = ap.parse_args(argv)

@@ -145,6 +145,12 @@ class ModelConfig:
     head_dim: int = 128
     #: bfloat16 | float16 | float32
     dtype: str = "bfloat16"
+    #: the whole model around the layer, for the step model (flashcp.sim.step): decoder layers,
+    #: hidden size, MLP intermediate size, vocabulary; all null (one attention layer) or all set
+    num_layers: int | None = None
+    hidden: int | None = None
+    ffn: int | None = None
+    vocab: int | None = None
 
 
 @dataclass
@@ -412,7 +418,8 @@ def check_config(cfg: Any, dataset: bool = True) -> None:
     check_workers(cfg.workers)
     check_modes(cfg.modes)
     m = cfg.model
-    AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
+    step = [m.get(k) for k in ("num_layers", "hidden", "ffn", "vocab")]  # None: attention only
+    AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype, *step)
     trial = check_method_options(
         cfg.method.name, cfg.method.options, int(cfg.context_len), int(cfg.cp_size)
     )

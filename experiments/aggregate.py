@@ -14,7 +14,8 @@ phase and plan metric, plus ``speedup_vs_llama3`` = mean ``total_ms`` of ``llama
 ``total_ms`` of the method, paired only with the llama3 run of the same identity apart from the
 method (the paper's Fig. 5 normalisation), its 95% interval over the sequences both runs share
 (``speedup_vs_llama3_ci95_lo``/``_hi``), and ``speedup_vs_llama3_gmean``, the geometric mean of
-per-sequence speedups.
+per-sequence speedups. Where rows carry ``step_ms`` (a model with layers, :mod:`flashcp.sim.step`),
+also ``step_ms_mean`` and ``step_speedup_vs_llama3``, the same ratio for the whole step.
 
 The intervals are Student-t intervals over sequences: of a mean, ``mean ± t·s/√n``; of a ratio of
 means ``R = ȳ/x̄`` over paired sequences (the same seed samples the same sequences for every

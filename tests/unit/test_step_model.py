@@ -97,3 +97,16 @@ def test_bad_step_sizes_are_refused(kwargs, match):
 def test_unknown_mode_is_refused(hw):
     with pytest.raises(ValueError, match="unknown mode 'bwd'"):
         step_ms(SMALL, hw, 1.0, 2048, "bwd")
+
+
+def test_advise_reports_both_levels():
+    from flashcp.advise import advise, format_report
+
+    kw = dict(cp_size=2, dataset="pile", context_len=8192, num_sequences=3, num_draws=1,
+              draw_sequences=1, methods=["flashcp"])  # fmt: skip
+    df = advise(model="small_1b", **kw).set_index("method")
+    assert df.loc["llama3", "model_step_speedup_vs_llama3"] == 1.0
+    assert (df["model_step_ms_p50"] > 32 * df["step_ms_p50"]).all()  # 16 layers, fwd + bwd
+    assert "Whole model (16 layers" in format_report(df.reset_index())
+    plain = advise(model="h16", **kw)
+    assert "model_step_ms_p50" not in plain and "Whole model" not in format_report(plain)

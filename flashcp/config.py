@@ -305,6 +305,10 @@ def run_hash(*, _root_: Any) -> str:
     }
     if not any((picked.get("grid") or {}).values()):  # no grid: the folder name it always had
         picked.pop("grid", None)
+    if isinstance(picked.get("model"), dict):  # an attention-only model: the name it always had
+        for k in ("num_layers", "hidden", "ffn", "vocab"):
+            if picked["model"].get(k, 0) is None:
+                picked["model"].pop(k)
     # the hash of a run folder keeps the ``task`` key configs had when one primary config also
     # ran Table 2, calibration, sensitivity and Fig. 3: existing folders keep their names and a
     # rerun finds them (resume)

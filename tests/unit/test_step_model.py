@@ -110,3 +110,20 @@ def test_advise_reports_both_levels():
     assert "Whole model (16 layers" in format_report(df.reset_index())
     plain = advise(model="h16", **kw)
     assert "model_step_ms_p50" not in plain and "Whole model" not in format_report(plain)
+
+
+def test_fig5_step_figure_draws_both_levels_or_refuses(tmp_path):
+    """The committed fig5_step summary draws; an attention-only summary (fig5) is refused in one
+    ValueError naming the missing column, not drawn as empty bars."""
+    import shutil
+    from pathlib import Path
+
+    from experiments.plot import draw
+
+    repo = Path(__file__).resolve().parents[2]
+    for name in ("fig5_step", "fig5"):
+        (tmp_path / name).mkdir()
+        shutil.copy(repo / "results" / name / "summary.csv", tmp_path / name / "summary.csv")
+    assert draw("fig5_step", tmp_path / "fig5_step").stat().st_size > 0
+    with pytest.raises(ValueError, match="step_speedup_vs_llama3"):
+        draw("fig5_step", tmp_path / "fig5")

@@ -14,7 +14,8 @@ phase and plan metric, plus ``speedup_vs_llama3`` = mean ``total_ms`` of ``llama
 ``total_ms`` of the method, paired only with the llama3 run of the same identity apart from the
 method (the paper's Fig. 5 normalisation), its 95% interval over the sequences both runs share
 (``speedup_vs_llama3_ci95_lo``/``_hi``), and ``speedup_vs_llama3_gmean``, the geometric mean of
-per-sequence speedups.
+per-sequence speedups. Where rows carry ``step_ms`` (a model with layers, :mod:`flashcp.sim.step`),
+also ``step_ms_mean`` and ``step_speedup_vs_llama3``, the same ratio for the whole step.
 
 The intervals are Student-t intervals over sequences: of a mean, ``mean ± t·s/√n``; of a ratio of
 means ``R = ȳ/x̄`` over paired sequences (the same seed samples the same sequences for every
@@ -290,11 +291,28 @@ def summarise(rows: pd.DataFrame, idents: pd.DataFrame | None = None) -> pd.Data
     out = out.merge(half, on=gkeys, how="left")
     out["speedup_vs_llama3_ci95_lo"] = out["speedup_vs_llama3"] - out["_half"]
     out["speedup_vs_llama3_ci95_hi"] = out["speedup_vs_llama3"] + out["_half"]
+    out = _step_speedup(out, ok, gkeys)
     out = out.drop(columns=["llama3_total_ms_mean", "_peer", "_half"])
     # readable, stable order (run_id is a hash: sorting by it reorders the file after every commit)
     order = ("dataset", "context_len", "cp_size", "model", "mode", "method", "run_id")
     out = out.sort_values([c for c in order if c in out], kind="stable", ignore_index=True)
     return typed(out)
+
+
+def _step_speedup(out: pd.DataFrame, ok: pd.DataFrame, gkeys: list[str]) -> pd.DataFrame:
+    """``step_ms_mean`` and ``step_speedup_vs_llama3`` (mean step time of llama3 over the method's:
+    the whole model, :mod:`flashcp.sim.step`) where the rows carry ``step_ms``; null for an
+    attention-only model. Added only when some row has a step time (attention-only summaries keep
+    their columns)."""
+    if "step_ms" not in ok or not ok["step_ms"].notna().any():
+        return out
+    mean = ok.groupby(gkeys, dropna=False)["step_ms"].mean().rename("step_ms_mean").reset_index()
+    out = out.merge(mean, on=gkeys, how="left", validate="one_to_one")
+    base = out.loc[out["method"] == "llama3", ["_peer", "mode", "step_ms_mean"]]
+    base = base.rename(columns={"step_ms_mean": "_llama3_step"})
+    out = out.merge(base, on=["_peer", "mode"], how="left", validate="many_to_one")
+    out["step_speedup_vs_llama3"] = out["_llama3_step"] / out["step_ms_mean"]
+    return out.drop(columns=["_llama3_step"])
 
 
 def aggregate(

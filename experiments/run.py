@@ -107,7 +107,16 @@ class ConfigError(ValueError):
 
 def attn_shape(cfg: DictConfig) -> AttnShape:
     m = cfg.model
-    return AttnShape(int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype))
+    step = [m.get(k) for k in ("num_layers", "hidden", "ffn", "vocab")]  # None: attention only
+    return AttnShape(int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype), *step)
+
+
+def step_model(m: Any) -> str:
+    """The model around the attention layer as identity text: ``L<layers>-h<hidden>-f<ffn>-
+    v<vocab>``, or ``-`` for an attention-only model (``num_layers`` null)."""
+    if m.get("num_layers") is None:
+        return "-"
+    return f"L{int(m.num_layers)}-h{int(m.hidden)}-f{int(m.ffn)}-v{int(m.vocab)}"
 
 
 def _container(node: Any) -> Any:
@@ -180,6 +189,7 @@ def run_identity(
         "num_kv_heads": int(m.num_kv_heads),
         "head_dim": int(m.head_dim),
         "dtype": m.dtype,
+        "step_model": step_model(m),
         "executor": ex.name,
         "executor_options": _json(
             {k: _container(ex[k]) for k in EXECUTOR_OPTIONS.get(ex.name, ())}

@@ -71,21 +71,35 @@ class AttnShape:
         num_kv_heads: KV heads (GQA), divides ``num_heads``.
         head_dim: D.
         dtype: element type of Q, K, V and of communicated buffers (a key of ``DTYPE_BYTES``).
+        num_layers, hidden, ffn, vocab: the whole model around the layer, for the step model
+            (:mod:`flashcp.sim.step`): layers, hidden size, MLP intermediate size, vocabulary;
+            all None (the default: one attention layer, no step time) or all set.
 
-    The three sizes take Python or NumPy integers and are kept as Python ints.
+    The sizes take Python or NumPy integers and are kept as Python ints.
 
     Raises:
         ValueError: a size that is not a positive integer, ``num_kv_heads`` not dividing
-            ``num_heads``, or an unknown dtype.
+            ``num_heads``, an unknown dtype, or only some of the step model's sizes set.
     """
 
     num_heads: int = 32
     num_kv_heads: int = 32
     head_dim: int = 128
     dtype: str = "bfloat16"
+    num_layers: int | None = None
+    hidden: int | None = None
+    ffn: int | None = None
+    vocab: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_heads", "num_kv_heads", "head_dim"):
+        step = ("num_layers", "hidden", "ffn", "vocab")
+        given = [n for n in step if getattr(self, n) is not None]
+        if given and len(given) < len(step):
+            raise ValueError(
+                f"{', '.join(given)} set without {', '.join(n for n in step if n not in given)}: "
+                "the step model needs num_layers, hidden, ffn and vocab together (or none)"
+            )
+        for name in ("num_heads", "num_kv_heads", "head_dim", *given):
             v = getattr(self, name)
             if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

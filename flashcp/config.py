@@ -145,6 +145,12 @@ class ModelConfig:
     head_dim: int = 128
     #: bfloat16 | float16 | float32
     dtype: str = "bfloat16"
+    #: the whole model around the layer, for the step model (flashcp.sim.step): decoder layers,
+    #: hidden size, MLP intermediate size, vocabulary; all null (one attention layer) or all set
+    num_layers: int | None = None
+    hidden: int | None = None
+    ffn: int | None = None
+    vocab: int | None = None
 
 
 @dataclass
@@ -299,6 +305,10 @@ def run_hash(*, _root_: Any) -> str:
     }
     if not any((picked.get("grid") or {}).values()):  # no grid: the folder name it always had
         picked.pop("grid", None)
+    if isinstance(picked.get("model"), dict):  # an attention-only model: the name it always had
+        for k in ("num_layers", "hidden", "ffn", "vocab"):
+            if picked["model"].get(k, 0) is None:
+                picked["model"].pop(k)
     # the hash of a run folder keeps the ``task`` key configs had when one primary config also
     # ran Table 2, calibration, sensitivity and Fig. 3: existing folders keep their names and a
     # rerun finds them (resume)
@@ -436,8 +446,9 @@ def check_model_config(m: Any) -> None:
     """
     from flashcp.comm import AttnShape
 
+    step = [m.get(k) for k in ("num_layers", "hidden", "ffn", "vocab")]  # None: attention only
     try:
-        AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype)
+        AttnShape(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype, *step)
     except ValueError:
         h, kv = m.num_heads, m.num_kv_heads
         if not (isinstance(h, int) and isinstance(kv, int) and h >= 1 and kv >= 1 and h % kv):

@@ -74,7 +74,7 @@ COMM_COLUMNS: tuple[str, ...] = (
 IDENTITY_COLUMNS: tuple[str, ...] = (
     "dataset", "dataset_path", "dataset_sha256", "weighting", "dataset_cap", "overlong",
     "method", "method_options", "impl", "cp_size", "context_len", "num_sequences", "seed", "modes",
-    "model", "num_heads", "num_kv_heads", "head_dim", "dtype",
+    "model", "num_heads", "num_kv_heads", "head_dim", "dtype", "step_model",
     "executor", "executor_options", "hardware", "hardware_changes", "hardware_sha256",
     "code_version",
 )  # fmt: skip
@@ -106,14 +106,15 @@ ROW_SCHEMA = MappingProxyType({
     "dataset_cap": "int", "overlong": "text", "method": "text", "method_options": "text",
     "impl": "text", "cp_size": "int", "context_len": "int", "num_sequences": "int", "seed": "int",
     "modes": "text", "model": "text", "num_heads": "int", "num_kv_heads": "int", "head_dim": "int",
-    "dtype": "text", "executor": "text", "executor_options": "text", "hardware": "text",
+    "dtype": "text", "step_model": "text", "executor": "text", "executor_options": "text", "hardware": "text",
     "hardware_changes": "text", "hardware_sha256": "text", "code_version": "text",
     "seq_idx": "int", "num_docs": "int", "max_doc_len": "int", "plan_status": "text",
     "plan_ms": "float", "pad_tokens": "int", "imbalance_ratio": "float", "comm_tokens": "int",
     "comm_tokens_full": "int", "comm_saving": "float", "comm_tokens_sharded": "int",
     "num_split_docs": "int", "num_pieces": "int", "max_shards_per_rank": "int",
     "mode": "text", "status": "text",
-    **dict.fromkeys(PHASE_COLUMNS, "float"), **dict.fromkeys(COMM_COLUMNS, "int"),
+    **dict.fromkeys(PHASE_COLUMNS, "float"), "step_ms": "float",
+    **dict.fromkeys(COMM_COLUMNS, "int"),
     "overlong_docs": "int", "overlong_tokens_cut": "int",
     "git_commit": "text", "git_dirty": "bool", "flashcp_version": "text", "torch_version": "text",
     "config_hash": "text",
@@ -146,7 +147,9 @@ def identity_hash(identity: dict) -> str:
     missing = [k for k in IDENTITY_COLUMNS if k not in identity]
     if missing:
         raise ValueError(f"run identity lacks {', '.join(missing)}")
-    return config_hash({k: identity[k] for k in IDENTITY_COLUMNS})
+    # an attention-only model ("-") hashes as before the step model existed: run_ids unchanged
+    keys = [k for k in IDENTITY_COLUMNS if not (k == "step_model" and identity[k] == "-")]
+    return config_hash({k: identity[k] for k in keys})
 
 
 def typed(df, strict: bool = True):

@@ -135,6 +135,8 @@ def load_model(
         if lacks:
             raise ValueError(f"{path} has no {', '.join(lacks)}")
         fields.update({k: data[k] for k in keys})
+        step_keys = ("num_layers", "hidden", "ffn", "vocab")  # the whole model (flashcp.sim.step)
+        fields.update({k: data[k] for k in step_keys if data.get(k) is not None})
     elif num_heads is None:
         raise ValueError("give a model name or num_heads")
     given = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
@@ -143,8 +145,9 @@ def load_model(
     fields.setdefault("num_kv_heads", fields["num_heads"])
     try:
         return AttnShape(
-            fields["num_heads"], fields["num_kv_heads"], fields["head_dim"], str(fields["dtype"])
-        )
+            fields["num_heads"], fields["num_kv_heads"], fields["head_dim"], str(fields["dtype"]),
+            *(fields.get(k) for k in ("num_layers", "hidden", "ffn", "vocab")),
+        )  # fmt: skip
     except ValueError as exc:  # say where the shape came from: the file, and what replaced its
         if name is None:
             raise
@@ -404,6 +407,7 @@ def advise(
     t2 = time.perf_counter()
 
     ref = parts["llama3"]["total_ms"]
+    whole = _whole_step(shape, hw, mode, parts, plans)  # {} for an attention-only model
     rows, table = [], []
     for m, p in parts.items():
         speedup = ref / p["total_ms"]
@@ -429,6 +433,7 @@ def advise(
                 "overlong": str(overlong),
                 "overlong_docs": int(over["overlong_docs"].sum()),
                 "overlong_tokens_cut": int(over["overlong_tokens_cut"].sum()),
+                **whole.get(m, {}),
             }
         )
     df = pd.DataFrame(table)
@@ -443,6 +448,27 @@ def advise(
     }  # fmt: skip
     df.attrs["seconds"] = {"plan_price_s": t1 - t0, "draws_s": t2 - t1}
     return df
+
+
+def _whole_step(shape, hw, mode, parts, plans) -> dict[str, dict[str, float]]:
+    """Per method, the whole model's step (:func:`flashcp.sim.step.step_ms`) where ``shape`` has
+    layers: ``model_step_ms_p50`` (median over sequences) and ``model_step_speedup_vs_llama3``
+    (median over sequences of llama3's over the method's); ``{}`` for an attention-only shape."""
+    if shape.num_layers is None:
+        return {}
+    from flashcp.sim.step import step_ms
+
+    steps = {}
+    for m, p in parts.items():
+        tokens = np.array([pl.tokens_per_rank.max() for pl in plans[m]], dtype=np.int64)
+        steps[m] = step_ms(shape, hw, p["total_ms"], tokens, mode)
+    return {
+        m: {
+            "model_step_ms_p50": float(np.median(v)),
+            "model_step_speedup_vs_llama3": float(np.median(steps["llama3"] / v)),
+        }
+        for m, v in steps.items()
+    }
 
 
 def format_report(df: pd.DataFrame) -> str:
@@ -466,6 +492,16 @@ def format_report(df: pd.DataFrame) -> str:
         f"x{s['factor']:g}, the sensitivity study's Latin hypercube) on the first "
         f"{s['draw_sequences']} sequences. imbalance_ratio, comm_mib_per_rank: medians.",
     ]
+    if "model_step_speedup_vs_llama3" in df:
+        lines.append(
+            f"Whole model ({sh.num_layers} layers, hidden {sh.hidden}, MLP {sh.ffn}, vocabulary "
+            f"{sh.vocab}; docs/simulator.md, the step model): step ms (median) and speedup over "
+            "llama3 (median over sequences): "
+            + "; ".join(
+                f"{r.method} {r.model_step_ms_p50:.1f} ms, {r.model_step_speedup_vs_llama3:.3f}x"
+                for r in df.itertuples()
+            )
+        )
     if s["cp_size"] == 1:
         lines.append(
             "cp_size 1: no CP work, so every method runs the same single-device attention with "

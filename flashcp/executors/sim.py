@@ -70,7 +70,14 @@ def _price(batch: Any, run: RunSpec) -> dict[str, dict[str, np.ndarray]]:
     out = price_plans(
         batch, [run.shape], run.modes, [run.hardware], COMM_KIND[run.method], run.impl, **op_opts
     )
-    return {mode: {c: v[0, 0, m] for c, v in out.items()} for m, mode in enumerate(run.modes)}
+    priced = {mode: {c: v[0, 0, m] for c, v in out.items()} for m, mode in enumerate(run.modes)}
+    if run.shape.num_layers is not None:  # the whole model's step (flashcp.sim.step)
+        from flashcp.sim.step import step_ms
+
+        tokens = np.array([p.tokens_per_rank.max() for p in batch.plans], dtype=np.int64)
+        for mode, cols in priced.items():
+            cols["step_ms"] = step_ms(run.shape, run.hardware, cols["total_ms"], tokens, mode)
+    return priced
 
 
 def price_sequences(

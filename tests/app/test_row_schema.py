@@ -222,3 +222,34 @@ def test_markdown_table_leaves_typed_nulls_empty():
                        "comm_saving": [float("nan"), 0.0], "note": [None, "x"]})  # fmt: skip
     lines = markdown_table(df).splitlines()
     assert lines[2] == "| ulysses |  |  |  |" and lines[3] == "| ring | 6144 | 0 | x |"
+
+
+def test_step_columns_for_a_whole_model_and_nulls_for_attention_only(tmp_path):
+    """``step_ms`` (rows) and ``step_ms_mean`` / ``step_speedup_vs_llama3`` (summary) are set for a
+    model with layers (``small_1b``) and null for an attention-only preset, whose run_id does not
+    depend on the step model's identity column."""
+    from experiments.aggregate import aggregate
+    from experiments.run import run_identity
+    from flashcp.results import IDENTITY_COLUMNS, config_hash, identity_hash
+
+    for model in ("small_1b", "h16"):
+        for method in ("llama3", "flashcp"):
+            run(_small(tmp_path, f"method={method}", f"model={model}", "dataset=pile"))
+    rows = ds.dataset(tmp_path / "t" / "runs", format="parquet").to_table().to_pandas()
+    whole = rows["model"] == "small_1b"
+    assert rows.loc[whole, "step_ms"].notna().all() and rows.loc[~whole, "step_ms"].isna().all()
+    assert (rows.loc[whole, "step_ms"] > 32 * rows.loc[whole, "total_ms"]).all()  # 16 layers, x2
+    assert set(rows.loc[~whole, "step_model"]) == {"-"}
+    summary = aggregate(tmp_path / "t").set_index(["model", "mode", "method"])
+    for mode in ("train", "infer"):
+        att = summary.loc[("small_1b", mode, "flashcp"), "speedup_vs_llama3"]
+        step = summary.loc[("small_1b", mode, "flashcp"), "step_speedup_vs_llama3"]
+        assert 1 < step < att
+    assert summary.loc["h16", "step_speedup_vs_llama3"].isna().all()
+    ident = run_identity(_small(tmp_path, "model=h16"), "v")
+    old = {k: ident[k] for k in IDENTITY_COLUMNS if k != "step_model"}
+    assert identity_hash(ident) == config_hash(old)  # attention-only run ids unchanged
+    whole_ident = run_identity(_small(tmp_path, "model=small_1b"), "v")
+    assert whole_ident["step_model"] == "L16-h2048-f8192-v128256"
+    changed = run_identity(_small(tmp_path, "model=small_1b", "model.num_layers=8"), "v")
+    assert identity_hash(changed) != identity_hash(whole_ident)

@@ -119,7 +119,7 @@ def test_grid_runs_are_the_runs_overrides_compose():
     [(("grid.model=[h16,h64]",), "no model 'h64'; choose from h16, h32"),
      (("grid.cp_size=[]",), "grid.cp_size is empty"),
      (("grid.model=[h16]", "executor=dist"), "grid is for executor=sim"),
-     (("grid.method=[llama3,llama3]",), "the same run twice")],
+     (("grid.method=[llama3,llama3]",), r"grid.method=\[llama3,llama3\] lists llama3 twice")],
 )  # fmt: skip
 def test_bad_grids_are_refused_before_work(tmp_path, overrides, needle):
     cfg = _compose(f"results_dir={tmp_path}", "num_sequences=1", "context_len=8192", *overrides)

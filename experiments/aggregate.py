@@ -32,7 +32,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import pandas as pd
@@ -442,7 +442,8 @@ def compare_report(table: pd.DataFrame) -> list[str]:
 
 
 def _cli(argv: list[str] | None = None) -> None:
-    """``python -m experiments.aggregate DIR``: merge every run of DIR; one line on error."""
+    """``python -m experiments.aggregate DIR``: merge every run of DIR; a missing folder, no runs
+    or a bad rows file is one line on stderr and exit code 2."""
     import argparse
     import signal
 
@@ -463,21 +464,35 @@ def _cli(argv: list[str] | None = None) -> None:
         "committed results/fig5); exit code 1 when a run of REF_DIR is missing",
     )
     args = ap.parse_args(argv)
+
+    def fail(message: str) -> NoReturn:  # a bad folder or file: one line, exit code 2
+        print(f"{ap.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    for folder in (args.exp_dir, args.compare):
+        if folder is not None and not Path(folder).is_dir():
+            fail(
+                f"{folder}: no such folder"
+                if not Path(folder).exists()
+                else f"{folder} is a file, not a folder"
+            )
     if hasattr(signal, "SIGPIPE"):  # `... | head` ends the report quietly, as a Unix tool does
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     if args.compare:
         try:
             table = compare(args.compare, args.exp_dir)
         except ValueError as exc:
-            sys.exit(f"error: {exc}")
+            fail(str(exc))
         print("\n".join(compare_report(table)))
         sys.exit(1 if (table["found"] == "ref_only").any() else 0)
+    if not any(Path(p).exists() for p in run_rows_paths(args.exp_dir)):
+        fail(f"no finished runs under {args.exp_dir}/runs (no runs/*/rows.parquet or rows.csv)")
     try:
         s = aggregate(args.exp_dir)
     except ValueError as exc:
-        sys.exit(f"error: {exc}")
+        fail(str(exc))
     if s is None:
-        sys.exit(f"error: no runs found under {args.exp_dir}/runs")
+        fail(f"no finished runs under {args.exp_dir}/runs")
     print(f"wrote {args.exp_dir}/{ROWS_FILE} and summary.csv ({len(s)} summary rows)")
 
 

@@ -44,7 +44,13 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from flashcp.data import OVERLONG_POLICIES, apply_overlong, overlong_note, read_lengths_file
+from flashcp.data import (
+    DATASETS,
+    OVERLONG_POLICIES,
+    apply_overlong,
+    overlong_note,
+    read_lengths_file,
+)
 from flashcp.kinds import CommKind
 from flashcp.plan import DivisibilityError, Plan, check_doc_lens
 from flashcp.registry import (
@@ -348,7 +354,8 @@ def _add_advise_parser(sub) -> None:
         metavar="PATH",
         help="file of document lengths (as dataset=file reads: text, CSV, Parquet, JSON, .npy)",
     )
-    src.add_argument("--dataset", metavar="NAME", help="a named dataset: wlb_llm, pile, redpajama")
+    named = ", ".join(str(x) for x in DATASETS if str(x) != "file")  # file: that is --lengths
+    src.add_argument("--dataset", metavar="NAME", help=f"a named dataset: {named}")
     a.add_argument("--cp-size", type=int, required=True, help="number of CP ranks N (>= 1)")
     a.add_argument("--context-len", type=int, default=131072, help="tokens per packed sequence")
     a.add_argument("--num-sequences", type=int, default=1000, help="sequences sampled")

@@ -320,6 +320,18 @@ def test_help_exits_0(capsys):
     assert "--doc-lens" in capsys.readouterr().out
 
 
+def test_advise_help_lists_every_named_dataset(capsys):
+    """``flashcp advise --help`` lists the datasets --dataset takes: every DatasetName but file
+    (a file is --lengths)."""
+    from flashcp.data import DatasetName
+
+    assert main(["advise", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    named = ", ".join(str(x) for x in DatasetName if x != DatasetName.file)
+    assert f"a named dataset: {named}" in out, out
+    assert "wlb_llm_synthetic" in named and "stress" in named
+
+
 def test_python_dash_m_entry_point():
     """``python -m flashcp`` runs the same CLI in a fresh interpreter: JSON out, exit 2 on bad input."""
     argv = "-m flashcp plan --method per_doc --cp-size 2 --doc-lens 4,12 --json".split()

@@ -108,6 +108,9 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
         (["executor=emulate", "executor.iters=0"], "executor.iters >= 1"),
         (["context_len=4294967296"], "context_len = 4294967296 is above MAX_TOKENS = 2**31"),
         (["seed=-1"], "seed must be >= 0, got -1"),
+        # a job whose rows would not fit in memory is refused before any work
+        (["num_sequences=1000000000"], "num_sequences = 1000000000 makes 2000000000 rows (1 run(s) x 2 mode(s)), about 7629.4 GiB"),
+        (["num_sequences=1000000000", "grid.cp_size=[4,8]"], "4000000000 rows (2 run(s) x 2 mode(s))"),
         # flashcp-run has no num_pad: its remedy is context_len
         (["method=llama3", "cp_size=4", "context_len=16388"], "(2 equal chunks per rank; use context_len = 16384 or 16392)"),
         # the suggested values suit the method's layout (llama3: 2 chunks per rank)

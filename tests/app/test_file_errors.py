@@ -47,9 +47,27 @@ def test_aggregate_names_the_file_with_a_column_the_schema_lacks(tmp_path, run_r
     folder, path = _folder(tmp_path, rows.assign(extra_ms=1.0))
     with pytest.raises(SystemExit) as exc:
         aggregate_cli([str(folder)])
-    msg = str(exc.value.code)
+    assert exc.value.code == 2
+    msg = capsys.readouterr().err
+    assert msg.count("\n") == 1 and msg.startswith("python -m experiments.aggregate: error: ")
     assert str(path) in msg and "['extra_ms']" in msg and rows["run_id"].iloc[0] in msg, msg
     assert not (folder / "rows.parquet").exists()
+
+
+@pytest.mark.parametrize("where", ["missing", "empty", "file"])
+def test_aggregate_without_runs_is_one_line_exit_2(tmp_path, capsys, where):
+    """A folder that does not exist, holds no runs, or is a file: one line, exit code 2."""
+    folder = tmp_path / "exp"
+    if where == "empty":
+        folder.mkdir()
+    elif where == "file":
+        folder.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        aggregate_cli([str(folder)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m experiments.aggregate: error: "), err
+    assert str(folder) in err
 
 
 def test_aggregate_names_the_file_with_a_bad_value(tmp_path, run_rows):

@@ -5,7 +5,7 @@ Two packed sequences of ``context_len`` tokens — one document filling it, and 
 laid out ``whole`` (one device), ``per_doc`` (2N chunks per document, one varlen call per rank) and
 ``zigzag`` (the same layout run as ring-flash-attn's zigzag ring, with its merges and gradient
 accumulations). The compute of each layout comes from the step model itself
-(:mod:`flashcp.sim.fig3`, :meth:`flashcp.sim.cost_model.PlanCost.attention_us`), so Fig. 3, the
+(:mod:`flashcp.sim.fig3`, :meth:`flashcp.sim.cost.PlanCost.attention_us`), so Fig. 3, the
 calibration and the CP step model use one model of each layout's work.
 
 Rows per (case, layout, pass): ``kernel_ms`` (summed over ranks and steps), ``flops`` (useful:

@@ -22,7 +22,7 @@ For each variant, ``num_sequences`` sequences are sampled as ``flashcp-run`` sam
 dataset config (:func:`flashcp.data.sample_dataset`: the listed variants with its defaults,
 cap 4 x C and overlong split, so ``<dataset>/documents`` are the sequences of Fig. 5 / 7), planned
 once per method (CP ``cp_size``, the run's model) and priced on every profile of the study in
-one call (:func:`flashcp.sim.cost_model.price_plans`, equal to pricing each plan on each profile);
+one call (:func:`flashcp.sim.cost.price_plans`, equal to pricing each plan on each profile);
 the statistic is the method's speedup over ``llama3`` (ratio of mean ``total_ms``, as in
 ``summary.csv``).
 
@@ -312,7 +312,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     from experiments.common.overrides import load_job_hardware
     from flashcp.data import overlong_note, sample_dataset
     from flashcp.registry import COMM_KIND, get_planner
-    from flashcp.sim.cost_model import PlanBatch, price_plans
+    from flashcp.sim.cost import PlanBatch, price_plans
 
     factor, draws = float(cfg.factor), int(cfg.num_draws)
     methods, modes = list(cfg.methods), list(cfg.modes)

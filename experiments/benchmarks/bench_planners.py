@@ -12,7 +12,7 @@ their ratio and the speed goals at CP 8 met or missed. Then the median / p90 pla
 the default implementation (plans per second = 1000 / median ms) and the simulator's time per
 (plan, shape, mode).
 Then the pricing time per plan for both modes and both head counts, the per-plan step model
-against one batched call over all the sampled plans (:func:`flashcp.sim.cost_model.price_plans`;
+against one batched call over all the sampled plans (:func:`flashcp.sim.cost.price_plans`;
 goal <= 20 µs per plan), its tile statistics in NumPy and compiled (``--pricing-only`` times only
 this).
 Then runs the Fig. 5 sweep exactly as a user does (``flashcp-run -m experiment=fig5
@@ -49,7 +49,7 @@ from flashcp.comm import AttnShape
 from flashcp.data import load_distribution, sample_sequences
 from flashcp.registry import get_planner, method_names
 from flashcp.sim import load_hardware, simulate_many
-from flashcp.sim.cost_model import price_plans
+from flashcp.sim.cost import price_plans
 
 DATASETS = ("wlb_llm", "pile", "redpajama")
 #: the methods of the paper's Fig. 5 comparison, simulated in the timed sweep
@@ -241,9 +241,9 @@ def _goal(value: float, goal: float) -> str:
 def time_pricing(args: argparse.Namespace) -> None:
     """Pricing time per plan, both modes x both head counts (the Fig. 5 runs of one plan):
     the per-plan step model (:func:`flashcp.sim.simulate_many`, one plan at a time) against
-    one batched call over all sampled plans (:func:`flashcp.sim.cost_model.price_plans`), with
+    one batched call over all sampled plans (:func:`flashcp.sim.cost.price_plans`), with
     the tile statistics in NumPy (``FLASHCP_COMPILED=0``, as without numba) and compiled
-    (:mod:`flashcp.sim.price_kernels`), the two alternating in the same process; CPU µs
+    (:mod:`flashcp.sim.cost.kernels`), the two alternating in the same process; CPU µs
     (process time: the least inflated by other processes on a shared machine), the median of
     ``--pricing-repeats`` batched runs."""
     hw = load_hardware("h100_sxm")

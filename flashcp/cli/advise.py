@@ -4,7 +4,7 @@ Given document lengths (a user's length file, sampled as ``dataset=file`` sample
 dataset), a CP size, a model shape and a hardware profile (its calibrated constants, as
 ``executor=sim`` applies them), :func:`advise` plans every sampled sequence with every method
 (the executors' fast row loop, :func:`flashcp.executors.rows.plan_sequences`), prices the plans
-with the cost model (:func:`flashcp.sim.cost_model.price_plans`) and returns one row per method:
+with the cost model (:func:`flashcp.sim.cost.price_plans`) and returns one row per method:
 
 * ``step_ms_p50`` / ``step_ms_p90``: the predicted step time (``total_ms``: one attention layer's
   forward, and backward in training, with its communication), median and 90th percentile over
@@ -201,15 +201,15 @@ def breakdown(
     """Split each plan's step time into the ideal and the parts of :data:`PARTS`.
 
     Every part is read from what the cost model prices: the phases of
-    :func:`flashcp.sim.cost_model.price_plans` on ``hw`` and on ``hw`` with every host constant
-    zero, and the per-rank attention kernels of :func:`flashcp.sim.cost_model.attention_balance`.
+    :func:`flashcp.sim.cost.price_plans` on ``hw`` and on ``hw`` with every host constant
+    zero, and the per-rank attention kernels of :func:`flashcp.sim.cost.attention_balance`.
     With A the attention phases, E the communication phases and O ``others_ms``:
     ``imbalance = slowest - mean``, ``kernel = mean - ideal``, ``comm = E + (A - slowest)``,
     ``host = total - total(no host)``, ``copies = O - host``; so ``ideal + parts = A + E + O =
     total_ms``.
 
     Args:
-        batch: a :class:`flashcp.sim.cost_model.PlanBatch` of S plans of one method.
+        batch: a :class:`flashcp.sim.cost.PlanBatch` of S plans of one method.
         shape: the attention shape; mode: ``train`` or ``infer``; hw: the profile.
         priced: :func:`price_plans`' output for ``[hw, hw without host]`` if already computed.
     Returns:
@@ -217,7 +217,7 @@ def breakdown(
         (int64, bytes one rank receives).
     """
     from flashcp.plan import doc_workload
-    from flashcp.sim.cost_model import attention_balance, price_plans
+    from flashcp.sim.cost import attention_balance, price_plans
     from flashcp.sim.kernel import tile_us
 
     if priced is None:
@@ -253,7 +253,7 @@ def _speedup_draws(
 ) -> dict[str, np.ndarray]:
     """Per method, the median over the first ``k`` sequences of llama3's step time over its own,
     for each of ``num_draws`` joint draws of the constants: (num_draws,) arrays."""
-    from flashcp.sim.cost_model import PlanBatch, price_plans
+    from flashcp.sim.cost import PlanBatch, price_plans
     from flashcp.sim.perturb import joint_factors, perturb
 
     profiles = [perturb(hw, f) for f in joint_factors(num_draws, factor, seed)]
@@ -319,7 +319,7 @@ def advise(
     from flashcp.executors import RunSpec
     from flashcp.executors.rows import plan_sequences
     from flashcp.registry import check_options, get_method, method_names
-    from flashcp.sim.cost_model import PlanBatch, price_plans
+    from flashcp.sim.cost import PlanBatch, price_plans
     from flashcp.sim.hardware import load_hardware
 
     check_mode(mode)

@@ -35,7 +35,7 @@ KERNEL_MODULES = {
     "plan": "flashcp.plan.kernels",
     "heuristic": "flashcp.planners.flashcp.compiled",
     "refined": "flashcp.planners.flashcp_refined.compiled",
-    "price": "flashcp.sim.price_kernels",
+    "price": "flashcp.sim.cost.kernels",
 }
 #: the sources the cache key hashes: every kernel module and this one (it sets how they compile)
 _KEYED = (*sorted(KERNEL_MODULES.values()), __name__)

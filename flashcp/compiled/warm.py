@@ -46,7 +46,7 @@ def warm_up(marker: Path | None = None, *, mark: bool = True) -> float:
             return 0.0
         from flashcp.comm import AttnShape
         from flashcp.registry import make_plan_for
-        from flashcp.sim.cost_model import price_plans
+        from flashcp.sim.cost import price_plans
 
         methods = ("llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined")
         plans = [make_plan_for(method, [3000, 1000, 64, 32], 4) for method in methods]

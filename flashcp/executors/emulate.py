@@ -26,7 +26,7 @@ is cut out of the rank's timeline and replaced by the simulator's model on the h
 
 * all-gather / reduce-scatter / all-to-all: blocking, ``HardwareProfile.allgather_us(recv,
   total)`` (``reducescatter_us``, ``alltoall_us``), the same formula and bytes as
-  :mod:`flashcp.sim.cost_model`;
+  :mod:`flashcp.sim.cost`;
 * ring exchange: the transfer starts when it is posted (or when the link frees up: transfers of
   one rank are serialised on its link) and takes ``HardwareProfile.p2p_us(bytes)``; a wait that
   comes before the transfer ends stalls the rank for the difference, which is ``p2p_ms`` (the

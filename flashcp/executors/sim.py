@@ -3,11 +3,11 @@
 
 Plans are made once per (sequence, method, impl, cp_size, options) (:attr:`RunSpec.plan_key`) and
 their shape- and mode-independent statistics once per (chunk of plans, hardware tile shape)
-(:class:`flashcp.sim.cost_model.PlanBatch`); every run sharing the plans (another model, another
+(:class:`flashcp.sim.cost.PlanBatch`); every run sharing the plans (another model, another
 hardware profile) and every mode is then priced from them. A worker process takes a chunk of
 at most :data:`CHUNK` sequences (at least one chunk per worker; one sequence when a run's planner
 is slow, the ILP, so the progress bar moves per sequence), plans them, and prices each run
-of the chunk, all its modes, in one call of :func:`flashcp.sim.cost_model.price_plans` (numpy
+of the chunk, all its modes, in one call of :func:`flashcp.sim.cost.price_plans` (numpy
 operations over the chunk's plans and ranks; equal to :func:`flashcp.sim.simulate` per plan,
 tested to 1e-12). Rows are built as columns. A job of at least
 :data:`flashcp.compiled.warm.PRELOAD_PLANS` plans loads the compiled kernels once, before its
@@ -56,15 +56,15 @@ CHUNK = 512
 
 
 def _price(batch: Any, run: RunSpec) -> dict[str, dict[str, np.ndarray]]:
-    """Price every plan of ``batch`` (a :class:`flashcp.sim.cost_model.PlanBatch`) for the run's
+    """Price every plan of ``batch`` (a :class:`flashcp.sim.cost.PlanBatch`) for the run's
     shape, hardware profile and each of its modes in one call of
-    :func:`flashcp.sim.cost_model.price_plans`; raises what the first failing plan raises.
+    :func:`flashcp.sim.cost.price_plans`; raises what the first failing plan raises.
 
     Returns:
         per mode, (S,) arrays per phase and communication column.
     """
     from flashcp.registry import COMM_KIND, split_options
-    from flashcp.sim.cost_model import price_plans
+    from flashcp.sim.cost import price_plans
 
     op_opts = split_options(run.method, run.options)[1]  # e.g. keep_gathered_kv
     out = price_plans(
@@ -98,7 +98,7 @@ def price_sequences(
         spent planning and pricing (process time: not inflated when other processes share the
         cores). ``plan_ms`` in a row is the planner's wall time.
     """
-    from flashcp.sim.cost_model import PlanBatch
+    from flashcp.sim.cost import PlanBatch
 
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(runs):

@@ -5,7 +5,7 @@ last (:meth:`flashcp.plan.Plan.single_device_documents`), so the rank's q, k, v 
 sequence and attention is one plain document-masked varlen call over them: no collective, no
 gather buffer, no ring step, no merge. Every op family takes this path at cp_size 1
 (:mod:`flashcp.ops.families`), and the step model prices it the same for every method
-(:mod:`flashcp.sim.cost_model`, docs/simulator.md).
+(:mod:`flashcp.sim.cost`, docs/simulator.md).
 """
 
 from __future__ import annotations

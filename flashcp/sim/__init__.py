@@ -11,7 +11,7 @@ Public API::
     load_hardware(name_or_dict) -> HardwareProfile
 """
 
-from flashcp.sim.cost_model import PlanCost, simulate, simulate_many
+from flashcp.sim.cost import PlanCost, simulate, simulate_many
 from flashcp.sim.hardware import HardwareProfile, list_hardware, load_hardware
 from flashcp.sim.impl import IMPLS, impl_plan
 from flashcp.sim.kernel import attention_kernel_ms

@@ -363,7 +363,7 @@ def rfa_benchmark_us(
         costs: optional dict to cache the cases' ``PlanCost`` in (keyed by method and case).
     """
     from flashcp.registry import COMM_KIND
-    from flashcp.sim.cost_model import PlanCost
+    from flashcp.sim.cost import PlanCost
     from flashcp.sim.impl import impl_plan
 
     total = 0.0
@@ -596,7 +596,7 @@ def replay_targets(
     Raises:
         ValueError: what the run's planner raises for its sequence.
     """
-    from flashcp.sim.cost_model import simulate
+    from flashcp.sim.cost import simulate
     from flashcp.sim.impl import impl_plan
 
     targets = []

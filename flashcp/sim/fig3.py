@@ -1,7 +1,7 @@
 """Kernel efficiency by layout (the paper's Fig. 3) from the step model's own compute.
 
 One model serves Fig. 3, the calibration and the CP step model: the per-rank compute of
-:meth:`flashcp.sim.cost_model.PlanCost.attention_us` (attention kernels; for a ring layout also
+:meth:`flashcp.sim.cost.PlanCost.attention_us` (attention kernels; for a ring layout also
 its merges and gradient accumulations, as its implementation issues them between kernels).
 Layouts of a packed sequence over ``cp_size`` ranks:
 
@@ -40,13 +40,13 @@ FIG3_SHAPE = AttnShape(num_heads=32, num_kv_heads=32, head_dim=128)
 
 
 def fig3_cost(hw: HardwareProfile, doc_lens, layout: str, cp_size: int = 8):
-    """The :class:`~flashcp.sim.cost_model.PlanCost` of a Fig. 3 layout.
+    """The :class:`~flashcp.sim.cost.PlanCost` of a Fig. 3 layout.
 
     Raises:
         ValueError: unknown layout, or lengths the layout's planner rejects.
     """
     from flashcp.registry import make_plan_for
-    from flashcp.sim.cost_model import PlanCost
+    from flashcp.sim.cost import PlanCost
     from flashcp.sim.impl import impl_plan
 
     d = np.asarray(doc_lens, dtype=np.int64)

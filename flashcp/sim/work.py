@@ -1,6 +1,6 @@
 """The work the simulator prices, item by item: :func:`work_account`.
 
-The step model (:mod:`flashcp.sim.cost_model`) turns a plan into time as *work x unit costs*:
+The step model (:mod:`flashcp.sim.cost`) turns a plan into time as *work x unit costs*:
 kernel calls over tile counts, memory-bound ops (launches and bytes), host dispatches, collective
 and point-to-point calls and bytes. This module reads the work back out of the model itself, so
 that it can be held against what an op really issues
@@ -18,7 +18,7 @@ profiles, copies of the given one whose unit costs are 0 or 1 (:func:`probe_prof
 * ``collective_latency_us = 1``: collective terms count their calls.
 
 Where the model keeps per-rank, per-step arrays (the ring family's
-:meth:`~flashcp.sim.cost_model.PlanCost.ring_terms`), the account keeps them; where it keeps
+:meth:`~flashcp.sim.cost.PlanCost.ring_terms`), the account keeps them; where it keeps
 only the slowest rank's value (the all-gather and all-to-all phases), the account holds that
 value (``rank_max``). Tile statistics and query / key rows are the model's own
 (:class:`~flashcp.sim.kernel.TileStats` of the plan). Communication bytes are
@@ -75,7 +75,7 @@ def probe_profile(hw: HardwareProfile, **unit) -> HardwareProfile:
 
 @dataclass
 class WorkAccount:
-    """The work :class:`~flashcp.sim.cost_model.PlanCost` prices for one plan, shape and mode.
+    """The work :class:`~flashcp.sim.cost.PlanCost` prices for one plan, shape and mode.
 
     Attributes:
         method, impl, mode: what was priced; cp_size: N.
@@ -228,14 +228,15 @@ def work_account(
             do not matter (they are replaced by probes).
         impl: ``ours`` or ``ring_flash_attn`` (:mod:`flashcp.sim.impl`).
         comm_kind: default ``COMM_KIND[plan.method]``.
-        keep_gathered_kv: the all-gather op's option (:class:`~flashcp.sim.cost_model.PlanCost`).
+        keep_gathered_kv: the all-gather op's option (:class:`~flashcp.sim.cost.PlanCost`).
     Returns:
         a :class:`WorkAccount` (its attributes say what each entry counts).
     Raises:
-        ValueError: as :func:`flashcp.sim.cost_model.simulate`, or ``impl="ring_flash_attn"``
+        ValueError: as :func:`flashcp.sim.cost.simulate`, or ``impl="ring_flash_attn"``
             for a method it runs with all-gathers (``llama3``).
     """
-    from flashcp.sim.cost_model import PlanCost, _check_comm_kind
+    from flashcp.sim.cost import PlanCost
+    from flashcp.sim.cost.units import _check_comm_kind
 
     check_mode(mode)
     hw = load_hardware(hw)

@@ -1,6 +1,6 @@
 """``flashcp advise`` (:mod:`flashcp.cli.advise`): its table, its breakdown of the step time, and its
 one-line errors; and the cost model's per-rank attention account it reads
-(:func:`flashcp.sim.cost_model.attention_balance`)."""
+(:func:`flashcp.sim.cost.attention_balance`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from flashcp.cli import main
 from flashcp.cli.advise import HOST_CONSTANTS, PARTS, TABLE_COLUMNS, advise
 from flashcp.comm import AttnShape
 from flashcp.registry import get_planner, method_names
-from flashcp.sim.cost_model import PlanBatch, attention_balance, price_plans
+from flashcp.sim.cost import PlanBatch, attention_balance, price_plans
 from flashcp.sim.hardware import load_hardware
 
 CONTEXT = 16384

@@ -92,7 +92,7 @@ def test_data_variants_are_sampled_as_flashcp_run_samples(tmp_path):
     from flashcp.comm import AttnShape
     from flashcp.data import sample_dataset
     from flashcp.registry import COMM_KIND, get_planner
-    from flashcp.sim.cost_model import PlanCost
+    from flashcp.sim.cost import PlanCost
 
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(x) for x in (300, 5000, 12000, 700, 2500, 40000)) + "\n")

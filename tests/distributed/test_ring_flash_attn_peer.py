@@ -60,7 +60,7 @@ from flashcp.comm import AttnShape, comm_volume
 from flashcp.executors.work_trace import RankTrace, trace_account
 from flashcp.ops.reference import reference_attention
 from flashcp.ops.sharding import global_rows
-from flashcp.sim.cost_model import PlanCost
+from flashcp.sim.cost import PlanCost
 from flashcp.sim.hardware import load_hardware
 from flashcp.sim.impl import RFA_HEADS_K_STRIDE, impl_plan
 from flashcp.sim.work import work_account

@@ -17,7 +17,7 @@ from flashcp.ops.reference import reference_attention
 from flashcp.registry import make_plan_for, method_names
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim import load_hardware, simulate
-from flashcp.sim.cost_model import price_plans
+from flashcp.sim.cost import price_plans
 
 METHODS = method_names(fast=True)
 #: a 1-token and a zero-length document among others

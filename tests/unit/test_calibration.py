@@ -15,7 +15,7 @@ from flashcp.comm import AttnShape
 from flashcp.registry import make_plan_for
 from flashcp.sim import load_hardware, simulate
 from flashcp.sim.calibration import CalibTarget, fit_constants, public_targets
-from flashcp.sim.cost_model import PlanCost, overlap_us
+from flashcp.sim.cost import PlanCost, overlap_us
 from flashcp.sim.hardware import fitted_path, read_fitted
 from flashcp.sim.impl import impl_plan
 

@@ -10,7 +10,7 @@ import pytest
 
 from flashcp.comm import AttnShape
 from flashcp.registry import make_plan_for
-from flashcp.sim.cost_model import price_plans, simulate
+from flashcp.sim.cost import price_plans, simulate
 from flashcp.sim.hardware import _interp_loglog, load_hardware
 
 VALUES = np.array([0.0, -3.0, 1.0, 5e3, 2.7e5, 2.68435456e8, 1e9, 1e12])

@@ -12,7 +12,7 @@ import pytest
 from flashcp.comm import AttnShape
 from flashcp.registry import make_plan_for
 from flashcp.sim import load_hardware, simulate
-from flashcp.sim.cost_model import price_plans
+from flashcp.sim.cost import price_plans
 from flashcp.sim.hardware import list_hardware, read_profile
 
 LENS = [9000, 300, 20000, 3468]  # C = 32768

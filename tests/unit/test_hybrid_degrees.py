@@ -21,7 +21,7 @@ from flashcp.executors.emulate import emulate_ranks
 from flashcp.registry import COMM_KIND, make_plan_for
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim import load_hardware, simulate
-from flashcp.sim.cost_model import price_plans
+from flashcp.sim.cost import price_plans
 
 METHODS = ("usp", "flashcp_ulysses")
 INNER = {"usp": "zigzag", "flashcp_ulysses": "flashcp"}

@@ -17,7 +17,7 @@ from flashcp.comm import AttnShape
 from flashcp.data.files import read_lengths_file
 from flashcp.plan import MAX_TOKENS
 from flashcp.registry import get_planner
-from flashcp.sim.cost_model import price_plans, simulate, simulate_many
+from flashcp.sim.cost import price_plans, simulate, simulate_many
 from flashcp.sim.kernel import attention_kernel_ms
 
 DOCS = [3000, 5000, 192, 8192]

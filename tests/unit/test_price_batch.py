@@ -1,4 +1,4 @@
-"""Batched pricing (flashcp.sim.cost_model.price_plans) against the per-plan step model."""
+"""Batched pricing (flashcp.sim.cost.price_plans) against the per-plan step model."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from flashcp.comm import AttnShape
 from flashcp.registry import make_plan_for, method_names
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim import load_hardware, simulate
-from flashcp.sim.cost_model import price_plans
+from flashcp.sim.cost import price_plans
 from flashcp.sim.impl import impl_plan
 
 HWS = [load_hardware("h100_sxm"), load_hardware("a100_sxm")]
@@ -198,7 +198,7 @@ KERNEL_METHODS = ["per_doc", "zigzag", "ring", "llama3", "flashcp", "usp", "flas
 
 def _batches(plans):
     """The PlanBatch a plan group is priced from (the hybrids': their group plans)."""
-    from flashcp.sim.cost_model import PlanBatch
+    from flashcp.sim.cost import PlanBatch
 
     if plans[0].ulysses_degree > 1:
         inner = "zigzag" if plans[0].method == "usp" else "flashcp"
@@ -215,12 +215,12 @@ def _flat(stats) -> list[np.ndarray]:
 @pytest.mark.parametrize("method", KERNEL_METHODS)
 @pytest.mark.parametrize("cp_size", [2, 4, 8, 16])
 def test_price_kernels_equal_reference(method, cp_size, monkeypatch):
-    """The compiled tile statistics (flashcp.sim.price_kernels) equal the NumPy reference's
+    """The compiled tile statistics (flashcp.sim.cost.kernels) equal the NumPy reference's
     exactly: the per-rank sums, every ring statistic and gather mask, every all-gather statistic
     (pad included)."""
     pytest.importorskip("numba")
     from flashcp import compiled
-    from flashcp.sim.cost_model import PlanBatch
+    from flashcp.sim.cost import PlanBatch
 
     monkeypatch.setenv("FLASHCP_COMPILED", "1")
     assert compiled.load("price") is not None
@@ -259,18 +259,14 @@ def test_price_plans_equals_per_plan_compiled(compiled_mode, cp_size, monkeypatc
 @pytest.mark.parametrize("impl", ["ours", "ring_flash_attn"])
 @pytest.mark.parametrize("cp_size", [1, 2, 8, 16])
 def test_ring_pass_kernel_bitwise(impl, cp_size, monkeypatch):
-    """The compiled ring pass (flashcp.sim.price_kernels.ring_pass) and the op's per-step
+    """The compiled ring pass (flashcp.sim.cost.kernels.ring_pass) and the op's per-step
     formulas (ring_compute_ours; ring-flash-attn's stay in NumPy) return NumPy's numbers to the
     bit: the pass's sums over the steps follow NumPy's pairwise order (every ring method, both
     impls, with the host idling after stream syncs where ring-flash-attn has them)."""
     pytest.importorskip("numba")
     from flashcp import compiled
-    from flashcp.sim.cost_model import (
-        PlanBatch,
-        _ring_compute,
-        _ring_pass_compiled,
-        _stack_from_arrays,
-    )
+    from flashcp.sim.cost import PlanBatch
+    from flashcp.sim.cost.ring import _ring_compute, _ring_pass_compiled, _stack_from_arrays
     from flashcp.sim.impl import impl_ops
 
     monkeypatch.setenv("FLASHCP_COMPILED", "1")
@@ -320,8 +316,8 @@ def test_price_plans_compiled_bitwise(cp_size, monkeypatch):
 def test_price_plans_in_memory_chunks_equal_one_batch(monkeypatch):
     """A ring-family group larger than PRICE_BATCH_BYTES is priced in chunks of plans with the
     same numbers, to the bit, as in one batch (a PlanBatch given or not; attention_balance too)."""
-    from flashcp.sim import cost_model
-    from flashcp.sim.cost_model import PlanBatch, attention_balance, ring_price_bytes
+    from flashcp.sim.cost import PlanBatch, attention_balance, ring_price_bytes
+    from flashcp.sim.cost import batch as cost_model
 
     plans = [
         *_plans("zigzag", 4, 4, seed=3), *_plans("ring", 4, 3, seed=4),
@@ -346,7 +342,7 @@ def test_price_plans_in_memory_chunks_equal_one_batch(monkeypatch):
 def test_price_plans_refuses_a_plan_too_large_for_memory(monkeypatch):
     """A ring-family plan whose statistics alone would take more than half the machine's memory
     is a ValueError naming its size, before any plan is priced (it was killed for memory)."""
-    from flashcp.sim import cost_model
+    from flashcp.sim.cost import batch as cost_model
 
     plans = _plans("zigzag", 8, 1, seed=7)
     need = cost_model.ring_price_bytes(plans[0])

@@ -218,7 +218,7 @@ def _bwd_gathers(meta, s, calls, r):
 
 def _d_row_gathers(ctx, phase):
     """The op's row gathers per call (index rows only; a contiguous row range is a view) less the
-    model's per step (:func:`flashcp.sim.cost_model._gather_masks`: one run of visible shards
+    model's per step (:func:`flashcp.sim.cost.ring._gather_masks`: one run of visible shards
     is a slice), on the split entries only."""
     _, part_q, _ = _inner_masks(ctx)
     q_gather, k_gather = ctx.gathers
@@ -379,7 +379,7 @@ def _ctx(method, plan, shape, acc) -> Ctx:
     masks = None
     steps = 1
     if fam in ("ring", "usp"):
-        from flashcp.sim.cost_model import PlanCost
+        from flashcp.sim.cost import PlanCost
 
         cost = PlanCost(plan, HW, "p2p_ring")
         cost = cost.inner if cost.inner is not None else cost

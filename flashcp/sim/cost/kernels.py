@@ -1,5 +1,5 @@
-"""numba kernels of the batched step model (:class:`flashcp.sim.cost_model.PlanBatch`,
-:func:`flashcp.sim.cost_model.price_plans`; :mod:`flashcp.compiled` says when they are used):
+"""numba kernels of the batched step model (:class:`flashcp.sim.cost.PlanBatch`,
+:func:`flashcp.sim.cost.price_plans`; :mod:`flashcp.compiled` says when they are used):
 every plan's per-rank sums and tile statistics in one pass over its shards (:func:`batch_sums`,
 :func:`allgather_stats`, :func:`ring_stats`), and the phase formulas that run on every (plan,
 step, rank): the project's ring op per step (:func:`ring_compute_ours`), a ring pass
@@ -7,7 +7,7 @@ step, rank): the project's ring op per step (:func:`ring_compute_ours`), a ring 
 
 Each kernel computes exactly what the NumPy code it stands in for computes (the reference:
 :class:`PlanBatch`'s ``_ring_stats_reference`` and ``allgather``, :func:`flashcp.sim.kernel`'s
-tile counts, :class:`~flashcp.sim.cost_model.PlanCost`'s ring methods and ``_allgather_phases``):
+tile counts, :class:`~flashcp.sim.cost.PlanCost`'s ring methods and ``_allgather_phases``):
 tile counts as exact integers (equal to the float64 closed forms for lengths below 2**40), sums
 and maxima of integers below 2**53 (exact in any order), the phase formulas as the same float64
 operations in the same order, sums over ring steps in NumPy's pairwise order; so the numbers are
@@ -93,7 +93,7 @@ def _bwd(q, k, bq, bk, sq, sk, rho):
 @njit(cache=True)
 def batch_sums(s, n, off, doc_off, rank, doc, start, length, doc_lens):
     """Every plan's tokens per rank, its non-last shards' tokens per rank and its document
-    tokens (:class:`flashcp.sim.cost_model.PlanBatch`'s ``q_rows``, ``send_rows`` and
+    tokens (:class:`flashcp.sim.cost.PlanBatch`'s ``q_rows``, ``send_rows`` and
     ``context_len`` less pad).
 
     Args:
@@ -226,7 +226,7 @@ def _allgather_stats_pow2(s, n, off, rank, start, length, sfq, sfk, sbq, sbk):
 
 @njit(cache=True)
 def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
-    """Every plan's ring steps (:meth:`flashcp.sim.cost_model.PlanBatch.ring`): step 0 one causal
+    """Every plan's ring steps (:meth:`flashcp.sim.cost.PlanBatch.ring`): step 0 one causal
     segment per (rank, document) over the rank's own tokens; step t >= 1 one full rectangle per
     (rank r, document) of r's shards that follow a shard of the source rank (r - t) mod N against
     the source's shards that precede one of r's; a step gathers its query (key) rows by index
@@ -425,7 +425,7 @@ def _pairwise_sum(a):
 
 @njit(cache=True)
 def ring_pass(attn, other, host, idle, hop_us, tail_us, phi, slowdown):
-    """:meth:`flashcp.sim.cost_model.PlanCost._ring_pass` of S stacked plans: the same float64
+    """:meth:`flashcp.sim.cost.PlanCost._ring_pass` of S stacked plans: the same float64
     operations in the same order, NumPy's summation order over the steps (equal to the bit).
 
     Args:
@@ -479,7 +479,7 @@ def allgather_ranks(
     local, kv_rows, send_max, rows, hg, groups, qh, ag, rs, coll_host, fwd, bwd, train, d, e, c,
     keep=False,
 ):  # fmt: skip
-    """The per-rank part of :func:`flashcp.sim.cost_model._allgather_phases` (the project's
+    """The per-rank part of :func:`flashcp.sim.cost.allgather._allgather_phases` (the project's
     all-gather op) for S plans: the same float64 operations in the same order, so the same
     numbers to the bit (a maximum over ranks is exact in any order).
 
@@ -568,7 +568,7 @@ def allgather_ranks(
 def ring_compute_ours(
     q_rows, kv_rows, stats, q_gather, k_gather, local_tokens, cut_ok, backward, h, hkv, d, e, c
 ):
-    """:meth:`flashcp.sim.cost_model.PlanCost._ring_fwd_compute` (``backward`` False) or
+    """:meth:`flashcp.sim.cost.PlanCost._ring_fwd_compute` (``backward`` False) or
     ``_ring_bwd_compute`` of S stacked plans for the project's ring op (``impl="ours"``, its
     ImplOps: no per-document host loop, no stream syncs, no views of halves, no indexed
     accumulation): the same float64 operations in the same order, so the same numbers to the bit.

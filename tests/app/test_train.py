@@ -17,6 +17,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+
+pytest.importorskip(
+    "hydra", reason="flashcp-train is a Hydra app (the GPU machine's image has none)"
+)
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 

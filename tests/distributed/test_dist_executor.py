@@ -99,6 +99,7 @@ def _one_rank_raises(rank, n):
 
     from flashcp.executors.dist import abort_group_on_error
 
+    dist.barrier()  # every rank's gloo mesh is up: rank 2 fails in the step, not during the setup
     t0 = time.monotonic()
     try:
         with abort_group_on_error(None, "step"):

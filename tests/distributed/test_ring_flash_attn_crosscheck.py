@@ -35,6 +35,7 @@ import traceback
 import numpy as np
 import pytest
 import torch
+from standins.ring_flash_attn_peer import peer_rows
 
 from flashcp.ops import get_attn_op
 from flashcp.ops.backends import get_backend
@@ -144,22 +145,6 @@ def _run_threads(n: int, fn) -> list:
     return results
 
 
-def _upstream_rows(method: str, doc_lens, n: int, rank: int) -> np.ndarray:
-    """Packed positions of the package's local tokens: per document, chunk r of N (ring) or
-    chunks r and 2N-1-r of 2N (zigzag)."""
-    rows, start = [], 0
-    for d in doc_lens:
-        if method == "ring":
-            c = d // n
-            rows.append(np.arange(start + rank * c, start + (rank + 1) * c))
-        else:
-            c = d // (2 * n)
-            for j in (rank, 2 * n - 1 - rank):
-                rows.append(np.arange(start + j * c, start + (j + 1) * c))
-        start += d
-    return np.concatenate(rows)
-
-
 def crosscheck(method: str, n: int, doc_lens, device, backend: str, upstream) -> dict:
     """Run ours and the package's ``method`` on n thread-ranks; return max errors vs float64.
 
@@ -199,7 +184,7 @@ def crosscheck(method: str, n: int, doc_lens, device, backend: str, upstream) ->
                 dl, ql, kl, vl, out, lse, meta, comm, be, scale, NullTimer(), torch.float32
             ),
         )
-        rows = torch.from_numpy(_upstream_rows(method, doc_lens, n, r)).to(device)
+        rows = torch.from_numpy(peer_rows(method, doc_lens, n, r)).to(device)
         qu, ku, vu, du = (x.index_select(0, rows).contiguous() for x in (q, k, v, dout))
         if method == "ring":
             o, lse_u = upstream.ring_flash_attn_varlen_forward(

@@ -58,6 +58,7 @@ from flashcp.ops.collectives import (
     resolve_grad_comm_dtype,
     resolve_group,
 )
+from flashcp.ops.meta_index import allgather_index
 from flashcp.ops.timing import as_timer
 from flashcp.plan import Plan, cu_seqlens
 
@@ -174,7 +175,41 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
     if (tok != tok[0]).any():
         raise ValueError(f"every rank must hold the same number of tokens, got {tok.tolist()}")
     t = int(tok[0])
+    index = allgather_index(plan, rank, sharding_aware)  # from the shards: the same arrays
+    if index is None:  # shards that do not tile the documents: the token-level reference
+        index = allgather_index_reference(plan, rank, sharding_aware)
+    send_max, send_rows, kv_index = index
+    _, start, ln = plan.rank_shards(rank)
+    klen = start + ln
+    r_tok = int(plan.doc_tokens_per_rank[rank])
+    return AllGatherMeta(
+        method=method,
+        plan=plan,
+        rank=rank,
+        cp_size=n,
+        tokens=t,
+        doc_tokens=r_tok,
+        send_max=send_max,
+        send_rows=torch.from_numpy(send_rows),
+        kv_index=torch.from_numpy(kv_index),
+        cu_seqlens_q=cu_seqlens(ln, device="cpu"),
+        cu_seqlens_k=cu_seqlens(klen, device="cpu"),
+        max_seqlen_q=int(ln.max()) if ln.size else 0,
+        max_seqlen_k=int(klen.max()) if klen.size else 0,
+    )
 
+
+def allgather_index_reference(
+    plan: Plan, rank: int, sharding_aware: bool
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(send_max, send_rows, kv_index)`` of :class:`AllGatherMeta` token by token (the readable
+    reference of :func:`flashcp.ops.meta_index.allgather_index`, which gives the same arrays from
+    the shards).
+
+    Raises:
+        ValueError: a needed key is held by another rank but not sent.
+    """
+    n = plan.cp_size
     # token-level view of the document tokens: shards are sorted by rank then local order, so the
     # concatenation of every shard holds rank r's document rows at real_off[r] .. real_off[r + 1]
     real = plan.doc_tokens_per_rank  # (N,)
@@ -211,21 +246,7 @@ def build_allgather_meta(plan: Plan, rank: int, method: str, sharding_aware: boo
 
     mine = slice(int(real_off[rank]), int(real_off[rank]) + r_tok)
     send_rows = np.flatnonzero(sends[mine])
-    return AllGatherMeta(
-        method=method,
-        plan=plan,
-        rank=rank,
-        cp_size=n,
-        tokens=t,
-        doc_tokens=r_tok,
-        send_max=send_max,
-        send_rows=torch.from_numpy(send_rows.astype(np.int64)),
-        kv_index=torch.from_numpy(kv_index.astype(np.int64)),
-        cu_seqlens_q=cu_seqlens(ln, device="cpu"),
-        cu_seqlens_k=cu_seqlens(klen, device="cpu"),
-        max_seqlen_q=int(ln.max()) if ln.size else 0,
-        max_seqlen_k=int(klen.max()) if klen.size else 0,
-    )
+    return send_max, send_rows.astype(np.int64), kv_index.astype(np.int64)
 
 
 def resolve_backend(backend, device, *, dtype=None, head_dim=None) -> VarlenBackend:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from flashcp.ops.collectives import check_same_plan
+from flashcp.ops.meta_index import ranges as row_ranges
 from flashcp.plan import Plan, cu_seqlens, shard_workload
 
 __all__ = ["BlockCall", "RingMeta", "Rows", "prepare_ring_meta"]
@@ -155,16 +156,16 @@ def _shard_segments(local, block, same_rank: bool) -> list[list[tuple]]:
     """Segments ``(q0, q1, k0, k1, causal)`` of each local query shard against one KV block.
 
     Args:
-        local, block: ``(doc, start, length, offset)`` arrays of the query rank's shards and of
+        local, block: ``(doc, start, length, offset)`` lists of the query rank's shards and of
             the block owner's shards (offset = first row in the rank's buffer).
         same_rank: the block is the query rank's own (step 0): a shard meets itself causally.
     """
     by_doc: dict[int, list[int]] = {}
-    for j, d in enumerate(block[0].tolist()):
+    for j, d in enumerate(block[0]):
         by_doc.setdefault(d, []).append(j)
-    _, ks, kl, ko = (a.tolist() for a in block)
+    _, ks, kl, ko = block
     out = []
-    for i, (d, qs, ql, qo) in enumerate(zip(*(a.tolist() for a in local), strict=True)):
+    for i, (d, qs, ql, qo) in enumerate(zip(*local, strict=True)):
         runs: list[list] = []  # [k0, k1, causal]
         for j in by_doc.get(d, ()):
             if same_rank and j == i:
@@ -206,10 +207,13 @@ def _fuse(per_shard: list[list[tuple]]) -> list[tuple]:
 
 
 def _rows(ranges: list[tuple[int, int]]) -> Rows:
-    """A slice when the ranges are back to back, else the (sum of lengths,) int64 row index."""
+    """A slice when the ranges are back to back, else the (sum of lengths,) int64 row index
+    (``torch.cat`` of each range's ``arange``, written at once by
+    :func:`flashcp.ops.meta_index.ranges`)."""
     if all(b[0] == a[1] for a, b in itertools.pairwise(ranges)):
         return slice(ranges[0][0], ranges[-1][1])
-    return torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges])
+    begin, end = np.array(ranges, dtype=np.int64).T
+    return torch.from_numpy(row_ranges(begin, end - begin))
 
 
 def _calls(segs: list[tuple]) -> tuple[BlockCall, ...]:
@@ -269,7 +273,7 @@ def prepare_ring_meta(plan: Plan, rank: int, method: str) -> RingMeta:
     shards = []
     for r in range(n):
         d, s, ln = plan.rank_shards(r)
-        shards.append((d, s, ln, cu_seqlens(ln)[:-1]))
+        shards.append(tuple(a.tolist() for a in (d, s, ln, cu_seqlens(ln)[:-1])))
     steps = []
     for s in range(n):
         src = (rank - s) % n

@@ -1,0 +1,100 @@
+"""The shard-level index metadata (flashcp.ops.meta_index) equals the readable token-level code:
+the all-gather family's send rows and key index on random plans of every method (pad, 1-token and
+zero-length documents included), for every rank and both all-gather variants; the ring family's
+row index; and a plan whose shards do not tile its documents falls back to the reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashcp.ops.allgather_attn import allgather_index_reference, build_allgather_meta
+from flashcp.ops.meta_index import allgather_index, ranges, tiles_documents
+from flashcp.ops.ring_meta import _rows
+from flashcp.plan import make_plan
+from flashcp.registry import make_plan_for, method_names
+
+METHODS = [m for m in method_names() if m != "ilp"]  # ilp: the flashcp layout, solved slowly
+
+
+def _random_plans(method: str, count: int, seed: int):
+    """``count`` plans of ``method`` on random batches: 1-12 documents, about a fifth of them
+    zero-length and a fifth one token long, 0-20 pad tokens beyond what the layout needs."""
+    rng = np.random.default_rng(seed)
+    plans = []
+    while len(plans) < count:
+        n = int(rng.choice([2, 4, 8]))
+        kind = rng.random(int(rng.integers(1, 13)))
+        lens = np.where(kind < 0.2, 0, np.where(kind < 0.4, 1, rng.integers(2, 300, kind.size)))
+        if lens.sum() == 0:
+            continue
+        total = int(lens.sum())
+        pad = (-total) % (2 * n) + 2 * n * int(rng.integers(0, 3))
+        plans.append(make_plan_for(method, lens.tolist(), n, num_pad=pad))
+    return plans
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_allgather_index_equals_the_token_level_reference(method):
+    """Every rank of 25 random plans (and of their head-parallel group plans), sent shards only
+    and every row: the same send_max, send_rows and kv_index, int64."""
+    checked = 0
+    for plan in _random_plans(method, 25, seed=sum(map(ord, method))):
+        for p in {id(plan): plan, id(g := plan.group_plan()): g}.values():
+            assert tiles_documents(p)
+            for rank in range(p.cp_size):
+                for aware in (True, False):
+                    fast = allgather_index(p, rank, aware)
+                    ref = allgather_index_reference(p, rank, aware)
+                    assert fast[0] == ref[0]
+                    for a, b in zip(fast[1:], ref[1:], strict=True):
+                        assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b)
+                    checked += 1
+    assert checked >= 25 * 2 * 2
+
+
+def test_allgather_meta_of_the_fast_path_runs_the_same_keys():
+    """build_allgather_meta (fast path) against the reference arrays on a batch with pad, a
+    1-token and a zero-length document."""
+    plan = make_plan_for("flashcp", [16, 0, 16, 1, 24, 0], 4, num_pad=7 + 8)
+    for rank in range(4):
+        meta = build_allgather_meta(plan, rank, "flashcp", sharding_aware=True)
+        send_max, send_rows, kv_index = allgather_index_reference(plan, rank, True)
+        assert meta.send_max == send_max
+        assert torch.equal(meta.send_rows, torch.from_numpy(send_rows))
+        assert torch.equal(meta.kv_index, torch.from_numpy(kv_index))
+
+
+def test_a_plan_whose_shards_do_not_tile_falls_back_to_the_reference():
+    """Shards that overlap (token 2 of document 0 held twice) or leave a gap: no shard-level
+    index, so build_allgather_meta runs the token-level reference."""
+    lens = np.array([4, 4])
+    overlap = make_plan(
+        "llama3", 2, lens, np.array([0, 1, 1]), np.array([0, 0, 1]), np.array([0, 2, 0]),
+        np.array([3, 2, 4]), validate=False,
+    )  # fmt: skip
+    gap = make_plan(
+        "llama3", 2, lens, np.array([0, 1]), np.array([0, 1]), np.array([0, 0]),
+        np.array([3, 4]), validate=False,
+    )  # fmt: skip
+    good = make_plan_for("llama3", lens.tolist(), 2)
+    assert tiles_documents(good) and allgather_index(good, 0, False) is not None
+    for plan in (overlap, gap):
+        assert not tiles_documents(plan) and allgather_index(plan, 0, False) is None
+
+
+def test_ranges_and_ring_rows_equal_the_concatenated_aranges():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        begin = rng.integers(0, 1000, int(rng.integers(1, 8)))
+        length = rng.integers(0, 50, begin.size)
+        want = torch.cat(
+            [torch.arange(b, b + n, dtype=torch.int64) for b, n in zip(begin, length, strict=True)]
+        )
+        assert torch.equal(torch.from_numpy(ranges(begin, length)), want)
+        rows = _rows(list(zip(begin.tolist(), (begin + length).tolist(), strict=True)))
+        if isinstance(rows, slice):
+            assert torch.equal(torch.arange(rows.start, rows.stop), want)
+        else:
+            assert rows.dtype == torch.int64 and torch.equal(rows, want)

@@ -18,8 +18,8 @@ import torch
 
 from flashcp.ops import get_attn_op
 from flashcp.ops.collectives import group_rank, group_size, plan_on_one_rank, resolve_group
-from flashcp.ops.sharding import position_ids, shard_tensor
-from flashcp.plan import Plan, check_doc_lens
+from flashcp.ops.sharding import global_rows, position_ids, shard_tensor
+from flashcp.plan import Plan, check_doc_lens, cu_seqlens
 from flashcp.registry import make_plan_for
 
 __all__ = [
@@ -162,15 +162,32 @@ def shard_batch(
     rank = int(rank)
     prepare, _ = get_attn_op(plan.method)
     meta = prepare(plan, rank)
-    labels = shift_labels(input_ids, lens, ignore_index=ignore_index)
     return RankBatch(
         input_ids=shard_tensor(input_ids, plan, rank),
-        labels=shard_tensor(labels, plan, rank),
+        labels=_rank_labels(input_ids, plan, rank, ignore_index),
         positions=position_ids(plan, rank).to(input_ids.device),
         meta=meta,
         plan=plan,
         rank=rank,
     )
+
+
+def _rank_labels(input_ids: torch.Tensor, plan: Plan, rank: int, ignore_index: int) -> torch.Tensor:
+    """``shard_tensor(shift_labels(input_ids, plan.doc_lens), plan, rank)`` without shifting the
+    whole batch: a local row's label is the next packed token, except on the last row of a shard
+    that ends its document and on pad rows (``ignore_index``).
+
+    Returns:
+        (C / N,) int64 on ``input_ids``' device.
+    """
+    rows = global_rows(plan, rank)
+    doc, start, length = plan.rank_shards(rank)
+    ignore = np.zeros(rows.size, dtype=bool)
+    ignore[(cu_seqlens(length)[1:] - 1)[start + length == plan.doc_lens[doc]]] = True
+    ignore[int(length.sum()) :] = True  # pad rows
+    nxt = np.where(ignore, 0, rows + 1)
+    labels = input_ids.index_select(0, torch.from_numpy(nxt).to(input_ids.device))
+    return labels.masked_fill_(torch.from_numpy(ignore).to(input_ids.device), ignore_index)
 
 
 def plan_and_shard(

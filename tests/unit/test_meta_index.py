@@ -1,7 +1,8 @@
 """The shard-level index metadata (flashcp.ops.meta_index) equals the readable token-level code:
 the all-gather family's send rows and key index on random plans of every method (pad, 1-token and
 zero-length documents included), for every rank and both all-gather variants; the ring family's
-row index; and a plan whose shards do not tile its documents falls back to the reference."""
+row index; a plan whose shards do not tile its documents falls back to the reference; and a
+rank's labels (flashcp.training.shard_batch) are its shard of the whole batch's shifted labels."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import torch
 from flashcp.ops.allgather_attn import allgather_index_reference, build_allgather_meta
 from flashcp.ops.meta_index import allgather_index, ranges, tiles_documents
 from flashcp.ops.ring_meta import _rows
+from flashcp.ops.sharding import shard_tensor
 from flashcp.plan import make_plan
 from flashcp.registry import make_plan_for, method_names
+from flashcp.training import shard_batch, shift_labels
 
 METHODS = [m for m in method_names() if m != "ilp"]  # ilp: the flashcp layout, solved slowly
 
@@ -98,3 +101,16 @@ def test_ranges_and_ring_rows_equal_the_concatenated_aranges():
             assert torch.equal(torch.arange(rows.start, rows.stop), want)
         else:
             assert rows.dtype == torch.int64 and torch.equal(rows, want)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_rank_labels_are_the_shard_of_the_shifted_batch(method):
+    """shard_batch shifts only its rank's rows: the same labels as shifting the whole batch and
+    sharding it, on 10 random plans (every rank)."""
+    for plan in _random_plans(method, 10, seed=1 + sum(map(ord, method))):
+        lens = plan.doc_lens.tolist()
+        ids = torch.randperm(plan.context_len, generator=torch.Generator().manual_seed(0)) + 5
+        want = shift_labels(ids, lens)
+        for rank in range(plan.cp_size):
+            got = shard_batch(ids, lens, plan, rank).labels
+            assert got.dtype == torch.int64 and torch.equal(got, shard_tensor(want, plan, rank))

@@ -204,6 +204,7 @@ def test_broken_variants_fail_the_parity_check(n, variant):
         assert all(e["per_token"] > 1e-3 for (m, _, v), e in errs.items() if v == variant)
 
 
+@pytest.mark.slow  # the float64 parity at n = 2 runs the same steps in the fast loop
 def test_float32_matches_one_device():
     """float32 (the cpu kernels, float32 sums): every method at CP 2 within TOL32."""
     errs = _launch(2, (torch.float32,), ("ok",), METHODS)

@@ -43,6 +43,8 @@ def test_scrub_rewrites_the_machine_paths_only(tmp_path):
     assert not scrub_machine_paths(tmp_path / "missing.yaml")
 
 
+@pytest.mark.slow  # a whole flashcp-run sweep in a subprocess (the app tier's kind of test);
+# test_scrub_rewrites_the_machine_paths_only covers the scrub in the fast loop
 def test_a_sweep_run_from_elsewhere_records_no_machine_path(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(

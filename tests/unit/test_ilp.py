@@ -90,7 +90,7 @@ def test_ilp_optimum_equals_brute_force(doc_lens, n, block, weight, cap, solver,
     assert plan.info["gap"] == pytest.approx(0.0, abs=1e-6)
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", [0, 1, pytest.param(2, marks=pytest.mark.slow)])
 def test_formulations_agree_on_random_instances(seed):
     rng = np.random.default_rng(seed)
     d = rng.integers(1, 40, size=int(rng.integers(4, 8)))
@@ -360,6 +360,7 @@ def test_registry_knows_the_new_planners():
     assert plan.method == "ilp"
 
 
+@pytest.mark.slow  # run_table2 end to end; tests/app's table2 tests run it too
 def test_run_table2_smoke(tmp_path):
     pytest.importorskip("flashcp.data")
     import pandas as pd

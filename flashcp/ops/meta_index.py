@@ -107,3 +107,104 @@ def allgather_index(
     if (~own[shard] & ~sends[shard]).any():
         raise ValueError("plan inconsistency: a needed key is held by another rank but not sent")
     return send_max, send_rows, ranges(base[shard], ln[shard])
+
+
+def ring_segments(
+    local: tuple[np.ndarray, ...], blocks: list[tuple[np.ndarray, ...]]
+) -> tuple[np.ndarray, ...]:
+    """The fused segments ``(step, q0, q1, k0, k1, causal)`` of every ring step at once, as
+    arrays: for step s what ``_fuse(_shard_segments(local, blocks[s], same_rank=s == 0))`` of
+    :mod:`flashcp.ops.ring_meta` lists, steps one after another.
+
+    The pairs (query shard i, key shard j of its document in the step's block, in block order)
+    that see each other (j = i on the rank's own block, step 0: causal; j ending before i
+    starts: full) become runs where j's rows continue the previous full pair's; a query shard
+    with a single run then fuses into the previous shard's single segment of the same step when
+    one segment computes both (the conditions of ``_fuse``, which compare only each shard's
+    segment with the previous one's).
+
+    Args:
+        local: ``(doc, start, length, offset)`` int64 arrays of the query rank's shards (offset =
+            first row in the rank's buffer); shards non-empty.
+        blocks: the same arrays of the KV block held at each step (``blocks[0]`` is ``local``).
+    Returns:
+        step, q0, q1, k0, k1: (n_seg,) int64; causal: (n_seg,) bool; by step, in ``_fuse``'s
+        order within a step.
+    """
+    ld, ls, ll, lo = local
+    nl, ns = ld.size, len(blocks)
+    bstep = np.repeat(np.arange(ns), [b[0].size for b in blocks])
+    bj = np.concatenate([np.arange(b[0].size) for b in blocks])  # index inside its block
+    bd, bs, bl, bo = (np.concatenate([b[f] for b in blocks]) for f in range(4))
+    span = int(max(ld.max(initial=-1), bd.max(initial=-1))) + 1
+    key = bstep * span + bd
+    border = np.argsort(key, kind="stable")
+    want = (np.arange(ns)[:, None] * span + ld[None, :]).ravel()  # (step, i), step-major
+    lo_j = np.searchsorted(key[border], want, side="left")
+    cnt = np.searchsorted(key[border], want, side="right") - lo_j
+    pu = np.repeat(np.arange(ns * nl), cnt)  # step * nl + i
+    pj = border[ranges(lo_j, cnt)]
+    pstep, pi = pu // nl, pu % nl
+    causal = (pstep == 0) & (bj[pj] == pi)
+    keep = causal | (bs[pj] + bl[pj] <= ls[pi])
+    pu, pj, causal = pu[keep], pj[keep], causal[keep]
+    k0, k1 = bo[pj], bo[pj] + bl[pj]
+    if pu.size == 0:  # no pair sees another: no kernel call at any step
+        return k0, k0.copy(), k0.copy(), k0.copy(), k0.copy(), causal
+    # runs: a pair continues the run of the previous pair of its shard when the rows follow on
+    # and that pair was full
+    new = np.ones(pu.size, dtype=bool)
+    new[1:] = (pu[1:] != pu[:-1]) | (k1[:-1] != k0[1:]) | causal[:-1]
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], pu.size) - 1
+    ru, r0, r1, rc = pu[first], k0[first], k1[last], causal[last]
+    ri = ru % nl
+    q0, q1 = lo[ri], lo[ri] + ll[ri]
+    # fuse: shard i's single segment into shard i - 1's single segment of the same step
+    single = np.bincount(ru, minlength=ns * nl)[ru] == 1
+    fuse = np.zeros(ru.size, dtype=bool)
+    fuse[1:] = (
+        single[1:] & single[:-1] & (ru[:-1] == ru[1:] - 1) & (ri[1:] > 0)
+        & (q1[:-1] == q0[1:]) & (rc[:-1] == rc[1:]) & (r0[:-1] == r0[1:])
+        & np.where(
+            rc[1:],
+            (r1[1:] - r0[1:]) - (q1[1:] - q0[1:]) == r1[:-1] - r0[:-1],
+            r1[:-1] == r1[1:],
+        )
+    )  # fmt: skip
+    head = np.flatnonzero(~fuse)
+    tail = np.append(head[1:], ru.size) - 1
+    return ru[head] // nl, q0[head], q1[tail], r0[tail], r1[tail], rc[head]
+
+
+def ring_call_groups(
+    step: np.ndarray, q0: np.ndarray, causal: np.ndarray, steps: int
+) -> list[list[np.ndarray]]:
+    """The segments of each varlen kernel call of every ring step: ``_calls``'s first fit
+    (:mod:`flashcp.ops.ring_meta`) on a step's segments, which come in non-decreasing ``q0`` and
+    whose query rows are one shard's (equal ranges) or disjoint. The k-th segment of one flag on
+    the same rows goes to the k-th call of that flag (the first k are busy up to those rows' end;
+    the next is free).
+
+    Returns:
+        per step, per call in the order the calls open, the (n,) int64 positions of its
+        segments.
+    """
+    out: list[list[np.ndarray]] = [[] for _ in range(steps)]
+    if q0.size == 0:
+        return out
+    m = q0.size
+    order = np.lexsort((np.arange(m), causal, q0, step))
+    ks, kq, kc = step[order], q0[order], causal[order]
+    starts = np.ones(m, dtype=bool)
+    starts[1:] = (ks[1:] != ks[:-1]) | (kq[1:] != kq[:-1]) | (kc[1:] != kc[:-1])
+    first = np.maximum.accumulate(np.where(starts, np.arange(m), 0))
+    k = np.empty(m, dtype=np.int64)
+    k[order] = np.arange(m) - first
+    call = (step * (k.max() + 1) + k) * 2 + causal  # one call per (step, k, flag)
+    _, opened, which = np.unique(call, return_index=True, return_inverse=True)
+    members = np.argsort(which, kind="stable")
+    bounds = np.searchsorted(which[members], np.arange(opened.size + 1))
+    for g in np.argsort(opened, kind="stable"):
+        out[int(step[opened[g]])].append(members[bounds[g] : bounds[g + 1]])
+    return out

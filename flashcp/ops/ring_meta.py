@@ -28,7 +28,6 @@ these calls around the ring is :mod:`flashcp.ops.ring_attn`.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +35,7 @@ import torch
 
 from flashcp.ops.collectives import check_same_plan
 from flashcp.ops.meta_index import ranges as row_ranges
+from flashcp.ops.meta_index import ring_call_groups, ring_segments
 from flashcp.plan import Plan, cu_seqlens, shard_workload
 
 __all__ = ["BlockCall", "RingMeta", "Rows", "prepare_ring_meta"]
@@ -206,14 +206,29 @@ def _fuse(per_shard: list[list[tuple]]) -> list[tuple]:
     return segs
 
 
-def _rows(ranges: list[tuple[int, int]]) -> Rows:
-    """A slice when the ranges are back to back, else the (sum of lengths,) int64 row index
-    (``torch.cat`` of each range's ``arange``, written at once by
-    :func:`flashcp.ops.meta_index.ranges`)."""
-    if all(b[0] == a[1] for a, b in itertools.pairwise(ranges)):
-        return slice(ranges[0][0], ranges[-1][1])
-    begin, end = np.array(ranges, dtype=np.int64).T
+def _rows(begin: np.ndarray, end: np.ndarray) -> Rows:
+    """A slice when the ranges ``[begin_i, end_i)`` are back to back, else the (sum of lengths,)
+    int64 row index (each range's rows in turn, :func:`flashcp.ops.meta_index.ranges`)."""
+    if (begin[1:] == end[:-1]).all():
+        return slice(int(begin[0]), int(end[-1]))
     return torch.from_numpy(row_ranges(begin, end - begin))
+
+
+def _block_call(causal: bool, q0, q1, k0, k1) -> BlockCall:
+    """The kernel call of segments ``[q0, q1) x [k0, k1)`` ((n,) int64 each)."""
+    ql, kl = q1 - q0, k1 - k0
+    # causal segments are bottom-right aligned: prefix kl - ql, so Eq. 3 counts their pairs
+    pairs = int((shard_workload(kl - ql, ql) if causal else ql * kl).sum())
+    return BlockCall(
+        causal,
+        _rows(q0, q1),
+        _rows(k0, k1),
+        cu_seqlens(ql, device="cpu"),
+        cu_seqlens(kl, device="cpu"),
+        int(ql.max()),
+        int(kl.max()),
+        pairs,
+    )
 
 
 def _calls(segs: list[tuple]) -> tuple[BlockCall, ...]:
@@ -228,24 +243,37 @@ def _calls(segs: list[tuple]) -> tuple[BlockCall, ...]:
             groups.append([seg])
     calls = []
     for g in groups:
-        ql = np.array([s[1] - s[0] for s in g], dtype=np.int64)
-        kl = np.array([s[3] - s[2] for s in g], dtype=np.int64)
-        causal = bool(g[0][4])
-        # causal segments are bottom-right aligned: prefix kl - ql, so Eq. 3 counts their pairs
-        pairs = int((shard_workload(kl - ql, ql) if causal else ql * kl).sum())
-        calls.append(
-            BlockCall(
-                causal,
-                _rows([(s[0], s[1]) for s in g]),
-                _rows([(s[2], s[3]) for s in g]),
-                cu_seqlens(ql, device="cpu"),
-                cu_seqlens(kl, device="cpu"),
-                int(ql.max()),
-                int(kl.max()),
-                pairs,
-            )
-        )
+        q0, q1, k0, k1 = (np.array([seg[i] for seg in g], dtype=np.int64) for i in range(4))
+        calls.append(_block_call(bool(g[0][4]), q0, q1, k0, k1))
     return tuple(calls)
+
+
+def _steps(local, blocks) -> tuple[tuple[BlockCall, ...], ...]:
+    """``_calls(_fuse(_shard_segments(...)))`` of every ring step from the shard arrays at once
+    (:func:`flashcp.ops.meta_index.ring_segments` and
+    :func:`~flashcp.ops.meta_index.ring_call_groups`: the same calls, without a Python loop
+    over the shards). ``local``, ``blocks[s]``: ``(doc, start, length, offset)`` int64 arrays of
+    the rank's shards and of the block it holds at step s."""
+    step, q0, q1, k0, k1, causal = ring_segments(local, blocks)
+    return tuple(
+        tuple(_block_call(bool(causal[g[0]]), q0[g], q1[g], k0[g], k1[g]) for g in calls)
+        for calls in ring_call_groups(step, q0, causal, len(blocks))
+    )
+
+
+def ring_steps_reference(plan: Plan, rank: int) -> tuple[tuple[BlockCall, ...], ...]:
+    """:attr:`RingMeta.steps` of ``rank`` shard by shard in Python (the readable reference of
+    :func:`prepare_ring_meta`'s array code, which gives the same calls)."""
+    shards = []
+    for r in range(plan.cp_size):
+        d, s, ln = plan.rank_shards(r)
+        shards.append(tuple(a.tolist() for a in (d, s, ln, cu_seqlens(ln)[:-1])))
+    steps = []
+    for s in range(plan.cp_size):
+        src = (rank - s) % plan.cp_size
+        per_shard = _shard_segments(shards[rank], shards[src], same_rank=s == 0)
+        steps.append(_calls(_fuse(per_shard)))
+    return tuple(steps)
 
 
 def prepare_ring_meta(plan: Plan, rank: int, method: str) -> RingMeta:
@@ -273,11 +301,7 @@ def prepare_ring_meta(plan: Plan, rank: int, method: str) -> RingMeta:
     shards = []
     for r in range(n):
         d, s, ln = plan.rank_shards(r)
-        shards.append(tuple(a.tolist() for a in (d, s, ln, cu_seqlens(ln)[:-1])))
-    steps = []
-    for s in range(n):
-        src = (rank - s) % n
-        per_shard = _shard_segments(shards[rank], shards[src], same_rank=s == 0)
-        steps.append(_calls(_fuse(per_shard)))
+        shards.append((d, s, ln, cu_seqlens(ln)[:-1]))
+    steps = _steps(shards[rank], [shards[(rank - s) % n] for s in range(n)])
     block = int(plan.doc_tokens_per_rank.max())
-    return RingMeta(method, plan, rank, n, plan.context_len // n, block, tuple(steps))
+    return RingMeta(method, plan, rank, n, plan.context_len // n, block, steps)

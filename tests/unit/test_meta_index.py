@@ -1,7 +1,7 @@
 """The shard-level index metadata (flashcp.ops.meta_index) equals the readable token-level code:
 the all-gather family's send rows and key index on random plans of every method (pad, 1-token and
 zero-length documents included), for every rank and both all-gather variants; the ring family's
-row index; a plan whose shards do not tile its documents falls back to the reference; and a
+kernel calls of every step (flashcp.ops.ring_meta) on the same plans; a plan whose shards do not tile its documents falls back to the reference; and a
 rank's labels (flashcp.training.shard_batch) are its shard of the whole batch's shifted labels."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from flashcp.ops.allgather_attn import allgather_index_reference, build_allgather_meta
 from flashcp.ops.meta_index import allgather_index, ranges, tiles_documents
-from flashcp.ops.ring_meta import _rows
+from flashcp.ops.ring_meta import _rows, prepare_ring_meta, ring_steps_reference
 from flashcp.ops.sharding import shard_tensor
 from flashcp.plan import make_plan
 from flashcp.registry import make_plan_for, method_names
@@ -21,14 +21,14 @@ from flashcp.training import shard_batch, shift_labels
 METHODS = [m for m in method_names() if m != "ilp"]  # ilp: the flashcp layout, solved slowly
 
 
-def _random_plans(method: str, count: int, seed: int):
-    """``count`` plans of ``method`` on random batches: 1-12 documents, about a fifth of them
-    zero-length and a fifth one token long, 0-20 pad tokens beyond what the layout needs."""
+def _random_plans(method: str, count: int, seed: int, max_docs: int = 12):
+    """``count`` plans of ``method`` on random batches: 1 to ``max_docs`` documents, about a fifth
+    of them zero-length and a fifth one token long, pad beyond what the layout needs."""
     rng = np.random.default_rng(seed)
     plans = []
     while len(plans) < count:
         n = int(rng.choice([2, 4, 8]))
-        kind = rng.random(int(rng.integers(1, 13)))
+        kind = rng.random(int(rng.integers(1, max_docs + 1)))
         lens = np.where(kind < 0.2, 0, np.where(kind < 0.4, 1, rng.integers(2, 300, kind.size)))
         if lens.sum() == 0:
             continue
@@ -96,11 +96,46 @@ def test_ranges_and_ring_rows_equal_the_concatenated_aranges():
             [torch.arange(b, b + n, dtype=torch.int64) for b, n in zip(begin, length, strict=True)]
         )
         assert torch.equal(torch.from_numpy(ranges(begin, length)), want)
-        rows = _rows(list(zip(begin.tolist(), (begin + length).tolist(), strict=True)))
+        rows = _rows(begin, begin + length)
         if isinstance(rows, slice):
             assert torch.equal(torch.arange(rows.start, rows.stop), want)
         else:
             assert rows.dtype == torch.int64 and torch.equal(rows, want)
+
+
+def _same_call(a, b) -> bool:
+    def same(x, y):
+        if isinstance(x, slice) or isinstance(y, slice):
+            return x == y
+        return x.dtype == y.dtype and torch.equal(x, y)
+
+    return (
+        (a.causal, a.max_seqlen_q, a.max_seqlen_k, a.pairs)
+        == (b.causal, b.max_seqlen_q, b.max_seqlen_k, b.pairs)
+        and all(same(getattr(a, f), getattr(b, f)) for f in ("q_rows", "k_rows"))
+        and all(same(getattr(a, f), getattr(b, f)) for f in ("cu_seqlens_q", "cu_seqlens_k"))
+    )
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_ring_steps_equal_the_shard_by_shard_reference(method):
+    """Every ring step's kernel calls of every rank of 25 random plans, 5 of them with up to 60
+    documents (any layout runs the ring, and the hybrids' group plans): the same calls, rows,
+    segments and pairs."""
+    checked = 0
+    plans = _random_plans(method, 20, seed=2 + sum(map(ord, method)))
+    plans += _random_plans(method, 5, seed=3 + sum(map(ord, method)), max_docs=60)
+    for plan in plans:
+        for p in {id(plan): plan, id(g := plan.group_plan()): g}.values():
+            for rank in range(p.cp_size):
+                got = prepare_ring_meta(p, rank, p.method).steps
+                want = ring_steps_reference(p, rank)
+                assert len(got) == len(want) == p.cp_size
+                for s, (a, b) in enumerate(zip(got, want, strict=True)):
+                    assert len(a) == len(b), (rank, s)
+                    assert all(_same_call(x, y) for x, y in zip(a, b, strict=True)), (rank, s)
+                checked += 1
+    assert checked >= 25 * 2
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -114,3 +149,35 @@ def test_rank_labels_are_the_shard_of_the_shifted_batch(method):
         for rank in range(plan.cp_size):
             got = shard_batch(ids, lens, plan, rank).labels
             assert got.dtype == torch.int64 and torch.equal(got, shard_tensor(want, plan, rank))
+
+
+def test_ring_steps_with_several_calls_per_step():
+    """A query shard whose keys lie in two separate ranges of a block (document 0's chunks 0 and
+    2 on rank 0, document 1 between them) needs two calls of one flag: the first fit the array
+    code reproduces, on both ranks and steps."""
+    plan = make_plan(
+        "ring", 2, np.array([8, 2, 2]), np.array([0, 0, 0, 1, 1, 1]), np.array([0, 1, 0, 0, 0, 2]),
+        np.array([0, 0, 4, 2, 6, 0]), np.array([2, 2, 2, 2, 2, 2]),
+    )  # fmt: skip
+    calls = 0
+    for rank in range(2):
+        got, want = prepare_ring_meta(plan, rank, "ring").steps, ring_steps_reference(plan, rank)
+        for a, b in zip(got, want, strict=True):
+            assert len(a) == len(b) and all(_same_call(x, y) for x, y in zip(a, b, strict=True))
+        calls = max(calls, *(len(s) for s in want))
+    assert calls >= 2
+    assert [c.causal for c in ring_steps_reference(plan, 1)[1]] == [False, False]
+
+
+def test_ring_steps_fuse_causal_segments_of_adjacent_shards():
+    """Chunks 0 and 2 of a document side by side on rank 0: at step 0 chunk 2's keys are chunk 0
+    and itself, so both causal segments fuse into one (rows 0-4 against keys 0-4), as _fuse does."""
+    plan = make_plan(
+        "ring", 2, np.array([6, 2]), np.array([0, 0, 1, 1]), np.array([0, 0, 0, 1]),
+        np.array([0, 4, 2, 0]), np.array([2, 2, 2, 2]),
+    )  # fmt: skip
+    want = ring_steps_reference(plan, 0)
+    got = prepare_ring_meta(plan, 0, "ring").steps
+    assert [(c.causal, c.q_rows, c.k_rows) for c in want[0]] == [(True, slice(0, 4), slice(0, 4))]
+    for a, b in zip(got, want, strict=True):
+        assert len(a) == len(b) and all(_same_call(x, y) for x, y in zip(a, b, strict=True))

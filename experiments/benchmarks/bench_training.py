@@ -7,8 +7,8 @@ batch and cutting it into a rank's share (tokens, labels, positions, the op's me
 For each method and sampled sequence (seeded): ``plan`` is the planner's time (once per CP group,
 on its rank 0: :func:`flashcp.training.plan_and_shard`), ``shard`` the time of
 :func:`flashcp.training.shard_batch` for one rank (median over the ranks), split into ``labels``
-(the packed shift: every rank does it on the whole batch), ``meta`` (the op's ``prepare``) and the
-index gathers of tokens, labels and positions (``gather``). Milliseconds, median over
+(the rank's next-token labels, shifted on its own rows only), ``meta`` (the op's ``prepare``) and
+the index gathers of tokens, labels and positions (``gather``). Milliseconds, median over
 ``--repeats`` runs and the sequences; no process group (the broadcast of the plan is not timed).
 CPU wall clock on the machine it runs on (a shared machine inflates it: say so). ``--compiled 1``
 (default) plans with the numba kernels from the first call (:mod:`flashcp.compiled`), as a
@@ -29,7 +29,8 @@ from flashcp.data import load_distribution, sample_sequences
 from flashcp.ops import get_attn_op
 from flashcp.ops.sharding import position_ids, shard_tensor
 from flashcp.registry import make_plan_for
-from flashcp.training import shard_batch, shift_labels
+from flashcp.training import IGNORE_INDEX, shard_batch, shift_labels
+from flashcp.training.batch import _rank_labels
 
 METHODS = ("llama3", "zigzag", "flashcp", "flashcp_refined", "ulysses", "usp", "flashcp_ulysses")
 
@@ -86,14 +87,16 @@ def _one(method: str, lens: list[int], seed: int, n: int, repeats: int) -> dict[
     prepare = get_attn_op(method)[0]
     ids = torch.randint(0, 32000, (sum(lens),), generator=torch.Generator().manual_seed(seed))
     plan, t_plan = _ms(partial(make_plan_for, method, lens, n), repeats)
-    labels, t_labels = _ms(partial(shift_labels, ids, lens), repeats)
-    per_rank = {"shard": [], "meta": [], "gather": []}
+    labels = shift_labels(ids, lens)  # the whole batch's, for the gathers (untimed)
+    per_rank = {"shard": [], "labels": [], "meta": [], "gather": []}
     for r in range(n):
         per_rank["shard"].append(_ms(partial(shard_batch, ids, lens, plan, r), repeats)[1])
+        labels_r = partial(_rank_labels, ids, plan, r, IGNORE_INDEX)
+        per_rank["labels"].append(_ms(labels_r, repeats)[1])
         per_rank["meta"].append(_ms(partial(prepare, plan, r), repeats)[1])
         per_rank["gather"].append(_ms(partial(_gather, ids, labels, plan, r), repeats)[1])
-    out = {"plan": t_plan, "shard": float(np.median(per_rank["shard"])), "labels": t_labels}
-    out |= {k: float(np.median(per_rank[k])) for k in ("meta", "gather")}
+    out = {"plan": t_plan}
+    out |= {k: float(np.median(per_rank[k])) for k in ("shard", "labels", "meta", "gather")}
     return out
 
 

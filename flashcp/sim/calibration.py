@@ -38,17 +38,12 @@ Targets (all from docs/design.md §8 and the original source named there):
   candidate's kernel, software and latency constants; *reported, not fitted*: that profile prices
   both collectives from these very tables, so the rows check that it reproduces them (at any
   latency) and cannot inform a fit.
-
-**Reported-only targets** (``CalibTarget.fitted = False``) are predicted and listed with the
-others but left out of the least-squares fit. The all-to-all point is one: the simulator prices an
-all-to-all by a derivation, at the all-gather's bus bandwidth, latency and falloff
-(:meth:`~flashcp.sim.hardware.HardwareProfile.alltoall_us`, docs/design.md §8), and it is the only
-public H100 all-to-all measurement. Fitted, it could move only ``collective_latency_us`` (the
-bandwidth is not free), which is about 1% of a 500 MiB all-to-all's time: the latency would be
-bent to absorb a bandwidth gap, changing the all-gather's and reduce-scatter's small-message
-times with it. Reported, it checks the derivation without changing what a fitted constant means.
 * ``fig3_*``: the FlashCP paper's Fig. 3: attention latency (forward + backward kernels, Zigzag
   with its merges as ring-flash-attn runs them) normalised to Whole-Doc on one device.
+
+**Reported-only targets** (``CalibTarget.fitted = False``) are predicted and listed with the
+others but left out of the least-squares fit; why the all-to-all point is one: docs/calibration.md,
+section "Why the all-to-all point is reported, not fitted".
 """
 
 from __future__ import annotations

@@ -9,60 +9,17 @@ packing. On WLB-LLM at 64K and CP 8, where every document of a sequence can be s
 the loop ends with most documents Per-Doc (saving 0.05 on the sequence of
 ``tests/unit/test_refined.py``) while a plan that cuts a few documents saves 0.76.
 
-One *packing pass* (documents longest first; notation of docs/design.md §2: C/N tokens per rank,
-``W_mean`` the mean workload per rank, budget ``B = f * R * W_mean``):
-
-1. *Projected workload.* A rank holding ``W_r`` workload and ``t_r`` tokens will end with about
-   ``P_r = W_r + c (C/N - t_r)``, where ``c`` is the workload per token of the documents not yet
-   placed (Eq. 3 summed over them, over their tokens). A document goes whole to the rank with the
-   least ``P_r`` among those with token room for it, so workload and tokens are balanced together.
-2. *Feasibility.* The placement is allowed only if the rank can still end within B:
-   ``W_r + w + F(room) <= B``, where ``F(room)`` estimates the workload of filling the rank's
-   remaining ``room`` tokens: ``alpha`` times the workload of the shortest remaining documents that
-   fill it (a lower bound, Eq. 3) plus ``1 - alpha`` times ``c * room``. Otherwise the next rank
-   by ``P_r`` that can is taken, else the document is split.
-3. *Split.* The document keeps its tail - its most expensive tokens (Eq. 3), its last shard, which
-   costs no communication (Eq. 5) - on the open rank of least ``P_r``: the longest tail that rank
-   can hold within B (with ``joint_tail``: while also holding an equal share of the head). The head
-   ``[0, h)`` is shared by the tail's rank and k = min(spread, N - 1) others (Eq. 5 is ``N - 1``
-   times the *maximum* over ranks of non-last tokens, so every rank should send about the same):
-   the tail's rank takes the head's first chunk, its cheapest tokens (Eq. 3), as long as it fits
-   within B; the rest goes either as 2k zigzag chunks, receiver i holding chunks i and 2k-1-i
-   (equal tokens and nearly equal workload, like Per-Doc over k ranks) or, from its end, in pieces
-   of at most ``ceil(rest / k)`` tokens, each to the rank that sends least so far and can take it
-   within B. Where no rank has room within B, tokens alone decide. (What the ILP's plans do with a
-   document heavier than a rank's share: keep the tail whole, cut the head.)
-4. *Deferred head* (variant ``defer``; the first document heavier than B). Spreading a heavy head
-   over the ranks first leaves each about the same workload, so no rank has room left for a
-   medium document whole and those get cut too. Instead the rest of the head (after the tail's
-   rank's first chunk) is only *reserved*: each of the k receivers gets an equal token share
-   (equal sends, Eq. 5), and the head's workload is pooled, every receiver counted at the level
-   ``(P + their other workload) / k``; a receiver takes a document whole if the level stays
-   within B and it could still hold its share at the head's cheapest tokens. After the last
-   document the head is cut: receivers with least head workload to take first, each a front piece
-   (small prefix, cheap, Eq. 3) and a back piece, the longest back piece that keeps it at its
-   level; the last takes the middle. This is the ILP's plan on the Pile at CP 4, 128K, sequence 4
-   (saving 0.541 vs 0.457 without it).
-
-Every rank ends with exactly C/N tokens: a document is placed whole only where it fits, and the
-shortest documents, which come last, are cut to fill the remaining room, so the cuts that make
-tokens exact are of short documents. The pass tracks each rank's workload and non-last tokens
-exactly as it places shards (a piece that extends its document's tail on the tail's rank is part
-of the last shard), so candidates are compared without building plans.
-
-The planner runs the pass for ``num_candidates`` variants (:data:`_VARIANTS`: f, spread, alpha,
-zigzag head, joint tail, deferred head) and takes the paper's own plan
-(:func:`~flashcp.planners.flashcp.plan_flashcp` at the same R) as one more candidate. The result is the
-candidate that meets R with the fewest ``comm_tokens`` (Eq. 5), ties broken by lower imbalance.
-When none meets R, the passes run again with budgets ``f * W_mean`` (independent of R) and the
-best balanced of those and the paper's plan is returned (status ``target_not_met``), so that a
-target equal to a ratio the planner returned is met again. So, by construction, the result never
-communicates more than ``flashcp`` at the same target when that plan meets it, and is never less
-balanced when it does not. Sends and workload only grow during a pass, so a pass is abandoned as
-soon as a rank sends more than the best candidate meeting R, or must end above R once a candidate
-meets it (same result, less time). Time: the paper's plan plus up to eight passes of
-O(n_docs * N) steps, each a few bisections where a document is split
-(``experiments/benchmarks/bench_refined.py`` prints it next to Algorithm 1's).
+The planner packs the documents longest first so that every rank ends with exactly C/N tokens and
+at most ``R * W_mean`` workload (Eq. 3): a document goes whole to the rank of least projected
+workload that can still end within the budget, else its tail (its last shard: its most expensive
+tokens, no communication, Eq. 5) stays whole on one rank and its head is cut over k others. The
+pass runs for the variants of :data:`_VARIANTS` and the paper's own plan
+(:func:`~flashcp.planners.flashcp.plan_flashcp` at the same R) is one more candidate; the result is
+the candidate that meets R with the fewest ``comm_tokens`` (Eq. 5), ties broken by lower
+imbalance, so it never communicates more than ``flashcp`` at the same target when that plan meets
+it. The pass step by step (projected workload, feasibility, split, deferred head), the fallback
+when no candidate meets R and the running time: docs/methods.md, section "flashcp_refined: the
+packing pass".
 """
 
 from __future__ import annotations

@@ -570,7 +570,16 @@ def check_method_options(method: str, options: Any, context_len: int, cp_size: i
         method,
         OmegaConf.to_container(options, resolve=True) if OmegaConf.is_config(options) else options,
     )
-    opts = split_options(method, opts)[0]  # op options (keep_gathered_kv) are not the planner's
+    opts, op_opts = split_options(method, opts)  # op options (keep_gathered_kv) are not planned
+    grad = op_opts.get("grad_comm_dtype")
+    if grad is not None:
+        from flashcp.comm import DTYPE_BYTES
+
+        if grad not in DTYPE_BYTES:
+            raise ValueError(
+                f"method {method!r}: method.options.grad_comm_dtype={grad!r} is not a dtype; "
+                f"choose one of {', '.join(DTYPE_BYTES)} (or null: float32 for 16-bit models)"
+            )
     spec = get_method(method)
     if not spec.fast:  # a trial solve is too slow to run here (the ILP): its own value checks
         from flashcp.plan import check_cp_args

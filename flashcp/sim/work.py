@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flashcp.comm import AttnShape, check_mode, comm_volume
+from flashcp.comm import AttnShape, check_mode, comm_volume, ring_grad_hops
 from flashcp.plan import Plan
 from flashcp.sim.hardware import HardwareProfile, load_hardware
 
@@ -263,7 +263,7 @@ def work_account(
         for (phase, k), (calls, _) in list(acc.comm.items()):
             acc.comm[(phase, k)] = (calls, a2a[phase] / calls if calls else 0.0)
     vol, vol_f = (
-        comm_volume(plan, kind, shape, m, keep_gathered_kv=keep_gathered_kv)
+        comm_volume(plan, kind, shape, m, keep_gathered_kv=keep_gathered_kv, impl=impl)
         for m in (mode, "infer")
     )
     if inner.comm_kind == "p2p_ring" and not inner.single:  # cp_size 1: one call, no ring
@@ -272,9 +272,10 @@ def work_account(
         if hops:
             fwd = vol_f["p2p_bytes"]
             acc.comm[("fwd", "p2p")] = (hops, fwd / hops)
-            if train:
+            if train:  # dK/dV: N - 1 hops (ours) or N (ring-flash-attn): comm.ring_grad_hops
+                grad = ring_grad_hops(inner.n, impl)
                 acc.comm[("bwd", "p2p")] = (hops, fwd / hops)
-                acc.comm[("bwd", "p2p_grad")] = (hops, (vol["p2p_bytes"] - 2 * fwd) / hops)
+                acc.comm[("bwd", "p2p_grad")] = (grad, (vol["p2p_bytes"] - 2 * fwd) / grad)
     else:
         _step_account(inner, ishape, mode, acc)
         kinds = ("alltoall",) if inner.comm_kind == "alltoall" else ("allgather", "reducescatter")

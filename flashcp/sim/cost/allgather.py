@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from flashcp import compiled
-from flashcp.comm import AttnShape, check_keep_gathered_kv_kind, comm_volume
+from flashcp.comm import DTYPE_BYTES, AttnShape, check_keep_gathered_kv_kind, comm_volume
 from flashcp.plan import Plan
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim.cost.units import _op_us, _stats, overlap_us
@@ -165,8 +165,8 @@ def _step_allgather_batch(
     plans on (S, N) arrays (``c_(x)`` marks a per-plan value broadcast over ranks)."""
     first = costs[0]
     hw, n, kind = first.hw, first.n, first.comm_kind
-    keep = first.keep
-    vols = [comm_volume(c.plan, kind, shape, mode, keep_gathered_kv=keep) for c in costs]
+    keep, grad = first.keep, first.grad_dtype
+    vols = [comm_volume(c.plan, kind, shape, mode, grad, keep_gathered_kv=keep) for c in costs]
     vol = {k: np.array([v[k] for v in vols], dtype=np.int64) for k in COMM_COLUMNS}
     local = np.stack([c.q_rows for c in costs])  # (S, N)
     kv_rows = np.stack([c.kv_rows for c in costs])
@@ -205,6 +205,29 @@ def _check_keep(plan: Plan, comm_kind: str, impl: str, keep_gathered_kv) -> None
     check_keep_gathered_kv_kind(plan, comm_kind, keep_gathered_kv)
     if keep_gathered_kv and impl != "ours":
         raise ValueError(f"keep_gathered_kv=True is an option of impl=ours, not impl={impl}")
+
+
+def _check_grad_dtype(plan: Plan, comm_kind: str, impl: str, grad_comm_dtype) -> None:
+    """Raise ValueError unless ``grad_comm_dtype`` is None, or a dtype name
+    (:data:`flashcp.comm.DTYPE_BYTES`) for a plan the project's all-gather op runs (all-gather comm
+    kind, no head parallelism, ``impl="ours"``): the only op whose reduction dtype the simulator
+    takes as an option (its ``grad_comm_dtype``)."""
+    if grad_comm_dtype is None:
+        return
+    if grad_comm_dtype not in DTYPE_BYTES:
+        raise ValueError(
+            f"unknown grad_comm_dtype {grad_comm_dtype!r}; choose one of {', '.join(DTYPE_BYTES)}"
+        )
+    if (
+        comm_kind not in ("allgather_full", "allgather_sharded")
+        or plan.ulysses_degree > 1
+        or impl != "ours"
+    ):
+        raise ValueError(
+            f"grad_comm_dtype={grad_comm_dtype} is an option of the all-gather op family "
+            f"(impl=ours); a {plan.method} plan (comm_kind {comm_kind}, impl {impl}, "
+            f"ulysses_degree {plan.ulysses_degree}) is not run by it"
+        )
 
 
 def _allgather_phases(

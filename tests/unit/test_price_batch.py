@@ -419,7 +419,9 @@ def test_keep_gathered_kv_refused_where_no_op_keeps_it():
 def test_grad_comm_dtype_priced_by_both_paths(compiled_mode, monkeypatch):
     """``grad_comm_dtype`` (the all-gather op's reduce-scatter dtype): both paths agree to 1e-12;
     in the model dtype (bf16) with ``keep_gathered_kv`` the step's bytes are Eq. 4 / Eq. 5's
-    ``4 x tokens x Hkv x D`` elements, and only the reduce-scatter (time and bytes) moves."""
+    ``4 x tokens x Hkv x D`` elements; the reduce-scatter (time and bytes) moves, and the two
+    casts around it (the gathered rows' fp32 dK/dV to bf16, the received rows back) add to
+    others_ms where rows are sent."""
     if compiled_mode == "1":
         pytest.importorskip("numba")
     monkeypatch.setenv("FLASHCP_COMPILED", compiled_mode)
@@ -444,9 +446,29 @@ def test_grad_comm_dtype_priced_by_both_paths(compiled_mode, monkeypatch):
     assert (
         got["reducescatter_ms"][:, :, train][sent] < base["reducescatter_ms"][:, :, train][sent]
     ).all()
-    for col in ("allgather_ms", "attn_fwd_ms", "attn_bwd_ms", "others_ms", "allgather_bytes"):
+    for col in ("allgather_ms", "attn_fwd_ms", "attn_bwd_ms", "allgather_bytes"):
         np.testing.assert_array_equal(got[col], base[col], err_msg=col)
+    infer = MODES.index("infer")
+    np.testing.assert_array_equal(got["others_ms"][:, :, infer], base["others_ms"][:, :, infer])
+    others, others0 = got["others_ms"][:, :, train], base["others_ms"][:, :, train]
+    assert (others[sent] > others0[sent]).all() and (others[~sent] == others0[~sent]).all()
+    # a float32 reduce-scatter of a bf16 model is the default: the same numbers to the bit
+    f32 = price_plans(plans, SHAPES, MODES, HWS, keep_gathered_kv=True, grad_comm_dtype="float32")
+    for col in base:
+        np.testing.assert_array_equal(f32[col], base[col], err_msg=col)
     with pytest.raises(ValueError, match="grad_comm_dtype=bfloat16 is an option of the all-gather"):
         price_plans(_plans("ring", 4, 1, seed=1), SHAPES, MODES, HWS, grad_comm_dtype="bfloat16")
     with pytest.raises(ValueError, match="unknown grad_comm_dtype 'bf16'"):
         simulate(plans[0], SHAPES[0], HWS[0], "train", grad_comm_dtype="bf16")
+
+
+def test_grad_comm_dtype_compiled_bitwise(monkeypatch):
+    pytest.importorskip("numba")
+    plans = [p for m in KEEP_METHODS for p in _plans(m, 8, 2, seed=90)]
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FLASHCP_COMPILED", mode)
+        got[mode] = price_plans(plans, SHAPES, MODES, HWS, keep_gathered_kv=True,
+                                grad_comm_dtype="bfloat16")  # fmt: skip
+    for col in got["0"]:
+        np.testing.assert_array_equal(got["1"][col], got["0"][col], err_msg=col)

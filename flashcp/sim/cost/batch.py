@@ -420,7 +420,7 @@ class PlanBatch:
 
     def phases(
         self, hw: HardwareProfile, comm_kind: str, impl: str, method: str, shape: AttnShape,
-        mode: str, vol: dict[str, np.ndarray], keep=False,
+        mode: str, vol: dict[str, np.ndarray], keep=False, grad=None,
     ) -> dict[str, np.ndarray]:  # fmt: skip
         """Phase times (ms, (S,) arrays, ``total_ms`` left out) of every plan of this batch, no
         head parallelism around them (:meth:`PlanCost.step`'s model); ``keep``:
@@ -467,7 +467,19 @@ class PlanBatch:
         send = self.q_rows if comm_kind == "allgather_full" else self.send_rows
         coll = functools.partial(_collective_us_v, hw)
         return _allgather_phases(
-            hw, n, self.q_rows, kv_rows, send.max(axis=1), fwd, bwd, shape, mode, vol, coll, keep
+            hw,
+            n,
+            self.q_rows,
+            kv_rows,
+            send.max(axis=1),
+            fwd,
+            bwd,
+            shape,
+            mode,
+            vol,
+            coll,
+            keep,
+            grad,
         )
 
 
@@ -728,7 +740,7 @@ def _price_group(
         for m, mode in enumerate(modes):
             vol = batch.volumes(kind, shape, mode, a2a_u, n, keep, impl, grad)
             for a, hw in enumerate(hws):
-                ph = batch.phases(hw, kind, impl, inner_method, inner_shape, mode, vol, keep)
+                ph = batch.phases(hw, kind, impl, inner_method, inner_shape, mode, vol, keep, grad)
                 if u > 1:
                     t = batch.context_len / n
                     a2a = _alltoall_phases(hw, shape, mode == "train", u, t, 0.0, 0.0,

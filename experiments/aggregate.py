@@ -12,7 +12,8 @@ rows, ok rows and error rows (``error``: the first error message), the mean, med
 of ``total_ms`` with the 95% interval of its mean (``total_ms_ci95_lo``/``_hi``), the mean of every
 phase and plan metric, plus ``speedup_vs_llama3`` = mean ``total_ms`` of ``llama3`` / mean
 ``total_ms`` of the method, paired only with the llama3 run of the same identity apart from the
-method (the paper's Fig. 5 normalisation), its 95% interval over the sequences both runs share
+method, its options and its implementation (``impl``: ring-flash-attention's rings beside the
+all-gather op's llama3, as the paper ran them; the paper's Fig. 5 normalisation), its 95% interval over the sequences both runs share
 (``speedup_vs_llama3_ci95_lo``/``_hi``), and ``speedup_vs_llama3_gmean``, the geometric mean of
 per-sequence speedups. Where rows carry ``step_ms`` (a model with layers, :mod:`flashcp.sim.step`),
 also ``step_ms_mean`` and ``step_speedup_vs_llama3``, the same ratio for the whole step.
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 #: a summary row per run identity and mode
 RUN_KEYS = ("run_id", *IDENTITY_COLUMNS, "mode")
 #: runs that differ only in these are compared with each other (speedup_vs_llama3)
-PEER_KEYS = tuple(k for k in RUN_KEYS if k not in ("run_id", "method", "method_options"))
+PEER_KEYS = tuple(k for k in RUN_KEYS if k not in ("run_id", "method", "method_options", "impl"))
 METRICS = (
     "imbalance_ratio", "comm_saving", "comm_tokens", "comm_tokens_full", "comm_tokens_sharded", "plan_ms",
     "num_split_docs", "num_pieces", "max_shards_per_rank", "overlong_docs", "overlong_tokens_cut",

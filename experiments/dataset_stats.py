@@ -40,7 +40,8 @@ VARIANTS: tuple[tuple[str, str, str], ...] = (
 COLUMNS = (
     "variant", "dataset", "weighting", "context_len", "num_sequences", "seed",
     "docs_per_seq_mean", "docs_per_seq_median", "longest_share_mean", "longest_share_median",
-    "causal_work_rel_mean", "seqs_with_doc_over_half",
+    "causal_work_rel_mean", "seqs_with_doc_over_half", "tokens_in_docs_under_half",
+    "longest_share_max",
 )  # fmt: skip
 
 
@@ -55,14 +56,17 @@ def sequence_stats(seqs: Sequence[np.ndarray], context_len: int) -> dict[str, fl
         ``docs_per_seq_mean``/``_median`` (documents of length > 0), ``longest_share_mean``/
         ``_median`` (longest document / C), ``causal_work_rel_mean`` (Σ d(d+1)/2 / (C(C+1)/2):
         the document-masked causal work relative to one document filling the window, Eq. 3),
-        ``seqs_with_doc_over_half`` (share of sequences with a document longer than C/2).
+        ``seqs_with_doc_over_half`` (share of sequences with a document longer than C/2),
+        ``tokens_in_docs_under_half`` (share of all tokens that sit in documents shorter than C/2:
+        the WLB-LLM paper's "over 75%" for its production data), ``longest_share_max`` (the
+        longest document of all / C).
     Raises:
         ValueError: no sequences, ``context_len`` < 1, or a sequence that does not sum to it.
     """
     c = int(context_len)
     if c < 1 or not len(seqs):
         raise ValueError(f"need sequences and context_len >= 1, got {len(seqs)} and {context_len}")
-    docs, longest, work, over = [], [], [], []
+    docs, longest, work, over, under = [], [], [], [], 0
     full = c * (c + 1) / 2
     for i, s in enumerate(seqs):
         d = np.asarray(s, dtype=np.int64)
@@ -73,6 +77,7 @@ def sequence_stats(seqs: Sequence[np.ndarray], context_len: int) -> dict[str, fl
         longest.append(d.max() / c)
         work.append(float((d * (d + 1) / 2).sum()) / full)
         over.append(bool((2 * d > c).any()))
+        under += int(d[2 * d < c].sum())
     return {
         "docs_per_seq_mean": float(np.mean(docs)),
         "docs_per_seq_median": float(np.median(docs)),
@@ -80,6 +85,8 @@ def sequence_stats(seqs: Sequence[np.ndarray], context_len: int) -> dict[str, fl
         "longest_share_median": float(np.median(longest)),
         "causal_work_rel_mean": float(np.mean(work)),
         "seqs_with_doc_over_half": float(np.mean(over)),
+        "tokens_in_docs_under_half": under / (c * len(seqs)),
+        "longest_share_max": float(np.max(longest)),
     }
 
 
@@ -111,12 +118,14 @@ def to_markdown(df: pd.DataFrame) -> str:
     """The table of :func:`dataset_stats` as Markdown (three decimals, documents to one)."""
     head = (
         "| variant | docs / seq (mean, median) | longest doc / C (mean, median) "
-        "| causal work / one full-window doc | seqs with a doc > C/2 |\n|---|---|---|---|---|\n"
+        "| causal work / one full-window doc | seqs with a doc > C/2 | tokens in docs < C/2 "
+        "| longest doc of all / C |\n|---|---|---|---|---|---|---|\n"
     )
     body = "".join(
         f"| {r.variant} | {r.docs_per_seq_mean:.1f}, {r.docs_per_seq_median:.0f} "
         f"| {r.longest_share_mean:.3f}, {r.longest_share_median:.3f} "
-        f"| {r.causal_work_rel_mean:.3f} | {r.seqs_with_doc_over_half:.3f} |\n"
+        f"| {r.causal_work_rel_mean:.3f} | {r.seqs_with_doc_over_half:.3f} "
+        f"| {r.tokens_in_docs_under_half:.3f} | {r.longest_share_max:.3f} |\n"
         for r in df.itertuples()
     )
     r0 = df.iloc[0]

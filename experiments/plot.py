@@ -70,6 +70,31 @@ def _subtitle(df: pd.DataFrame, per: str = "bar") -> str:
     return f"executor {ex}, hardware {hw}, >= {n} sequences per {per}"
 
 
+def _config_note(df: pd.DataFrame) -> str:
+    """``"\nring, zigzag on ring_flash_attn; llama3, flashcp: KV kept, dK/dV in bfloat16"``: a
+    title line naming the implementations and op options the summary's runs set
+    (``experiment=fig5`` runs the paper's configuration, docs/paper_config.md); empty when every
+    run is the project's op at its defaults."""
+    import json
+
+    order = list(dict.fromkeys(map(str, df["method"]))) if "method" in df else []
+    parts = []
+    if "impl" in df:
+        for impl in sorted(set(map(str, df["impl"])) - {"ours"}):
+            ms = [m for m in order if impl in set(map(str, df.loc[df["method"] == m, "impl"]))]
+            parts.append(f"{', '.join(ms)} on {impl}")
+    ops: dict[str, list[str]] = {}
+    for m, opts in zip(df.get("method", []), df.get("method_options", []), strict=False):
+        o = json.loads(opts) if isinstance(opts, str) and opts.startswith("{") else {}
+        what = ["KV kept"] if o.get("keep_gathered_kv") else []
+        if o.get("grad_comm_dtype"):
+            what.append(f"dK/dV in {o['grad_comm_dtype']}")
+        if what and str(m) not in ops.setdefault(", ".join(what), []):
+            ops[", ".join(what)].append(str(m))
+    parts += [f"{', '.join(ms)}: {what}" for what, ms in ops.items()]
+    return "\n" + "; ".join(parts) if parts else ""
+
+
 def _require(df: pd.DataFrame, fig: str, **needs: int) -> None:
     """Raise ValueError unless ``df`` has at least ``needs[col]`` distinct values of each column
     (a figure drawn from data it cannot show would silently mislead)."""
@@ -176,8 +201,8 @@ def plot_fig5(summary: pd.DataFrame, out: Path) -> Path:
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(methods), fontsize=8, frameon=False)
     note = _bars_note(_yerr(summary, "speedup_vs_llama3") is not None)
-    fig.suptitle(f"Attention-layer speedup over Llama3 CP\n({_subtitle(summary)}; {note})",
-                 fontsize=10)  # fmt: skip
+    fig.suptitle(f"Attention-layer speedup over Llama3 CP\n({_subtitle(summary)}; {note})"
+                 f"{_config_note(summary)}", fontsize=10)  # fmt: skip
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(out, dpi=130)
     plt.close(fig)
@@ -334,8 +359,8 @@ def plot_fig6(summary: pd.DataFrame, out: Path) -> Path:
                        bbox_to_anchor=(1.02, 1.0), frameon=False)  # fmt: skip
     note = _bars_note(_yerr(sub, "total_ms_mean", "total_ms") is not None, " on the total")
     what = "training" if mode == "train" else "inference" if mode == "infer" else mode
-    fig.suptitle(f"Latency breakdown, {what}\n({_subtitle(sub)}; {note})",
-                 fontsize=10)  # fmt: skip
+    fig.suptitle(f"Latency breakdown, {what}\n({_subtitle(sub)}; {note})"
+                 f"{_config_note(sub)}", fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(out, dpi=130)
     plt.close(fig)
@@ -379,7 +404,7 @@ def plot_fig7(summary: pd.DataFrame, out: Path) -> Path:
     ds, cp, h = summary["dataset"].iloc[0], summary["cp_size"].iloc[0], summary["num_heads"].iloc[0]
     note = _bars_note(_yerr(summary, "speedup_vs_llama3") is not None)
     fig.suptitle(f"Speedup vs context length: {ds}, CP{int(cp)}, {int(h)} heads\n"
-                 f"({_subtitle(summary, 'point')}; {note})", fontsize=9)  # fmt: skip
+                 f"({_subtitle(summary, 'point')}; {note}){_config_note(summary)}", fontsize=9)  # fmt: skip
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(out, dpi=130)
     plt.close(fig)

@@ -59,7 +59,14 @@ from experiments.common.entry import (
 )
 from experiments.common.launch import launch
 from flashcp.comm import AttnShape
-from flashcp.config import DatasetConfig, HardwareConfig, ModelConfig, Weighting
+from flashcp.config import (
+    DatasetConfig,
+    HardwareConfig,
+    MethodOption,
+    ModelConfig,
+    Weighting,
+    method_option,
+)
 from flashcp.data.datasets import DatasetName
 from flashcp.data.distributions import WEIGHTINGS
 from flashcp.results import markdown_table
@@ -129,10 +136,15 @@ class SensitivityConfig(ExperimentConfig):
     #: one more data variant, sampled as flashcp-run samples this dataset config (its name, path,
     #: weighting, cap, overlong): e.g. dataset=file dataset.path=lengths.txt (conf/dataset/)
     dataset: DatasetConfig | None = None
-    #: methods compared (llama3, the reference of every speedup, among them)
+    #: methods compared (llama3, the reference of every speedup, among them): a registered
+    #: method (its planner's defaults, the project's op) or an option of the method group
+    #: (conf/method/<option>.yaml: its method, impl and options); by default the paper's five as
+    #: the paper ran them (conf/method/*_paper.yaml, docs/paper_config.md)
     methods: list[str] = field(
-        default_factory=lambda: ["llama3", "per_doc", "ring", "zigzag", "flashcp"]
-    )
+        default_factory=lambda: [
+            "llama3_paper", "per_doc_paper", "ring_paper", "zigzag_paper", "flashcp_paper",
+        ]
+    )  # fmt: skip
     #: the constants varied (null: VARIED); may add alltoall_busbw_gbps (OPTIONAL_VARIED), which
     #: otherwise follows allgather_busbw_gbps (conf/study/peers*.yaml vary it)
     constants: list[str] | None = None
@@ -195,6 +207,42 @@ def data_variants(cfg: Any) -> list[DataVariant]:
     return out
 
 
+def resolve_methods(entries) -> list[MethodOption]:
+    """The study's ``methods``: a registered method name stands for itself (its planner's
+    defaults, ``impl=ours``, no op options); any other entry is an option of the method group
+    (:func:`flashcp.config.method_option`, e.g. ``llama3_paper``). Rows are labelled by the
+    method each runs.
+
+    Raises:
+        ValueError: an entry that is neither (naming the known ones), two entries running one
+            method, or none running llama3 (the reference of every speedup).
+    """
+    from flashcp.registry import method_names
+
+    out = []
+    for entry in entries:
+        entry = str(entry)
+        if entry in method_names():
+            out.append(MethodOption(entry, entry, "ours", {}, {}))
+        else:
+            try:
+                out.append(method_option(entry))
+            except ValueError:
+                raise ValueError(
+                    f"methods: {entry!r} is neither a method ({', '.join(method_names())}) nor "
+                    "an option of the method group (conf/method/<option>.yaml)"
+                ) from None
+    names = [m.method for m in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"methods = {list(entries)} run {', '.join(twice)} twice; list it once")
+    if "llama3" not in names:
+        raise ValueError(
+            f"methods = {list(entries)} must include llama3, the reference of every speedup"
+        )
+    return out
+
+
 def check_sensitivity_config(cfg: Any) -> None:
     """Check a :class:`SensitivityConfig` before any work: the checks every experiment gets
     (:func:`experiments.common.entry.check_experiment_config`), then the draws, the factor, the
@@ -205,17 +253,11 @@ def check_sensitivity_config(cfg: Any) -> None:
         ValueError: naming the bad value.
     """
     from flashcp.plan import check_context_len
-    from flashcp.registry import get_method
 
     check_experiment_config(cfg, chunks_per_rank=2)  # llama3 among the methods: 2N chunks
     at_least(cfg, "num_draws", 2)
     at_least(cfg, "factor", 1.0, strict=True)
-    for method in cfg.methods:
-        get_method(method)  # ValueError naming the known methods
-    if "llama3" not in cfg.methods:
-        raise ValueError(
-            f"methods = {list(cfg.methods)} must include llama3, the reference of every speedup"
-        )
+    resolve_methods(cfg.methods)  # ValueError naming a bad entry, or no llama3
     check_context_len(cfg.context_len, int(cfg.cp_size), 2)  # llama3: 2N equal chunks
     for k in cfg.get("constants") or ():
         if k not in (*VARIED, *OPTIONAL_VARIED):
@@ -311,11 +353,13 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     """
     from experiments.common.overrides import load_job_hardware
     from flashcp.data import overlong_note, sample_dataset
-    from flashcp.registry import COMM_KIND, get_planner
+    from flashcp.registry import COMM_KIND
     from flashcp.sim.cost import PlanBatch, price_plans
+    from flashcp.sim.impl import impl_plan
 
     factor, draws = float(cfg.factor), int(cfg.num_draws)
-    methods, modes = list(cfg.methods), list(cfg.modes)
+    resolved = resolve_methods(cfg.methods)
+    methods, modes = [m.method for m in resolved], list(cfg.modes)
     if "weightings" not in cfg:
         cfg = OmegaConf.merge(cfg, {"weightings": list(WEIGHTINGS)})
     variants = data_variants(cfg)
@@ -344,11 +388,13 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
             (log.warning if v.overlong == "cut" else log.info)(note)
         prov = _variant_columns(v, c)
         mean_ms = {}  # method -> (P, M) mean total_ms over the sequences
-        for method in methods:
-            planner = get_planner(method)
-            batch = PlanBatch([planner(d, n) for d in seqs])
-            tot = price_plans(batch, [shape], modes, hws, comm_kind=COMM_KIND[method])["total_ms"]
-            mean_ms[method] = tot[:, 0].mean(axis=-1)
+        for m in resolved:
+            plans = [impl_plan(m.method, m.impl, d, n, **m.planner_options)[0] for d in seqs]
+            tot = price_plans(
+                PlanBatch(plans), [shape], modes, hws, comm_kind=COMM_KIND[m.method],
+                impl=m.impl, **m.op_options,
+            )["total_ms"]  # fmt: skip
+            mean_ms[m.method] = tot[:, 0].mean(axis=-1)
         for i, prof in enumerate(profiles):
             for j, mode in enumerate(modes):
                 ref = mean_ms["llama3"][i, j]

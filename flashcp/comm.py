@@ -19,8 +19,13 @@ them by default (:func:`flashcp.ops.collectives.resolve_grad_comm_dtype`).
   contribution is padded to the largest rank's compact buffer).
 * ``p2p_ring`` (``ring``, ``zigzag``): N-1 steps, each receiving one KV block of C/N tokens
   (forward; with pad tokens, the most document tokens any rank holds: pad rows are not sent);
-  training passes the KV blocks around again and the dK/dV partial sums too, N-1 hops in
-  ``grad_comm_dtype``.
+  training passes the KV blocks around again and the dK/dV partial sums too, in
+  ``grad_comm_dtype``: N-1 hops in the project's op (:mod:`flashcp.ops.ring_attn`), N in
+  ring-flash-attn's (``impl="ring_flash_attn"``: its backward sends the partial sums at every
+  step, the last hop taking each block's sum home; :func:`ring_grad_hops`).
+* ``impl="ring_flash_attn"`` under ``allgather_full`` (its ``llama3_flash_attn_varlen_func``):
+  the reduce-scatter runs on a dK/dV buffer of the model dtype (``dkv_buffer``), so it counts
+  model-dtype bytes whatever ``grad_comm_dtype`` says.
 
 * head-parallel plans (``ulysses``, ``alltoall``; any plan with ``ulysses_degree`` u > 1,
   docs/design.md §3): one all-to-all of a (T, h, D) tensor over a group of u ranks, T = C/N rows
@@ -49,17 +54,21 @@ from flashcp.plan import Plan, kv_bytes
 
 __all__ = [
     "DTYPE_BYTES",
+    "IMPLS",
     "MODES",
     "AttnShape",
     "alltoall_bytes",
     "check_keep_gathered_kv_kind",
     "comm_volume",
     "grad_comm_bytes",
+    "ring_grad_hops",
 ]
 
 DTYPE_BYTES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8})
 MODES = ("train", "infer")
 Mode = Literal["train", "infer"]
+#: the implementations of a layout (``method.impl``; what each launches: :mod:`flashcp.sim.impl`)
+IMPLS: tuple[str, ...] = ("ours", "ring_flash_attn")
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,25 @@ def grad_comm_bytes(shape: AttnShape, grad_comm_dtype: str | None = None) -> int
     return DTYPE_BYTES[grad_comm_dtype]
 
 
+def ring_grad_hops(cp_size: int, impl: str = "ours") -> int:
+    """dK/dV hops one rank receives in a ring backward of ``cp_size`` ranks (0 for one rank).
+
+    ``ours`` (:mod:`flashcp.ops.ring_attn`): N - 1; the partial sum of a block starts one hop after
+    its KV and its owner keeps its own step-0 contribution. ``ring_flash_attn``
+    (``ring_flash_attn_varlen_backward`` and ``zigzag_ring_flash_attn_varlen_backward`` of
+    ring-flash-attn 0.1.8): N; its loop calls ``d_kv_comm.send_recv_kv(dk, dv)`` at every one of
+    its N steps, the last returning each block's sum to its owner.
+
+    Raises:
+        ValueError: an unknown ``impl``.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown method.impl {impl!r}; choose one of {', '.join(IMPLS)}")
+    if cp_size <= 1:
+        return 0
+    return int(cp_size) if impl == "ring_flash_attn" else int(cp_size) - 1
+
+
 def check_keep_gathered_kv_kind(plan: Plan, comm_kind: str, keep_gathered_kv) -> None:
     """Raise ValueError unless ``keep_gathered_kv`` is a bool, and False where the op that runs
     ``plan`` under ``comm_kind`` has no such option (only the all-gather family, without head
@@ -177,6 +205,7 @@ def comm_volume(
     mode: Mode,
     grad_comm_dtype: str | None = None,
     keep_gathered_kv: bool = False,
+    impl: str = "ours",
 ) -> dict[str, int]:
     """Bytes one rank receives per attention-layer step, by kind of communication.
 
@@ -193,6 +222,9 @@ def comm_volume(
         keep_gathered_kv: the all-gather op's option
             (:func:`flashcp.ops.allgather_attn.allgather_attention`): the forward's all-gather is
             counted once, the backward issues none.
+        impl: ``ours`` or ``ring_flash_attn`` (:mod:`flashcp.sim.impl`): which code runs the
+            plan; ring-flash-attn's ring backward takes N dK/dV hops (:func:`ring_grad_hops`) and
+            its llama3 reduce-scatters in the model dtype.
     Returns:
         ``{"allgather_bytes", "reducescatter_bytes", "p2p_bytes", "alltoall_bytes",
         "comm_bytes"}`` (ints; ``comm_bytes`` is their sum).
@@ -201,7 +233,7 @@ def comm_volume(
             Ulysses degree does not allow (:func:`flashcp.plan.head_parallel.ulysses_heads`), or
             ``alltoall`` for a plan whose degree is not its cp_size; ``keep_gathered_kv`` not a
             bool, or True for a kind other than ``allgather_*`` or a head-parallel plan (no op of
-            theirs keeps the KV).
+            theirs keeps the KV); an unknown ``impl``.
     """
     from flashcp.plan.head_parallel import ulysses_heads
 
@@ -212,6 +244,7 @@ def comm_volume(
     check_keep_gathered_kv_kind(plan, comm_kind, keep_gathered_kv)
     train = mode == "train"
     grad_elem = grad_comm_bytes(shape, grad_comm_dtype)
+    ring_grad_hops(plan.cp_size, impl)  # checks impl
     u = plan.cp_size if comm_kind == "alltoall" else plan.ulysses_degree
     if comm_kind == "alltoall" and plan.ulysses_degree not in (1, u):
         raise ValueError(
@@ -237,13 +270,17 @@ def comm_volume(
         one = kv_bytes(tokens, kv_heads, shape.head_dim, shape.dtype_bytes)
         ag = 2 * one if train and not keep_gathered_kv else one
         # bwd: dK/dV of the same rows, reduce-scattered in grad_comm_dtype
+        if impl == "ring_flash_attn":  # its dkv_buffer has the model dtype
+            grad_elem = shape.dtype_bytes
         rs = kv_bytes(tokens, kv_heads, shape.head_dim, grad_elem) if train else 0
     elif comm_kind == "p2p_ring":
         # blocks leave out pad rows
-        tokens = (across.cp_size - 1) * int(across.doc_tokens_per_rank.max())
+        block = int(across.doc_tokens_per_rank.max())
+        tokens = (across.cp_size - 1) * block
         one = kv_bytes(tokens, kv_heads, shape.head_dim, shape.dtype_bytes)
-        # fwd KV; bwd KV again + dK/dV partial sums in grad_comm_dtype
-        grad = kv_bytes(tokens, kv_heads, shape.head_dim, grad_elem)
+        # fwd KV; bwd KV again + dK/dV partial sums in grad_comm_dtype, one block per hop
+        hops = ring_grad_hops(across.cp_size, impl)
+        grad = kv_bytes(hops * block, kv_heads, shape.head_dim, grad_elem)
         p2p = 2 * one + grad if train else one
     return {
         "allgather_bytes": int(ag),

@@ -41,6 +41,7 @@ __all__ = [
     "HardwareConfig",
     "MethodConfig",
     "MethodNotApplicable",
+    "MethodOption",
     "ModelConfig",
     "Overlong",
     "RunConfig",
@@ -49,6 +50,7 @@ __all__ = [
     "check_dataset_config",
     "check_method_heads",
     "check_modes",
+    "method_option",
     "register_configs",
 ]
 
@@ -481,6 +483,56 @@ def _model_file(name: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+@dataclass(frozen=True)
+class MethodOption:
+    """A method as one option of the ``method`` group configures it
+    (``conf/method/<option>.yaml``; e.g. ``llama3_paper``: method ``llama3``, its all-gather op
+    keeping the gathered KV).
+
+    Attributes:
+        option: the file's name; method: the registry method it runs (``name:``);
+        impl: ``method.impl`` (``ours`` unless set); planner_options, op_options: its
+        ``options``, split by :func:`flashcp.registry.split_options`.
+    """
+
+    option: str
+    method: str
+    impl: str
+    planner_options: dict
+    op_options: dict
+
+
+def method_option(option: str) -> MethodOption:
+    """``conf/method/<option>.yaml`` composed as Hydra composes a ``method=<option>`` choice: the
+    options it names in ``defaults`` (other files of the group) first, then the file itself.
+
+    Raises:
+        ValueError: no such option (naming the valid ones), or one whose method is unknown.
+    """
+    from omegaconf import OmegaConf
+
+    from flashcp.registry import get_method, split_options
+    from flashcp.resources import resource_path
+
+    folder = resource_path("conf") / "method"
+    path = folder / f"{option}.yaml"
+    if not path.is_file():
+        valid = sorted(p.stem for p in folder.glob("*.yaml"))
+        raise ValueError(f"no method option {option!r}; choose one of {', '.join(valid)}")
+    node = OmegaConf.load(path)
+    out = OmegaConf.create({"impl": "ours", "options": {}})
+    for entry in node.pop("defaults", []) or []:
+        if isinstance(entry, str) and not entry.startswith("base_") and entry != "_self_":
+            base = method_option(entry)
+            options = {**base.planner_options, **base.op_options}
+            out = OmegaConf.merge(out, {"name": base.method, "impl": base.impl, "options": options})
+    out = OmegaConf.merge(out, node)
+    method = str(out.name)
+    get_method(method)  # ValueError naming the known methods
+    planner, ops = split_options(method, OmegaConf.to_container(out.options, resolve=True))
+    return MethodOption(option, method, str(out.impl), planner, ops)
+
+
 def check_dataset_config(ds: Any, context_len: int) -> None:
     """Check a :class:`DatasetConfig` as the sampler would read it, before any work: a length
     file (``dataset=file``) that is named, exists and reads as lengths, ``dataset.cap`` >= 1,
@@ -571,7 +623,16 @@ def check_method_options(method: str, options: Any, context_len: int, cp_size: i
         method,
         OmegaConf.to_container(options, resolve=True) if OmegaConf.is_config(options) else options,
     )
-    opts = split_options(method, opts)[0]  # op options (keep_gathered_kv) are not the planner's
+    opts, op_opts = split_options(method, opts)  # op options (keep_gathered_kv) are not planned
+    grad = op_opts.get("grad_comm_dtype")
+    if grad is not None:
+        from flashcp.comm import DTYPE_BYTES
+
+        if grad not in DTYPE_BYTES:
+            raise ValueError(
+                f"method {method!r}: method.options.grad_comm_dtype={grad!r} is not a dtype; "
+                f"choose one of {', '.join(DTYPE_BYTES)} (or null: float32 for 16-bit models)"
+            )
     spec = get_method(method)
     if not spec.fast:  # a trial solve is too slow to run here (the ILP): its own value checks
         from flashcp.plan import check_cp_args

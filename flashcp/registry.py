@@ -104,7 +104,12 @@ _DEFAULT_OP = {
 #: by the family takes them among its options (``method.options.<name>``; :func:`options_schema`);
 #: :func:`split_options` hands them to the op and the simulator, never to the planner
 _OP_OPTIONS: dict[OpFamily, dict[str, tuple[type, Any]]] = {
-    OpFamily.ALLGATHER: {"keep_gathered_kv": (bool, False)},
+    OpFamily.ALLGATHER: {
+        "keep_gathered_kv": (bool, False),
+        # the dK/dV reduce-scatter's dtype (flashcp.ops.collectives.resolve_grad_comm_dtype: a
+        # name of flashcp.comm.DTYPE_BYTES; None: the model dtype promoted to at least float32)
+        "grad_comm_dtype": (typing.Optional[str], None),  # noqa: UP045 (OmegaConf reads Optional)
+    },
 }
 #: the comm kinds each op family runs
 _FAMILY_KINDS = {

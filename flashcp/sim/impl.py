@@ -48,6 +48,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from flashcp.comm import IMPLS
 from flashcp.plan import Plan, check_doc_lens, make_plan
 
 __all__ = [
@@ -60,7 +61,6 @@ __all__ = [
     "impl_plan",
 ]
 
-IMPLS: tuple[str, ...] = ("ours", "ring_flash_attn")
 #: methods each implementation can run (``ours`` runs every method of the registry)
 IMPL_METHODS = MappingProxyType({"ring_flash_attn": ("ring", "zigzag", "llama3")})
 

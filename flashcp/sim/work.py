@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flashcp.comm import AttnShape, check_mode, comm_volume
+from flashcp.comm import AttnShape, check_mode, comm_volume, ring_grad_hops
 from flashcp.plan import Plan
 from flashcp.sim.hardware import HardwareProfile, load_hardware
 
@@ -219,6 +219,7 @@ def work_account(
     impl: str = "ours",
     comm_kind: str | None = None,
     keep_gathered_kv: bool = False,
+    grad_comm_dtype: str | None = None,
 ) -> WorkAccount:
     """The simulator's account of the work of one attention layer's step of ``plan``.
 
@@ -228,7 +229,8 @@ def work_account(
             do not matter (they are replaced by probes).
         impl: ``ours`` or ``ring_flash_attn`` (:mod:`flashcp.sim.impl`).
         comm_kind: default ``COMM_KIND[plan.method]``.
-        keep_gathered_kv: the all-gather op's option (:class:`~flashcp.sim.cost.PlanCost`).
+        keep_gathered_kv, grad_comm_dtype: the all-gather op's options
+            (:class:`~flashcp.sim.cost.PlanCost`).
     Returns:
         a :class:`WorkAccount` (its attributes say what each entry counts).
     Raises:
@@ -246,7 +248,9 @@ def work_account(
             f"work_account reads impl={impl!r} only as a ring: its {plan.method} step overlaps "
             "each head group's gather with the previous kernel, so its terms do not separate"
         )
-    cost = PlanCost(plan, hw, kind, impl, keep_gathered_kv=keep_gathered_kv)
+    cost = PlanCost(
+        plan, hw, kind, impl, keep_gathered_kv=keep_gathered_kv, grad_comm_dtype=grad_comm_dtype
+    )
     n = plan.cp_size
     train = mode == "train"
     acc = WorkAccount(plan.method, impl, mode, n, inner_rank=np.arange(n))
@@ -263,7 +267,7 @@ def work_account(
         for (phase, k), (calls, _) in list(acc.comm.items()):
             acc.comm[(phase, k)] = (calls, a2a[phase] / calls if calls else 0.0)
     vol, vol_f = (
-        comm_volume(plan, kind, shape, m, keep_gathered_kv=keep_gathered_kv)
+        comm_volume(plan, kind, shape, m, grad_comm_dtype, keep_gathered_kv, impl)
         for m in (mode, "infer")
     )
     if inner.comm_kind == "p2p_ring" and not inner.single:  # cp_size 1: one call, no ring
@@ -272,9 +276,10 @@ def work_account(
         if hops:
             fwd = vol_f["p2p_bytes"]
             acc.comm[("fwd", "p2p")] = (hops, fwd / hops)
-            if train:
+            if train:  # dK/dV: N - 1 hops (ours) or N (ring-flash-attn): comm.ring_grad_hops
+                grad = ring_grad_hops(inner.n, impl)
                 acc.comm[("bwd", "p2p")] = (hops, fwd / hops)
-                acc.comm[("bwd", "p2p_grad")] = (hops, (vol["p2p_bytes"] - 2 * fwd) / hops)
+                acc.comm[("bwd", "p2p_grad")] = (grad, (vol["p2p_bytes"] - 2 * fwd) / grad)
     else:
         _step_account(inner, ishape, mode, acc)
         kinds = ("alltoall",) if inner.comm_kind == "alltoall" else ("allgather", "reducescatter")

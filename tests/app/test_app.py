@@ -93,9 +93,14 @@ def test_fig5_sweeps_the_paper_grid():
     params = cfg.hydra.sweeper.params
     assert params.dataset == "wlb_llm,pile,redpajama"  # one job per dataset ...
     grid = cfg.grid  # ... planning and pricing these runs from the same sequences
-    assert set(grid.method) == {"llama3", "per_doc", "ring", "zigzag", "flashcp"}
+    paper = ["llama3", "per_doc", "ring", "zigzag", "flashcp"]  # as the paper ran them
+    assert list(grid.method) == [f"{m}_paper" for m in paper]
     assert list(grid.cp_size) == [4, 8] and list(grid.model) == ["h16", "h32"]
     assert cfg.context_len == 131072 and list(cfg.modes) == ["train", "infer"]
+    ours = _compose("experiment=fig5_ours", hydra_cfg=True)  # the same grid on the project's ops
+    assert list(ours.grid.method) == paper and ours.name == "fig5_ours"
+    assert ours.hydra.sweeper.params.dataset == params.dataset
+    assert list(ours.grid.cp_size) == [4, 8] and list(ours.grid.model) == ["h16", "h32"]
 
 
 @pytest.mark.parametrize(

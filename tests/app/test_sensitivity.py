@@ -180,3 +180,33 @@ def test_command_studies_a_users_file(tmp_path, monkeypatch, capsys):
         root.setLevel(level)
     rng = pd.read_csv(tmp_path / "sensitivity" / "speedup_range.csv")
     assert list(rng.dataset_variant) == ["file/tokens"] and list(rng.method) == ["per_doc"]
+
+
+def test_method_options_are_studied_as_configured(tmp_path):
+    """An option of the method group (``llama3_paper``, ``zigzag_paper``: the paper's
+    configuration) is planned and priced with its impl and options, labelled by its method; a
+    method listed twice or an unknown entry is refused, naming it."""
+    from flashcp.comm import AttnShape
+    from flashcp.config import method_option
+    from flashcp.data import sample_dataset
+    from flashcp.registry import COMM_KIND
+    from flashcp.sim import simulate
+    from flashcp.sim.impl import impl_plan
+
+    cfg = tiny(methods=["llama3_paper", "zigzag_paper"], num_draws=2)
+    df = run_sensitivity(cfg, tmp_path)
+    cal = df[df.kind == "calibrated"].set_index("method")["total_ms_mean"]
+    seqs, _ = sample_dataset("pile", 2, 16384, seed=0)
+    hw, shape = load_hardware("h100_sxm"), AttnShape(8, 8, 64, "bfloat16")
+    for option in ("llama3_paper", "zigzag_paper"):
+        m = method_option(option)
+        want = np.mean([
+            simulate(impl_plan(m.method, m.impl, d, 4)[0], shape, hw, "train",
+                     COMM_KIND[m.method], m.impl, **m.op_options)["total_ms"]
+            for d in seqs
+        ])  # fmt: skip
+        assert cal[m.method] == pytest.approx(want, rel=1e-9)
+    with pytest.raises(ValueError, match="run llama3 twice"):
+        run_sensitivity(OmegaConf.merge(cfg, {"methods": ["llama3", "llama3_paper"]}), tmp_path)
+    with pytest.raises(ValueError, match="'zigzag_papr' is neither a method"):
+        run_sensitivity(OmegaConf.merge(cfg, {"methods": ["llama3", "zigzag_papr"]}), tmp_path)

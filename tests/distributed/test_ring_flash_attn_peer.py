@@ -30,9 +30,10 @@ sums it as it sums our ops. ``ring`` / ``zigzag`` are held against
 :func:`flashcp.sim.impl.impl_plan` (whose rows must be the package's layout), per pass, ring step
 and rank: kernel calls, query / key rows, CTAs, tiles and largest CTA exactly; memory-bound
 launches exactly after the listed differences (:data:`PEER_DIFFERENCES`); their bytes within
-:data:`BYTE_BANDS`; P2P exchanges and bytes exactly but for one listed difference: the package
-sends its dK/dV partial sums at every step, N hops (the last one home), where the model's
-``comm_volume`` and work account count N - 1 (its step time does charge N grad hops). ``llama3``
+:data:`BYTE_BANDS`; P2P exchanges and bytes exactly, the dK/dV partial sums included: the
+package sends them at every step, N hops (the last one home), and so do the model's
+``comm_volume`` and work account for ``impl="ring_flash_attn"`` (:func:`flashcp.comm.ring_grad_hops`),
+and the bytes every exchange receives sum to ``comm_volume``'s ``p2p_bytes``. ``llama3``
 is held against the terms of the model's ring-flash-attn llama3 step (:func:`compare_llama3`).
 Not compared: host syncs (on CPU a boolean-mask gather has none; on a GPU each is a
 host-to-device copy), views and allocations.
@@ -317,14 +318,20 @@ def compare_ring(n: int, i: int) -> list[str]:
     # P2P: one batch_isend_irecv is one exchange; its bytes are this rank's receives
     calls_f, per_f = acc.comm[("fwd", "p2p")]
     calls_g, per_g = acc.comm[("bwd", "p2p_grad")]
+    if calls_g != n:
+        bad.append(f"bwd dK/dV hops: model {calls_g}, the package sends at every one of {n} steps")
     want = {"fwd": (calls_f, calls_f * per_f),
-            # the package sends its dK/dV partial sums at every step: N hops (GRAD_HOPS)
-            "bwd": (calls_f + calls_g + 1, calls_f * per_f + (calls_g + 1) * per_g)}  # fmt: skip
+            "bwd": (calls_f + calls_g, calls_f * per_f + calls_g * per_g)}  # fmt: skip
     for phase, (calls, nbytes) in want.items():
         got = tr["comm"].get((phase, "p2p"), [])
         if len(got) != calls or sum(got) != nbytes:
             bad.append(f"{phase} p2p: package {len(got)} calls, {sum(got)} B != model "
-                       f"{calls} calls, {nbytes} B (listed)")  # fmt: skip
+                       f"{calls} calls, {nbytes} B")  # fmt: skip
+    # the bytes the package's exchanges receive in the step are the priced p2p_bytes
+    got = sum(sum(tr["comm"].get((phase, "p2p"), [])) for phase in ("fwd", "bwd"))
+    vol = comm_volume(plan, "p2p_ring", shape, "train", impl="ring_flash_attn")["p2p_bytes"]
+    if got != vol:
+        bad.append(f"p2p bytes: package {got} != comm_volume {vol}")
     return [f"{method} N={n} docs={docs}: {b}" for b in bad]
 
 

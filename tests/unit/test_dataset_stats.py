@@ -25,6 +25,9 @@ def test_sequence_stats_by_hand():
     work = [1.0, (6 + 15) / full, (3 + 3 + 10) / full]
     assert got["causal_work_rel_mean"] == pytest.approx(np.mean(work))
     assert got["seqs_with_doc_over_half"] == pytest.approx(2 / 3)
+    # tokens in documents shorter than C/2 = 4: 3 of [3, 0, 5], 2 + 2 of [2, 2, 4] (4 is not < 4)
+    assert got["tokens_in_docs_under_half"] == pytest.approx((3 + 4) / 24)
+    assert got["longest_share_max"] == 1.0
 
 
 @pytest.mark.parametrize(

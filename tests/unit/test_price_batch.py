@@ -413,3 +413,62 @@ def test_keep_gathered_kv_refused_where_no_op_keeps_it():
     with pytest.raises(ValueError, match="not impl=ring_flash_attn"):
         simulate(llama3[0], SHAPES[0], HWS[0], "train", impl="ring_flash_attn",
                  keep_gathered_kv=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("compiled_mode", ["0", "1"])
+def test_grad_comm_dtype_priced_by_both_paths(compiled_mode, monkeypatch):
+    """``grad_comm_dtype`` (the all-gather op's reduce-scatter dtype): both paths agree to 1e-12;
+    in the model dtype (bf16) with ``keep_gathered_kv`` the step's bytes are Eq. 4 / Eq. 5's
+    ``4 x tokens x Hkv x D`` elements; the reduce-scatter (time and bytes) moves, and the two
+    casts around it (the gathered rows' fp32 dK/dV to bf16, the received rows back) add to
+    others_ms where rows are sent."""
+    if compiled_mode == "1":
+        pytest.importorskip("numba")
+    monkeypatch.setenv("FLASHCP_COMPILED", compiled_mode)
+    plans = [p for m in KEEP_METHODS for p in _plans(m, 4, 2, seed=80)]
+    got = price_plans(plans, SHAPES, MODES, HWS, keep_gathered_kv=True, grad_comm_dtype="bfloat16")
+    base = price_plans(plans, SHAPES, MODES, HWS, keep_gathered_kv=True)
+    train = MODES.index("train")
+    for b, shape in enumerate(SHAPES):
+        for k, plan in enumerate(plans):
+            ref = simulate(plan, shape, HWS[0], "train", keep_gathered_kv=True,
+                           grad_comm_dtype="bfloat16")  # fmt: skip
+            for col in PHASE_COLUMNS:
+                np.testing.assert_allclose(got[col][0, b, train, k], ref[col], rtol=1e-12, atol=0)
+            tokens = (
+                plan.comm_tokens_full if plan.method in ("llama3", "per_doc") else plan.comm_tokens
+            )
+            eq = 4 * tokens * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes
+            assert ref["comm_bytes"] == eq == got["comm_bytes"][0, b, train, k], plan.method
+    rs = got["reducescatter_bytes"][:, :, train]
+    np.testing.assert_array_equal(2 * rs, base["reducescatter_bytes"][:, :, train])
+    sent = base["reducescatter_bytes"][:, :, train] > 0
+    assert (
+        got["reducescatter_ms"][:, :, train][sent] < base["reducescatter_ms"][:, :, train][sent]
+    ).all()
+    for col in ("allgather_ms", "attn_fwd_ms", "attn_bwd_ms", "allgather_bytes"):
+        np.testing.assert_array_equal(got[col], base[col], err_msg=col)
+    infer = MODES.index("infer")
+    np.testing.assert_array_equal(got["others_ms"][:, :, infer], base["others_ms"][:, :, infer])
+    others, others0 = got["others_ms"][:, :, train], base["others_ms"][:, :, train]
+    assert (others[sent] > others0[sent]).all() and (others[~sent] == others0[~sent]).all()
+    # a float32 reduce-scatter of a bf16 model is the default: the same numbers to the bit
+    f32 = price_plans(plans, SHAPES, MODES, HWS, keep_gathered_kv=True, grad_comm_dtype="float32")
+    for col in base:
+        np.testing.assert_array_equal(f32[col], base[col], err_msg=col)
+    with pytest.raises(ValueError, match="grad_comm_dtype=bfloat16 is an option of the all-gather"):
+        price_plans(_plans("ring", 4, 1, seed=1), SHAPES, MODES, HWS, grad_comm_dtype="bfloat16")
+    with pytest.raises(ValueError, match="unknown grad_comm_dtype 'bf16'"):
+        simulate(plans[0], SHAPES[0], HWS[0], "train", grad_comm_dtype="bf16")
+
+
+def test_grad_comm_dtype_compiled_bitwise(monkeypatch):
+    pytest.importorskip("numba")
+    plans = [p for m in KEEP_METHODS for p in _plans(m, 8, 2, seed=90)]
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FLASHCP_COMPILED", mode)
+        got[mode] = price_plans(plans, SHAPES, MODES, HWS, keep_gathered_kv=True,
+                                grad_comm_dtype="bfloat16")  # fmt: skip
+    for col in got["0"]:
+        np.testing.assert_array_equal(got["1"][col], got["0"][col], err_msg=col)

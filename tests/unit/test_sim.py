@@ -158,6 +158,51 @@ def test_columns_total_and_bytes(method, seed):
             assert row["attn_bwd_ms"] == row["reducescatter_ms"] == 0.0
 
 
+@pytest.mark.parametrize("method", ["ring", "zigzag"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_flash_attn_counts_n_grad_hops(method, n):
+    """ring-flash-attn's ring backward sends dK/dV at each of its N steps (ours N - 1): its
+    p2p_bytes hold one fp32 dK/dV block more, priced per hop as before (the step time is the
+    same), and the simulator reports comm_volume's bytes."""
+    from flashcp.comm import ring_grad_hops
+    from flashcp.sim.impl import impl_plan
+
+    assert ring_grad_hops(n, "ring_flash_attn") == n and ring_grad_hops(n) == n - 1
+    assert ring_grad_hops(1, "ring_flash_attn") == 0
+    plan, _ = impl_plan(method, "ring_flash_attn", [4096 * n, 2048 * n, 512 * n], n)
+    block = int(plan.doc_tokens_per_rank.max())
+    ours = comm_volume(plan, "p2p_ring", SHAPE, "train")
+    rfa = comm_volume(plan, "p2p_ring", SHAPE, "train", impl="ring_flash_attn")
+    grad_block = block * 2 * SHAPE.num_kv_heads * SHAPE.head_dim * 4  # fp32 partial sums
+    assert rfa["p2p_bytes"] - ours["p2p_bytes"] == grad_block
+    assert (
+        rfa["p2p_bytes"]
+        == 2 * (n - 1) * block * 2 * SHAPE.num_kv_heads * SHAPE.head_dim * 2 + n * grad_block
+    )
+    row = simulate(plan, SHAPE, HW, "train", impl="ring_flash_attn")
+    assert row["p2p_bytes"] == rfa["p2p_bytes"]
+    for mode in ("infer",):
+        assert comm_volume(plan, "p2p_ring", SHAPE, mode, impl="ring_flash_attn") == comm_volume(
+            plan, "p2p_ring", SHAPE, mode
+        )
+    with pytest.raises(ValueError, match=r"unknown method\.impl 'flash'"):
+        comm_volume(plan, "p2p_ring", SHAPE, "train", impl="flash")
+
+
+def test_ring_flash_attn_llama3_reduce_scatters_in_model_dtype():
+    """ring-flash-attn's llama3 reduce-scatters a model-dtype dK/dV buffer (its dkv_buffer)."""
+    from flashcp.sim.impl import impl_plan
+
+    plan, _ = impl_plan("llama3", "ring_flash_attn", [30000, 2768], 4)
+    ours = comm_volume(plan, "allgather_full", SHAPE, "train")
+    rfa = comm_volume(plan, "allgather_full", SHAPE, "train", impl="ring_flash_attn")
+    assert rfa["allgather_bytes"] == ours["allgather_bytes"]
+    assert rfa["reducescatter_bytes"] * 2 == ours["reducescatter_bytes"]  # bf16 vs fp32
+    assert rfa["reducescatter_bytes"] == rfa["allgather_bytes"] // 2
+    row = simulate(plan, SHAPE, HW, "train", impl="ring_flash_attn")
+    assert row["reducescatter_bytes"] == rfa["reducescatter_bytes"]
+
+
 @pytest.mark.parametrize("method", FAST_METHODS)
 def test_infer_cheaper_than_train(method):
     for seed in range(3):

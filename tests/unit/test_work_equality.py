@@ -63,6 +63,9 @@ SAMPLES = (
     # the all-gather op's keep_gathered_kv (an op option, not a planner's): no backward gather
     ("llama3", 4, (40, 8, 24, 56), {"keep_gathered_kv": True}),
     ("flashcp", 4, (40, 8, 24, 56), {"keep_gathered_kv": True}),
+    # and its dK/dV reduce-scatter in bf16: the send rows cast to it, the received rows back
+    ("llama3", 4, (40, 8, 24, 56), {"keep_gathered_kv": True, "grad_comm_dtype": "bfloat16"}),
+    ("flashcp", 4, (40, 8, 24, 56), {"grad_comm_dtype": "bfloat16"}),
     ("flashcp", 2, (12, 20, 8), {}),
     ("flashcp", 4, (40, 8, 24, 56), {}),
     ("flashcp_refined", 4, (40, 8, 24, 56), {}),
@@ -354,13 +357,16 @@ def _sample(i: int, j: int):
     shape = SHAPES[j]
     opts = dict(opts)
     keep = opts.pop("keep_gathered_kv", False)
+    grad = opts.pop("grad_comm_dtype", None)
     if "layout" in opts:
         plan = make_plan(method, n, np.array(docs), *(np.array(c) for c in opts["layout"]))
     else:
         plan = make_plan_for(method, np.array(docs), n, **opts)
-    op_options = {"keep_gathered_kv": True} if keep else None
-    traces = trace_work(plan, shape, "train", op_options=op_options)
-    acc = work_account(plan, shape, "train", HW, keep_gathered_kv=keep)
+    op_options = {"keep_gathered_kv": True} if keep else {}
+    if grad is not None:
+        op_options["grad_comm_dtype"] = grad
+    traces = trace_work(plan, shape, "train", op_options=op_options or None)
+    acc = work_account(plan, shape, "train", HW, keep_gathered_kv=keep, grad_comm_dtype=grad)
     return plan, shape, trace_account(traces, HW, n), acc
 
 
@@ -542,6 +548,7 @@ def test_every_method_is_sampled():
         f"{s[0]}-N{s[1]}-{len(s[2])}docs"
         + ("-layout" if "layout" in s[3] else "")
         + ("-keepkv" if s[3].get("keep_gathered_kv") else "")
+        + (f"-{s[3]['grad_comm_dtype']}" if s[3].get("grad_comm_dtype") else "")
         for s in SAMPLES
     ],
 )

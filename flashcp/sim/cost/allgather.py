@@ -12,7 +12,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from flashcp import compiled
-from flashcp.comm import AttnShape, check_keep_gathered_kv_kind, comm_volume
+from flashcp.comm import (
+    DTYPE_BYTES,
+    AttnShape,
+    check_keep_gathered_kv_kind,
+    comm_volume,
+    grad_comm_bytes,
+)
 from flashcp.plan import Plan
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim.cost.units import _op_us, _stats, overlap_us
@@ -165,8 +171,8 @@ def _step_allgather_batch(
     plans on (S, N) arrays (``c_(x)`` marks a per-plan value broadcast over ranks)."""
     first = costs[0]
     hw, n, kind = first.hw, first.n, first.comm_kind
-    keep = first.keep
-    vols = [comm_volume(c.plan, kind, shape, mode, keep_gathered_kv=keep) for c in costs]
+    keep, grad = first.keep, first.grad_dtype
+    vols = [comm_volume(c.plan, kind, shape, mode, grad, keep_gathered_kv=keep) for c in costs]
     vol = {k: np.array([v[k] for v in vols], dtype=np.int64) for k in COMM_COLUMNS}
     local = np.stack([c.q_rows for c in costs])  # (S, N)
     kv_rows = np.stack([c.kv_rows for c in costs])
@@ -179,7 +185,9 @@ def _step_allgather_batch(
             [hw.collective_us(b, t, busbw, op) for b, t in zip(nbytes, total, strict=True)]
         )
 
-    out = _allgather_phases(hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vol, coll, keep)
+    out = _allgather_phases(
+        hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vol, coll, keep, grad
+    )
     phases = [out[c] for c in PHASE_COLUMNS if c != "total_ms"]
     out["total_ms"] = np.array([math.fsum(x) for x in zip(*phases, strict=True)])
     out.update(vol)
@@ -207,16 +215,46 @@ def _check_keep(plan: Plan, comm_kind: str, impl: str, keep_gathered_kv) -> None
         raise ValueError(f"keep_gathered_kv=True is an option of impl=ours, not impl={impl}")
 
 
+def _check_grad_dtype(plan: Plan, comm_kind: str, impl: str, grad_comm_dtype) -> None:
+    """Raise ValueError unless ``grad_comm_dtype`` is None, or a dtype name
+    (:data:`flashcp.comm.DTYPE_BYTES`) for a plan the project's all-gather op runs (all-gather comm
+    kind, no head parallelism, ``impl="ours"``): the only op whose reduction dtype the simulator
+    takes as an option (its ``grad_comm_dtype``)."""
+    if grad_comm_dtype is None:
+        return
+    if grad_comm_dtype not in DTYPE_BYTES:
+        raise ValueError(
+            f"unknown grad_comm_dtype {grad_comm_dtype!r}; choose one of {', '.join(DTYPE_BYTES)}"
+        )
+    if (
+        comm_kind not in ("allgather_full", "allgather_sharded")
+        or plan.ulysses_degree > 1
+        or impl != "ours"
+    ):
+        raise ValueError(
+            f"grad_comm_dtype={grad_comm_dtype} is an option of the all-gather op family "
+            f"(impl=ours); a {plan.method} plan (comm_kind {comm_kind}, impl {impl}, "
+            f"ulysses_degree {plan.ulysses_degree}) is not run by it"
+        )
+
+
 def _allgather_phases(
-    hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vol, coll, keep=False
+    hw, n, local, kv_rows, send_max, fwd, bwd, shape, mode, vol, coll, keep=False, grad=None
 ):  # fmt: skip
     """Phase times (ms; (S,) arrays, ``total_ms`` left out) of the project's all-gather op for S
     plans from their (S, N) statistics: ``local`` / ``kv_rows`` query and key rows per rank,
     ``send_max`` (S,) the largest rank's send rows, ``vol`` their communication bytes, ``coll``
     :meth:`HardwareProfile.collective_us` over arrays ``(recv_bytes, total_bytes, busbw, op)``;
-    ``keep``: the backward reuses the forward's gathered KV (no source buffer, no all-gather)."""
+    ``keep``: the backward reuses the forward's gathered KV (no source buffer, no all-gather);
+    ``grad``: ``grad_comm_dtype``. Where it differs from the op's accumulation dtype (fp32 for
+    16-bit models) the op casts the gathered rows' dK/dV to it before the reduce-scatter
+    (``dsource[t:].to(gdt)``: N x send_max rows) and the received rows back
+    (``rs_out.to(acc)``: send_max rows, the largest rank's), two more ops per head group."""
     train = mode == "train"
     h, hkv, d, e = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
+    acc_b = grad_comm_bytes(shape)  # the accumulation dtype's bytes (the default comm dtype)
+    comm_b = grad_comm_bytes(shape, grad)
+    cast = float(comm_b) if comm_b != acc_b else 0.0  # 0: no cast (the send rows are a view)
     op_us = functools.partial(_op_us, hw)
     rows, hg, groups = _ag_head_groups(n, local, send_max, hkv, d)
     qh = h // groups
@@ -229,7 +267,7 @@ def _allgather_phases(
     if kernels is not None:
         return _allgather_phases_compiled(
             kernels, hw, rows, hg, groups, qh, ag, ag_bytes, local, kv_rows, send_max, fwd, bwd,
-            shape, train, vol, coll, total_scale, keep,
+            shape, train, vol, coll, total_scale, keep, cast, float(acc_b),
         )  # fmt: skip
     kv_el = 2.0 * hg * d
     build = op_us(4, local * c_(kv_el) * e * 2 + c_(send_max * kv_el * e * 3))
@@ -278,6 +316,11 @@ def _allgather_phases(
             bbuild + keys + grads + np.where(c_(split), op_us(3, local * c_(qh) * d * e * 2), 0.0)
         )
         bwd_ops = 11 - 4 * keep + sends + np.where(split, 3, 0)
+        if cast:  # dK/dV of the send rows cast to grad_comm_dtype and the received rows back
+            bwd_copies = bwd_copies + op_us(
+                c_(2 * sends), c_((n + 1) * send_max * kv_el * (acc_b + cast))
+            )
+            bwd_ops = bwd_ops + 2 * sends
         dev_b = c_(groups) * (c_(bag) + bwd_copies + bwd_k + c_(rs))
         host_b = groups * ((1 if keep else 2) * coll_host + hw.host_op_us * (bwd_ops + 1))
         out["allgather_ms"] = out["allgather_ms"] + groups * bag / 1e3
@@ -292,7 +335,7 @@ def _allgather_phases(
 
 def _allgather_phases_compiled(
     kernels, hw, rows, hg, groups, qh, ag, ag_bytes, local, kv_rows, send_max, fwd, bwd, shape,
-    train, vol, coll, total_scale, keep=False,
+    train, vol, coll, total_scale, keep=False, cast=0.0, acc_b=4.0,
 ):  # fmt: skip
     """:func:`_allgather_phases` with its per-rank part in
     :func:`flashcp.sim.cost.kernels.allgather_ranks` (the same numbers, to the bit); the
@@ -321,6 +364,7 @@ def _allgather_phases_compiled(
         f64(local), f64(kv_rows), f64(send_max), f64(rows), i64(hg), i64(groups), i64(qh),
         f64(np.broadcast_to(ag, (s,))), f64(np.broadcast_to(rs, (s,))), f64(coll_host),
         f64(np.stack(fwd)), f64(np.stack(bwd)), train, d, shape.dtype_bytes, consts, keep,
+        cast, acc_b,
     )  # fmt: skip
     out = {
         "allgather_ms": groups * ag / 1e3,

@@ -15,7 +15,12 @@ from flashcp.comm import AttnShape, check_mode, comm_volume
 from flashcp.plan import Plan
 from flashcp.plan.head_parallel import one_group_documents
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
-from flashcp.sim.cost.allgather import AllGatherCost, _check_keep, _step_allgather_batch
+from flashcp.sim.cost.allgather import (
+    AllGatherCost,
+    _check_grad_dtype,
+    _check_keep,
+    _step_allgather_batch,
+)
 from flashcp.sim.cost.alltoall import AllToAllCost
 from flashcp.sim.cost.ring import RingCost, _step_ring_batch
 from flashcp.sim.cost.units import _check_comm_kind, _check_sim_args, _single_phases
@@ -27,7 +32,10 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
     """Everything about one plan the step model needs that does not depend on shape or mode.
 
     Build once per (plan, hardware, comm_kind, impl) and call :meth:`step` per (shape, mode).
-    ``keep_gathered_kv``: the all-gather op's option (``impl="ours"`` only; ValueError elsewhere).
+    ``keep_gathered_kv``: the all-gather op's option (``impl="ours"`` only; ValueError elsewhere);
+    ``grad_comm_dtype``: the all-gather op's dK/dV reduce-scatter dtype (a name of
+    :data:`flashcp.comm.DTYPE_BYTES`, or None for the op's default, float32 for bf16 models;
+    ``impl="ours"`` only), which sets the reduce-scatter's bytes (:func:`flashcp.comm.comm_volume`).
 
     Attributes (all-gather family; (N,) arrays indexed by rank): ``fwd``, ``bwd`` (:class:`TileStats`
     of the rank's one varlen call), ``q_rows``, ``kv_rows``, ``send_rows`` (tokens).
@@ -38,10 +46,13 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
     def __init__(
         self, plan: Plan, hw: HardwareProfile, comm_kind: str, impl: str = "ours", *,
         one_device: bool = True, keep_gathered_kv: bool = False,
+        grad_comm_dtype: str | None = None,
     ) -> None:  # fmt: skip
         check_impl(plan.method, impl)
         _check_keep(plan, comm_kind, impl, keep_gathered_kv)
+        _check_grad_dtype(plan, comm_kind, impl, grad_comm_dtype)
         self.keep = bool(keep_gathered_kv)
+        self.grad_dtype = grad_comm_dtype
         self.plan = plan
         self.hw = hw
         self.comm_kind = comm_kind
@@ -94,7 +105,7 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
         if any(getattr(hw, b) != getattr(self.hw, b) for b in blocks):
             return PlanCost(
                 self.plan, hw, self.comm_kind, self.impl, one_device=self.one_device,
-                keep_gathered_kv=self.keep,
+                keep_gathered_kv=self.keep, grad_comm_dtype=self.grad_dtype,
             )  # fmt: skip
         other = copy.copy(self)
         other.hw = hw
@@ -112,7 +123,9 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
         """
         check_mode(mode)
         train = mode == "train"
-        vol = comm_volume(self.plan, self.comm_kind, shape, mode, keep_gathered_kv=self.keep)
+        vol = comm_volume(
+            self.plan, self.comm_kind, shape, mode, self.grad_dtype, self.keep, self.impl
+        )
         if self.single:
             fwd_k, bwd_k = (float(x[0]) for x in self._alltoall_kernels_us(shape, train))
             t, r = self.plan.context_len, float(self.q_rows[0])
@@ -125,7 +138,9 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
         elif self.comm_kind == "p2p_ring":
             fwd_p2p = vol["p2p_bytes"]
             if train:
-                fwd_p2p = comm_volume(self.plan, self.comm_kind, shape, "infer")["p2p_bytes"]
+                fwd_p2p = comm_volume(self.plan, self.comm_kind, shape, "infer", impl=self.impl)[
+                    "p2p_bytes"
+                ]
             out = self._step_ring(shape, train, vol, fwd_p2p)
         else:
             out = self._step_allgather(shape, train, vol)
@@ -159,6 +174,7 @@ def step_many(costs: Sequence[PlanCost], shape: AttnShape, mode: str) -> dict[st
         and c.n == first.n
         and c.comm_kind == first.comm_kind
         and c.keep == first.keep
+        and c.grad_dtype == first.grad_dtype
         and c.inner is None
         and not c.plain_ulysses
         and not c.single
@@ -184,6 +200,7 @@ def simulate(
     comm_kind: str | None = None,
     impl: str = "ours",
     keep_gathered_kv: bool = False,
+    grad_comm_dtype: str | None = None,
 ) -> dict[str, float]:
     """Simulate one attention layer's CP step of ``plan``.
 
@@ -196,7 +213,7 @@ def simulate(
         comm_kind: ``allgather_full``, ``allgather_sharded`` or ``p2p_ring``; default
             ``COMM_KIND[plan.method]``.
         impl: ``ours`` or ``ring_flash_attn`` (:mod:`flashcp.sim.impl`).
-        keep_gathered_kv: the all-gather op's option (:class:`PlanCost`).
+        keep_gathered_kv, grad_comm_dtype: the all-gather op's options (:class:`PlanCost`).
     Returns:
         Every column of ``PHASE_COLUMNS`` (ms, floats; ``total_ms`` is their sum) and of
         ``COMM_COLUMNS`` (bytes one rank receives, ints, from :func:`flashcp.comm.comm_volume`).
@@ -207,7 +224,10 @@ def simulate(
     """
     _check_sim_args([plan], [shape], [mode])
     kind = _check_comm_kind(plan, comm_kind)
-    cost = PlanCost(plan, load_hardware(hw), kind, impl, keep_gathered_kv=keep_gathered_kv)
+    cost = PlanCost(
+        plan, load_hardware(hw), kind, impl, keep_gathered_kv=keep_gathered_kv,
+        grad_comm_dtype=grad_comm_dtype,
+    )  # fmt: skip
     return cost.step(shape, mode)
 
 

@@ -13,11 +13,16 @@ from collections.abc import Sequence
 import numpy as np
 
 from flashcp import compiled
-from flashcp.comm import AttnShape, check_mode, grad_comm_bytes
+from flashcp.comm import AttnShape, check_mode, grad_comm_bytes, ring_grad_hops
 from flashcp.plan import Plan
 from flashcp.plan.head_parallel import one_group_documents
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
-from flashcp.sim.cost.allgather import _ag_head_groups, _allgather_phases, _check_keep
+from flashcp.sim.cost.allgather import (
+    _ag_head_groups,
+    _allgather_phases,
+    _check_grad_dtype,
+    _check_keep,
+)
 from flashcp.sim.cost.alltoall import _alltoall_phases
 from flashcp.sim.cost.base import PlanCost
 from flashcp.sim.cost.ring import (
@@ -357,25 +362,29 @@ class PlanBatch:
 
     # ---- pricing -----------------------------------------------------------------------------
     def volumes(
-        self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int, keep=False
+        self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int, keep=False,
+        impl: str = "ours", grad=None,
     ):  # fmt: skip
         """:func:`flashcp.comm.comm_volume` of every plan: (S,) int64 per column of
         ``COMM_COLUMNS``. This batch holds the plans across head-parallel groups (the group plans
-        when ``u`` > 1, ``cp_size`` the original plans' N); ``keep``: ``keep_gathered_kv``."""
-        key = ("volumes", comm_kind, shape, mode, u, cp_size, keep)
+        when ``u`` > 1, ``cp_size`` the original plans' N); ``keep``: ``keep_gathered_kv``;
+        ``impl``: which code runs them (``comm_volume``'s ``impl``); ``grad``: its
+        ``grad_comm_dtype``."""
+        key = ("volumes", comm_kind, shape, mode, u, cp_size, keep, impl, grad)
         if key not in self._stats:
-            self._stats[key] = self._volumes(comm_kind, shape, mode, u, cp_size, keep)
+            self._stats[key] = self._volumes(comm_kind, shape, mode, u, cp_size, keep, impl, grad)
         return dict(self._stats[key])
 
     def _volumes(
-        self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int, keep=False
+        self, comm_kind: str, shape: AttnShape, mode: str, u: int, cp_size: int, keep=False,
+        impl: str = "ours", grad=None,
     ):  # fmt: skip
         from flashcp.comm import alltoall_bytes
         from flashcp.plan import kv_bytes
         from flashcp.plan.head_parallel import ulysses_heads
 
         train = mode == "train"
-        grad_elem = grad_comm_bytes(shape)
+        grad_elem = grad_comm_bytes(shape, grad)
         d, e = shape.head_dim, shape.dtype_bytes
         zero = np.zeros(self.s, dtype=np.int64)
         a2a, kv_heads = zero, shape.num_kv_heads
@@ -397,7 +406,9 @@ class PlanBatch:
             rs = kv_bytes(tokens, kv_heads, d, grad_elem) if train else zero
         elif comm_kind == "p2p_ring":
             one = kv_bytes(self.tokens_full, kv_heads, d, e)
-            grad = kv_bytes(self.tokens_full, kv_heads, d, grad_elem)
+            # one block per dK/dV hop: N - 1 (ours) or N (ring-flash-attn), comm.ring_grad_hops
+            block = self.q_rows.max(axis=1).astype(np.int64)
+            grad = kv_bytes(ring_grad_hops(self.n, impl) * block, kv_heads, d, grad_elem)
             p2p = 2 * one + grad if train else one
         vol = {
             "allgather_bytes": ag, "reducescatter_bytes": rs, "p2p_bytes": p2p,
@@ -409,7 +420,7 @@ class PlanBatch:
 
     def phases(
         self, hw: HardwareProfile, comm_kind: str, impl: str, method: str, shape: AttnShape,
-        mode: str, vol: dict[str, np.ndarray], keep=False,
+        mode: str, vol: dict[str, np.ndarray], keep=False, grad=None,
     ) -> dict[str, np.ndarray]:  # fmt: skip
         """Phase times (ms, (S,) arrays, ``total_ms`` left out) of every plan of this batch, no
         head parallelism around them (:meth:`PlanCost.step`'s model); ``keep``:
@@ -433,7 +444,7 @@ class PlanBatch:
                 )
             fwd_p2p = vol["p2p_bytes"]
             if mode == "train":
-                fwd_p2p = self.volumes(comm_kind, shape, "infer", 1, n)["p2p_bytes"]
+                fwd_p2p = self.volumes(comm_kind, shape, "infer", 1, n, impl=impl)["p2p_bytes"]
             p2p_us = functools.partial(_p2p_us_v, hw)
             return _ring_phases(stack, shape, mode, vol["p2p_bytes"], fwd_p2p, p2p_us)
         if comm_kind == "alltoall":
@@ -456,7 +467,19 @@ class PlanBatch:
         send = self.q_rows if comm_kind == "allgather_full" else self.send_rows
         coll = functools.partial(_collective_us_v, hw)
         return _allgather_phases(
-            hw, n, self.q_rows, kv_rows, send.max(axis=1), fwd, bwd, shape, mode, vol, coll, keep
+            hw,
+            n,
+            self.q_rows,
+            kv_rows,
+            send.max(axis=1),
+            fwd,
+            bwd,
+            shape,
+            mode,
+            vol,
+            coll,
+            keep,
+            grad,
         )
 
 
@@ -474,6 +497,7 @@ def price_plans(
     comm_kind: str | None = None,
     impl: str = "ours",
     keep_gathered_kv: bool = False,
+    grad_comm_dtype: str | None = None,
 ) -> dict[str, np.ndarray]:
     """:func:`simulate` of every plan x hardware profile x shape x mode in one call, from the
     plans' arrays: each plan group (same cp_size, method and head-parallel degree) is priced with
@@ -492,6 +516,8 @@ def price_plans(
         impl: ``ours`` or ``ring_flash_attn``.
         keep_gathered_kv: the all-gather op's option (:class:`PlanCost`); every plan must be run
             by that op (all-gather comm kind, no head parallelism) with ``impl="ours"``.
+        grad_comm_dtype: the all-gather op's dK/dV reduce-scatter dtype (:class:`PlanCost`; the
+            same plans only); None: its default.
     Returns:
         Every column of ``PHASE_COLUMNS`` (ms, float64) and ``COMM_COLUMNS`` (bytes, int64) as a
         (P, K, M, S) array indexed ``[profile, shape, mode, plan]``.
@@ -522,6 +548,7 @@ def price_plans(
         if kind is None:
             kind = kinds[p.method] = _check_comm_kind(p, comm_kind)
         _check_keep(p, kind, impl, keep_gathered_kv)
+        _check_grad_dtype(p, kind, impl, grad_comm_dtype)
         u = p.ulysses_degree if kind != "alltoall" else 1
         # one group (u = N > 1) of whole documents: plain Ulysses (PlanCost.plain_ulysses)
         if u > 1 and kind != "alltoall" and one_group_documents(p) is not None:
@@ -550,7 +577,7 @@ def price_plans(
             whole = batch if batch is not None and len(chunk) == len(plans) else None
             part = _price_group(
                 [plans[i] for i in chunk], kind, impl, method, u, hws, shapes, modes, whole,
-                keep=bool(keep_gathered_kv),
+                keep=bool(keep_gathered_kv), grad=grad_comm_dtype,
             )  # fmt: skip
             for col in out:
                 out[col][..., chunk] = part[col]
@@ -666,7 +693,7 @@ def _attention_passes(batch, hw, kind, method, shape, train) -> list[np.ndarray]
 
 
 def _price_group(
-    plans, kind, impl, method, u, hws, shapes, modes, batch=None, keep=False
+    plans, kind, impl, method, u, hws, shapes, modes, batch=None, keep=False, grad=None
 ) -> dict[str, np.ndarray]:
     """:func:`price_plans` of plans sharing (comm_kind, method, cp_size, Ulysses degree u), from
     ``batch`` (a :class:`PlanBatch` of exactly these plans, statistics kept) when given."""
@@ -711,9 +738,9 @@ def _price_group(
                 heads.heads_per_rank, heads.kv_heads_per_rank, shape.head_dim, shape.dtype
             )
         for m, mode in enumerate(modes):
-            vol = batch.volumes(kind, shape, mode, a2a_u, n, keep)
+            vol = batch.volumes(kind, shape, mode, a2a_u, n, keep, impl, grad)
             for a, hw in enumerate(hws):
-                ph = batch.phases(hw, kind, impl, inner_method, inner_shape, mode, vol, keep)
+                ph = batch.phases(hw, kind, impl, inner_method, inner_shape, mode, vol, keep, grad)
                 if u > 1:
                     t = batch.context_len / n
                     a2a = _alltoall_phases(hw, shape, mode == "train", u, t, 0.0, 0.0,

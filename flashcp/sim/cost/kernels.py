@@ -477,7 +477,7 @@ def ring_pass(attn, other, host, idle, hop_us, tail_us, phi, slowdown):
 @njit(cache=True)
 def allgather_ranks(
     local, kv_rows, send_max, rows, hg, groups, qh, ag, rs, coll_host, fwd, bwd, train, d, e, c,
-    keep=False,
+    keep=False, cast=0.0, acc_b=4.0,
 ):  # fmt: skip
     """The per-rank part of :func:`flashcp.sim.cost.allgather._allgather_phases` (the project's
     all-gather op) for S plans: the same float64 operations in the same order, so the same
@@ -491,7 +491,9 @@ def allgather_ranks(
         backward too; d, e: head_dim and dtype bytes; c: (9,) float64 profile constants
         ``launch_us, copy_bw_gbps * 1e3, host_op_us, bwd_extra_kernels, fwd_cta_overhead_us,
         fwd tile_us, bwd_cta_overhead_us, bwd tile_us, num_sms``; keep: the backward reuses the
-        forward's gathered KV (``keep_gathered_kv``: no source buffer, no all-gather).
+        forward's gathered KV (``keep_gathered_kv``: no source buffer, no all-gather); cast:
+        bytes per element of ``grad_comm_dtype`` where the op casts dK/dV to it (0: no cast),
+        acc_b: of the accumulation dtype.
     Returns:
         (4, S) float64: per plan the largest rank's forward attention and forward others, its
         backward attention and backward others (µs; zeros without ``train``).
@@ -511,6 +513,8 @@ def allgather_ranks(
         bwd_ops = 11 + sends + (3 if split else 0)
         if keep:
             bwd_ops = bwd_ops - 4
+        if cast > 0:
+            bwd_ops = bwd_ops + 2 * sends
         host_b = g * ((1 if keep else 2) * coll_host[p] + host_op * (bwd_ops + 1))
         bag = 0.0 if keep else ag[p]
         gqa = h != k
@@ -555,6 +559,10 @@ def allgather_ranks(
                 bcopies = bcopies + (3 * launch + (lq * h * d * e * 2) / copy_bw)
             else:
                 bcopies = bcopies + 0.0
+            if cast > 0:
+                bcopies = bcopies + (
+                    2 * sends * launch + ((n + 1) * send_max[p] * kv_el * (acc_b + cast)) / copy_bw
+                )
             dev_b = g * (bag + bcopies + bwd_k + rs[p])
             ba = max(ba, g * bwd_k)
             bo = max(bo, g * bcopies + max(host_b - dev_b, 0.0))

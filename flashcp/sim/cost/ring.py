@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from flashcp import compiled
-from flashcp.comm import AttnShape, comm_volume
+from flashcp.comm import AttnShape, comm_volume, ring_grad_hops
 from flashcp.plan import Plan, cu_seqlens
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
 from flashcp.sim.cost.units import _op_us, _stats, overlap_us
@@ -363,8 +363,8 @@ class RingCost:
             fwd = self._fwd_memo[shape] = self._ring_fwd_compute(shape)
         fa, fo, fp = self._ring_pass(*fwd, fwd_hop, 0.0)
         ba = bo = bp = 0.0
-        if train and n > 1:
-            grad_hop = hw.p2p_us((vol["p2p_bytes"] - 2 * fwd_p2p) / steps)
+        if train and n > 1:  # N - 1 grad hops (ours) or N (ring-flash-attn): comm.ring_grad_hops
+            grad_hop = hw.p2p_us((vol["p2p_bytes"] - 2 * fwd_p2p) / ring_grad_hops(n, self.impl))
             ba, bo, bp = self._ring_pass(
                 *self._ring_bwd_compute(shape), fwd_hop + grad_hop, grad_hop
             )
@@ -492,9 +492,11 @@ def _step_ring_batch(
     first = costs[0]
     hw, kind = first.hw, first.comm_kind
     train = mode == "train"
-    vols = [comm_volume(c.plan, kind, shape, mode) for c in costs]
+    vols = [comm_volume(c.plan, kind, shape, mode, impl=c.impl) for c in costs]
     fwd_p2p = [
-        comm_volume(c.plan, kind, shape, "infer")["p2p_bytes"] if train else v["p2p_bytes"]
+        comm_volume(c.plan, kind, shape, "infer", impl=c.impl)["p2p_bytes"]
+        if train
+        else v["p2p_bytes"]
         for c, v in zip(costs, vols, strict=True)
     ]
     p2p = np.array([v["p2p_bytes"] for v in vols])
@@ -529,7 +531,8 @@ def _ring_phases(stack, shape: AttnShape, mode: str, p2p_bytes, fwd_p2p, p2p_us)
     zero = np.zeros(s)
     ba = bo = bp = zero
     if train and n > 1:
-        grad_hop = p2p_us((np.asarray(p2p_bytes, dtype=np.float64) - 2 * fwd_p2p) / steps)
+        grad = np.asarray(p2p_bytes, dtype=np.float64) - 2 * fwd_p2p
+        grad_hop = p2p_us(grad / ring_grad_hops(n, stack.impl))
         bwd = _ring_compute(kernels, stack, shape, True)
         ba, bo, bp = ring_pass(*bwd, fwd_hop + grad_hop, grad_hop)
     elif train:

@@ -43,7 +43,14 @@ from flashcp.ops import get_attn_op
 from flashcp.ops.backends import VarlenBackend, get_backend
 from flashcp.plan import Plan
 
-__all__ = ["OP_CATEGORIES", "RankTrace", "WorkEvent", "op_traffic", "trace_work"]
+__all__ = [
+    "OP_CATEGORIES",
+    "RankTrace",
+    "WorkEvent",
+    "exchange_schedule",
+    "op_traffic",
+    "trace_work",
+]
 
 #: categories of a recorded ATen op: ``launch`` a device kernel moving memory (copies, casts,
 #: fills, element-wise math, index gathers and scatters), ``alloc`` an allocation without a
@@ -106,10 +113,15 @@ class RankTrace:
     Attributes:
         rank: the rank.
         events: :class:`WorkEvent` in program order.
+        exchanges: one ``[phase, kind, posted, waited]`` per ring exchange, kind ``kv`` (the
+            next KV block) or ``grad`` (a dK/dV partial sum); ``posted`` / ``waited``: how many
+            events were recorded when it was posted and when its wait returned (-1 until then):
+            the kernels between them ran while it was in flight (:func:`exchange_schedule`).
     """
 
     rank: int
     events: list[WorkEvent] = field(default_factory=list)
+    exchanges: list[list] = field(default_factory=list)
 
     def select(self, kind: str, phase: str | None = None, **match) -> list[WorkEvent]:
         """The events of ``kind`` (and ``phase``, and every attribute given in ``match``)."""
@@ -251,6 +263,7 @@ class _TracingReplay(ReplayGroup):
 
     rec: _Recorder
     kv_posts: set
+    open_exchanges: dict
 
     def _comm(self, kind: str, nbytes: int) -> None:
         self.rec.add(WorkEvent("comm", self.rec.phase, self.rec.step, kind, nbytes=int(nbytes),
@@ -277,11 +290,16 @@ class _TracingReplay(ReplayGroup):
             handle = super().ring_post(tensors, tag)
         if tag == 0:  # the KV block of the next ring step (tag 1: a dK/dV partial sum)
             self.kv_posts.add(handle[0])
+        trace = self.rec.trace
+        entry = [self.rec.phase, "kv" if tag == 0 else "grad", len(trace.events), -1]
+        trace.exchanges.append(entry)
+        self.open_exchanges[handle[0]] = entry
         return handle
 
     def ring_wait(self, handle):
         with self.rec.pause():
             got = super().ring_wait(handle)
+        self.open_exchanges.pop(handle[0])[3] = len(self.rec.trace.events)
         if handle[0] in self.kv_posts:  # the next block arrived: the next ring step begins
             self.kv_posts.discard(handle[0])
             self.rec.step += 1
@@ -338,7 +356,7 @@ def trace_work(
         trace = RankTrace(rank)
         rec = _Recorder(trace)
         group = _TracingReplay(rank, n, rec_pass, _Clock(device), False)
-        group.rec, group.kv_posts = rec, set()
+        group.rec, group.kv_posts, group.open_exchanges = rec, set(), {}
         be = _traced_backend(inner, rec)
         q, k, v = (x.detach().requires_grad_(train) for x in inputs[rank][:3])
         dout = inputs[rank][3] if train else None
@@ -353,6 +371,35 @@ def trace_work(
             )
         traces.append(trace)
     return traces
+
+
+def exchange_schedule(trace: RankTrace, phase: str, steps: int) -> dict[str, np.ndarray]:
+    """Which ring step's kernels each exchange of ``phase`` was in flight over.
+
+    An exchange overlaps step t when a kernel call of step t ran between its post and the return
+    of its wait (:attr:`RankTrace.exchanges`); one that no kernel call overlaps is exposed.
+    Meaningful for a rank that calls a kernel at every step (else an exchange beside a step
+    without work reads as exposed).
+
+    Args:
+        trace: one rank's trace; phase: ``fwd`` or ``bwd``; steps: ring steps of the pass (N).
+    Returns:
+        ``{kind: (steps + 1,) int64}`` for kinds ``kv`` and ``grad``: exchanges overlapping each
+        step, the last entry the exposed ones.
+    Raises:
+        ValueError: an exchange overlapping kernels of two steps, or one never waited.
+    """
+    out = {k: np.zeros(steps + 1, dtype=np.int64) for k in ("kv", "grad")}
+    for ph, kind, posted, waited in trace.exchanges:
+        if ph != phase:
+            continue
+        if waited < 0:
+            raise ValueError(f"rank {trace.rank}: a {kind} exchange of {phase} was never waited")
+        over = {e.step for e in trace.events[posted:waited] if e.kind == "kernel"}
+        if len(over) > 1:
+            raise ValueError(f"rank {trace.rank}: a {kind} exchange spans steps {sorted(over)}")
+        out[kind][over.pop() if over else steps] += 1
+    return out
 
 
 #: items :func:`trace_account` sums per (phase, step, rank)

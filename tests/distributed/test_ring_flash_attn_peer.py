@@ -58,10 +58,11 @@ from standins.ring_flash_attn_peer import (
 )
 
 from flashcp.comm import AttnShape, comm_volume
-from flashcp.executors.work_trace import RankTrace, trace_account
+from flashcp.executors.work_trace import RankTrace, exchange_schedule, trace_account
 from flashcp.ops.reference import reference_attention
 from flashcp.ops.sharding import global_rows
 from flashcp.sim.cost import PlanCost
+from flashcp.sim.cost.ring import ring_overlap_schedule
 from flashcp.sim.hardware import load_hardware
 from flashcp.sim.impl import RFA_HEADS_K_STRIDE, impl_plan
 from flashcp.sim.work import work_account
@@ -327,6 +328,15 @@ def compare_ring(n: int, i: int) -> list[str]:
         if len(got) != calls or sum(got) != nbytes:
             bad.append(f"{phase} p2p: package {len(got)} calls, {sum(got)} B != model "
                        f"{calls} calls, {nbytes} B")  # fmt: skip
+    # per pass, the exchanges in flight over each step's kernels (and exposed) on the last rank,
+    # which calls a kernel at every step, are the model's (tests/unit/test_ring_schedule.py)
+    for phase, train in (("fwd", False), ("bwd", True)):
+        got = exchange_schedule(traces[n - 1], phase, n)
+        want = ring_overlap_schedule(n, "ring_flash_attn", train)
+        for kind in ("kv", "grad"):
+            if got[kind].tolist() != want[kind].tolist():
+                bad.append(f"{phase} {kind} exchanges per step (last: exposed): package "
+                           f"{got[kind].tolist()} != model {want[kind].tolist()}")  # fmt: skip
     # the bytes the package's exchanges receive in the step are the priced p2p_bytes
     got = sum(sum(tr["comm"].get((phase, "p2p"), [])) for phase in ("fwd", "bwd"))
     vol = comm_volume(plan, "p2p_ring", shape, "train", impl="ring_flash_attn")["p2p_bytes"]

@@ -119,7 +119,9 @@ class PeerRecorder(_Recorder):
     * :meth:`patched` wraps ``torch.distributed.batch_isend_irecv`` (one ``p2p`` exchange: the
       bytes of its receives), ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` as
       ``comm`` events, and counts ring steps: the first ``RingComm`` a pass creates carries the
-      KV blocks, and each of its ``wait`` calls starts the next ring step.
+      KV blocks, and each of its ``wait`` calls starts the next ring step; each ``commit`` and
+      its ``wait`` bound one exchange of :attr:`~flashcp.executors.work_trace.RankTrace.exchanges`
+      (``kv`` on that first ``RingComm``, ``grad`` on the dK/dV one).
     """
 
     def __init__(self, trace: RankTrace, group_size: int) -> None:
@@ -185,9 +187,16 @@ class PeerRecorder(_Recorder):
                 self.carries_kv = rec.comms_made == 0
                 rec.comms_made += 1
 
+            def commit(self):
+                super().commit()
+                kind = "kv" if self.carries_kv else "grad"
+                self.entry = [rec.phase, kind, len(rec.trace.events), -1]
+                rec.trace.exchanges.append(self.entry)
+
             def wait(self):
                 with rec.pause():
                     super().wait()
+                self.entry[3] = len(rec.trace.events)
                 if self.carries_kv:
                     rec.step += 1
 

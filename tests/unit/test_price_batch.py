@@ -266,7 +266,12 @@ def test_ring_pass_kernel_bitwise(impl, cp_size, monkeypatch):
     pytest.importorskip("numba")
     from flashcp import compiled
     from flashcp.sim.cost import PlanBatch
-    from flashcp.sim.cost.ring import _ring_compute, _ring_pass_compiled, _stack_from_arrays
+    from flashcp.sim.cost.ring import (
+        _ring_compute,
+        _ring_pass_compiled,
+        _stack_from_arrays,
+        ring_pass_hops,
+    )
     from flashcp.sim.impl import impl_ops
 
     monkeypatch.setenv("FLASHCP_COMPILED", "1")
@@ -291,8 +296,13 @@ def test_ring_pass_kernel_bitwise(impl, cp_size, monkeypatch):
                     got = _ring_compute(kernels, stack, shape, backward)
                     for a, b in zip(got, ref, strict=True):
                         np.testing.assert_array_equal(a, b)
+                train_hops = ring_pass_hops(n, impl, True, hop, hop + 3.0)
                 for parts in (fwd, bwd):
-                    for hop_us, tail_us in ((hop, 0.0), (hop + 3.0, hop), (0.0, 0.0)):
+                    for hop_us, tail_us in (
+                        ring_pass_hops(n, impl, False, hop),
+                        train_hops,
+                        (0.0, 0.0),
+                    ):
                         ref = stack._ring_pass(*parts, hop_us, tail_us)
                         got = _ring_pass_compiled(kernels, stack, *parts, hop_us, tail_us)
                         for a, b in zip(got, ref, strict=True):

@@ -431,7 +431,9 @@ def ring_pass(attn, other, host, idle, hop_us, tail_us, phi, slowdown):
     Args:
         attn, other, host, idle: (S, N, N) float64 ``[plan, t, r]`` µs (idle: zeros without
             stream syncs).
-        hop_us, tail_us: (S,) float64 µs per hop and exposed at the end.
+        hop_us: (S, N) float64 µs of exchanges overlapped with each step
+            (:func:`flashcp.sim.cost.ring.ring_pass_hops`; 0 on the last step).
+        tail_us: (S,) float64 µs exposed at the end.
         phi, slowdown: the profile's ``overlap_fraction`` and ``nccl_slowdown``.
     Returns:
         (3, S) float64: attention, others and exposed P2P µs of each plan's pass.
@@ -449,7 +451,7 @@ def ring_pass(attn, other, host, idle, hop_us, tail_us, phi, slowdown):
     total_t = np.empty(n)
     for p in range(s):
         for t in range(n):
-            hop = hop_us[p] if t < n - 1 else 0.0
+            hop = hop_us[p, t]
             c = phi * hop
             a_max = comp_max = dev_max = tot_max = -np.inf
             for r in range(n):

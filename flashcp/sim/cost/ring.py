@@ -332,16 +332,16 @@ class RingCost:
 
     def _ring_pass(self, attn, other, host, idle, hop_us, tail_us):
         """Compose one ring pass from (..., N, N) ``[t, r]`` device and host µs (module
-        docstring): every step but the last overlaps one hop of ``hop_us``; ``tail_us`` is exposed
-        at the end (scalars, or (S,) arrays for S plans); ``idle`` (µs the device waits for the
-        host after a stream sync) adds to the step's device time and is charged to others.
+        docstring): step t overlaps ``hop_us[..., t]`` µs of exchanges (:func:`ring_pass_hops`;
+        0 on the last step); ``tail_us`` is exposed at the end (scalars, or (S,) arrays for S
+        plans); ``idle`` (µs the device waits for the host after a stream sync) adds to the
+        step's device time and is charged to others.
 
         Returns ``(attention, others, exposed_p2p)`` in µs summing to the pass time, shaped
         ``attn.shape[:-2]``.
         """
         compute = attn + other
-        hop = np.zeros(attn.shape[:-1])
-        hop[..., :-1] = np.asarray(hop_us, dtype=np.float64)[..., None]
+        hop = np.broadcast_to(np.asarray(hop_us, dtype=np.float64), attn.shape[:-1])
         device, slowed = overlap_us(compute, hop[..., None], self.hw)
         scale = np.divide(slowed, compute, out=np.ones_like(compute), where=compute > 0)
         attn_t = (attn * scale).max(axis=-1)
@@ -361,13 +361,12 @@ class RingCost:
         fwd = self._fwd_memo.get(shape)
         if fwd is None:  # training and inference of one shape share the forward
             fwd = self._fwd_memo[shape] = self._ring_fwd_compute(shape)
-        fa, fo, fp = self._ring_pass(*fwd, fwd_hop, 0.0)
+        fa, fo, fp = self._ring_pass(*fwd, *ring_pass_hops(n, self.impl, False, fwd_hop))
         ba = bo = bp = 0.0
         if train and n > 1:  # N - 1 grad hops (ours) or N (ring-flash-attn): comm.ring_grad_hops
             grad_hop = hw.p2p_us((vol["p2p_bytes"] - 2 * fwd_p2p) / ring_grad_hops(n, self.impl))
-            ba, bo, bp = self._ring_pass(
-                *self._ring_bwd_compute(shape), fwd_hop + grad_hop, grad_hop
-            )
+            hops = ring_pass_hops(n, self.impl, True, fwd_hop, grad_hop)
+            ba, bo, bp = self._ring_pass(*self._ring_bwd_compute(shape), *hops)
         elif train:
             ba, bo, bp = self._ring_pass(*self._ring_bwd_compute(shape), 0.0, 0.0)
         return {
@@ -384,6 +383,78 @@ class RingCost:
 #: the largest cp_size the compiled ring statistics take (runs of shards as int64 bit masks
 #: over the ranks); larger ones run the NumPy reference
 RING_KERNEL_MAX_N = 62
+
+
+def ring_exchange_steps(n: int, impl: str, train: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The exchanges the step model charges on each step of a ring pass of ``n`` ranks.
+
+    Step t's exchanges overlap its compute; the last step's are exposed after it (the pass's
+    tail). The KV block of the next step: steps 0 .. N-2, forward and backward. The dK/dV partial
+    sums (backward only), :func:`flashcp.comm.ring_grad_hops` of them, on the last steps:
+    ``ours`` (:func:`flashcp.ops.ring_attn.ring_backward`) posts one at each step 1 .. N-1 (the
+    owner keeps its step-0 contribution; the last sum goes home after the last step);
+    ring-flash-attn 0.1.8 at each step 0 .. N-1 (``d_kv_comm.send_recv_kv`` at the end of every
+    iteration of its loop). Both ops post a step's dK/dV after its kernels, so the sum overlaps
+    the next step's compute: the model charges it one step early, the counts (overlapped and
+    exposed) are the ops' (``tests/unit/test_ring_schedule.py``; docs/simulator.md).
+
+    Args:
+        n: cp_size N (>= 1); impl: ``ours`` or ``ring_flash_attn``; train: backward pass.
+    Returns:
+        ``(kv, grad)``: (N,) int64 exchanges of each kind per step.
+    Raises:
+        ValueError: an unknown ``impl``.
+    """
+    kv = np.zeros(n, dtype=np.int64)
+    grad = np.zeros(n, dtype=np.int64)
+    hops = ring_grad_hops(n, impl)  # checks impl
+    if n > 1:
+        kv[:-1] = 1
+        if train:
+            grad[n - hops :] = 1
+    return kv, grad
+
+
+def ring_overlap_schedule(n: int, impl: str, train: bool) -> dict[str, np.ndarray]:
+    """The model's exchanges of a ring pass laid out as
+    :func:`flashcp.executors.work_trace.exchange_schedule` lays out an op's recorded ones.
+
+    Returns:
+        ``{kind: (N + 1,) int64}`` for ``kv`` and ``grad``: exchanges overlapping each step's
+        kernels, the last entry the exposed ones; each dK/dV hop is put on the step after the one
+        :func:`ring_exchange_steps` charges it on (the step whose kernels it overlaps).
+    Raises:
+        ValueError: an unknown ``impl``.
+    """
+    kv, grad = ring_exchange_steps(n, impl, train)
+    out = {}
+    for kind, per, shift in (("kv", kv, 0), ("grad", grad, 1)):
+        sched = np.zeros(n + 1, dtype=np.int64)
+        sched[shift : n - 1 + shift] = per[:-1]
+        sched[n] = per[-1]
+        out[kind] = sched
+    return out
+
+
+def ring_pass_hops(n: int, impl: str, train: bool, fwd_hop, grad_hop=0.0):
+    """Per-step and exposed exchange µs of a ring pass (:func:`ring_exchange_steps`).
+
+    Args:
+        n, impl, train: as :func:`ring_exchange_steps`.
+        fwd_hop, grad_hop: µs of one KV hop and of one dK/dV hop (scalars, or (S,) arrays).
+    Returns:
+        ``(hop_us, tail_us)``: (..., N) µs overlapped with each step (0 on the last step) and
+        (...) µs exposed after the last step.
+    """
+    kv, grad = ring_exchange_steps(n, impl, train)
+    f = np.asarray(fwd_hop, dtype=np.float64)[..., None]
+    g = np.asarray(grad_hop, dtype=np.float64)[..., None]
+    per_step = np.where(kv > 0, f, 0.0) + np.where(grad > 0, g, 0.0)
+    tail = per_step[..., -1].copy()
+    per_step[..., -1] = 0.0
+    if np.ndim(fwd_hop) == 0 and np.ndim(grad_hop) == 0:
+        tail = float(tail)
+    return per_step, tail
 
 
 def ring_price_bytes(plan: Plan) -> int:
@@ -527,14 +598,14 @@ def _ring_phases(stack, shape: AttnShape, mode: str, p2p_bytes, fwd_p2p, p2p_us)
         fwd = stack._fwd_memo[shape] = _ring_compute(kernels, stack, shape, False)
     ring_pass = stack._ring_pass if kernels is None else functools.partial(_ring_pass_compiled,
                                                                           kernels, stack)  # fmt: skip
-    fa, fo, fp = ring_pass(*fwd, fwd_hop, 0.0)
+    fa, fo, fp = ring_pass(*fwd, *ring_pass_hops(n, stack.impl, False, fwd_hop))
     zero = np.zeros(s)
     ba = bo = bp = zero
     if train and n > 1:
         grad = np.asarray(p2p_bytes, dtype=np.float64) - 2 * fwd_p2p
         grad_hop = p2p_us(grad / ring_grad_hops(n, stack.impl))
         bwd = _ring_compute(kernels, stack, shape, True)
-        ba, bo, bp = ring_pass(*bwd, fwd_hop + grad_hop, grad_hop)
+        ba, bo, bp = ring_pass(*bwd, *ring_pass_hops(n, stack.impl, True, fwd_hop, grad_hop))
     elif train:
         ba, bo, bp = ring_pass(*_ring_compute(kernels, stack, shape, True), 0.0, 0.0)
     return {
@@ -594,12 +665,13 @@ def _ring_pass_compiled(kernels, stack, attn, other, host, idle, hop_us, tail_us
     def dense(x):
         return np.ascontiguousarray(np.broadcast_to(np.asarray(x, dtype=np.float64), attn.shape))
 
-    def per_plan(x):
-        return np.ascontiguousarray(np.broadcast_to(np.asarray(x, dtype=np.float64), (s,)))
+    def per_plan(x, *shape):
+        return np.ascontiguousarray(np.broadcast_to(np.asarray(x, dtype=np.float64), (s, *shape)))
 
     hw = stack.hw
     out = kernels.ring_pass(
-        dense(attn), dense(other), dense(host), dense(idle), per_plan(hop_us), per_plan(tail_us),
+        dense(attn), dense(other), dense(host), dense(idle), per_plan(hop_us, attn.shape[1]),
+        per_plan(tail_us),
         float(hw.overlap_fraction), float(hw.nccl_slowdown),
     )  # fmt: skip
     return out[0], out[1], out[2]

@@ -275,7 +275,7 @@ VARIANT_COLUMNS = (
 
 def _variant_columns(v: DataVariant, context_len: int) -> dict[str, Any]:
     """The :data:`VARIANT_COLUMNS` of ``v`` (``dataset_sha256``: the file's hash, or ``-``)."""
-    from experiments.run import file_sha256
+    from experiments.common.rows import file_sha256
 
     return {
         "dataset_variant": v.label,

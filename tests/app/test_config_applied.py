@@ -26,17 +26,10 @@ from hydra.errors import ConfigCompositionException
 
 import experiments.plot as plot
 from experiments.common.entry import check_experiment_config
+from experiments.common.grid import ConfigError, _checked_runs, grid_runs, run_spec
 from experiments.common.launch import explain_hydra_error, launch_problem
-from experiments.run import (
-    CONF_DIR,
-    ConfigError,
-    _checked_runs,
-    grid_runs,
-    run,
-    run_identity,
-    run_spec,
-    sample,
-)
+from experiments.common.rows import run_identity
+from experiments.run import CONF_DIR, run, sample
 from flashcp.config import register_configs
 from flashcp.results import config_hash, read_rows
 from flashcp.sim.hardware import load_hardware, read_fitted, read_profile
@@ -296,7 +289,7 @@ def test_dataset_path_without_dataset_file_is_refused(tmp_path):
 def test_rows_record_their_launcher(tmp_path):
     from omegaconf import OmegaConf
 
-    from experiments.run import launcher_name
+    from experiments.common.rows import launcher_name
 
     for target, name in [
         ("hydra._internal.core_plugins.basic_launcher.BasicLauncher", "basic"),

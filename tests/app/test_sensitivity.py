@@ -105,7 +105,7 @@ def test_data_variants_are_sampled_as_flashcp_run_samples(tmp_path):
     """Each variant's rows are its dataset config's sequences (flashcp-run's sampler, with that
     weighting and the file's lengths), priced on the calibrated profile: recomputed here one plan
     at a time."""
-    from experiments.run import file_sha256
+    from experiments.common.rows import file_sha256
     from flashcp.comm import AttnShape
     from flashcp.data import sample_dataset
     from flashcp.registry import COMM_KIND, get_planner

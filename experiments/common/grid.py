@@ -225,6 +225,8 @@ def run_spec(cfg: DictConfig, hardware: Any = None) -> RunSpec:
         hardware=hardware if hardware is not None or not uses_hw else _container(cfg.hardware),
         seed=int(cfg.seed),
         executor={k: _container(v) for k, v in ex.items() if k != "name"},
+        placement=str(cfg.get("placement", "consecutive")),
+        nodes=None if cfg.get("nodes") is None else int(cfg.nodes),
     )
 
 
@@ -403,20 +405,35 @@ def _check_hardware(runs: list[DictConfig]) -> None:
     from flashcp.sim import load_hardware
 
     explicit = explicit_hardware_keys()
-    seen: set[str] = set()
+    seen: dict[str, Any] = {}
     for r in runs:
         if r.executor.name not in USES_HARDWARE_PROFILE:
             continue
         hw = _container(r.hardware)
         key = _json(hw)
-        if key in seen:
-            continue
-        seen.add(key)
+        where = f"hardware={hw.get('name')}: " if len(runs) > 1 else ""
         try:
-            load_hardware(hw, explicit=explicit)
+            if key not in seen:
+                seen[key] = load_hardware(hw, explicit=explicit)
+            run_topology(r, seen[key])  # nodes / placement that do not fit: one line
         except ValueError as exc:
-            where = f"hardware={hw.get('name')}: " if len(runs) > 1 else ""
             raise ConfigError(f"{where}{exc}") from None
+
+
+def run_topology(r: DictConfig, hw: Any):
+    """The run's :class:`flashcp.topology.Topology` on the loaded profile ``hw`` (None: a flat
+    profile; :func:`flashcp.sim.network.topology_for`).
+
+    Raises:
+        ValueError: (one line) nodes / placement that do not fit the profile's nodes.
+    """
+    from flashcp.sim.network import topology_for
+
+    nodes = r.get("nodes")
+    return topology_for(
+        hw, int(r.cp_size), str(r.get("placement", "consecutive")),
+        None if nodes is None else int(nodes),
+    )  # fmt: skip
 
 
 def _shared_values(config: DictConfig) -> None:

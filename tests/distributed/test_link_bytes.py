@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from mp_utils import run_ranks
 
-from flashcp.comm import AttnShape, comm_volume
+from flashcp.comm import AttnShape, comm_volume, comm_volume_by_link
 from flashcp.ops import get_attn_op
 from flashcp.ops.collectives import COMM_KINDS, CommCounter, LocalGroup
 from flashcp.ops.sharding import shard_tensor
@@ -85,8 +85,6 @@ def _count(rank, world, cases, plans, topologies):
 
 
 def _check(cases, plans, per_rank, topologies) -> list[str]:
-    from flashcp.comm import comm_volume_by_link
-
     bad = []
     for case in cases:
         m, u, mode, keep = case

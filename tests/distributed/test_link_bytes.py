@@ -10,6 +10,7 @@ the forked ranks (``tests/mp_utils.py``)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -235,3 +236,70 @@ def test_bad_counter_topology_is_one_line_error(kwargs, words):
     with pytest.raises(ValueError, match=words) as exc:
         CommCounter(**kwargs)
     assert "\n" not in str(exc.value)
+
+
+# ---- executor=dist: the launch's topology, per-link bytes and checksums in the rows ---------------
+
+
+def _dist_rows(rank, world, methods):
+    """executor=dist rows of ``methods`` as if launched on 1 node of 4 and on 2 nodes of 2
+    (torchrun's LOCAL_WORLD_SIZE), and the launch topologies of a few groups and settings."""
+    import os
+
+    from flashcp.executors import RunSpec, execute
+    from flashcp.executors.dist import launch_topology
+
+    out = {}
+    for local in ("4", "2"):
+        os.environ["LOCAL_WORLD_SIZE"] = local
+        for m in methods:
+            spec = RunSpec(method=m, cp_size=N, shape=SHAPE, modes=("train", "infer"),
+                           executor={"backend": "cpu", "warmup": 0, "iters": 1})  # fmt: skip
+            rows = execute("dist", [spec], [np.array(LENS)], group=None)
+            if rows is not None:
+                out[local, m] = rows.to_dict("list")
+    evens = dist.new_group([0, 2])
+    three = dist.new_group([0, 1, 2])
+    topo = {}
+    for name, group, env in (("world-4x1", None, {"LOCAL_WORLD_SIZE": "1"}),
+                             ("evens-2x2", evens, {"LOCAL_WORLD_SIZE": "2"}),
+                             ("world-none", None, {}),
+                             ("three-2x2", three, {"LOCAL_WORLD_SIZE": "2"}),
+                             ("world-bad3", None, {"LOCAL_WORLD_SIZE": "3"})):  # fmt: skip
+        if name.startswith(("evens", "three")) and group == dist.GroupMember.NON_GROUP_MEMBER:
+            continue
+        try:
+            t = launch_topology(group, env)
+            topo[name] = (t.num_nodes, t.placement, t.node_of.tolist())
+        except ValueError as exc:
+            topo[name] = str(exc)
+    return out, topo
+
+
+@pytest.mark.slow
+def test_dist_rows_record_bytes_by_node_and_checksums():
+    """One node of 4 vs two nodes of 2 (LOCAL_WORLD_SIZE): the same plans give the same bytes
+    per kind and the same output checksums; the bytes across nodes are 0 on one node and the
+    model's slowest rank's on two (the executor also checks every rank against it)."""
+    methods = ("ring", "flashcp", "ulysses")
+    res = run_ranks(_dist_rows, N, methods, timeout_s=180)
+    rows, topo = res[0]
+    for m in methods:
+        one, two = rows["4", m], rows["2", m]
+        assert one["status"] == two["status"] == ["ok", "ok"], (m, one["status"], two["status"])
+        for col in ("comm_bytes", "allgather_bytes", "p2p_bytes", "alltoall_bytes", "out_checksum"):
+            assert one[col] == two[col], (m, col)
+        assert len(set(one["out_checksum"])) == 2  # train (with gradients) and infer differ
+        assert one["inter_node_bytes"] == [0, 0] and one["intra_node_bytes"] == one["comm_bytes"]
+        plan = make_plan_for(m, LENS, N)
+        for i, mode in enumerate(("train", "infer")):
+            want = comm_volume_by_link(
+                plan, COMM_KIND[m], SHAPE, mode, TOPOLOGIES["2x2-consecutive"]
+            )
+            inter = sum(want["inter"][k] for k in COMM_KINDS)
+            assert two["inter_node_bytes"][i] == int(inter.max()) > 0, (m, mode)
+    assert topo["world-4x1"] == (4, "consecutive", [0, 1, 2, 3])
+    assert topo["evens-2x2"] == (2, "consecutive", [0, 1])
+    assert topo["world-none"] == (1, "consecutive", [0, 0, 0, 0])
+    assert "sit on nodes [0, 0, 1]" in topo["three-2x2"] and "neither" in topo["three-2x2"]
+    assert topo["world-bad3"].startswith("LOCAL_WORLD_SIZE = '3' must be a positive integer")

@@ -71,9 +71,12 @@ __all__ = [
     "abort_group",
     "abort_group_on_error",
     "check_comm",
+    "check_launch",
     "execute",
     "failure_flag",
     "init_from_env",
+    "launch_nodes",
+    "launch_problem",
     "launch_topology",
     "main",
     "measure_step",
@@ -303,6 +306,21 @@ def init_from_env(timeout_s: float = 120.0):
     return dist.group.WORLD
 
 
+def _launch_sizes(env, world: int) -> tuple[int, int]:
+    """(WORLD_SIZE, LOCAL_WORLD_SIZE) of the launch, checked (defaults: ``world`` ranks on one
+    node)."""
+    size = env.get("WORLD_SIZE", str(world))
+    world = int(size) if size.isdigit() else world
+    text = env.get("LOCAL_WORLD_SIZE", str(world))
+    local = int(text) if text.isdigit() else 0
+    if local < 1 or world % local:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE = {text!r} must be a positive integer dividing WORLD_SIZE = {world} "
+            "(the same number of ranks on every node)"
+        )
+    return world, local
+
+
 def launch_topology(group=None, env=None) -> Topology:
     """Where the launcher put the ranks of the CP group ``group``: its
     :class:`~flashcp.topology.Topology` over the nodes of the job.
@@ -330,20 +348,13 @@ def launch_topology(group=None, env=None) -> Topology:
         return Topology.single_node(1)
     world = dist.get_world_size()
     members = list(range(world)) if group is None else dist.get_process_group_ranks(group)
-    text = env.get("LOCAL_WORLD_SIZE", str(world))
-    local = int(text) if text.isdigit() else 0
-    if local < 1 or world % local:
-        raise ValueError(
-            f"LOCAL_WORLD_SIZE = {text!r} must be a positive integer dividing WORLD_SIZE = {world} "
-            "(the same number of ranks on every node)"
-        )
+    _, local = _launch_sizes({**env, "WORLD_SIZE": str(world)}, world)
     hosts = [g // local for g in members]
     order = {h: i for i, h in enumerate(sorted(set(hosts)))}
     nodes = [order[h] for h in hosts]
-    k = len(order)
     for placement in ("consecutive", "strided"):
         try:
-            topo = Topology(len(members), local, placement, k)
+            topo = Topology(len(members), local, placement, len(order))
         except ValueError:
             continue
         if topo.node_of.tolist() == nodes:
@@ -352,6 +363,57 @@ def launch_topology(group=None, env=None) -> Topology:
         f"the CP group's ranks {members} sit on nodes {nodes} (LOCAL_WORLD_SIZE = {local}): "
         "neither consecutive (filling each node in turn) nor strided (round the nodes)"
     )
+
+
+def check_launch(launched: Topology, nodes: int | None, placement: str) -> None:
+    """Check the run's ``nodes`` / ``placement`` (the config keys of docs/multinode.md) against
+    where the launch put the CP group (:func:`launch_topology`); before any collective.
+
+    Raises:
+        ValueError: (one line) a topology :class:`~flashcp.topology.Topology` refuses with the
+            launch's ranks per node as ``gpus_per_node`` (nodes not dividing cp_size, more ranks
+            on a node than the launch started there), or one that puts the ranks on other nodes.
+    """
+    where = f"nodes={nodes} placement={placement}"
+    try:
+        want = Topology(launched.cp_size, launched.gpus_per_node, placement, nodes)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc} (the launch: {launched.describe()})") from None
+    if want.node_of.tolist() != launched.node_of.tolist():
+        raise ValueError(
+            f"{where} puts the CP ranks on nodes {want.node_of.tolist()}, but the launch put them "
+            f"on {launched.node_of.tolist()} ({launched.describe()}; torchrun numbers ranks node "
+            "by node, --nnodes x --nproc-per-node)"
+        )
+
+
+def launch_problem(cp_size: int, nodes: int | None, placement: str, env=None) -> str | None:
+    """:func:`check_launch` for a run whose CP group is the whole launch, from the environment
+    alone (before the process group exists): the message, or None (also outside a launch, no
+    ``RANK``, where :func:`execute` checks once the group exists)."""
+    env = os.environ if env is None else env
+    if "RANK" not in env:
+        return None
+    try:
+        world, local = _launch_sizes(env, int(cp_size))
+        if world != int(cp_size):
+            return None  # execute refuses it, naming both
+        k = world // local
+        check_launch(Topology(world, local, "consecutive", k), nodes, placement)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def launch_nodes(env=None) -> int:
+    """Nodes of the launch: ``WORLD_SIZE / LOCAL_WORLD_SIZE`` (1 outside torchrun or a job).
+
+    Raises:
+        ValueError: as :func:`launch_topology`.
+    """
+    env = os.environ if env is None else env
+    world, local = _launch_sizes(env, 1)
+    return world // local
 
 
 def _checksum(tensors, group) -> str:
@@ -546,8 +608,9 @@ def execute(runs, seqs, *, group=None):
     Returns:
         the rows (:func:`flashcp.executors.rows.finish_rows`) on rank 0, None on the others.
     Raises:
-        ValueError: several runs, or a group size other than the run's ``cp_size`` (before any
-            collective).
+        ValueError: several runs, a group size other than the run's ``cp_size``, or the run's
+            ``nodes`` / ``placement`` not where the launch put the ranks (:func:`check_launch`;
+            before any collective).
     """
     if len(runs) != 1:
         raise ValueError(f"executor=dist runs one run per job, got {len(runs)}")
@@ -563,6 +626,7 @@ def execute(runs, seqs, *, group=None):
             f"cp_size = {run.cp_size}; they must match"
         )
     topology = launch_topology(group)
+    check_launch(topology, getattr(run, "nodes", None), getattr(run, "placement", "consecutive"))
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()

@@ -88,6 +88,8 @@ def test_two_node_launch_rows_equal_one_node(tmp_path):
     pd.testing.assert_frame_equal(
         one[same].reset_index(drop=True), two[same].reset_index(drop=True)
     )
+    assert (one["nodes"] == 1).all() and (two["nodes"] == 2).all()  # the launch's, in the identity
+    assert one["run_id"].isin(two["run_id"]).sum() == 0
     assert (one["inter_node_bytes"] == 0).all()
     assert (one["intra_node_bytes"] == one["comm_bytes"]).all()
     # every rank's bytes by link class were checked against comm_volume_by_link by the executor
@@ -96,3 +98,52 @@ def test_two_node_launch_rows_equal_one_node(tmp_path):
     for row in two.itertuples():
         assert 0 < row.inter_node_bytes <= row.comm_bytes, row.method
         assert row.intra_node_bytes <= row.comm_bytes <= row.intra_node_bytes + row.inter_node_bytes
+
+
+@pytest.fixture
+def _isolate_hydra():
+    """The command runs Hydra in this process: undo its config singleton and logging handlers."""
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    HydraConfig.instance().cfg = None
+    GlobalHydra.instance().clear()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "words"),
+    [
+        # rank 0 of a torchrun launch of 2 nodes x 2: refused before the rendezvous
+        (["nodes=3"], {"LOCAL_WORLD_SIZE": "2"}, "cp_size 4 does not split evenly over num_nodes 3"),
+        (["nodes=1"], {"LOCAL_WORLD_SIZE": "2"}, "puts 4 ranks on a node of gpus_per_node 2"),
+        (["nodes=2", "placement=strided"], {"LOCAL_WORLD_SIZE": "2"},
+         "puts the CP ranks on nodes [0, 1, 0, 1], but the launch put them on [0, 0, 1, 1]"),
+        (["nodes=2"], {"LOCAL_WORLD_SIZE": "4"}, "but the launch put them on [0, 0, 0, 0]"),
+        # a submitit job of 2 nodes x 2 tasks asked for 4 nodes
+        (["-m", "nodes=4", "hydra/launcher=submitit_local", "hydra.launcher.nodes=2",
+          "hydra.launcher.tasks_per_node=2"], None, "nodes=4, but hydra/launcher=submitit_local"),
+    ],
+)  # fmt: skip
+@pytest.mark.usefixtures("_isolate_hydra")
+def test_bad_topology_of_a_dist_launch_is_one_line_exit_2(
+    capsys, monkeypatch, tmp_path, argv, env, words
+):
+    from experiments.run import cli
+
+    if env is not None:
+        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", **env}.items():
+            monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", ["flashcp-run"])
+    with pytest.raises(SystemExit) as info:
+        cli([*argv, "executor=dist", "cp_size=4", f"results_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and words in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())  # refused before any job wrote anything

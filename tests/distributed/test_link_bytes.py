@@ -303,3 +303,37 @@ def test_dist_rows_record_bytes_by_node_and_checksums():
     assert topo["world-none"] == (1, "consecutive", [0, 0, 0, 0])
     assert "sit on nodes [0, 0, 1]" in topo["three-2x2"] and "neither" in topo["three-2x2"]
     assert topo["world-bad3"].startswith("LOCAL_WORLD_SIZE = '3' must be a positive integer")
+
+
+def _env(world: int, local: int) -> dict[str, str]:
+    return {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local)}
+
+
+@pytest.mark.parametrize(
+    ("cp", "nodes", "placement", "env", "words"),
+    [
+        (4, 3, "consecutive", _env(4, 2), "nodes=3 placement=consecutive: cp_size 4 does not split evenly over num_nodes 3"),
+        (4, 1, "consecutive", _env(4, 2), "puts 4 ranks on a node of gpus_per_node 2; use at least 2 nodes"),
+        (4, 2, "strided", _env(4, 2), "puts the CP ranks on nodes [0, 1, 0, 1], but the launch put them on [0, 0, 1, 1]"),
+        (4, None, "strided", _env(4, 2), "puts the CP ranks on nodes [0, 1, 2, 3]"),
+        (4, 2, "consecutive", _env(4, 4), "puts the CP ranks on nodes [0, 0, 1, 1], but the launch put them on [0, 0, 0, 0]"),
+        (4, 2, "consecutive", {**_env(4, 2), "LOCAL_WORLD_SIZE": "3"}, "LOCAL_WORLD_SIZE = '3' must be a positive integer dividing WORLD_SIZE = 4"),
+        (4, 2, "diagonal", _env(4, 2), "unknown placement 'diagonal'"),
+    ],
+)  # fmt: skip
+def test_bad_launch_topology_is_one_line_error(cp, nodes, placement, env, words):
+    """The run's nodes / placement against torchrun's layout (env only, before any group)."""
+    from flashcp.executors.dist import launch_problem
+
+    problem = launch_problem(cp, nodes, placement, env)
+    assert problem is not None and words in problem and "\n" not in problem, problem
+
+
+def test_good_launch_topologies_pass():
+    from flashcp.executors.dist import launch_nodes, launch_problem
+
+    assert launch_problem(4, None, "consecutive", _env(4, 2)) is None
+    assert launch_problem(4, 2, "consecutive", _env(4, 2)) is None
+    assert launch_problem(4, 4, "strided", _env(4, 1)) is None  # one rank per node: both fit
+    assert launch_problem(4, 3, "consecutive", {}) is None  # no launch: execute checks later
+    assert launch_nodes(_env(16, 8)) == 2 and launch_nodes({}) == 1

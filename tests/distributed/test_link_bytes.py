@@ -337,3 +337,42 @@ def test_good_launch_topologies_pass():
     assert launch_problem(4, 4, "strided", _env(4, 1)) is None  # one rank per node: both fit
     assert launch_problem(4, 3, "consecutive", {}) is None  # no launch: execute checks later
     assert launch_nodes(_env(16, 8)) == 2 and launch_nodes({}) == 1
+
+
+def _count_in_cp_groups(rank, world, cases, plans, topologies):
+    """Counts of CP groups {0, 2, 4, 6} and {1, 3, 5, 7} of a world of 8 (CP rank r of group
+    {1, 3, 5, 7} is global rank 2 r + 1)."""
+    groups = [dist.new_group([0, 2, 4, 6]), dist.new_group([1, 3, 5, 7])]
+    group = groups[rank % 2]
+    me = rank // 2
+    torch.manual_seed(0)
+    full = [torch.randn(64, h, SHAPE.head_dim) for h in (4, 2, 2, 4)]
+    res = {}
+    for case in cases:
+        m, u, _, _ = case
+        plan = plans[m, u]
+        prepare, attn = get_attn_op(m)
+        meta = prepare(plan, me)
+        for name, topo in topologies.items():
+            q, k, v, dout = (shard_tensor(x, plan, me) for x in full)
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            counter = CommCounter(topology=topo, group=group)
+            out = attn(q, k, v, meta, group, backend="reference", counter=counter)
+            out.backward(dout)
+            res[case, name] = (counter.as_dict(), counter.by_link())
+    return res
+
+
+@pytest.mark.slow
+def test_counted_link_bytes_of_cp_groups_inside_a_larger_world():
+    """The counter maps the global ranks of the op's groups (the CP group, and the hybrids' 2-D
+    groups made from it) to CP ranks: two CP groups of 4 in a world of 8 count what the model
+    gives their CP ranks."""
+    cases = [(m, u, "train", False) for m, u in (("ring", None), ("llama3", None),
+             ("ulysses", None), ("usp", 2), ("flashcp_ulysses", 2))]  # fmt: skip
+    plans = _plans(cases)
+    per_rank = run_ranks(_count_in_cp_groups, 2 * N, cases, plans, FAST_TOPOLOGIES, timeout_s=180)
+    for g in (0, 1):
+        cp = [per_rank[2 * r + g] for r in range(N)]
+        bad = _check(cases, plans, cp, FAST_TOPOLOGIES)
+        assert not bad, f"CP group {g}: " + "\n".join(bad[:20])

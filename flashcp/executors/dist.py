@@ -20,6 +20,12 @@ rank is blocked in, so its next collective fails with :class:`PeerFailure`), and
 still stuck a few seconds later (a wait nothing wakes) ends the process with exit code 1. Every
 rank therefore exits within seconds with the failing rank's error.
 
+Nodes. The ranks' nodes come from the launch (:func:`launch_topology`: torchrun numbers ranks node
+by node), are checked against the run's ``nodes`` / ``placement`` before any collective
+(:func:`check_launch`), and the ops' counters then split every step's bytes into those received
+from the rank's own node and from other nodes, held per rank to
+:func:`flashcp.comm.comm_volume_by_link` (docs/execution.md, "Across nodes").
+
 Planning. Each sequence is planned once per CP group, on its rank 0, and its plan (or its
 planner's failure) is broadcast to the group's ranks (:func:`share_planning`,
 :func:`flashcp.ops.collectives.broadcast_plan`) before any step: planners such as the

@@ -32,13 +32,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from flashcp.comm import LINK_CLASSES
 from flashcp.ops.backends import compute_dtype
 from flashcp.plan import Plan
 
 __all__ = [
     "COMM_KINDS",
     "GRAD_COMM_DTYPES",
-    "LINK_CLASSES",
     "CommCounter",
     "LocalGroup",
     "PlanningFailed",
@@ -56,8 +56,6 @@ __all__ = [
 ]
 
 COMM_KINDS: tuple[str, ...] = ("allgather", "reducescatter", "p2p", "alltoall")
-#: link classes of :meth:`CommCounter.by_link`: from a rank on this rank's node, from another node
-LINK_CLASSES: tuple[str, ...] = ("intra", "inter")
 #: names accepted by ``grad_comm_dtype`` (as in :data:`flashcp.comm.DTYPE_BYTES`)
 GRAD_COMM_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32", "float64")
 

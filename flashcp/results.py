@@ -23,6 +23,7 @@ from types import MappingProxyType
 
 __all__ = [
     "COMM_COLUMNS",
+    "DIST_COLUMNS",
     "IDENTITY_COLUMNS",
     "ILP_INFO_COLUMNS",
     "INT_COLUMNS",
@@ -65,6 +66,13 @@ COMM_COLUMNS: tuple[str, ...] = (
     "alltoall_bytes",
     "comm_bytes",
 )
+
+#: what only ``executor=dist`` measures (null in other executors' rows): the bytes one rank
+#: receives from ranks on its own node and from other nodes (the sums over kinds of
+#: :meth:`flashcp.ops.collectives.CommCounter.by_link`, max over ranks; 0 across nodes on one
+#: node) and a checksum of every rank's output (and, for ``train``, its gradients) of the last
+#: timed step (:func:`flashcp.executors.dist.measure_step`).
+DIST_COLUMNS: tuple[str, ...] = ("intra_node_bytes", "inter_node_bytes", "out_checksum")
 
 #: every value that changes a run's results (docs/design.md §7). Two runs with equal values are the
 #: same measurement; ``run_id`` = :func:`identity_hash` of them. Dict-valued fields (method and
@@ -116,6 +124,7 @@ ROW_SCHEMA = MappingProxyType({
     "mode": "text", "status": "text",
     **dict.fromkeys(PHASE_COLUMNS, "float"), "step_ms": "float",
     **dict.fromkeys(COMM_COLUMNS, "int"),
+    "intra_node_bytes": "int", "inter_node_bytes": "int", "out_checksum": "text",
     "overlong_docs": "int", "overlong_tokens_cut": "int",
     "git_commit": "text", "git_dirty": "bool", "flashcp_version": "text", "torch_version": "text",
     "config_hash": "text",
@@ -135,7 +144,7 @@ INT_COLUMNS: tuple[str, ...] = (
 TEXT_COLUMNS: tuple[str, ...] = (
     "run_id", "config_hash", "sweep_id", "git_commit", "code_version", "dataset_path",
     "dataset_sha256", "hardware_sha256", "method_options", "executor_options", "hardware_changes",
-    "modes", "overrides", "launcher", "status", "error",
+    "modes", "overrides", "launcher", "status", "error", "out_checksum",
 )  # fmt: skip
 
 

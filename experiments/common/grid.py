@@ -397,7 +397,9 @@ def _check_emulate_memory(cfg: DictConfig, run_cfg: DictConfig) -> None:
 def _check_hardware(runs: list[DictConfig]) -> None:
     """Load every distinct hardware profile the runs price with (sim, emulate) as the job will
     (:func:`flashcp.sim.load_hardware`, the command line's constants winning over the fitted
-    ones), so a bad constant (``hardware.p2p_bw_gbps=0``) is refused before any work.
+    ones), so a bad constant (``hardware.p2p_bw_gbps=0``) is refused before any work; under
+    ``executor=dist`` the run's ``nodes`` / ``placement`` against where torchrun put the ranks
+    (:func:`flashcp.executors.dist.launch_problem`).
 
     Raises:
         ConfigError: naming the bad constant (and the profile, in a hardware grid).
@@ -407,6 +409,16 @@ def _check_hardware(runs: list[DictConfig]) -> None:
     explicit = explicit_hardware_keys()
     seen: dict[str, Any] = {}
     for r in runs:
+        if r.executor.name == "dist":
+            from flashcp.executors.dist import launch_problem
+
+            nodes = r.get("nodes")
+            problem = launch_problem(
+                int(r.cp_size), None if nodes is None else int(nodes),
+                str(r.get("placement", "consecutive")),
+            )  # fmt: skip
+            if problem is not None:
+                raise ConfigError(problem)
         if r.executor.name not in USES_HARDWARE_PROFILE:
             continue
         hw = _container(r.hardware)

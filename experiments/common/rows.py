@@ -112,6 +112,13 @@ def run_identity(
         if uses_hw:
             sha, nodes = _hardware_sha256(hw, explicit, cfg)
             memo[key] = (_json(hardware_changes(hw, explicit)), sha, nodes)
+        elif ex.name == "dist":  # the nodes of the launch (checked against cfg.nodes)
+            from flashcp.executors.dist import launch_nodes
+
+            try:
+                memo[key] = ("{}", "-", launch_nodes())
+            except ValueError:
+                memo[key] = ("{}", "-", None)
         else:
             memo[key] = ("{}", "-", None)
     hw_ident = memo[key]

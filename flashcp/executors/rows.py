@@ -37,7 +37,13 @@ import pandas as pd
 
 from flashcp.kinds import CommKind
 from flashcp.plan import Plan
-from flashcp.results import COMM_COLUMNS, ILP_INFO_COLUMNS, PHASE_COLUMNS, ROW_SCHEMA
+from flashcp.results import (
+    COMM_COLUMNS,
+    DIST_COLUMNS,
+    ILP_INFO_COLUMNS,
+    PHASE_COLUMNS,
+    ROW_SCHEMA,
+)
 
 __all__ = [
     "ILP_COLUMNS",
@@ -71,7 +77,7 @@ ILP_COLUMNS: tuple[str, ...] = tuple(f"ilp_{k}" for k in ILP_INFO_COLUMNS)
 #: every column of an executor's rows, in order (the harness adds identity and provenance)
 ROW_COLUMNS: tuple[str, ...] = (
     "run_idx", *SEQ_COLUMNS, *PLAN_COLUMNS, "mode", "status", *PHASE_COLUMNS, "step_ms",
-    *COMM_COLUMNS, *ILP_COLUMNS,
+    *COMM_COLUMNS, *DIST_COLUMNS, *ILP_COLUMNS,
 )  # fmt: skip
 
 _DTYPES = {"int": "Int64", "float": "float64", "bool": "boolean", "text": "string"}
@@ -317,9 +323,10 @@ def _measured(
     for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
         per_mode = [np.asarray(steps[mode][col]).reshape(len(idx)) for mode in modes]
         cols[col] = np.stack(per_mode, axis=1).ravel()
-    if "step_ms" in steps[modes[0]]:  # executor=sim with a whole model (flashcp.sim.step)
-        per_mode = [np.asarray(steps[mode]["step_ms"]).reshape(len(idx)) for mode in modes]
-        cols["step_ms"] = np.stack(per_mode, axis=1).ravel()
+    for col in ("step_ms", *DIST_COLUMNS):  # sim with a whole model (flashcp.sim.step); dist
+        if col in steps[modes[0]]:
+            per_mode = [np.asarray(steps[mode][col]).reshape(len(idx)) for mode in modes]
+            cols[col] = np.stack(per_mode, axis=1).ravel()
     return pd.DataFrame(cols)
 
 

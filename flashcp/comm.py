@@ -49,13 +49,21 @@ from flashcp.plan import Plan, kv_bytes
 
 __all__ = [
     "DTYPE_BYTES",
+    "LINK_CLASSES",
+    "LINK_KINDS",
     "MODES",
     "AttnShape",
     "alltoall_bytes",
     "check_keep_gathered_kv_kind",
     "comm_volume",
+    "comm_volume_by_link",
     "grad_comm_bytes",
 ]
+
+#: the two link classes of a two-level network: inside a node (NVLink) and across nodes (NICs)
+LINK_CLASSES = ("intra", "inter")
+#: the kinds of :func:`comm_volume_by_link` (those of :class:`flashcp.ops.collectives.CommCounter`)
+LINK_KINDS = ("allgather", "reducescatter", "p2p", "alltoall")
 
 DTYPE_BYTES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8})
 MODES = ("train", "infer")
@@ -252,3 +260,107 @@ def comm_volume(
         "alltoall_bytes": int(a2a),
         "comm_bytes": int(ag + rs + p2p + a2a),
     }
+
+
+def _ring_preds(node: np.ndarray, members: np.ndarray, collective: bool) -> np.ndarray:
+    """The CP rank each member of one ring receives from.
+
+    Args:
+        node: (N,) int64 node of every CP rank (:attr:`flashcp.topology.Topology.node_of`).
+        members: (G,) int64 CP ranks of the ring's process group, in group-rank order.
+        collective: True for NCCL's ring of an all-gather / reduce-scatter, which visits the
+            members node by node, by group rank inside a node
+            (:attr:`~flashcp.topology.Topology.collective_ring`); False for the ring attention
+            ring, group rank g receiving from g - 1 (:class:`flashcp.ops.ring_comm.RingComm`).
+    Returns:
+        (G,) int64: the predecessor (a CP rank) of ``members[g]``.
+    """
+    g = np.arange(members.size, dtype=np.int64)
+    order = np.lexsort((g, node[members])) if collective else g
+    pred = np.empty(members.size, dtype=np.int64)
+    pred[order] = np.roll(order, 1)
+    return members[pred]
+
+
+def comm_volume_by_link(
+    plan: Plan,
+    comm_kind: str,
+    shape: AttnShape,
+    mode: Mode,
+    topology=None,
+    grad_comm_dtype: str | None = None,
+    keep_gathered_kv: bool = False,
+) -> dict[str, dict[str, np.ndarray]]:
+    """Bytes each rank receives per attention-layer step, by link class and kind of communication.
+
+    The split of :func:`comm_volume`'s bytes over a two-level network (docs/multinode.md): a
+    byte is ``inter`` when the rank it comes from is on another node of ``topology``, else
+    ``intra``. Every rank receives :func:`comm_volume`'s bytes of each kind (all-gather buffers
+    are padded to the largest rank's, ring blocks cut to the most document tokens any rank holds,
+    all-to-all splits equal), so for every rank r and kind k, ``intra[k][r] + inter[k][r]`` is
+    ``comm_volume(...)[f"{k}_bytes"]``, and the sum over kinds and classes is its
+    ``comm_bytes``. Which rank sends what:
+
+    * ``allgather`` / ``reducescatter``: NCCL's ring over the process group, node by node
+      (:attr:`flashcp.topology.Topology.collective_ring`): a rank receives its whole share, the
+      (G - 1) / G of the buffer, from its ring predecessor; ``inter`` where that predecessor is
+      on another node (:attr:`~flashcp.topology.Topology.collective_pred_crosses` for the whole
+      CP group).
+    * ``p2p``: the ring attention ring (:class:`flashcp.ops.ring_comm.RingComm`): every KV block
+      and every dK/dV partial sum a rank receives comes from its predecessor in group-rank order,
+      CP rank r - 1 (:attr:`~flashcp.topology.Topology.p2p_ring_crosses`).
+    * ``alltoall``: a rank receives one equal chunk from each of the u - 1 other members of its
+      Ulysses group; each chunk is ``inter`` when its sender is on another node.
+    * head-parallel plans (u > 1; :func:`flashcp.ops.hybrid_attn.hybrid_groups`): the Ulysses
+      group of rank r is CP ranks ``g u .. g u + u - 1`` (g = r // u), and the communication
+      across groups (the ring or the all-gather / reduce-scatter above) runs over the cross group
+      of CP ranks ``j, j + u, ..., j + (G - 1) u`` (j = r % u), whose own ring order applies: the
+      ring's predecessor of rank ``g u + j`` is ``((g - 1) mod G) u + j``, NCCL's ring visits
+      the cross group's members node by node.
+
+    Args:
+        plan, comm_kind, shape, mode, grad_comm_dtype, keep_gathered_kv: as :func:`comm_volume`.
+        topology: a :class:`flashcp.topology.Topology` with ``cp_size == plan.cp_size``; None:
+            every rank on one node (all bytes ``intra``).
+    Returns:
+        ``{"intra": {kind: arr}, "inter": {kind: arr}}``, kind in ``allgather``,
+        ``reducescatter``, ``p2p``, ``alltoall`` (the kinds of
+        :class:`flashcp.ops.collectives.CommCounter`), each arr (cp_size,) int64 bytes.
+    Raises:
+        ValueError: as :func:`comm_volume`; a topology whose cp_size is not the plan's.
+    """
+    from flashcp.topology import Topology
+
+    vol = comm_volume(plan, comm_kind, shape, mode, grad_comm_dtype, keep_gathered_kv)
+    n = int(plan.cp_size)
+    if topology is None:
+        topology = Topology.single_node(n)
+    if topology.cp_size != n:
+        raise ValueError(
+            f"topology cp_size {topology.cp_size} does not match the plan's cp_size {n}"
+        )
+    node = topology.node_of
+    ranks = np.arange(n, dtype=np.int64)
+    u = n if comm_kind == "alltoall" else int(plan.ulysses_degree)
+    out = {c: {k: np.zeros(n, dtype=np.int64) for k in LINK_KINDS} for c in LINK_CLASSES}
+    if u > 1:  # one equal chunk from each other member of the Ulysses group
+        members = (ranks // u * u)[:, None] + np.arange(u, dtype=np.int64)[None, :]
+        n_inter = (node[members] != node[:, None]).sum(axis=1)
+        chunk = vol["alltoall_bytes"] // (u - 1)
+        assert chunk * (u - 1) == vol["alltoall_bytes"]  # every term is (u - 1) x a chunk
+        out["inter"]["alltoall"] = n_inter * chunk
+        out["intra"]["alltoall"] = (u - 1 - n_inter) * chunk
+    groups = n // u
+    if groups > 1:
+        pred = np.empty(n, dtype=np.int64)
+        collective = comm_kind != "p2p_ring"
+        for j in range(u):  # the cross group of position j: CP ranks j, j + u, ...
+            members = ranks[j::u]
+            pred[members] = _ring_preds(node, members, collective)
+        inter = node[pred] != node
+        kinds = ("allgather", "reducescatter") if collective else ("p2p",)
+        for kind in kinds:
+            total = vol[f"{kind}_bytes"]
+            out["inter"][kind] = np.where(inter, total, 0).astype(np.int64)
+            out["intra"][kind] = np.where(inter, 0, total).astype(np.int64)
+    return out

@@ -21,6 +21,7 @@ from flashcp.sim.cost.ring import RingCost, _step_ring_batch
 from flashcp.sim.cost.units import _check_comm_kind, _check_sim_args, _single_phases
 from flashcp.sim.hardware import HardwareProfile, load_hardware
 from flashcp.sim.impl import check_impl, impl_ops
+from flashcp.sim.network import FLAT, group_links, topology_for
 
 
 class PlanCost(AllGatherCost, AllToAllCost, RingCost):
@@ -37,9 +38,13 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
 
     def __init__(
         self, plan: Plan, hw: HardwareProfile, comm_kind: str, impl: str = "ours", *,
-        one_device: bool = True, keep_gathered_kv: bool = False,
+        one_device: bool = True, keep_gathered_kv: bool = False, topology=None, links=None,
     ) -> None:  # fmt: skip
         check_impl(plan.method, impl)
+        if topology is not None and topology.cp_size != plan.cp_size:
+            raise ValueError(
+                f"topology cp_size {topology.cp_size} does not match the plan's {plan.cp_size}"
+            )
         _check_keep(plan, comm_kind, impl, keep_gathered_kv)
         self.keep = bool(keep_gathered_kv)
         self.plan = plan
@@ -64,6 +69,8 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
         self.one_device = one_device
         self.single = one_device and impl == "ours" and plan.single_device_documents() is not None
         self.plain_ulysses = False
+        #: which exchanges cross nodes (flashcp.sim.network; FLAT: none, the one-level prices)
+        self.links = FLAT if links is None else links
         if self.single:
             self.u = 1
             self._init_alltoall()
@@ -71,12 +78,18 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
         #: a hybrid with one group (u = N) is plain Ulysses, as its op runs it
         #: (:func:`flashcp.plan.head_parallel.one_group_documents`): priced as ``alltoall``
         self.plain_ulysses = comm_kind != "alltoall" and one_group_documents(plan) is not None
+        if links is None and topology is not None:
+            a2a_only = comm_kind == "alltoall" or self.plain_ulysses
+            u = self.n if a2a_only else self.u
+            self.links = group_links(topology, u, a2a_only)
         if self.plain_ulysses:
             self.u = 1
             self._init_alltoall()
             return
         if self.u > 1:
-            self.inner = PlanCost(plan.group_plan(), hw, comm_kind, impl, one_device=False)
+            self.inner = PlanCost(
+                plan.group_plan(), hw, comm_kind, impl, one_device=False, links=self.links
+            )
             self.inner.cuts_pad = False
             return
         if comm_kind == "p2p_ring":
@@ -94,7 +107,7 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
         if any(getattr(hw, b) != getattr(self.hw, b) for b in blocks):
             return PlanCost(
                 self.plan, hw, self.comm_kind, self.impl, one_device=self.one_device,
-                keep_gathered_kv=self.keep,
+                keep_gathered_kv=self.keep, links=self.links,
             )  # fmt: skip
         other = copy.copy(self)
         other.hw = hw
@@ -159,6 +172,7 @@ def step_many(costs: Sequence[PlanCost], shape: AttnShape, mode: str) -> dict[st
         and c.n == first.n
         and c.comm_kind == first.comm_kind
         and c.keep == first.keep
+        and c.links == first.links
         and c.inner is None
         and not c.plain_ulysses
         and not c.single
@@ -184,6 +198,9 @@ def simulate(
     comm_kind: str | None = None,
     impl: str = "ours",
     keep_gathered_kv: bool = False,
+    *,
+    placement: str = "consecutive",
+    nodes: int | None = None,
 ) -> dict[str, float]:
     """Simulate one attention layer's CP step of ``plan``.
 
@@ -197,6 +214,9 @@ def simulate(
             ``COMM_KIND[plan.method]``.
         impl: ``ours`` or ``ring_flash_attn`` (:mod:`flashcp.sim.impl`).
         keep_gathered_kv: the all-gather op's option (:class:`PlanCost`).
+        placement, nodes: where the CP ranks sit on the profile's nodes
+            (:func:`flashcp.sim.network.topology_for`; nodes None: as few as the placement
+            allows); one node, or a flat profile, prices the one-level network.
     Returns:
         Every column of ``PHASE_COLUMNS`` (ms, floats; ``total_ms`` is their sum) and of
         ``COMM_COLUMNS`` (bytes one rank receives, ints, from :func:`flashcp.comm.comm_volume`).
@@ -207,7 +227,9 @@ def simulate(
     """
     _check_sim_args([plan], [shape], [mode])
     kind = _check_comm_kind(plan, comm_kind)
-    cost = PlanCost(plan, load_hardware(hw), kind, impl, keep_gathered_kv=keep_gathered_kv)
+    hw = load_hardware(hw)
+    topo = topology_for(hw, plan.cp_size, placement, nodes)
+    cost = PlanCost(plan, hw, kind, impl, keep_gathered_kv=keep_gathered_kv, topology=topo)
     return cost.step(shape, mode)
 
 
@@ -218,6 +240,9 @@ def simulate_many(
     hw: HardwareProfile | str | dict,
     comm_kind: str | None = None,
     impl: str = "ours",
+    *,
+    placement: str = "consecutive",
+    nodes: int | None = None,
 ) -> list[dict[str, float]]:
     """:func:`simulate` for every (shape, mode) pair, sharing the per-plan work.
 
@@ -228,5 +253,7 @@ def simulate_many(
         ValueError: as :func:`simulate`.
     """
     _check_sim_args([plan], shapes, modes)
-    cost = PlanCost(plan, load_hardware(hw), _check_comm_kind(plan, comm_kind), impl)
+    hw = load_hardware(hw)
+    topo = topology_for(hw, plan.cp_size, placement, nodes)
+    cost = PlanCost(plan, hw, _check_comm_kind(plan, comm_kind), impl, topology=topo)
     return [cost.step(s, m) for s in shapes for m in modes]

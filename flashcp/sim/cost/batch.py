@@ -30,9 +30,7 @@ from flashcp.sim.cost.ring import (
 from flashcp.sim.cost.units import (
     _check_comm_kind,
     _check_sim_args,
-    _collective_us_v,
     _excl_cumsum,
-    _p2p_us_v,
     _single_phases,
     _stats,
 )
@@ -45,6 +43,7 @@ from flashcp.sim.kernel import (
     fwd_tile_counts,
     kernel_us,
 )
+from flashcp.sim.network import FLAT, Links, collective_us_v, group_links, p2p_us_v, topology_for
 
 #: the most bytes :func:`price_plans` lets one batch of ring-family plans take
 #: (:func:`ring_price_bytes`): larger groups are priced in consecutive chunks of plans, with the
@@ -409,11 +408,11 @@ class PlanBatch:
 
     def phases(
         self, hw: HardwareProfile, comm_kind: str, impl: str, method: str, shape: AttnShape,
-        mode: str, vol: dict[str, np.ndarray], keep=False,
+        mode: str, vol: dict[str, np.ndarray], keep=False, links: Links = FLAT,
     ) -> dict[str, np.ndarray]:  # fmt: skip
         """Phase times (ms, (S,) arrays, ``total_ms`` left out) of every plan of this batch, no
         head parallelism around them (:meth:`PlanCost.step`'s model); ``keep``:
-        ``keep_gathered_kv``."""
+        ``keep_gathered_kv``; ``links``: which exchanges cross nodes (:mod:`flashcp.sim.network`)."""
         n = self.n
         if comm_kind == "p2p_ring":
             key = ("stack", impl, method, id(hw))
@@ -434,7 +433,7 @@ class PlanBatch:
             fwd_p2p = vol["p2p_bytes"]
             if mode == "train":
                 fwd_p2p = self.volumes(comm_kind, shape, "infer", 1, n)["p2p_bytes"]
-            p2p_us = functools.partial(_p2p_us_v, hw)
+            p2p_us = functools.partial(p2p_us_v, hw, links)
             return _ring_phases(stack, shape, mode, vol["p2p_bytes"], fwd_p2p, p2p_us)
         if comm_kind == "alltoall":
             from flashcp.plan.head_parallel import ulysses_heads
@@ -451,10 +450,10 @@ class PlanBatch:
                     rows, rows, local, hw
                 )
             t = self.context_len / n
-            return _alltoall_phases(hw, shape, mode == "train", n, t, fwd_k, bwd_k)
+            return _alltoall_phases(hw, shape, mode == "train", n, t, fwd_k, bwd_k, links=links)
         fwd, bwd, kv_rows = self.allgather(hw)
         send = self.q_rows if comm_kind == "allgather_full" else self.send_rows
-        coll = functools.partial(_collective_us_v, hw)
+        coll = functools.partial(collective_us_v, hw, links)
         return _allgather_phases(
             hw, n, self.q_rows, kv_rows, send.max(axis=1), fwd, bwd, shape, mode, vol, coll, keep
         )
@@ -474,6 +473,9 @@ def price_plans(
     comm_kind: str | None = None,
     impl: str = "ours",
     keep_gathered_kv: bool = False,
+    *,
+    placement: str = "consecutive",
+    nodes: int | None = None,
 ) -> dict[str, np.ndarray]:
     """:func:`simulate` of every plan x hardware profile x shape x mode in one call, from the
     plans' arrays: each plan group (same cp_size, method and head-parallel degree) is priced with
@@ -492,6 +494,7 @@ def price_plans(
         impl: ``ours`` or ``ring_flash_attn``.
         keep_gathered_kv: the all-gather op's option (:class:`PlanCost`); every plan must be run
             by that op (all-gather comm kind, no head parallelism) with ``impl="ours"``.
+        placement, nodes: as in :func:`simulate`, for every plan's cp_size and profile.
     Returns:
         Every column of ``PHASE_COLUMNS`` (ms, float64) and ``COMM_COLUMNS`` (bytes, int64) as a
         (P, K, M, S) array indexed ``[profile, shape, mode, plan]``.
@@ -536,10 +539,12 @@ def price_plans(
         members = [plans[i] for i in idx]
         if kind in ("allgather_full", "allgather_sharded") and impl != "ours" and u == 1:
             # ring-flash-attn's llama3: one plan at a time
+            links = [group_links(topology_for(hw, p.cp_size, placement, nodes)) for hw in hws]
             for k, p in zip(idx, members, strict=True):
-                cost = PlanCost(p, hws[0], kind, impl)
+                cost = PlanCost(p, hws[0], kind, impl, links=links[0])
                 for a, hw in enumerate(hws):
                     c = cost if a == 0 else cost.with_hardware(hw)
+                    c.links = links[a]
                     for b, shape in enumerate(shapes):
                         for m, mode in enumerate(modes):
                             row = c.step(shape, mode)
@@ -550,7 +555,7 @@ def price_plans(
             whole = batch if batch is not None and len(chunk) == len(plans) else None
             part = _price_group(
                 [plans[i] for i in chunk], kind, impl, method, u, hws, shapes, modes, whole,
-                keep=bool(keep_gathered_kv),
+                keep=bool(keep_gathered_kv), placement=placement, nodes=nodes,
             )  # fmt: skip
             for col in out:
                 out[col][..., chunk] = part[col]
@@ -666,10 +671,12 @@ def _attention_passes(batch, hw, kind, method, shape, train) -> list[np.ndarray]
 
 
 def _price_group(
-    plans, kind, impl, method, u, hws, shapes, modes, batch=None, keep=False
-) -> dict[str, np.ndarray]:
+    plans, kind, impl, method, u, hws, shapes, modes, batch=None, keep=False,
+    placement="consecutive", nodes=None,
+) -> dict[str, np.ndarray]:  # fmt: skip
     """:func:`price_plans` of plans sharing (comm_kind, method, cp_size, Ulysses degree u), from
-    ``batch`` (a :class:`PlanBatch` of exactly these plans, statistics kept) when given."""
+    ``batch`` (a :class:`PlanBatch` of exactly these plans, statistics kept) when given; the
+    CP group placed by ``placement`` / ``nodes`` on each profile's nodes."""
     from flashcp.plan.head_parallel import ulysses_heads
 
     if kind == "single":
@@ -699,6 +706,8 @@ def _price_group(
     out = {c: np.zeros(dims) for c in PHASE_COLUMNS}
     out.update({c: np.zeros(dims, dtype=np.int64) for c in COMM_COLUMNS})
     a2a_u = n if kind == "alltoall" else u
+    links = [group_links(topology_for(hw, n, placement, nodes), a2a_u, kind == "alltoall")
+             for hw in hws]  # fmt: skip
     pad = 0  # a hybrid's forward pads where its inner op's rows fall short (PlanCost._hybrid_pad)
     if u > 1:
         short = batch.q_rows < u * (batch.context_len // n)[:, None]
@@ -713,11 +722,12 @@ def _price_group(
         for m, mode in enumerate(modes):
             vol = batch.volumes(kind, shape, mode, a2a_u, n, keep)
             for a, hw in enumerate(hws):
-                ph = batch.phases(hw, kind, impl, inner_method, inner_shape, mode, vol, keep)
+                ph = batch.phases(hw, kind, impl, inner_method, inner_shape, mode, vol, keep,
+                                  links[a])  # fmt: skip
                 if u > 1:
                     t = batch.context_len / n
                     a2a = _alltoall_phases(hw, shape, mode == "train", u, t, 0.0, 0.0,
-                                           kernels=False, pad=pad)  # fmt: skip
+                                           kernels=False, pad=pad, links=links[a])  # fmt: skip
                     ph = {c: ph[c] + a2a[c] for c in ph}
                 total = 0.0
                 for c in PHASE_COLUMNS:

@@ -4,8 +4,7 @@
 FlashCP's op (Eq. 5 of the paper) all-gathers every rank's non-last shards over the whole CP
 group. Here a non-last shard goes only as far as the ranks that can need it:
 
-* a document whose shards all lie on one node (:func:`flashcp.planners.flashcp_node.
-  node_local_docs`): its non-last shards are all-gathered over the ranks of that node (the
+* a document whose shards all lie on one node (:func:`flashcp.comm.node_local_docs`): its non-last shards are all-gathered over the ranks of that node (the
   *node* scope: NVLink);
 * a document that spans nodes: its non-last shards are all-gathered over the whole CP group (the
   *group* scope), as FlashCP's op does.
@@ -18,7 +17,7 @@ reduce-scatters each scope's part over the same ranks it was gathered from. The 
 the 2-D groups of :func:`flashcp.ops.hybrid_attn.hybrid_groups` (consecutive placement: groups of
 R consecutive ranks; strided: the ranks ``j, j + K, ...`` of K nodes), made on the first call.
 
-Bytes one rank receives (:func:`flashcp.planners.flashcp_node.node_comm_volume`): forward
+Bytes one rank receives (:func:`flashcp.comm.node_scoped_comm_volume`): forward
 ``(R - 1) Mn + (N - 1) Mg`` rows of K and V, training the same again plus the reduce-scatters
 of the same rows in ``grad_comm_dtype``. A plan for one node is run by the one-scope op itself
 (:func:`flashcp.ops.allgather_attn.allgather_attention`), collective for collective.
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from flashcp.comm import node_local_docs, plan_topology
 from flashcp.ops.allgather_attn import (
     HEAD_GROUP_BUDGET_BYTES,
     AllGatherMeta,
@@ -132,8 +132,6 @@ def build_node_meta(plan: Plan, rank: int) -> NodeGatherMeta:
         ValueError: another method's plan, a rank out of range, or ranks holding unequal token
             counts.
     """
-    from flashcp.planners.flashcp_node import node_local_docs, topology_of
-
     if plan.method != METHOD:
         raise ValueError(f"this op runs {METHOD!r} plans, got a plan for {plan.method!r}")
     n = plan.cp_size
@@ -143,7 +141,7 @@ def build_node_meta(plan: Plan, rank: int) -> NodeGatherMeta:
     tok = plan.tokens_per_rank
     if (tok != tok[0]).any():
         raise ValueError(f"every rank must hold the same number of tokens, got {tok.tolist()}")
-    topo = topology_of(plan)
+    topo = plan_topology(plan)
     node_of = topo.node_of
     pos = np.empty(n, dtype=np.int64)  # place of each rank in its node's group (ascending ranks)
     for k in range(topo.num_nodes):

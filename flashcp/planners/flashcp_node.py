@@ -12,13 +12,14 @@ non-last shards of a document whose shards all lie on one node inside that node 
 all-gather over the node's ranks, NVLink), and over the whole CP group only the non-last shards of
 the documents that span nodes (the Per-Doc documents, whose 2N chunks cover every rank, and the
 cut documents the relabelling could not keep on one node). Its bytes per link class:
-:func:`flashcp.planners.flashcp_node.node_comm_volume`.
+:func:`flashcp.comm.node_scoped_comm_volume` and :func:`flashcp.comm.node_scoped_volume_by_link`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from flashcp.comm import node_local_docs, node_scope_rows
 from flashcp.kinds import CommKind
 from flashcp.plan import Plan, make_plan, planner_entry, shard_workload
 from flashcp.planners.flashcp import TARGET_IMBALANCE, plan_flashcp
@@ -27,25 +28,7 @@ from flashcp.planners.layout import per_doc_chunk_sizes
 from flashcp.registry import MethodSpec
 from flashcp.topology import PLACEMENTS, Topology
 
-__all__ = [
-    "METHOD",
-    "cross_node_tokens",
-    "node_comm_volume",
-    "node_first_ranks",
-    "node_local_docs",
-    "node_send_max",
-    "plan_flashcp_node",
-    "topology_of",
-]
-
-
-def topology_of(plan: Plan) -> Topology:
-    """The :class:`~flashcp.topology.Topology` a ``flashcp_node`` plan was made for (its
-    ``info["num_nodes"]`` and ``info["placement"]``; one node when absent). ``gpus_per_node`` is
-    taken as the ranks per node: the plan does not depend on the GPUs of a node beyond them."""
-    nodes = int(plan.info.get("num_nodes", 1))
-    placement = str(plan.info.get("placement", "consecutive"))
-    return Topology(plan.cp_size, plan.cp_size // nodes, placement, nodes)
+__all__ = ["METHOD", "cross_node_tokens", "node_first_ranks", "plan_flashcp_node"]
 
 
 def _check_topology(cp_size: int, num_nodes, placement) -> Topology:
@@ -60,21 +43,6 @@ def _check_topology(cp_size: int, num_nodes, placement) -> Topology:
             "number of CP ranks)"
         )
     return Topology(cp_size, cp_size // int(num_nodes), placement, int(num_nodes))
-
-
-def node_local_docs(plan: Plan, node_of: np.ndarray) -> np.ndarray:
-    """(n_docs,) bool: documents whose shards all lie on one node (whole documents too).
-
-    Args:
-        plan: any plan; node_of: (cp_size,) int, the node of each rank.
-    """
-    nodes = np.asarray(node_of, dtype=np.int64)[plan.rank]
-    n_docs = plan.doc_lens.size
-    lo = np.full(n_docs, np.iinfo(np.int64).max)
-    hi = np.full(n_docs, -1)
-    np.minimum.at(lo, plan.doc, nodes)
-    np.maximum.at(hi, plan.doc, nodes)
-    return lo >= hi  # documents without shards (length 0) count as local
 
 
 def node_first_ranks(plan: Plan, topology: Topology) -> np.ndarray:
@@ -228,72 +196,12 @@ def cross_node_tokens(plan: Plan, node_of: np.ndarray) -> int:
     return int(plan.length[~plan.is_last & ~local[plan.doc]].sum())
 
 
-def _scope_max(plan: Plan, node_of: np.ndarray) -> tuple[int, int]:
-    """``(Mn, Mg)`` of ``plan`` for the nodes ``node_of`` (:func:`node_send_max`)."""
-    local = node_local_docs(plan, node_of)[plan.doc]
-    sent = np.where(plan.is_last, 0, plan.length)
-    n = plan.cp_size
-    mn = np.bincount(plan.rank, weights=np.where(local, sent, 0), minlength=n).max()
-    mg = np.bincount(plan.rank, weights=np.where(local, 0, sent), minlength=n).max()
-    return int(mn), int(mg)
-
-
 def _cross_cost(plan: Plan, node_of: np.ndarray) -> tuple[int, int, int]:
     """What the choice between the two layouts minimises: the group scope's buffer Mg (every
     rank receives (N - 1) Mg rows over the whole group, the ring's inter-node hops included),
     then the cross-node tokens, then the node scope's buffer."""
-    mn, mg = _scope_max(plan, node_of)
+    mn, mg = node_scope_rows(plan, node_of)
     return mg, cross_node_tokens(plan, node_of), mn
-
-
-def node_send_max(plan: Plan) -> tuple[int, int]:
-    """``(Mn, Mg)``: the largest node-scope and group-scope send buffer over ranks, in rows, of a
-    ``flashcp_node`` plan's op (:mod:`flashcp.ops.node_allgather_attn`); ``(0, comm_tokens)``
-    for a plan on one node (its op is FlashCP's one-scope all-gather)."""
-    topo = topology_of(plan)
-    if topo.num_nodes == 1:
-        return 0, int(plan.send_tokens_per_rank.max()) if plan.num_shards else 0
-    return _scope_max(plan, topo.node_of)
-
-
-def node_comm_volume(plan: Plan, shape, mode: str, grad_comm_dtype: str | None = None) -> dict:
-    """Bytes one rank receives per attention-layer step under ``flashcp_node``'s op, by scope.
-
-    The node scope all-gathers ``Mn`` rows over the R ranks of a node, the group scope ``Mg``
-    rows over all N (:func:`node_send_max`): the forward receives ``(R - 1) Mn + (N - 1) Mg``
-    rows of K and V; training gathers them again in the backward and reduce-scatters their
-    dK/dV in ``grad_comm_dtype`` (the conventions of :func:`flashcp.comm.comm_volume`, Eq. 5 per
-    scope). One node: exactly :func:`flashcp.comm.comm_volume` for ``allgather_sharded``.
-
-    Args:
-        plan: a ``flashcp_node`` plan; shape: :class:`flashcp.comm.AttnShape`; mode: ``train``
-            or ``infer``; grad_comm_dtype: as :func:`flashcp.comm.comm_volume`.
-    Returns:
-        :func:`flashcp.comm.comm_volume`'s keys plus ``node_scope_bytes`` (all inside a node)
-        and ``group_scope_bytes`` (over the whole group, which crosses nodes).
-    Raises:
-        ValueError: an unknown mode or ``grad_comm_dtype``.
-    """
-    from flashcp.comm import check_mode, grad_comm_bytes
-    from flashcp.plan import kv_bytes
-
-    check_mode(mode)
-    train = mode == "train"
-    topo = topology_of(plan)
-    mn, mg = node_send_max(plan)
-    rows = {"node": (topo.ranks_per_node - 1) * mn, "group": (plan.cp_size - 1) * mg}
-    out = {"allgather_bytes": 0, "reducescatter_bytes": 0, "p2p_bytes": 0, "alltoall_bytes": 0}
-    for scope, r in rows.items():
-        one = kv_bytes(r, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes)
-        grad = kv_bytes(
-            r, shape.num_kv_heads, shape.head_dim, grad_comm_bytes(shape, grad_comm_dtype)
-        )
-        ag, rs = (2 * one, grad) if train else (one, 0)
-        out["allgather_bytes"] += int(ag)
-        out["reducescatter_bytes"] += int(rs)
-        out[f"{scope}_scope_bytes"] = int(ag + rs)
-    out["comm_bytes"] = out["allgather_bytes"] + out["reducescatter_bytes"]
-    return out
 
 
 @planner_entry("flashcp_node")

@@ -2,7 +2,8 @@
 vs the float64 reference, over 2 and 4 "nodes" of a CP group of 4 or 8, both placements.
 
 Forked gloo ranks (``tests/mp_utils.py``); float64 with the reference backend to 1e-12; counted
-bytes equal :func:`flashcp.planners.flashcp_node.node_comm_volume`; one node runs FlashCP's
+bytes equal :func:`flashcp.comm.node_scoped_comm_volume` (and, summed over link classes,
+:func:`flashcp.comm.node_scoped_volume_by_link`); one node runs FlashCP's
 one-scope op, whose bytes are :func:`flashcp.comm.comm_volume`'s.
 """
 
@@ -14,12 +15,16 @@ import torch
 from mp_utils import run_ranks
 from test_ulysses_attn import _reference
 
-from flashcp.comm import AttnShape, comm_volume
+from flashcp.comm import (
+    AttnShape,
+    comm_volume,
+    node_scoped_volume_by_link,
+)
+from flashcp.comm import node_scoped_comm_volume as node_comm_volume
 from flashcp.ops import get_attn_op
 from flashcp.ops.collectives import CommCounter
 from flashcp.ops.node_allgather_attn import NodeGatherMeta
 from flashcp.ops.sharding import shard_tensor, unshard
-from flashcp.planners.flashcp_node import node_comm_volume, node_send_max
 from flashcp.registry import make_plan_for
 
 F64 = torch.float64
@@ -96,4 +101,9 @@ def test_two_scope_gather_is_exact_and_counted(n):
             }, name
         else:
             assert train["node_scope_bytes"] + train["group_scope_bytes"] == train["comm_bytes"]
-            assert sum(node_send_max(plan)) >= 0
+        links = node_scoped_volume_by_link(plan, shape, "train")
+        for kind in ("allgather", "reducescatter"):
+            both = links["intra"][kind] + links["inter"][kind]
+            assert (both == train[f"{kind}_bytes"]).all(), (name, kind)
+        if nodes > 1 and train["group_scope_bytes"]:
+            assert links["inter"]["allgather"].any(), name

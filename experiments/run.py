@@ -133,16 +133,28 @@ def file_sha256(path: str | Path) -> str:
         return "missing"
 
 
-def _hardware_sha256(hw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> str:
+def _hardware_sha256(
+    hw: dict[str, Any], explicit: frozenset[str] = frozenset(), cfg: Any = None
+) -> tuple[str, int | None]:
     """Hash of the constants the simulator really uses (fitted values loaded by the profile's
-    ``calibration`` key included, explicit ones winning); of the raw mapping when it is not a
-    valid profile."""
+    ``calibration`` key included, explicit ones winning; the inter-node constants,
+    :data:`flashcp.sim.hardware.NETWORK_KEYS`, only when the run's CP group spans nodes), and the
+    run's node count (None: a flat profile or no valid topology); of the raw mapping when it is
+    not a valid profile."""
     from flashcp.sim import load_hardware
 
     try:
-        return config_hash(load_hardware(hw, explicit=explicit).to_dict())
+        loaded = load_hardware(hw, explicit=explicit)
     except ValueError:
-        return config_hash(hw)
+        return config_hash(hw), None
+    topo = None
+    if cfg is not None:
+        try:
+            topo = _run_topology(cfg, loaded)
+        except ValueError:
+            pass
+    spans = topo is not None and topo.spans_nodes
+    return config_hash(loaded.to_dict(network=spans)), (None if topo is None else topo.num_nodes)
 
 
 def run_identity(
@@ -160,14 +172,15 @@ def run_identity(
     from_file = ds.name == "file" and ds.path is not None  # other datasets ignore dataset.path
     hw = _container(cfg.hardware) if uses_hw else {}
     memo = {} if memo is None else memo
-    key = _json(hw)
+    nodes = cfg.get("nodes")
+    key = _json([hw, int(cfg.cp_size), nodes, str(cfg.get("placement", "consecutive"))])
     if key not in memo:
         explicit = explicit_hardware_keys() if uses_hw else frozenset()
-        memo[key] = (
-            (_json(hardware_changes(hw, explicit)), _hardware_sha256(hw, explicit))
-            if uses_hw
-            else ("{}", "-")
-        )
+        if uses_hw:
+            sha, spans = _hardware_sha256(hw, explicit, cfg)
+            memo[key] = (_json(hardware_changes(hw, explicit)), sha, spans)
+        else:
+            memo[key] = ("{}", "-", None)
     hw_ident = memo[key]
     ident = {
         "dataset": ds.name,
@@ -198,6 +211,8 @@ def run_identity(
         "hardware_changes": hw_ident[0],
         "hardware_sha256": hw_ident[1],
         "code_version": code_version,
+        "nodes": hw_ident[2],
+        "placement": str(cfg.get("placement", "consecutive")),
     }
     assert tuple(ident) == IDENTITY_COLUMNS, (
         "run_identity and IDENTITY_COLUMNS must list the same fields"
@@ -410,6 +425,8 @@ def run_spec(cfg: DictConfig, hardware: Any = None) -> RunSpec:
         hardware=hardware if hardware is not None or not uses_hw else _container(cfg.hardware),
         seed=int(cfg.seed),
         executor={k: _container(v) for k, v in ex.items() if k != "name"},
+        placement=str(cfg.get("placement", "consecutive")),
+        nodes=None if cfg.get("nodes") is None else int(cfg.nodes),
     )
 
 
@@ -738,22 +755,34 @@ def _check_hardware(runs: list[DictConfig]) -> None:
         ConfigError: naming the bad constant (and the profile, in a hardware grid).
     """
     from flashcp.sim import load_hardware
+    from flashcp.sim.network import topology_for
 
     explicit = explicit_hardware_keys()
-    seen: set[str] = set()
+    seen: dict[str, Any] = {}
     for r in runs:
         if r.executor.name not in USES_HARDWARE_PROFILE:
             continue
         hw = _container(r.hardware)
         key = _json(hw)
-        if key in seen:
-            continue
-        seen.add(key)
+        where = f"hardware={hw.get('name')}: " if len(runs) > 1 else ""
         try:
-            load_hardware(hw, explicit=explicit)
+            if key not in seen:
+                seen[key] = load_hardware(hw, explicit=explicit)
+            _run_topology(r, seen[key], topology_for)
         except ValueError as exc:
-            where = f"hardware={hw.get('name')}: " if len(runs) > 1 else ""
             raise ConfigError(f"{where}{exc}") from None
+
+
+def _run_topology(r: DictConfig, hw: Any, topology_for=None):
+    """The run's :class:`flashcp.topology.Topology` on the loaded profile ``hw`` (None: flat
+    profile). Raises ValueError (one line) for nodes / placement that do not fit."""
+    if topology_for is None:
+        from flashcp.sim.network import topology_for
+    nodes = r.get("nodes")
+    return topology_for(
+        hw, int(r.cp_size), str(r.get("placement", "consecutive")),
+        None if nodes is None else int(nodes),
+    )  # fmt: skip
 
 
 def _shared_values(config: DictConfig) -> None:

@@ -257,6 +257,13 @@ class RunConfig:
     results_dir: str = "outputs"
     #: N, number of CP ranks
     cp_size: int = 8
+    #: nodes the CP group spans on the hardware profile's nodes of ``gpus_per_node`` GPUs
+    #: (docs/multinode.md); null: as few as ``placement`` allows (one node up to gpus_per_node
+    #: ranks, consecutive); a flat profile (gpus_per_node null, h100_ib) takes only null or 1
+    nodes: int | None = None
+    #: where CP rank r sits: ``consecutive`` (filling nodes in rank order) or ``strided``
+    #: (rank r on node r mod nodes; default nodes: one rank per node)
+    placement: str = "consecutive"
     #: C, tokens per packed sequence
     context_len: int = 131072
     #: sequences sampled per run
@@ -281,7 +288,7 @@ class RunConfig:
 #: config fields that change a run's results; their hash names the run's folder
 RESULT_KEYS = (
     "dataset", "method", "model", "hardware", "executor", "cp_size", "context_len",
-    "num_sequences", "seed", "modes", "grid",
+    "num_sequences", "seed", "modes", "grid", "nodes", "placement",
 )  # fmt: skip
 
 
@@ -305,6 +312,10 @@ def run_hash(*, _root_: Any) -> str:
     }
     if not any((picked.get("grid") or {}).values()):  # no grid: the folder name it always had
         picked.pop("grid", None)
+    if picked.get("nodes") is None:  # the default topology: the folder name it always had
+        picked.pop("nodes", None)
+    if picked.get("placement") == "consecutive":
+        picked.pop("placement", None)
     if isinstance(picked.get("model"), dict):  # an attention-only model: the name it always had
         for k in ("num_layers", "hidden", "ffn", "vocab"):
             if picked["model"].get(k, 0) is None:

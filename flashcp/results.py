@@ -76,7 +76,7 @@ IDENTITY_COLUMNS: tuple[str, ...] = (
     "method", "method_options", "impl", "cp_size", "context_len", "num_sequences", "seed", "modes",
     "model", "num_heads", "num_kv_heads", "head_dim", "dtype", "step_model",
     "executor", "executor_options", "hardware", "hardware_changes", "hardware_sha256",
-    "code_version",
+    "code_version", "nodes", "placement",
 )  # fmt: skip
 
 #: ``plan.info`` keys of an ILP plan (:func:`flashcp.planners.ilp.plan_ilp`) that every row carries as
@@ -108,6 +108,7 @@ ROW_SCHEMA = MappingProxyType({
     "modes": "text", "model": "text", "num_heads": "int", "num_kv_heads": "int", "head_dim": "int",
     "dtype": "text", "step_model": "text", "executor": "text", "executor_options": "text", "hardware": "text",
     "hardware_changes": "text", "hardware_sha256": "text", "code_version": "text",
+    "nodes": "int", "placement": "text",
     "seq_idx": "int", "num_docs": "int", "max_doc_len": "int", "plan_status": "text",
     "plan_ms": "float", "pad_tokens": "int", "imbalance_ratio": "float", "comm_tokens": "int",
     "comm_tokens_full": "int", "comm_saving": "float", "comm_tokens_sharded": "int",

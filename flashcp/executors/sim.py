@@ -68,8 +68,9 @@ def _price(batch: Any, run: RunSpec) -> dict[str, dict[str, np.ndarray]]:
 
     op_opts = split_options(run.method, run.options)[1]  # e.g. keep_gathered_kv
     out = price_plans(
-        batch, [run.shape], run.modes, [run.hardware], COMM_KIND[run.method], run.impl, **op_opts
-    )
+        batch, [run.shape], run.modes, [run.hardware], COMM_KIND[run.method], run.impl, **op_opts,
+        placement=run.placement, nodes=run.nodes,
+    )  # fmt: skip
     priced = {mode: {c: v[0, 0, m] for c, v in out.items()} for m, mode in enumerate(run.modes)}
     if run.shape.num_layers is not None:  # the whole model's step (flashcp.sim.step)
         from flashcp.sim.step import step_ms

@@ -63,6 +63,7 @@ __all__ = [
     "node_scoped_comm_volume",
     "node_scoped_volume_by_link",
     "plan_topology",
+    "uses_node_scope",
 ]
 
 #: the two link classes of a two-level network: inside a node (NVLink) and across nodes (NICs)
@@ -402,14 +403,22 @@ def node_local_docs(plan: Plan, node_of) -> np.ndarray:
     return lo >= hi
 
 
+def uses_node_scope(plan: Plan) -> bool:
+    """Whether a plan's op gathers in two scopes: its topology spans nodes and its planner chose
+    the node scope (``info["node_scope"]``: the group scope's buffer is then smaller than the
+    one-scope gather's; else the one-scope gather of FlashCP's op runs it, whose buffer is no
+    larger)."""
+    return bool(plan.info.get("node_scope", False)) and plan_topology(plan).spans_nodes
+
+
 def node_scope_rows(plan: Plan, node_of=None) -> tuple[int, int]:
     """``(Mn, Mg)``: rows of the largest node-scope and group-scope send buffer over the ranks
     (non-last shards of node-local documents, and of the others; Eq. 5's per-rank sends split by
-    scope). ``node_of`` None: the plan's own topology (:func:`plan_topology`); one node gives
-    ``(0, max non-last rows)``: the one-scope all-gather of FlashCP's op."""
+    scope) for the nodes ``node_of``. None: the plan's own gather (:func:`uses_node_scope`);
+    a one-scope gather gives ``(0, max non-last rows)``, FlashCP's op."""
     if node_of is None:
         topo = plan_topology(plan)
-        if not topo.spans_nodes:
+        if not uses_node_scope(plan):
             sent = plan.send_tokens_per_rank
             return 0, int(sent.max()) if sent.size else 0
         node_of = topo.node_of

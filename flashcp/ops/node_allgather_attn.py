@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from flashcp.comm import node_local_docs, plan_topology
+from flashcp.comm import node_local_docs, plan_topology, uses_node_scope
 from flashcp.ops.allgather_attn import (
     HEAD_GROUP_BUDGET_BYTES,
     AllGatherMeta,
@@ -206,12 +206,13 @@ def build_node_meta(plan: Plan, rank: int) -> NodeGatherMeta:
 def prepare_flashcp_node(plan: Plan, rank: int) -> AllGatherMeta | NodeGatherMeta:
     """Metadata of ``rank`` for a ``flashcp_node`` plan (pure: no process group): the one-scope
     all-gather's (:func:`flashcp.ops.allgather_attn.build_allgather_meta`, sharding-aware) for a
-    plan on one node, else :func:`build_node_meta`.
+    plan on one node or whose planner kept one scope (:func:`flashcp.comm.uses_node_scope`),
+    else :func:`build_node_meta`.
 
     Raises:
         ValueError: as :func:`build_node_meta`.
     """
-    if int(plan.info.get("num_nodes", 1)) == 1:
+    if not uses_node_scope(plan):
         return build_allgather_meta(plan, rank, METHOD, sharding_aware=True)
     return build_node_meta(plan, rank)
 

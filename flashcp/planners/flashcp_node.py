@@ -31,18 +31,27 @@ from flashcp.topology import PLACEMENTS, Topology
 __all__ = ["METHOD", "cross_node_tokens", "node_first_ranks", "plan_flashcp_node"]
 
 
-def _check_topology(cp_size: int, num_nodes, placement) -> Topology:
-    """A Topology for the planner's options (ValueError naming the bad value)."""
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int | np.integer) or num_nodes < 1:
-        raise ValueError(f"num_nodes must be a positive integer, got {num_nodes!r}")
+def _check_topology(cp_size: int, num_nodes, placement, gpus_per_node) -> Topology:
+    """The planner's topology, as the simulator places a run's CP group
+    (:func:`flashcp.sim.network.topology_for`): ``gpus_per_node`` None is a flat network (one
+    node); ``num_nodes`` None is as few nodes as the placement allows (``consecutive``: filled
+    nodes, ``strided``: one rank per node). ValueError (one line) naming a bad value."""
+    for name, value in (("num_nodes", num_nodes), ("gpus_per_node", gpus_per_node)):
+        bad = isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1
+        if value is not None and bad:
+            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement {placement!r}; choose {' or '.join(PLACEMENTS)}")
-    if cp_size % int(num_nodes):
+    if num_nodes is not None and cp_size % int(num_nodes):
         raise ValueError(
             f"num_nodes {num_nodes} does not divide cp_size {cp_size} (each node holds the same "
             "number of CP ranks)"
         )
-    return Topology(cp_size, cp_size // int(num_nodes), placement, int(num_nodes))
+    if gpus_per_node is None:
+        if num_nodes not in (None, 1):
+            return Topology(cp_size, cp_size // int(num_nodes), placement, int(num_nodes))
+        return Topology.single_node(cp_size)
+    return Topology(cp_size, int(gpus_per_node), placement, num_nodes)
 
 
 def node_first_ranks(plan: Plan, topology: Topology) -> np.ndarray:
@@ -209,8 +218,9 @@ def plan_flashcp_node(
     doc_lens,
     cp_size: int,
     *,
-    num_nodes: int = 1,
+    num_nodes: int | None = None,
     placement: str = "consecutive",
+    gpus_per_node: int | None = None,
     target_imbalance: float = TARGET_IMBALANCE,
     num_pad: int = 0,
     validate: bool = True,
@@ -220,9 +230,12 @@ def plan_flashcp_node(
     Args:
         doc_lens: (n_docs,) int, document lengths in packed order.
         cp_size: N >= 1.
-        num_nodes: nodes the CP group spans (dividing N; 1: the plan is flashcp's).
+        num_nodes: nodes the CP group spans (dividing N); None: as few as ``placement`` allows
+            on nodes of ``gpus_per_node`` GPUs (as :func:`flashcp.sim.network.topology_for`).
         placement: ``consecutive`` or ``strided`` (:data:`flashcp.topology.PLACEMENTS`): which
             CP ranks share a node (:attr:`flashcp.topology.Topology.node_of`).
+        gpus_per_node: GPUs of a node; None with ``num_nodes`` None or 1: every rank on one
+            node (a flat network), where the plan is flashcp's.
         target_imbalance: Algorithm 1's R (paper default 1.05).
         num_pad: pad tokens after the last document (as :func:`plan_flashcp`).
         validate: check the plan's invariants.
@@ -235,7 +248,7 @@ def plan_flashcp_node(
         ValueError: a bad length, ``cp_size``, ``target_imbalance``, ``num_nodes`` (not dividing
             N) or ``placement``; the message names the value.
     """
-    topo = _check_topology(int(cp_size), num_nodes, placement)
+    topo = _check_topology(int(cp_size), num_nodes, placement, gpus_per_node)
     base = plan_flashcp(
         doc_lens, cp_size, target_imbalance=target_imbalance, num_pad=num_pad, validate=False
     )
@@ -256,11 +269,15 @@ def plan_flashcp_node(
         ) <= _cross_cost(plan, topo.node_of):
             plan = alt
             status = "ok" if ok else "target_not_met"
+    one_scope = int(plan.send_tokens_per_rank.max()) if plan.num_shards else 0
+    mn, mg = node_scope_rows(plan, topo.node_of)
     info = {
         **plan.info,
-        "num_nodes": int(num_nodes),
-        "placement": str(placement),
+        "num_nodes": topo.num_nodes,
+        "placement": topo.placement,
         "cross_node_tokens": cross_node_tokens(plan, topo.node_of),
+        # two scopes only where they shrink the buffer that crosses nodes
+        "node_scope": bool(topo.spans_nodes and mn > 0 and mg < one_scope),
     }
     return make_plan(
         "flashcp_node", plan.cp_size, plan.doc_lens, plan.rank, plan.doc, plan.start,

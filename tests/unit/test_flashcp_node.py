@@ -92,7 +92,7 @@ def test_node_local_docs_by_hand():
     ("opts", "match"),
     [
         ({"num_nodes": 3}, "num_nodes 3 does not divide cp_size 8"),
-        ({"num_nodes": 0}, "num_nodes must be a positive integer, got 0"),
+        ({"num_nodes": 0}, "num_nodes must be a positive integer or None, got 0"),
         ({"placement": "ring"}, "unknown placement 'ring'"),
     ],
 )

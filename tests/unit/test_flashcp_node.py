@@ -100,3 +100,37 @@ def test_bad_options_are_one_line_errors(opts, match):
     with pytest.raises(ValueError, match=match) as err:
         make_plan_for("flashcp_node", [100, 28], 8, **opts)
     assert "\n" not in str(err.value)
+
+
+def test_pricing_one_scope_plans_is_the_all_gather_familys():
+    """A flashcp_node plan across nodes that keeps one scope runs FlashCP's op: the node-scoped
+    pricing gives price_plans' numbers for it; a two-scope plan's collectives move fewer bytes
+    across nodes than its one-scope gather would."""
+    from flashcp.sim import load_hardware
+    from flashcp.sim.cost import price_plans
+    from flashcp.sim.node_scoped import price_node_scoped, spans_nodes
+
+    hw = load_hardware("h100_sxm")
+    two = [make_plan_for("flashcp_node", d, 16, gpus_per_node=8) for d in _seqs("pile", 131072)]
+    two = [p for p in two if p.info["node_scope"]]
+    # the same plans as a planner keeping one scope makes them (FlashCP's op)
+    one = [
+        make_plan(
+            p.method, p.cp_size, p.doc_lens, p.rank, p.doc, p.start, p.length,
+            info={**p.info, "node_scope": False}, pad=p.pad,
+        )
+        for p in two
+    ]  # fmt: skip
+    assert two
+    assert not spans_nodes(one) and spans_nodes(two)
+    for mode in ("train", "infer"):
+        mine = price_node_scoped(one, SHAPE, [mode], hw)[mode]
+        ref = price_plans(one, [SHAPE], [mode], [hw], "allgather_sharded", nodes=2)
+        for col in ("total_ms", "allgather_ms", "others_ms", "comm_bytes"):
+            assert np.allclose(mine[col], ref[col][0, 0, 0], rtol=1e-9, atol=0), col
+    for p in two:
+        mn, mg = node_scope_rows(p)
+        assert mn > 0 and mg < int(p.send_tokens_per_rank.max())
+        links = node_scoped_volume_by_link(p, SHAPE, "infer")
+        flat = comm_volume(p, "allgather_sharded", SHAPE, "infer")["allgather_bytes"]
+        assert links["inter"]["allgather"].max() < flat

@@ -101,6 +101,11 @@ class SensitivityConfig(ExperimentConfig):
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     #: N, number of CP ranks
     cp_size: int = 8
+    #: nodes the CP group spans on the profile's nodes (docs/multinode.md); null: as few as
+    #: ``placement`` allows (one node up to gpus_per_node ranks)
+    nodes: int | None = None
+    #: consecutive | strided: where CP rank r sits (flashcp.topology.Topology)
+    placement: str = "consecutive"
     #: C, tokens per packed sequence
     context_len: int = 131072
     #: train (forward + backward) and/or infer (forward only); the tornado plot shows the first
@@ -134,7 +139,8 @@ class SensitivityConfig(ExperimentConfig):
         default_factory=lambda: ["llama3", "per_doc", "ring", "zigzag", "flashcp"]
     )
     #: the constants varied (null: VARIED); may add alltoall_busbw_gbps (OPTIONAL_VARIED), which
-    #: otherwise follows allgather_busbw_gbps (conf/study/peers*.yaml vary it)
+    #: otherwise follows allgather_busbw_gbps (conf/study/peers*.yaml vary it), and the
+    #: inter-node nic_bw_gbps and inter_latency_us (conf/study/scale*.yaml)
     constants: list[str] | None = None
 
 
@@ -217,6 +223,13 @@ def check_sensitivity_config(cfg: Any) -> None:
             f"methods = {list(cfg.methods)} must include llama3, the reference of every speedup"
         )
     check_context_len(cfg.context_len, int(cfg.cp_size), 2)  # llama3: 2N equal chunks
+    from flashcp.topology import PLACEMENTS
+
+    if cfg.get("placement", "consecutive") not in PLACEMENTS:
+        raise ValueError(f"unknown placement {cfg.placement!r}; choose {' or '.join(PLACEMENTS)}")
+    nodes = cfg.get("nodes")
+    if nodes is not None and (isinstance(nodes, bool) or int(nodes) < 1):
+        raise ValueError(f"nodes must be a positive integer or null, got {nodes!r}")
     for k in cfg.get("constants") or ():
         if k not in (*VARIED, *OPTIONAL_VARIED):
             raise ValueError(
@@ -293,6 +306,22 @@ def _profiles(
     return out
 
 
+def _topology_options(method: str, cfg: Any, hw: HardwareProfile) -> dict[str, Any]:
+    """The run's topology as planner options, for a planner that takes them (``flashcp_node``:
+    ``num_nodes``, ``placement``, ``gpus_per_node``), as conf/method/flashcp_node.yaml passes a
+    run's; none for the others."""
+    from flashcp.registry import option_names
+
+    if "num_nodes" not in option_names(method):
+        return {}
+    nodes = cfg.get("nodes")
+    return {
+        "num_nodes": None if nodes is None else int(nodes),
+        "placement": str(cfg.get("placement", "consecutive")),
+        "gpus_per_node": hw.gpus_per_node,
+    }
+
+
 def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     """Run the study described in the module docstring; return the per-draw table.
 
@@ -313,6 +342,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     from flashcp.data import overlong_note, sample_dataset
     from flashcp.registry import COMM_KIND, get_planner
     from flashcp.sim.cost import PlanBatch, price_plans
+    from flashcp.sim.node_scoped import price_node_scoped, spans_nodes
 
     factor, draws = float(cfg.factor), int(cfg.num_draws)
     methods, modes = list(cfg.methods), list(cfg.modes)
@@ -329,6 +359,8 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     m = cfg.model
     shape = AttnShape(int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype))
     n, c = int(cfg.cp_size), int(cfg.context_len)
+    nodes = cfg.get("nodes")
+    where = (str(cfg.get("placement", "consecutive")), None if nodes is None else int(nodes))
     profiles = _profiles(hw, factor, draws, int(cfg.seed), tuple(cfg.get("constants") or VARIED))
     hws = [p["hw"] for p in profiles]
     rows = []
@@ -346,9 +378,16 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
         mean_ms = {}  # method -> (P, M) mean total_ms over the sequences
         for method in methods:
             planner = get_planner(method)
-            batch = PlanBatch([planner(d, n) for d in seqs])
-            tot = price_plans(batch, [shape], modes, hws, comm_kind=COMM_KIND[method])["total_ms"]
-            mean_ms[method] = tot[:, 0].mean(axis=-1)
+            opts = _topology_options(method, cfg, hw)
+            batch = PlanBatch([planner(d, n, **opts) for d in seqs])
+            if spans_nodes(batch.plans):  # flashcp_node's two-scope gather
+                tot = price_node_scoped(batch.plans, shape, modes, hws, *where)["total_ms"]
+            else:
+                tot = price_plans(
+                    batch, [shape], modes, hws, comm_kind=COMM_KIND[method], placement=where[0],
+                    nodes=where[1],
+                )["total_ms"][:, 0]  # fmt: skip
+            mean_ms[method] = tot.mean(axis=-1)
         for i, prof in enumerate(profiles):
             for j, mode in enumerate(modes):
                 ref = mean_ms["llama3"][i, j]

@@ -70,9 +70,10 @@ def _price(batch: Any, run: RunSpec) -> dict[str, dict[str, np.ndarray]]:
     from flashcp.sim.node_scoped import price_node_scoped, spans_nodes
 
     if spans_nodes(batch.plans):  # flashcp_node across nodes: its two-scope gather
-        priced = price_node_scoped(
+        out = price_node_scoped(
             batch.plans, run.shape, run.modes, run.hardware, run.placement, run.nodes
         )
+        priced = {mode: {c: v[0, m] for c, v in out.items()} for m, mode in enumerate(run.modes)}
         return _with_step(priced, batch, run)
     out = price_plans(
         batch, [run.shape], run.modes, [run.hardware], COMM_KIND[run.method], run.impl, **op_opts,

@@ -49,24 +49,27 @@ def price_node_scoped(
     plans: Sequence[Plan],
     shape: AttnShape,
     modes: Sequence[str],
-    hw: HardwareProfile,
+    hardware: HardwareProfile | Sequence[HardwareProfile],
     placement: str = "consecutive",
     nodes: int | None = None,
-) -> dict[str, dict[str, np.ndarray]]:
-    """Price S ``flashcp_node`` plans of one cp_size across nodes (module docstring).
+) -> dict[str, np.ndarray]:
+    """Price S ``flashcp_node`` plans of one cp_size across nodes (module docstring) on P
+    profiles that share their kernel tile shapes (perturbed copies of one profile).
 
     Args:
         plans: S plans of ``flashcp_node``, all for the topology ``(placement, nodes)`` gives on
-            ``hw`` (:func:`flashcp.sim.network.topology_for`).
-        shape: the attention shape; modes: ``train`` / ``infer``; hw: the hardware profile.
+            the profiles (:func:`flashcp.sim.network.topology_for`).
+        shape: the attention shape; modes: M modes, ``train`` / ``infer``.
+        hardware: one profile or P of them (the first one's tile shapes count the kernels' tiles).
     Returns:
-        per mode, (S,) arrays of every ``PHASE_COLUMNS`` (ms) and ``COMM_COLUMNS`` (bytes,
-        :func:`flashcp.comm.node_scoped_comm_volume`) column.
+        every ``PHASE_COLUMNS`` (ms) and ``COMM_COLUMNS`` (bytes,
+        :func:`flashcp.comm.node_scoped_comm_volume`) column as a (P, M, S) array.
     Raises:
-        ValueError: plans of other cp_sizes or another topology than the run's (one line).
+        ValueError: plans of several cp_sizes or of another topology than the run's (one line).
     """
+    hws = [hardware] if isinstance(hardware, HardwareProfile) else list(hardware)
     n = plans[0].cp_size
-    topo = topology_for(hw, n, placement, nodes)
+    topo = topology_for(hws[0], n, placement, nodes)
     for p in plans:
         own = plan_topology(p)
         if topo is None or p.cp_size != n or not np.array_equal(own.node_of, topo.node_of):
@@ -77,7 +80,7 @@ def price_node_scoped(
             )
     links = group_links(topo)
     r = topo.ranks_per_node
-    costs = [PlanCost(p, hw, "allgather_sharded", links=FLAT) for p in plans]
+    costs = [PlanCost(p, hws[0], "allgather_sharded", links=FLAT) for p in plans]
     scopes = np.array([node_scope_rows(p) for p in plans], dtype=np.int64)  # (S, 2): Mn, Mg
     local = np.stack([c.q_rows for c in costs])
     kv_rows = np.stack([c.kv_rows for c in costs])
@@ -85,32 +88,37 @@ def price_node_scoped(
     fwd = TileStats(*(np.stack([getattr(c.fwd, f) for c in costs]) for f in TileStats._fields))
     bwd = TileStats(*(np.stack([getattr(c.bwd, f) for c in costs]) for f in TileStats._fields))
     hkv, d, e = shape.num_kv_heads, shape.head_dim, shape.dtype_bytes
-    _, hg, groups = _ag_head_groups(n, local, send_eff, hkv, d)
-    out: dict[str, dict[str, np.ndarray]] = {}
-    for mode in modes:
+    _, hg, _ = _ag_head_groups(n, local, send_eff, hkv, d)
+    dims = (len(hws), len(modes), len(plans))
+    out = {c: np.zeros(dims) for c in PHASE_COLUMNS}
+    out.update({c: np.zeros(dims, dtype=np.int64) for c in COMM_COLUMNS})
+    for m, mode in enumerate(modes):
         vols = [node_scoped_comm_volume(p, shape, mode) for p in plans]
         vol = {k: np.array([v[k] for v in vols], dtype=np.int64) for k in COMM_COLUMNS}
+        for a, hw in enumerate(hws):
 
-        def coll(nbytes, total, busbw, op, hg=hg):
-            """Both scopes' call for one head group, per plan (the arguments' one-scope bytes
-            are replaced by each scope's own)."""
-            elem = e if op == "all_gather" else _grad_elem(shape)
-            t = np.zeros(len(plans))
-            for i, (mn, mg) in enumerate(scopes):
-                for ranks, rows, lk in ((r, mn, FLAT), (n, mg, links)):
-                    b = float(kv_bytes((ranks - 1) * int(rows), int(hg[i]), d, elem))
-                    if b > 0:
-                        t[i] += collective_us(hw, lk, b, b * ranks / (ranks - 1), busbw, op)
-            return t
+            def coll(nbytes, total, busbw, op, hw=hw):
+                """Both scopes' call for one head group, per plan (the arguments' one-scope
+                bytes are replaced by each scope's own)."""
+                elem = e if op == "all_gather" else _grad_elem(shape)
+                t = np.zeros(len(plans))
+                for i, (mn, mg) in enumerate(scopes):
+                    for ranks, rows, lk in ((r, mn, FLAT), (n, mg, links)):
+                        b = float(kv_bytes((ranks - 1) * int(rows), int(hg[i]), d, elem))
+                        if b > 0:
+                            t[i] += collective_us(hw, lk, b, b * ranks / (ranks - 1), busbw, op)
+                return t
 
-        ph = _allgather_phases(
-            hw, n, local, kv_rows, send_eff, fwd, bwd, shape, mode, vol, coll, False
-        )
-        cols = {c: ph[c] for c in PHASE_COLUMNS if c != "total_ms"}
-        cols["total_ms"] = np.array([math.fsum(x) for x in zip(*cols.values(), strict=True)])
-        cols.update(vol)
-        out[mode] = cols
-    del groups
+            ph = _allgather_phases(
+                hw, n, local, kv_rows, send_eff, fwd, bwd, shape, mode, vol, coll, False
+            )
+            parts = [ph[c] for c in PHASE_COLUMNS if c != "total_ms"]
+            for c in PHASE_COLUMNS:
+                if c != "total_ms":
+                    out[c][a, m] = ph[c]
+            out["total_ms"][a, m] = [math.fsum(x) for x in zip(*parts, strict=True)]
+            for c in COMM_COLUMNS:
+                out[c][a, m] = vol[c]
     return out
 
 

@@ -43,8 +43,10 @@ VARIED = (
     "overlap_fraction",
 )
 #: constants a study may add to VARIED (``constants``): the all-to-all bus bandwidth, which follows
-#: ``allgather_busbw_gbps`` when not varied itself (its profile value is derived from it)
-OPTIONAL_VARIED = ("alltoall_busbw_gbps",)
+#: ``allgather_busbw_gbps`` when not varied itself (its profile value is derived from it), and
+#: the two-level network's inter-node constants (one NIC's bandwidth, a crossing's latency;
+#: docs/multinode.md), which only a CP group over several nodes uses
+OPTIONAL_VARIED = ("alltoall_busbw_gbps", "nic_bw_gbps", "inter_latency_us")
 
 
 def perturb(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:

@@ -64,7 +64,15 @@ from flashcp.data.datasets import DatasetName
 from flashcp.data.distributions import WEIGHTINGS
 from flashcp.results import markdown_table
 from flashcp.sim.hardware import HardwareProfile
-from flashcp.sim.perturb import OPTIONAL_VARIED, VARIED, joint_factors, perturb
+from flashcp.sim.network import topology_for
+from flashcp.sim.perturb import (
+    NETWORK_VARIED,
+    OPTIONAL_VARIED,
+    VARIED,
+    joint_factors,
+    perturb,
+    varied_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +109,9 @@ class SensitivityConfig(ExperimentConfig):
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     #: N, number of CP ranks
     cp_size: int = 8
-    #: nodes the CP group spans on the profile's nodes (docs/multinode.md); null: as few as
-    #: ``placement`` allows (one node up to gpus_per_node ranks)
+    #: the CP group on the profile's nodes (as flashcp-run's nodes / placement,
+    #: docs/multinode.md); across nodes the inter-node constants are varied too (NETWORK_VARIED)
     nodes: int | None = None
-    #: consecutive | strided: where CP rank r sits (flashcp.topology.Topology)
     placement: str = "consecutive"
     #: C, tokens per packed sequence
     context_len: int = 131072
@@ -138,9 +145,9 @@ class SensitivityConfig(ExperimentConfig):
     methods: list[str] = field(
         default_factory=lambda: ["llama3", "per_doc", "ring", "zigzag", "flashcp"]
     )
-    #: the constants varied (null: VARIED); may add alltoall_busbw_gbps (OPTIONAL_VARIED), which
-    #: otherwise follows allgather_busbw_gbps (conf/study/peers*.yaml vary it), and the
-    #: inter-node nic_bw_gbps and inter_latency_us (conf/study/scale*.yaml)
+    #: the constants varied (null: VARIED, and NETWORK_VARIED across nodes); may add
+    #: alltoall_busbw_gbps (OPTIONAL_VARIED), which otherwise follows allgather_busbw_gbps
+    #: (conf/study/peers*.yaml vary it), and the inter-node constants (NETWORK_VARIED)
     constants: list[str] | None = None
 
 
@@ -223,18 +230,11 @@ def check_sensitivity_config(cfg: Any) -> None:
             f"methods = {list(cfg.methods)} must include llama3, the reference of every speedup"
         )
     check_context_len(cfg.context_len, int(cfg.cp_size), 2)  # llama3: 2N equal chunks
-    from flashcp.topology import PLACEMENTS
-
-    if cfg.get("placement", "consecutive") not in PLACEMENTS:
-        raise ValueError(f"unknown placement {cfg.placement!r}; choose {' or '.join(PLACEMENTS)}")
-    nodes = cfg.get("nodes")
-    if nodes is not None and (isinstance(nodes, bool) or int(nodes) < 1):
-        raise ValueError(f"nodes must be a positive integer or null, got {nodes!r}")
     for k in cfg.get("constants") or ():
-        if k not in (*VARIED, *OPTIONAL_VARIED):
+        if k not in (*VARIED, *OPTIONAL_VARIED, *NETWORK_VARIED):
             raise ValueError(
                 f"constants: {k!r} is not a varied constant; choose from "
-                f"{', '.join((*VARIED, *OPTIONAL_VARIED))}"
+                f"{', '.join((*VARIED, *OPTIONAL_VARIED, *NETWORK_VARIED))}"
             )
     if DatasetName.file in cfg.datasets:
         raise ValueError(
@@ -275,7 +275,7 @@ VARIANT_COLUMNS = (
 
 def _variant_columns(v: DataVariant, context_len: int) -> dict[str, Any]:
     """The :data:`VARIANT_COLUMNS` of ``v`` (``dataset_sha256``: the file's hash, or ``-``)."""
-    from experiments.run import file_sha256
+    from experiments.common.rows import file_sha256
 
     return {
         "dataset_variant": v.label,
@@ -355,13 +355,19 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
             f"among the methods (got {methods}) and a data variant (got none)"
         )
     # explicit constants win over the fitted ones
-    hw, hw_columns = load_job_hardware(OmegaConf.to_container(cfg.hardware, resolve=True))
+    hw_cfg = OmegaConf.to_container(cfg.hardware, resolve=True)
+    hw, hw_columns = load_job_hardware(hw_cfg)
     m = cfg.model
     shape = AttnShape(int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype))
     n, c = int(cfg.cp_size), int(cfg.context_len)
-    nodes = cfg.get("nodes")
-    where = (str(cfg.get("placement", "consecutive")), None if nodes is None else int(nodes))
-    profiles = _profiles(hw, factor, draws, int(cfg.seed), tuple(cfg.get("constants") or VARIED))
+    net = {"placement": str(cfg.get("placement", "consecutive")), "nodes": cfg.get("nodes")}
+    topo = topology_for(hw, n, **net)  # a topology that does not fit: one line, before any work
+    spans = topo is not None and topo.spans_nodes
+    if spans:  # the inter-node constants are used, varied and recorded
+        hw, hw_columns = load_job_hardware(hw_cfg, network=True)
+        hw_columns = {**hw_columns, "nodes": topo.num_nodes, "placement": topo.placement}
+    varied = tuple(cfg.get("constants") or varied_for(spans))
+    profiles = _profiles(hw, factor, draws, int(cfg.seed), varied)
     hws = [p["hw"] for p in profiles]
     rows = []
     for v in variants:
@@ -381,12 +387,11 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
             opts = _topology_options(method, cfg, hw)
             batch = PlanBatch([planner(d, n, **opts) for d in seqs])
             if spans_nodes(batch.plans):  # flashcp_node's two-scope gather
-                tot = price_node_scoped(batch.plans, shape, modes, hws, *where)["total_ms"]
+                tot = price_node_scoped(batch.plans, shape, modes, hws, **net)["total_ms"]
             else:
-                tot = price_plans(
-                    batch, [shape], modes, hws, comm_kind=COMM_KIND[method], placement=where[0],
-                    nodes=where[1],
-                )["total_ms"][:, 0]  # fmt: skip
+                tot = price_plans(batch, [shape], modes, hws, comm_kind=COMM_KIND[method], **net)[
+                    "total_ms"
+                ][:, 0]
             mean_ms[method] = tot.mean(axis=-1)
         for i, prof in enumerate(profiles):
             for j, mode in enumerate(modes):

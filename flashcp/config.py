@@ -181,7 +181,7 @@ class EmulateExecutorConfig(ExecutorConfig):
     #: CUDA only: copy each ring message on a second stream while the rank computes
     nccl_traffic: bool = False
     #: refuse, before any record pass, a plan whose estimated memory exceeds the device's
-    #: (:func:`flashcp.executors.emulate.record_memory_bytes`); results do not depend on it
+    #: (:func:`flashcp.executors.emulate_memory.record_memory_bytes`); results do not depend on it
     check_memory: bool = True
 
 
@@ -219,8 +219,8 @@ HardwareConfig = _hardware_schema()
 @dataclass
 class GridConfig:
     """``executor=sim``: the runs of one job, sharing its sampled sequences and plans
-    (``experiments.run.grid_runs``). Each combination of the listed values is its own run (its
-    own ``run_id`` and identity), equal to the run the overrides ``key=value`` would configure,
+    (``experiments.common.grid.grid_runs``). Each combination of the listed values is its own run
+    (its own ``run_id`` and identity), equal to the run the overrides ``key=value`` would configure,
     with every setting the job makes inside a gridded group kept (``model.num_kv_heads=8``,
     ``method.impl``, ``method.options.*``, ``hardware.<constant>``); null leaves the job's own
     value. A plain override of a gridded key (``cp_size=2`` beside ``grid.cp_size``) is refused
@@ -377,7 +377,8 @@ def register_configs() -> None:
 
 class MethodNotApplicable(ValueError):
     """A method that cannot run at one setting (its Ulysses degree and the model's heads): in a
-    grid of runs, that run is an error row while the others run (``experiments.run.checked_grid``)."""
+    grid of runs, that run is an error row while the others run
+    (``experiments.common.grid.checked_grid``)."""
 
 
 def check_config(cfg: Any, dataset: bool = True) -> None:

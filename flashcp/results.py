@@ -70,7 +70,7 @@ COMM_COLUMNS: tuple[str, ...] = (
 #: same measurement; ``run_id`` = :func:`identity_hash` of them. Dict-valued fields (method and
 #: executor options, hardware constants changed from their profile) are canonical JSON strings.
 #: A new result-changing config field is one more name here and one more entry in
-#: ``experiments.run.run_identity``.
+#: ``experiments.common.rows.run_identity``.
 IDENTITY_COLUMNS: tuple[str, ...] = (
     "dataset", "dataset_path", "dataset_sha256", "weighting", "dataset_cap", "overlong",
     "method", "method_options", "impl", "cp_size", "context_len", "num_sequences", "seed", "modes",

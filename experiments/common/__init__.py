@@ -15,6 +15,9 @@
   from ``conf/*.yaml`` (:func:`~experiments.common.entry.experiment_commands`).
 * :mod:`experiments.common.overrides`: what a job's command line set (explicit hardware
   constants win over the fitted ones in every command).
+* :mod:`experiments.common.grid` and :mod:`experiments.common.rows`: ``flashcp-run``'s parts
+  that are no Hydra app: the runs of a job's ``grid`` and the checks before any work; each run's
+  identity, the columns its rows share and a failed job's error rows.
 
 The rooms of ``experiments/``: this package (plumbing); one module per experiment, each a Hydra
 app with its schema beside it (``run.py``: ``flashcp-run``, the sweeps of ``conf/experiment/``;

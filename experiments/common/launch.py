@@ -449,7 +449,7 @@ def run_values_problem(config: Any, prog: str = PROG, multirun: bool = False) ->
     return None
 
 
-#: keys a ``flashcp-run`` grid varies (experiments.run.GRID_KEYS): groups and cp_size
+#: keys a ``flashcp-run`` grid varies (experiments.common.grid.GRID_KEYS): groups and cp_size
 _GRID_KEYS = ("method", "model", "hardware", "cp_size")
 
 
@@ -458,7 +458,7 @@ def grid_override_problem(config: Any) -> str | None:
     not) of a key the composed config's ``grid`` varies (e.g. set by ``experiment=fig5``): the
     grid's values would replace it, so it is refused with the ``grid.<key>=[...]`` to write
     instead. Settings inside a group (``model.num_kv_heads=8``, ``method.options.lns=false``) are
-    not refused: every run of the grid keeps them (:func:`experiments.run.grid_runs`)."""
+    not refused: every run of the grid keeps them (:func:`experiments.common.grid.grid_runs`)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 

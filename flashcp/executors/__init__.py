@@ -18,7 +18,9 @@ they differ only in how a plan is measured, and import that module and :mod:`fla
 * :mod:`flashcp.executors.sim`: the analytic cost model; plans each (sequence, method, options,
   cp_size) once and prices every run that shares the plan (several models, hardware profiles).
 * :mod:`flashcp.executors.dist`: real ops over torch.distributed (one run per job, under torchrun).
-* :mod:`flashcp.executors.emulate`: every rank's real ops replayed on one device.
+* :mod:`flashcp.executors.emulate`: every rank's real ops replayed on one device (its record
+  pass: :mod:`flashcp.executors.emulate_record`; its memory check:
+  :mod:`flashcp.executors.emulate_memory`).
 
 :func:`execute` picks the module by name and imports it (and torch, for dist and emulate) only then.
 """

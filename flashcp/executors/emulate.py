@@ -5,10 +5,10 @@ group is replaced, by an in-process :class:`~flashcp.ops.collectives.LocalGroup`
 
 1. **Record** (untimed). One thread per CP rank runs the op on its shard of seeded Q/K/V (the
    same tensors :func:`flashcp.executors.dist.measure_step` draws) through a
-   :class:`RecordingGroup`: the threads meet in real all-gathers, reduce-scatters and ring
-   send/recv, computed in memory (the hybrids' 2-D groups are sub-groups of it,
-   :meth:`RecordingGroup.new_subgroup`). Every buffer a replayed rank *receives* is kept, in call
-   order.
+   :class:`~flashcp.executors.emulate_record.RecordingGroup`: the threads meet in real
+   all-gathers, reduce-scatters and ring send/recv, computed in memory (the hybrids' 2-D groups
+   are sub-groups of it, ``RecordingGroup.new_subgroup``). Every buffer a replayed rank
+   *receives* is kept, in call order (:mod:`flashcp.executors.emulate_record`).
    (The backward is driven by calling the op's autograd node directly on its thread: PyTorch runs
    the backward of CUDA tensors on one shared device thread, where ranks waiting for each other
    would deadlock.)
@@ -46,21 +46,23 @@ real NCCL kernel would take.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
-import os
-import queue
 import statistics
-import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from flashcp.comm import AttnShape, check_mode, comm_volume
+from flashcp.comm import AttnShape, check_mode
+from flashcp.executors.emulate_memory import check_job_memory, check_record_memory, job_device
+from flashcp.executors.emulate_record import (
+    Recording,
+    _on_device,
+    _subgroup_ranks,
+    record,
+)
 from flashcp.executors.progress import progress_bar
 from flashcp.executors.rows import check_comm, finish_rows, measure_rows, plan_sequences
 from flashcp.ops import get_attn_op
@@ -74,17 +76,11 @@ from flashcp.sim.hardware import HardwareProfile, load_hardware
 __all__ = [
     "CommCall",
     "RankReplay",
-    "RecordingGroup",
     "ReplayGroup",
-    "available_memory_bytes",
-    "check_job_memory",
-    "check_record_memory",
     "compose_comm",
     "emulate_ranks",
     "emulate_step",
     "execute",
-    "record",
-    "record_memory_bytes",
     "seeded_inputs",
 ]
 
@@ -119,448 +115,6 @@ def seeded_inputs(
         for h in heads
     ]
     return [tuple(shard_tensor(x, plan, r) for x in full) for r in range(plan.cp_size)]
-
-
-# ---- memory: the record pass holds every rank's traffic at once ------------------------------------
-
-
-def record_memory_bytes(
-    plan: Plan, shape: AttnShape, mode: str, keep: Sequence[int] | None = None
-) -> int:
-    """Estimated peak bytes of :func:`emulate_ranks` on its device (the record pass dominates).
-
-    The record pass runs all ``cp_size`` ranks at once, so the step's whole communication is
-    alive together: every rank's received K/V (and, in training, dK/dV) buffers, plus a copy of
-    each buffer a kept rank receives (what the replay answers from). Estimate:
-
-        inputs + outputs + (cp_size + len(keep)) * comm_bytes
-
-    with inputs = ``context_len * (2 num_heads + 2 num_kv_heads) * head_dim * itemsize`` (q, k, v,
-    dout; no dout in inference), outputs the same again (out, dq, dk, dv; out only in
-    inference) and ``comm_bytes`` one rank's bytes received per step
-    (:func:`flashcp.comm.comm_volume`, the most any rank receives). The rise in peak RSS measured
-    on CPU (zigzag, CP 8, 32 heads, head_dim 128, bf16, training, 2K-8K tokens, one or all ranks
-    kept) is within 20% of this estimate and linear in the context (docs/execution.md).
-
-    Args:
-        plan: the plan; shape: its attention shape; mode: ``train`` or ``infer``.
-        keep: ranks replayed (default all).
-    Returns:
-        bytes (int).
-    Raises:
-        ValueError: bad ``mode`` or heads the plan's Ulysses degree does not allow.
-    """
-    from flashcp.registry import COMM_KIND
-
-    check_mode(mode)
-    train = mode == "train"
-    kept = plan.cp_size if keep is None else len(keep)
-    q_heads = shape.num_heads * (2 if train else 1)
-    inputs = (
-        plan.context_len * (q_heads + 2 * shape.num_kv_heads) * shape.head_dim * shape.dtype_bytes
-    )
-    outputs = (
-        inputs if train else plan.context_len * shape.num_heads * shape.head_dim * shape.dtype_bytes
-    )
-    comm = comm_volume(plan, COMM_KIND[plan.method], shape, mode)["comm_bytes"]
-    return int(inputs + outputs + (plan.cp_size + kept) * comm)
-
-
-def available_memory_bytes(device) -> int | None:
-    """Bytes that can still be allocated on ``device``: CUDA, the driver's free memory plus what
-    PyTorch's caching allocator holds unused; CPU, ``MemAvailable`` of ``/proc/meminfo`` (Linux),
-    else free physical pages (``os.sysconf``); None where neither can be read."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_record_memory(
-    plan: Plan, shape: AttnShape, mode: str, device, keep: Sequence[int] | None = None
-) -> int:
-    """Refuse a plan whose :func:`record_memory_bytes` exceeds :func:`available_memory_bytes` of
-    ``device`` (a process killed for memory, or a CUDA out-of-memory midway, loses the job).
-
-    Returns:
-        the estimate (bytes).
-    Raises:
-        ValueError: the estimate exceeds the available memory; the message gives both and what
-            lowers the estimate.
-    """
-    need = record_memory_bytes(plan, shape, mode, keep)
-    have = available_memory_bytes(device)
-    if have is not None and need > have:
-        kept = plan.cp_size if keep is None else len(keep)
-        raise ValueError(
-            f"executor=emulate: {plan.method} at cp_size = {plan.cp_size}, context_len = "
-            f"{plan.context_len}, {mode} needs about {need / 2**30:.1f} GiB on {torch.device(device)} "
-            f"(the record pass holds all {plan.cp_size} ranks' communication, "
-            f"{kept} rank(s) kept), but {have / 2**30:.1f} GiB is available; use a shorter "
-            f"context_len, fewer heads, or fewer replayed ranks (executor.ranks=[0]); "
-            f"executor.check_memory=false skips this check"
-        )
-    return need
-
-
-def job_device(run) -> torch.device:
-    """Where ``executor=emulate`` replays ``run`` (a :class:`flashcp.executors.RunSpec`):
-    ``executor.device``, else CUDA if available, else CPU."""
-    dev = dict(run.executor).get("device")
-    return torch.device(dev or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-def check_job_memory(run, plans: Sequence[Plan]) -> None:
-    """:func:`check_record_memory` of the largest of ``plans`` (a job's, of ``run``: a
-    :class:`flashcp.executors.RunSpec`) in each of its modes, on :func:`job_device`; nothing
-    when ``executor.check_memory`` is false. The harness calls it before the job's folder is
-    written, and :func:`execute` again before any record pass.
-
-    Raises:
-        ValueError: the estimate exceeds the available memory (:func:`check_record_memory`).
-    """
-    ex = dict(run.executor)
-    if not bool(ex.get("check_memory", True)) or not plans:
-        return
-    ranks = None if ex.get("ranks") is None else [int(r) for r in ex["ranks"]]
-    worst = max(
-        plans, key=lambda p: max(record_memory_bytes(p, run.shape, m, ranks) for m in run.modes)
-    )
-    for mode in run.modes:
-        check_record_memory(worst, run.shape, mode, job_device(run), ranks)
-
-
-# ---- recording: one thread per rank ----------------------------------------------------------------
-
-
-class _Abandoned(RuntimeError):
-    """A rank gave up waiting because another rank had failed (not the failure to report)."""
-
-
-class _World:
-    """State shared by the rank threads of one recording, or of one of its sub-groups (``parent``
-    given: ``ranks`` are their CP ranks; the failure flag and the kept buffers are the
-    recording's, so a rank's calls in every group it belongs to land in one list, in order)."""
-
-    def __init__(
-        self, n: int, timeout_s: float, keep: set[int], parent: _World | None = None,
-        ranks: Sequence[int] | None = None,
-    ) -> None:  # fmt: skip
-        self.n = n
-        self.timeout_s = float(timeout_s)
-        self.barrier = threading.Barrier(n, timeout=self.timeout_s)
-        self.slots: list = [None] * n
-        self.mail: dict[tuple[int, int], queue.Queue] = {}
-        self.lock = threading.Lock()
-        self.ranks = list(range(n)) if ranks is None else list(ranks)
-        self.root: _World = self if parent is None else parent.root
-        self.subs: dict[tuple[int, ...], _World] = {}  # the root's: every sub-group, by CP ranks
-        if parent is None:
-            self.failed = threading.Event()
-            self.received: dict[int, list[tuple[str, list[torch.Tensor]]]] = {r: [] for r in keep}
-        else:
-            self.failed, self.received = self.root.failed, self.root.received
-
-    def sub(self, ranks: Sequence[int]) -> _World:
-        """The sub-group of this group's positions ``ranks``; every member gets the same one."""
-        members = tuple(self.ranks[i] for i in ranks)
-        root = self.root
-        with root.lock:
-            if members not in root.subs:
-                root.subs[members] = _World(len(members), self.timeout_s, set(), self, members)
-            return root.subs[members]
-
-    def abort(self) -> None:
-        """Mark the recording failed and break every group's barrier (waiters give up)."""
-        root = self.root
-        root.failed.set()
-        with root.lock:
-            worlds = [root, *root.subs.values()]
-        for w in worlds:
-            w.barrier.abort()
-
-    def box(self, dst: int, tag: int) -> queue.Queue:
-        with self.lock:
-            return self.mail.setdefault((dst, tag), queue.Queue())
-
-    def sync(self) -> None:
-        try:
-            self.barrier.wait()
-        except threading.BrokenBarrierError:
-            if self.failed.is_set():
-                raise _Abandoned("emulated collective abandoned: another rank failed") from None
-            self.abort()
-            raise RuntimeError(
-                f"emulated collective: a rank did not arrive within {self.timeout_s} s"
-            ) from None
-
-
-def _subgroup_ranks(group: LocalGroup, ranks) -> list[int]:
-    """``ranks`` checked for :meth:`LocalGroup.new_subgroup` (as a list of ints)."""
-    n, me = group.size(), group.rank()
-    try:
-        got = [int(r) for r in ranks]
-    except (TypeError, ValueError):
-        raise ValueError(f"sub-group ranks must be integers, got {ranks!r}") from None
-    if not got or got != sorted(set(got)) or not 0 <= got[0] <= got[-1] < n:
-        raise ValueError(f"sub-group ranks must be distinct ascending ranks in [0, {n}), got {got}")
-    if me not in got:
-        raise ValueError(f"rank {me} asked for sub-group {got} without itself")
-    return got
-
-
-class RecordingGroup(LocalGroup):
-    """Rank ``rank``'s view of an in-memory process group shared by threads (record pass).
-
-    Collectives meet at a barrier (bounded by the recording's timeout) and compute their result
-    from every rank's buffer; ring messages go through per-(destination, tag) queues, in order.
-    What a kept rank receives is stored for :class:`ReplayGroup`. ``rank`` is a position in
-    ``world`` (a sub-group's, from :meth:`new_subgroup`, or the CP group's).
-    """
-
-    def __init__(self, world: _World, rank: int) -> None:
-        self.world = world
-        self._rank = rank
-
-    def size(self) -> int:
-        return self.world.n
-
-    def rank(self) -> int:
-        return self._rank
-
-    def new_subgroup(self, ranks: list[int]) -> RecordingGroup:
-        ranks = _subgroup_ranks(self, ranks)
-        return RecordingGroup(self.world.sub(ranks), ranks.index(self._rank))
-
-    def _keep(self, kind: str, tensors: list[torch.Tensor]) -> None:
-        me = self.world.ranks[self._rank]
-        if me in self.world.received:
-            self.world.received[me].append((kind, [t.detach().clone() for t in tensors]))
-
-    def _exchange(self, value):
-        """Deposit ``value``, wait for every rank's, return them all (then wait again so the slots
-        can be reused)."""
-        w = self.world
-        w.slots[self._rank] = value
-        w.sync()
-        values = list(w.slots)
-        w.sync()
-        return values
-
-    def all_gather_into_tensor(self, output, inp) -> None:
-        parts = self._exchange(inp)
-        torch.cat(parts, dim=0, out=output)
-        self._keep("allgather", [output])
-
-    def reduce_scatter_tensor(self, output, inp) -> None:
-        parts = self._exchange(inp)
-        m = output.shape[0]
-        rows = slice(self._rank * m, (self._rank + 1) * m)
-        acc = parts[0][rows].clone()
-        for p in parts[1:]:
-            acc += p[rows]
-        output.copy_(acc)
-        self._keep("reducescatter", [output])
-
-    def all_to_all_single(self, output, inp) -> None:
-        parts = self._exchange(inp)
-        m = output.shape[0] // self.world.n
-        mine = slice(self._rank * m, (self._rank + 1) * m)
-        torch.cat([p[mine] for p in parts], dim=0, out=output)
-        self._keep("alltoall", [output])
-
-    def check_same_plan(self, plan) -> None:
-        digests = self._exchange(plan.digest())
-        if len(set(digests)) > 1:
-            raise ValueError(f"ranks hold different plans (plan digests differ: {digests})")
-
-    def ring_post(self, tensors, tag):
-        nxt = (self._rank + 1) % self.world.n
-        self.world.box(nxt, tag).put([t.detach().clone() for t in tensors])
-        return tag
-
-    def ring_wait(self, handle) -> list[torch.Tensor]:
-        box = self.world.box(self._rank, handle)
-        deadline = time.monotonic() + self.world.timeout_s
-        while True:
-            if self.world.failed.is_set():
-                raise _Abandoned("emulated ring exchange abandoned: another rank failed")
-            try:
-                got = box.get(timeout=0.05)
-                break
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"emulated ring exchange: nothing received within {self.world.timeout_s} s"
-                    ) from None
-        self._keep("p2p", got)
-        return got
-
-
-def _topological(root) -> list:
-    """Autograd nodes reachable from ``root``, each before the nodes it feeds (its inputs')."""
-    post, seen, stack = [], {root}, [(root, iter(root.next_functions))]
-    while stack:
-        node, children = stack[-1]
-        for child, _ in children:
-            if child is not None and child not in seen:
-                seen.add(child)
-                stack.append((child, iter(child.next_functions)))
-                break
-        else:
-            post.append(node)
-            stack.pop()
-    return post[::-1]
-
-
-def _run_backward(out: torch.Tensor, dout: torch.Tensor, inputs: Sequence[torch.Tensor]):
-    """Gradients of ``out`` w.r.t. the leaves ``inputs``, with the op's own autograd graph run on
-    the calling thread (not by the autograd engine, whose single CUDA device thread would run
-    every rank's backward in turn, so ranks waiting for each other would deadlock).
-
-    Nodes run in topological order, each called with the gradient of its one output (the op's
-    graph: its autograd Function and the views and pads around it); gradients reaching a leaf
-    are summed. Returns a tuple like ``inputs`` (None where no gradient arrived).
-
-    Raises:
-        RuntimeError: a node with several outputs, or a custom Function returning gradients for
-            inputs that are not graph edges (tensor inputs must come first).
-    """
-    grads: dict = {}
-    pending = {out.grad_fn: dout}
-    with torch.no_grad():  # as the engine runs a backward (no create_graph)
-        for node in _topological(out.grad_fn):
-            g = pending.pop(node, None)
-            if g is None:
-                continue
-            leaf = getattr(node, "variable", None)
-            if leaf is not None:  # AccumulateGrad of a leaf
-                grads[leaf] = g if leaf not in grads else grads[leaf] + g
-                continue
-            if len(getattr(node, "_input_metadata", (None,))) != 1:
-                raise RuntimeError(f"cannot run {type(node).__name__} (several outputs) here")
-            custom = isinstance(node, torch.autograd.function.BackwardCFunction)
-            res = node.apply(g) if custom else node(g)
-            res = res if isinstance(res, tuple) else (res,)
-            edges = node.next_functions
-            if len(res) < len(edges) or any(r is not None for r in res[len(edges) :]):
-                raise RuntimeError(
-                    f"{type(node).__name__} returned gradients that do not line up with its inputs"
-                )
-            for (nxt, _), gn in zip(edges, res, strict=False):
-                if nxt is not None and gn is not None:
-                    pending[nxt] = gn if nxt not in pending else pending[nxt] + gn
-    return tuple(grads.get(x) for x in inputs)
-
-
-@dataclass
-class Recording:
-    """What the record pass keeps.
-
-    Attributes:
-        digest: the plan's digest.
-        received: rank -> ``[(kind, buffers)]`` in call order, for the kept ranks.
-        outputs: rank -> ``(out, dq, dk, dv)`` (gradients only in training) of the record pass.
-    """
-
-    digest: str
-    received: dict[int, list[tuple[str, list[torch.Tensor]]]]
-    outputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
-
-
-def record(
-    plan: Plan,
-    mode: str,
-    inputs: Sequence[tuple[torch.Tensor, ...]],
-    *,
-    backend="auto",
-    keep: Sequence[int] | None = None,
-    keep_outputs: bool = False,
-    timeout_s: float = 120.0,
-    op_options: Mapping[str, Any] | None = None,
-) -> Recording:
-    """Run the plan's op on every rank at once, one thread per rank, in memory (untimed).
-
-    Args:
-        plan: the plan.
-        mode: ``train`` or ``infer``.
-        inputs: per rank ``(q, k, v[, dout])`` as :func:`seeded_inputs` gives.
-        backend: kernel backend (name or instance).
-        keep: ranks whose received buffers are kept (default: all).
-        keep_outputs: also keep the kept ranks' ``(out, dq, dk, dv)``.
-        timeout_s: bound on every emulated collective and ring wait; the whole pass gets
-            four times as long.
-        op_options: keyword options of the op (e.g. ``keep_gathered_kv``).
-    Returns:
-        the :class:`Recording`.
-    Raises:
-        RuntimeError: a rank failed (its exception is chained) or a wait timed out.
-    """
-    n = plan.cp_size
-    keep = set(range(n)) if keep is None else set(keep)
-    world = _World(n, timeout_s, keep)
-    prepare, attn = get_attn_op(plan.method)
-    train = mode == "train"
-    errors: list[BaseException | None] = [None] * n
-    outputs: dict[int, tuple[torch.Tensor, ...]] = {}
-
-    def record_rank(rank: int) -> None:
-        meta = prepare(plan, rank)
-        q, k, v = (x.detach().requires_grad_(train) for x in inputs[rank][:3])
-        with torch.set_grad_enabled(train):
-            out = attn(
-                q, k, v, meta, RecordingGroup(world, rank), backend=backend, **(op_options or {})
-            )
-        grads = _run_backward(out, inputs[rank][3], (q, k, v)) if train else ()
-        if keep_outputs and rank in keep:
-            outputs[rank] = (out.detach(), *(g.detach() for g in grads))
-
-    def body(rank: int) -> None:
-        try:
-            # the CUDA current device is per thread (a new thread starts on device 0): work on
-            # the inputs' device, so whatever the op creates lands beside them
-            with _on_device(inputs[rank][0].device):
-                record_rank(rank)
-        except BaseException as exc:  # surfaced by the caller
-            errors[rank] = exc
-            world.abort()
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
-    # on CPU the rank threads are the parallelism: intra-op pools of N threads at once would
-    # oversubscribe the cores (the untimed record pass only; restored before the replay)
-    intra_op = torch.get_num_threads()
-    if inputs[0][0].device.type == "cpu":
-        torch.set_num_threads(1)
-    deadline = time.monotonic() + 4 * timeout_s
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-    finally:
-        torch.set_num_threads(intra_op)
-    if any(t.is_alive() for t in threads):
-        world.abort()
-        raise RuntimeError(f"record pass of {plan.method} did not finish within {timeout_s * 4} s")
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        # the first rank that failed for a reason of its own, not because a peer left
-        primary = next(((r, e) for r, e in failed if not isinstance(e, _Abandoned)), failed[0])
-        raise RuntimeError(f"record pass: rank {primary[0]} failed: {primary[1]}") from primary[1]
-    return Recording(plan.digest(), world.received, outputs)
 
 
 # ---- replay: one rank alone, communication answered from the recording -----------------------------
@@ -682,7 +236,8 @@ class ReplayGroup(LocalGroup):
 
     Args:
         rank, cp_size: the replayed rank and N.
-        recording: from :func:`record` (``rank`` must be kept there).
+        recording: from :func:`~flashcp.executors.emulate_record.record` (``rank`` must be kept
+            there).
         clock: the step's timeline (its device is the replayed tensors' device).
         nccl_traffic: copy ring messages on a second CUDA stream of that device, overlapping
             compute.
@@ -817,12 +372,6 @@ class RankReplay:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _on_device(device: torch.device):
-    """``torch.cuda.device(device)`` for a CUDA device (what the ops create goes there, and
-    streams and events default to it), else nothing."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _check_args(plan, mode, warmup, iters, ranks, nccl_traffic, device) -> list[int]:
@@ -962,8 +511,9 @@ def emulate_step(
         nccl_traffic: (CUDA) copy ring messages on a second stream while the rank computes.
         timeout_s: bound on every emulated collective of the record pass.
         check: raise if the counted bytes differ from :func:`flashcp.comm.comm_volume`.
-        check_memory: refuse, before any work, a plan whose :func:`record_memory_bytes` exceeds
-            the device's available memory (:func:`check_record_memory`).
+        check_memory: refuse, before any work, a plan whose
+            :func:`~flashcp.executors.emulate_memory.record_memory_bytes` exceeds the device's
+            available memory (:func:`check_record_memory`).
     Returns:
         every key of :data:`PHASE_COLUMNS` (ms; per phase the maximum over replayed ranks of the
         median over steps; communication phases from the model, see :func:`compose_comm`) and of

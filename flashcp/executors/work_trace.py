@@ -37,7 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from flashcp.comm import AttnShape, check_mode
-from flashcp.executors.emulate import ReplayGroup, _Clock, record, seeded_inputs
+from flashcp.executors.emulate import ReplayGroup, _Clock, seeded_inputs
+from flashcp.executors.emulate_record import record
 from flashcp.ops import get_attn_op
 from flashcp.ops.backends import VarlenBackend, get_backend
 from flashcp.plan import Plan

@@ -430,9 +430,10 @@ def test_name_is_checked_resolved():
 def test_emulate_memory_refusal_writes_nothing(capsys, monkeypatch, tmp_path):
     """An ``executor=emulate`` job whose record pass would not fit the device is refused with one
     line before its folder is written (no rows, no summary, no runs/)."""
-    import flashcp.executors.emulate as emulate
+    import flashcp.executors.emulate_memory as emulate_memory
 
-    monkeypatch.setattr(emulate, "available_memory_bytes", lambda device: 2**20)  # 1 MiB free
+    # 1 MiB free
+    monkeypatch.setattr(emulate_memory, "available_memory_bytes", lambda device: 2**20)
     code, _, err = _flashcp_run(
         capsys, monkeypatch, "executor=emulate", "cp_size=2",
         "dataset=pile", "method=zigzag", "num_sequences=2", "context_len=4096", "name=e4",

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("hydra")
 from test_config_applied import SMALL, _compose
 
-from experiments.run import ConfigError, _checked_runs, checked_grid
+from experiments.common.grid import ConfigError, _checked_runs, checked_grid
 from flashcp.cli import main
 
 

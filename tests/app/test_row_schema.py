@@ -15,7 +15,8 @@ import pytest
 from test_app import _small
 
 from experiments.aggregate import merge_rows
-from experiments.run import run, write_error_rows
+from experiments.common.rows import write_error_rows
+from experiments.run import run
 from flashcp.results import (
     INT_COLUMNS,
     ROW_SCHEMA,
@@ -229,7 +230,7 @@ def test_step_columns_for_a_whole_model_and_nulls_for_attention_only(tmp_path):
     model with layers (``small_1b``) and null for an attention-only preset, whose run_id does not
     depend on the step model's identity column."""
     from experiments.aggregate import aggregate
-    from experiments.run import run_identity
+    from experiments.common.rows import run_identity
     from flashcp.results import IDENTITY_COLUMNS, config_hash, identity_hash
 
     for model in ("small_1b", "h16"):

@@ -23,8 +23,9 @@ import experiments.plot as plot
 import experiments.run as run_mod
 from experiments.aggregate import aggregate, merge_rows
 from experiments.common.callbacks import LOCK_NAME, acquire_lock, read_lock, release_lock
+from experiments.common.rows import write_error_rows
 from experiments.plot import draw
-from experiments.run import CONF_DIR, run, write_error_rows
+from experiments.run import CONF_DIR, run
 from flashcp.config import register_configs
 from flashcp.results import IDENTITY_COLUMNS, INT_COLUMNS, read_rows
 

@@ -9,7 +9,9 @@ import pytest
 pytest.importorskip("hydra")
 from hydra import compose, initialize_config_dir
 
-from experiments.run import CONF_DIR, ConfigError, _checked_runs, run, run_identity
+from experiments.common.grid import ConfigError, _checked_runs
+from experiments.common.rows import run_identity
+from experiments.run import CONF_DIR, run
 from flashcp.config import register_configs
 from flashcp.results import read_rows
 

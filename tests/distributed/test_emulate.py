@@ -14,14 +14,13 @@ from flashcp.executors.dist import init_from_env, measure_step
 from flashcp.executors.emulate import (
     CommCall,
     ReplayGroup,
-    available_memory_bytes,
     compose_comm,
     emulate_ranks,
     emulate_step,
-    record,
-    record_memory_bytes,
     seeded_inputs,
 )
+from flashcp.executors.emulate_memory import available_memory_bytes, record_memory_bytes
+from flashcp.executors.emulate_record import record
 from flashcp.ops.reference import reference_attention
 from flashcp.ops.sharding import shard_tensor
 from flashcp.registry import COMM_KIND, make_plan_for
@@ -417,7 +416,8 @@ def test_timers_and_side_stream_use_the_tensors_device(monkeypatch):
     """A timer, a replay clock, the copy stream and the GPU check's kernel timer of cuda:1 (current
     device: 0) record their events on cuda:1's stream, synchronise cuda:1 and create the side
     stream on cuda:1."""
-    from flashcp.executors.emulate import Recording, _Clock
+    from flashcp.executors.emulate import _Clock
+    from flashcp.executors.emulate_record import Recording
     from flashcp.ops.timing import PhaseTimer
 
     fake = _FakeCuda()
@@ -463,17 +463,17 @@ def test_too_large_for_memory_is_refused_before_the_record_pass(monkeypatch, tmp
 
     from experiments.run import CONF_DIR, run
     from flashcp.config import register_configs
-    from flashcp.executors import emulate
+    from flashcp.executors import emulate, emulate_memory
 
     plan = make_plan_for("ring", LENS, 4)
     need = record_memory_bytes(plan, SHAPE, "train", [0])
-    monkeypatch.setattr(emulate, "available_memory_bytes", lambda device: need - 1)
+    monkeypatch.setattr(emulate_memory, "available_memory_bytes", lambda device: need - 1)
     with pytest.raises(ValueError, match=r"needs about .* GiB on cpu.*executor.ranks=\[0\]"):
         emulate_step(plan, SHAPE, "train", HW, backend="cpu", ranks=[0])
     # the estimate for one kept rank fits in exactly that much; skipping the check runs it
-    monkeypatch.setattr(emulate, "available_memory_bytes", lambda device: need)
+    monkeypatch.setattr(emulate_memory, "available_memory_bytes", lambda device: need)
     assert emulate_step(plan, SHAPE, "train", HW, backend="cpu", ranks=[0], iters=1)["comm_bytes"]
-    monkeypatch.setattr(emulate, "available_memory_bytes", lambda device: 1)
+    monkeypatch.setattr(emulate_memory, "available_memory_bytes", lambda device: 1)
     emulate_step(plan, SHAPE, "infer", HW, backend="cpu", iters=1, check_memory=False)
 
     def no_record(*args, **kwargs):

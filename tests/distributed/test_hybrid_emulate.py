@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from flashcp.comm import AttnShape, comm_volume
-from flashcp.executors.emulate import RecordingGroup, _World, emulate_ranks, emulate_step
+from flashcp.executors.emulate import emulate_ranks, emulate_step
+from flashcp.executors.emulate_record import RecordingGroup, _World
 from flashcp.ops.reference import reference_attention
 from flashcp.ops.sharding import shard_tensor
 from flashcp.registry import COMM_KIND, make_plan_for

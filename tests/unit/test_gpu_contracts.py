@@ -24,7 +24,7 @@ import torch
 from standins import make_aten_flash, make_flash_attn
 from standins.flash_attn_pkg import install
 
-from flashcp.executors.emulate import record
+from flashcp.executors.emulate_record import record
 from flashcp.ops.backends import (
     FlashAttnBackend,
     ReferenceBackend,

@@ -1,6 +1,7 @@
-"""``executor=sim`` (flashcp.executors.sim) and the job grid (experiments.run.grid_runs): rows equal
-to what ``flashcp.sim.simulate`` gives per plan for every method, mode and implementation; a grid
-job writes the rows separate jobs would write; rows round-trip through Parquet with their types."""
+"""``executor=sim`` (flashcp.executors.sim) and the job grid (experiments.common.grid.grid_runs):
+rows equal to what ``flashcp.sim.simulate`` gives per plan for every method, mode and
+implementation; a grid job writes the rows separate jobs would write; rows round-trip through
+Parquet with their types."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 pytest.importorskip("hydra", reason="the Hydra harness needs hydra-core and omegaconf")
 from hydra import compose, initialize_config_dir
 
-from experiments.run import CONF_DIR, ConfigError, _resolved_hash, grid_runs, run, run_identity
+from experiments.common.grid import ConfigError, grid_runs
+from experiments.common.rows import _resolved_hash, run_identity
+from experiments.run import CONF_DIR, run
 from flashcp.comm import AttnShape
 from flashcp.config import register_configs
 from flashcp.data import load_distribution, sample_sequences

@@ -29,6 +29,11 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
 
     Build once per (plan, hardware, comm_kind, impl) and call :meth:`step` per (shape, mode).
     ``keep_gathered_kv``: the all-gather op's option (``impl="ours"`` only; ValueError elsewhere).
+    ``topology``: a :class:`flashcp.topology.Topology` of the plan's cp_size, whose crossings
+    (:func:`flashcp.sim.network.group_links`) price the exchanges on two levels; None (the
+    default): one level, as a flat profile (``simulate`` derives it from the profile's
+    ``gpus_per_node``). ``links``: the :class:`flashcp.sim.network.Links` themselves (a
+    hybrid's inner op gets its parent's).
 
     Attributes (all-gather family; (N,) arrays indexed by rank): ``fwd``, ``bwd`` (:class:`TileStats`
     of the rank's one varlen call), ``q_rows``, ``kv_rows``, ``send_rows`` (tokens).
@@ -222,8 +227,9 @@ def simulate(
         ``COMM_COLUMNS`` (bytes one rank receives, ints, from :func:`flashcp.comm.comm_volume`).
     Raises:
         ValueError: unknown mode, comm_kind, impl or hardware profile, an impl that does not
-            run the plan's method, ``keep_gathered_kv`` where no op keeps the KV, or a plan or
-            shape of another type.
+            run the plan's method, ``keep_gathered_kv`` where no op keeps the KV, a plan or
+            shape of another type, or a placement / node count that does not fit the profile's
+            nodes (:func:`flashcp.sim.network.topology_for`).
     """
     _check_sim_args([plan], [shape], [mode])
     kind = _check_comm_kind(plan, comm_kind)

@@ -507,7 +507,7 @@ def price_plans(
     Raises:
         ValueError: as :func:`simulate` (unknown mode, comm_kind, impl or profile, an impl that does
             not run a plan's method, heads a plan's Ulysses degree does not allow;
-            ``keep_gathered_kv`` where no op keeps the KV); a ring-family
+            ``keep_gathered_kv`` where no op keeps the KV, a topology that does not fit); a ring-family
             plan that alone would need more than half the machine's memory
             (:func:`ring_price_bytes`), before any is priced.
     """

@@ -383,8 +383,10 @@ class RingCost:
 
 
 #: the largest cp_size the compiled ring statistics take (runs of shards as int64 bit masks
-#: over the ranks); larger ones run the NumPy reference
-RING_KERNEL_MAX_N = 62
+#: over the ranks: 64 bits, bit 63 the sign bit, which ``|``, ``&``, ``~`` and ``(m >> c) & 1``
+#: treat as any other; tested against the NumPy reference at CP 64); larger ones run the NumPy
+#: reference
+RING_KERNEL_MAX_N = 64
 
 
 def ring_price_bytes(plan: Plan) -> int:

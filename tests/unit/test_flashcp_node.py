@@ -135,3 +135,32 @@ def test_pricing_one_scope_plans_is_the_all_gather_familys():
         links = node_scoped_volume_by_link(p, SHAPE, "infer")
         flat = comm_volume(p, "allgather_sharded", SHAPE, "infer")["allgather_bytes"]
         assert links["inter"]["allgather"].max() < flat
+
+
+def test_scale_figure_and_link_table_from_a_small_summary(tmp_path):
+    """experiments.plot's scale figure (one file per dataset and mode) and experiments.scale_links'
+    table from a two-point summary: every method's bytes by link class, flashcp_node's inter-node
+    bytes no more than flashcp's."""
+    import pandas as pd
+
+    from experiments.plot import draw
+    from experiments.scale_links import link_table
+
+    rows = []
+    for cp, nodes in ((8, 1), (16, 2)):
+        for method, speedup in (("llama3", 1.0), ("flashcp", 1.5), ("flashcp_node", 1.6)):
+            rows.append({
+                "dataset": "pile", "context_len": 16384, "cp_size": cp, "nodes": nodes,
+                "placement": "consecutive", "method": method, "mode": "train",
+                "speedup_vs_llama3": speedup, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64,
+                "dtype": "bfloat16", "seed": 0, "num_sequences": 2, "hardware": "h100_sxm",
+                "executor": "sim", "num_ok": 2,
+            })  # fmt: skip
+    pd.DataFrame(rows).to_csv(tmp_path / "summary.csv", index=False)
+    assert draw("scale", tmp_path) == tmp_path / "scale_pile_train.png"
+    table = link_table(pd.read_csv(tmp_path / "summary.csv"))
+    assert len(table) == 6 and set(table["mode"]) == {"train"}
+    two = table[table["cp_size"] == 16].set_index("method")
+    assert two.loc["llama3", "inter_mib_max_rank"] > 0
+    assert two.loc["flashcp_node", "inter_mib_max_rank"] <= two.loc["flashcp", "inter_mib_max_rank"]
+    assert (table[table["cp_size"] == 8]["inter_mib_max_rank"] == 0).all()

@@ -348,6 +348,22 @@ def _profiles(
     return out
 
 
+def _topology_options(method: str, cfg: Any, hw: HardwareProfile) -> dict[str, Any]:
+    """The run's topology as planner options, for a planner that takes them (``flashcp_node``:
+    ``num_nodes``, ``placement``, ``gpus_per_node``), as conf/method/flashcp_node.yaml passes a
+    run's; none for the others."""
+    from flashcp.registry import option_names
+
+    if "num_nodes" not in option_names(method):
+        return {}
+    nodes = cfg.get("nodes")
+    return {
+        "num_nodes": None if nodes is None else int(nodes),
+        "placement": str(cfg.get("placement", "consecutive")),
+        "gpus_per_node": hw.gpus_per_node,
+    }
+
+
 def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     """Run the study described in the module docstring; return the per-draw table.
 
@@ -369,6 +385,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     from flashcp.registry import COMM_KIND
     from flashcp.sim.cost import PlanBatch, price_plans
     from flashcp.sim.impl import impl_plan
+    from flashcp.sim.node_scoped import price_node_scoped, spans_nodes
 
     factor, draws = float(cfg.factor), int(cfg.num_draws)
     resolved = resolve_methods(cfg.methods)
@@ -410,12 +427,16 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
         prov = _variant_columns(v, c)
         mean_ms = {}  # method -> (P, M) mean total_ms over the sequences
         for m in resolved:
-            plans = [impl_plan(m.method, m.impl, d, n, **m.planner_options)[0] for d in seqs]
-            tot = price_plans(
-                PlanBatch(plans), [shape], modes, hws, comm_kind=COMM_KIND[m.method],
-                impl=m.impl, **m.op_options, **net,
-            )["total_ms"]  # fmt: skip
-            mean_ms[m.method] = tot[:, 0].mean(axis=-1)
+            opts = {**m.planner_options, **_topology_options(m.method, cfg, hw)}
+            plans = [impl_plan(m.method, m.impl, d, n, **opts)[0] for d in seqs]
+            if spans_nodes(plans):  # flashcp_node's two-scope gather
+                tot = price_node_scoped(plans, shape, modes, hws, **net)["total_ms"]
+            else:
+                tot = price_plans(
+                    PlanBatch(plans), [shape], modes, hws, comm_kind=COMM_KIND[m.method],
+                    impl=m.impl, **m.op_options, **net,
+                )["total_ms"][:, 0]  # fmt: skip
+            mean_ms[m.method] = tot.mean(axis=-1)
         for i, prof in enumerate(profiles):
             for j, mode in enumerate(modes):
                 ref = mean_ms["llama3"][i, j]

@@ -237,6 +237,11 @@ class GridConfig:
     hardware: list[str] | None = None
     #: CP sizes, e.g. [4, 8]
     cp_size: list[int] | None = None
+    #: nodes the CP group spans (docs/multinode.md), e.g. [2, 4]; every run of the grid must
+    #: fit (a node count that does not divide a run's cp_size is refused)
+    nodes: list[int] | None = None
+    #: placements of the CP ranks on the nodes, e.g. [consecutive, strided]
+    placement: list[str] | None = None
 
 
 @dataclass

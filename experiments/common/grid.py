@@ -46,9 +46,10 @@ def _container(node: Any) -> Any:
 
 GRID_GROUPS = ("method", "model", "hardware")
 #: what ``grid`` may vary inside one job: config groups (their options are files
-#: ``conf/<group>/<name>.yaml``) and ``cp_size``. The sampled sequences are shared, so
-#: nothing that changes them (dataset, context_len, seed, num_sequences) can be in a grid.
-GRID_KEYS = (*GRID_GROUPS, "cp_size")
+#: ``conf/<group>/<name>.yaml``), ``cp_size`` and the CP group's ``nodes`` and ``placement``. The
+#: sampled sequences are shared, so nothing that changes them (dataset, context_len, seed,
+#: num_sequences) can be in a grid.
+GRID_KEYS = (*GRID_GROUPS, "cp_size", "nodes", "placement")
 
 
 def _group_option(group: str, name: str) -> DictConfig:

@@ -144,7 +144,13 @@ def check_comm(result: dict, plan: Plan, shape, mode: str, op_options=None) -> d
     from flashcp.comm import comm_volume
     from flashcp.registry import COMM_KIND
 
-    expect = comm_volume(plan, COMM_KIND[plan.method], shape, mode, **(op_options or {}))
+    if plan.method == "flashcp_node":  # its two-scope gather (one node: Eq. 5's bytes)
+        from flashcp.comm import node_scoped_comm_volume
+
+        full = node_scoped_comm_volume(plan, shape, mode)
+        expect = {k: full[k] for k in COMM_COLUMNS}
+    else:
+        expect = comm_volume(plan, COMM_KIND[plan.method], shape, mode, **(op_options or {}))
     got = {k: int(result[k]) for k in COMM_COLUMNS}
     if got != expect:
         raise ValueError(f"{plan.method}: counted bytes {got} differ from the plan's {expect}")

@@ -15,6 +15,9 @@
 * ``fig5_step``: ``fig5`` at two levels, the attention layer (``speedup_vs_llama3``, hatched)
   and the whole model's step (``step_speedup_vs_llama3``, solid; :mod:`flashcp.sim.step`), bars
   grouped by (model, CP size).
+* ``scale``: CP across nodes (docs/scale.md): speedup over ``llama3`` against the CP size (its
+  node count under each tick), one line per method, one panel per (context length, placement);
+  one file per (dataset, mode), ``scale_<dataset>_<mode>.png``.
 
 A figure that cannot be drawn faithfully raises ValueError saying why (two summary rows for one bar,
 a grid the figure has no axis for); a bar or point without data is drawn as a marked gap ("n/a"),
@@ -511,8 +514,74 @@ def plot_fig5_step(summary: pd.DataFrame, out: Path) -> Path:
     return out
 
 
+def plot_scale(summary: pd.DataFrame, out: Path) -> Path:
+    """CP across nodes: one figure per (dataset, mode) (``scale_<dataset>_<mode>.png`` beside
+    ``out``), speedup over llama3 vs CP size, a line per method, panels per (context, placement).
+    Returns the first file written."""
+    _require(summary, "scale", cp_size=2)
+    if "llama3" not in set(summary["method"]):
+        raise ValueError("scale plots speedup over llama3, but the summary has no llama3 runs")
+    for col in ("num_heads", "hardware"):
+        if summary[col].nunique() > 1:
+            raise ValueError(f"scale draws one line per method; the summary mixes several {col}")
+    keys = ["dataset", "mode", "context_len", "placement", "method", "cp_size"]
+    _one_per(summary, "scale", keys)
+    contexts = sorted(summary["context_len"].unique())
+    placements = [p for p in ("consecutive", "strided") if p in set(summary["placement"])]
+    methods = _methods(summary)
+    written = []
+    for ds in _datasets(summary):
+        for mode in [m for m in ("train", "infer") if m in set(summary["mode"])]:
+            sub = summary[(summary["dataset"] == ds) & (summary["mode"] == mode)]
+            if sub.empty:
+                continue
+            fig, axes = plt.subplots(len(contexts), len(placements), squeeze=False, sharey=True,
+                                     figsize=(4.6 * len(placements), 3.3 * len(contexts)))  # fmt: skip
+            for i, ctx in enumerate(contexts):
+                for j, place in enumerate(placements):
+                    ax = axes[i][j]
+                    panel = sub[(sub["context_len"] == ctx) & (sub["placement"] == place)]
+                    cps = sorted(panel["cp_size"].unique())
+                    for method in methods:
+                        d = panel[panel["method"] == method].sort_values("cp_size")
+                        if d.empty:
+                            continue
+                        x = d["cp_size"].astype("float64")
+                        y = d["speedup_vs_llama3"].astype("float64")
+                        ax.errorbar(x, y, yerr=_yerr(d, "speedup_vs_llama3"), marker="o",
+                                    ms=3, label=_label(method), color=_color(method), capsize=2,
+                                    elinewidth=0.7, lw=1.2)  # fmt: skip
+                        for xm in x[y.isna()]:
+                            _mark_missing(ax, xm)
+                    nodes = panel.groupby("cp_size")["nodes"].first()
+                    ax.set_xscale("log", base=2)
+                    ax.set_xticks(cps)
+                    ax.set_xticklabels([f"{int(c)}\n{int(nodes[c])} node" + ("s" if int(nodes[c]) > 1 else "")
+                                        for c in cps], fontsize=7)  # fmt: skip
+                    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+                    ax.set_title(f"{int(ctx) // 1024}K context, {place}", fontsize=9)
+                    if j == 0:
+                        ax.set_ylabel("speedup over llama3")
+                    if i == len(contexts) - 1:
+                        ax.set_xlabel("CP size (nodes)")
+            handles, labels = axes[0][0].get_legend_handles_labels()
+            fig.legend(handles, labels, loc="lower center", ncol=min(len(methods), 5),
+                       fontsize=7, frameon=False)  # fmt: skip
+            note = _bars_note(_yerr(sub, "speedup_vs_llama3") is not None)
+            what = "training" if mode == "train" else "inference"
+            fig.suptitle(f"CP across nodes: {ds}, {what}, {int(sub['num_heads'].iloc[0])} heads "
+                         f"({int(sub['num_kv_heads'].iloc[0])} KV)\n({_subtitle(sub, 'point')}; "
+                         f"{note})", fontsize=9)  # fmt: skip
+            fig.tight_layout(rect=(0, 0.08, 1, 1))
+            path = out.with_name(f"scale_{ds}_{mode}.png")
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+    return written[0]
+
+
 def draw(fig: str, exp_dir: str | Path) -> Path:
-    """Draw figure ``fig`` (fig3 | fig5 | fig6 | fig7 | fig5_peers | fig5_step) from the CSVs in
+    """Draw figure ``fig`` (fig3 | fig5 | fig6 | fig7 | fig5_peers | fig5_step | scale) from the CSVs in
     ``exp_dir``.
 
     Raises:
@@ -521,7 +590,8 @@ def draw(fig: str, exp_dir: str | Path) -> Path:
     """
     exp_dir = Path(exp_dir)
     plotters = {"fig5": plot_fig5, "fig6": plot_fig6, "fig7": plot_fig7, "fig3": plot_fig3,
-                "fig5_peers": plot_fig5_peers, "fig5_step": plot_fig5_step}  # fmt: skip
+                "fig5_peers": plot_fig5_peers, "fig5_step": plot_fig5_step,
+                "scale": plot_scale}  # fmt: skip
     if fig not in plotters:
         raise ValueError(f"unknown figure {fig!r}; choose one of {', '.join(plotters)}")
     csv = exp_dir / ("fig3.csv" if fig == "fig3" else "summary.csv")
@@ -548,7 +618,8 @@ def _cli(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("fig", choices=["fig3", "fig5", "fig6", "fig7", "fig5_peers", "fig5_step"],
+    ap.add_argument("fig", choices=["fig3", "fig5", "fig6", "fig7", "fig5_peers", "fig5_step",
+                                    "scale"],
                     help="figure to draw")  # fmt: skip
     ap.add_argument("exp_dir", metavar="RESULTS_DIR/NAME", help="experiment folder with its CSV")
     args = ap.parse_args(argv)

@@ -71,7 +71,15 @@ from flashcp.data.datasets import DatasetName
 from flashcp.data.distributions import WEIGHTINGS
 from flashcp.results import markdown_table
 from flashcp.sim.hardware import HardwareProfile
-from flashcp.sim.perturb import OPTIONAL_VARIED, VARIED, joint_factors, perturb
+from flashcp.sim.network import topology_for
+from flashcp.sim.perturb import (
+    NETWORK_VARIED,
+    OPTIONAL_VARIED,
+    VARIED,
+    joint_factors,
+    perturb,
+    varied_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +116,10 @@ class SensitivityConfig(ExperimentConfig):
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     #: N, number of CP ranks
     cp_size: int = 8
+    #: the CP group on the profile's nodes (as flashcp-run's nodes / placement,
+    #: docs/multinode.md); across nodes the inter-node constants are varied too (NETWORK_VARIED)
+    nodes: int | None = None
+    placement: str = "consecutive"
     #: C, tokens per packed sequence
     context_len: int = 131072
     #: train (forward + backward) and/or infer (forward only); the tornado plot shows the first
@@ -145,8 +157,9 @@ class SensitivityConfig(ExperimentConfig):
             "llama3_paper", "per_doc_paper", "ring_paper", "zigzag_paper", "flashcp_paper",
         ]
     )  # fmt: skip
-    #: the constants varied (null: VARIED); may add alltoall_busbw_gbps (OPTIONAL_VARIED), which
-    #: otherwise follows allgather_busbw_gbps (conf/study/peers*.yaml vary it)
+    #: the constants varied (null: VARIED, and NETWORK_VARIED across nodes); may add
+    #: alltoall_busbw_gbps (OPTIONAL_VARIED), which otherwise follows allgather_busbw_gbps
+    #: (conf/study/peers*.yaml vary it), and the inter-node constants (NETWORK_VARIED)
     constants: list[str] | None = None
 
 
@@ -260,10 +273,10 @@ def check_sensitivity_config(cfg: Any) -> None:
     resolve_methods(cfg.methods)  # ValueError naming a bad entry, or no llama3
     check_context_len(cfg.context_len, int(cfg.cp_size), 2)  # llama3: 2N equal chunks
     for k in cfg.get("constants") or ():
-        if k not in (*VARIED, *OPTIONAL_VARIED):
+        if k not in (*VARIED, *OPTIONAL_VARIED, *NETWORK_VARIED):
             raise ValueError(
                 f"constants: {k!r} is not a varied constant; choose from "
-                f"{', '.join((*VARIED, *OPTIONAL_VARIED))}"
+                f"{', '.join((*VARIED, *OPTIONAL_VARIED, *NETWORK_VARIED))}"
             )
     if DatasetName.file in cfg.datasets:
         raise ValueError(
@@ -335,6 +348,22 @@ def _profiles(
     return out
 
 
+def _topology_options(method: str, cfg: Any, hw: HardwareProfile) -> dict[str, Any]:
+    """The run's topology as planner options, for a planner that takes them (``flashcp_node``:
+    ``num_nodes``, ``placement``, ``gpus_per_node``), as conf/method/flashcp_node.yaml passes a
+    run's; none for the others."""
+    from flashcp.registry import option_names
+
+    if "num_nodes" not in option_names(method):
+        return {}
+    nodes = cfg.get("nodes")
+    return {
+        "num_nodes": None if nodes is None else int(nodes),
+        "placement": str(cfg.get("placement", "consecutive")),
+        "gpus_per_node": hw.gpus_per_node,
+    }
+
+
 def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     """Run the study described in the module docstring; return the per-draw table.
 
@@ -356,6 +385,7 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
     from flashcp.registry import COMM_KIND
     from flashcp.sim.cost import PlanBatch, price_plans
     from flashcp.sim.impl import impl_plan
+    from flashcp.sim.node_scoped import price_node_scoped, spans_nodes
 
     factor, draws = float(cfg.factor), int(cfg.num_draws)
     resolved = resolve_methods(cfg.methods)
@@ -369,11 +399,19 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
             f"among the methods (got {methods}) and a data variant (got none)"
         )
     # explicit constants win over the fitted ones
-    hw, hw_columns = load_job_hardware(OmegaConf.to_container(cfg.hardware, resolve=True))
+    hw_cfg = OmegaConf.to_container(cfg.hardware, resolve=True)
+    hw, hw_columns = load_job_hardware(hw_cfg)
     m = cfg.model
     shape = AttnShape(int(m.num_heads), int(m.num_kv_heads), int(m.head_dim), str(m.dtype))
     n, c = int(cfg.cp_size), int(cfg.context_len)
-    profiles = _profiles(hw, factor, draws, int(cfg.seed), tuple(cfg.get("constants") or VARIED))
+    net = {"placement": str(cfg.get("placement", "consecutive")), "nodes": cfg.get("nodes")}
+    topo = topology_for(hw, n, **net)  # a topology that does not fit: one line, before any work
+    spans = topo is not None and topo.spans_nodes
+    if spans:  # the inter-node constants are used, varied and recorded
+        hw, hw_columns = load_job_hardware(hw_cfg, network=True)
+        hw_columns = {**hw_columns, "nodes": topo.num_nodes, "placement": topo.placement}
+    varied = tuple(cfg.get("constants") or varied_for(spans))
+    profiles = _profiles(hw, factor, draws, int(cfg.seed), varied)
     hws = [p["hw"] for p in profiles]
     rows = []
     for v in variants:
@@ -389,12 +427,16 @@ def run_sensitivity(cfg: DictConfig, out_dir: str | Path) -> pd.DataFrame:
         prov = _variant_columns(v, c)
         mean_ms = {}  # method -> (P, M) mean total_ms over the sequences
         for m in resolved:
-            plans = [impl_plan(m.method, m.impl, d, n, **m.planner_options)[0] for d in seqs]
-            tot = price_plans(
-                PlanBatch(plans), [shape], modes, hws, comm_kind=COMM_KIND[m.method],
-                impl=m.impl, **m.op_options,
-            )["total_ms"]  # fmt: skip
-            mean_ms[m.method] = tot[:, 0].mean(axis=-1)
+            opts = {**m.planner_options, **_topology_options(m.method, cfg, hw)}
+            plans = [impl_plan(m.method, m.impl, d, n, **opts)[0] for d in seqs]
+            if spans_nodes(plans):  # flashcp_node's two-scope gather
+                tot = price_node_scoped(plans, shape, modes, hws, **net)["total_ms"]
+            else:
+                tot = price_plans(
+                    PlanBatch(plans), [shape], modes, hws, comm_kind=COMM_KIND[m.method],
+                    impl=m.impl, **m.op_options, **net,
+                )["total_ms"][:, 0]  # fmt: skip
+            mean_ms[m.method] = tot.mean(axis=-1)
         for i, prof in enumerate(profiles):
             for j, mode in enumerate(modes):
                 ref = mean_ms["llama3"][i, j]

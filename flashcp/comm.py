@@ -55,14 +55,28 @@ from flashcp.plan import Plan, kv_bytes
 __all__ = [
     "DTYPE_BYTES",
     "IMPLS",
+    "LINK_CLASSES",
+    "LINK_KINDS",
     "MODES",
     "AttnShape",
     "alltoall_bytes",
     "check_keep_gathered_kv_kind",
     "comm_volume",
+    "comm_volume_by_link",
     "grad_comm_bytes",
+    "node_local_docs",
+    "node_scope_rows",
+    "node_scoped_comm_volume",
+    "node_scoped_volume_by_link",
+    "plan_topology",
     "ring_grad_hops",
+    "uses_node_scope",
 ]
+
+#: the two link classes of a two-level network: inside a node (NVLink) and across nodes (NICs)
+LINK_CLASSES = ("intra", "inter")
+#: the kinds of :func:`comm_volume_by_link` (those of :class:`flashcp.ops.collectives.CommCounter`)
+LINK_KINDS = ("allgather", "reducescatter", "p2p", "alltoall")
 
 DTYPE_BYTES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8})
 MODES = ("train", "infer")
@@ -289,3 +303,240 @@ def comm_volume(
         "alltoall_bytes": int(a2a),
         "comm_bytes": int(ag + rs + p2p + a2a),
     }
+
+
+def _ring_preds(node: np.ndarray, members: np.ndarray, collective: bool) -> np.ndarray:
+    """The CP rank each member of one ring receives from.
+
+    Args:
+        node: (N,) int64 node of every CP rank (:attr:`flashcp.topology.Topology.node_of`).
+        members: (G,) int64 CP ranks of the ring's process group, in group-rank order.
+        collective: True for NCCL's ring of an all-gather / reduce-scatter, which visits the
+            members node by node, by group rank inside a node
+            (:attr:`~flashcp.topology.Topology.collective_ring`); False for the ring attention
+            ring, group rank g receiving from g - 1 (:class:`flashcp.ops.ring_comm.RingComm`).
+    Returns:
+        (G,) int64: the predecessor (a CP rank) of ``members[g]``.
+    """
+    g = np.arange(members.size, dtype=np.int64)
+    order = np.lexsort((g, node[members])) if collective else g
+    pred = np.empty(members.size, dtype=np.int64)
+    pred[order] = np.roll(order, 1)
+    return members[pred]
+
+
+def comm_volume_by_link(
+    plan: Plan,
+    comm_kind: str,
+    shape: AttnShape,
+    mode: Mode,
+    topology=None,
+    grad_comm_dtype: str | None = None,
+    keep_gathered_kv: bool = False,
+) -> dict[str, dict[str, np.ndarray]]:
+    """Bytes each rank receives per attention-layer step, by link class and kind of communication.
+
+    The split of :func:`comm_volume`'s bytes over a two-level network (docs/multinode.md): a
+    byte is ``inter`` when the rank it comes from is on another node of ``topology``, else
+    ``intra``. Every rank receives :func:`comm_volume`'s bytes of each kind (all-gather buffers
+    are padded to the largest rank's, ring blocks cut to the most document tokens any rank holds,
+    all-to-all splits equal), so for every rank r and kind k, ``intra[k][r] + inter[k][r]`` is
+    ``comm_volume(...)[f"{k}_bytes"]``, and the sum over kinds and classes is its
+    ``comm_bytes``. Which rank sends what:
+
+    * ``allgather`` / ``reducescatter``: NCCL's ring over the process group, node by node
+      (:attr:`flashcp.topology.Topology.collective_ring`): a rank receives its whole share, the
+      (G - 1) / G of the buffer, from its ring predecessor; ``inter`` where that predecessor is
+      on another node (:attr:`~flashcp.topology.Topology.collective_pred_crosses` for the whole
+      CP group).
+    * ``p2p``: the ring attention ring (:class:`flashcp.ops.ring_comm.RingComm`): every KV block
+      and every dK/dV partial sum a rank receives comes from its predecessor in group-rank order,
+      CP rank r - 1 (:attr:`~flashcp.topology.Topology.p2p_ring_crosses`).
+    * ``alltoall``: a rank receives one equal chunk from each of the u - 1 other members of its
+      Ulysses group; each chunk is ``inter`` when its sender is on another node.
+    * head-parallel plans (u > 1; :func:`flashcp.ops.hybrid_attn.hybrid_groups`): the Ulysses
+      group of rank r is CP ranks ``g u .. g u + u - 1`` (g = r // u), and the communication
+      across groups (the ring or the all-gather / reduce-scatter above) runs over the cross group
+      of CP ranks ``j, j + u, ..., j + (G - 1) u`` (j = r % u), whose own ring order applies: the
+      ring's predecessor of rank ``g u + j`` is ``((g - 1) mod G) u + j``, NCCL's ring visits
+      the cross group's members node by node.
+
+    Args:
+        plan, comm_kind, shape, mode, grad_comm_dtype, keep_gathered_kv: as :func:`comm_volume`.
+        topology: a :class:`flashcp.topology.Topology` with ``cp_size == plan.cp_size``; None:
+            every rank on one node (all bytes ``intra``).
+    Returns:
+        ``{"intra": {kind: arr}, "inter": {kind: arr}}``, kind in ``allgather``,
+        ``reducescatter``, ``p2p``, ``alltoall`` (the kinds of
+        :class:`flashcp.ops.collectives.CommCounter`), each arr (cp_size,) int64 bytes.
+    Raises:
+        ValueError: as :func:`comm_volume`; a topology whose cp_size is not the plan's.
+    """
+    from flashcp.topology import Topology
+
+    vol = comm_volume(plan, comm_kind, shape, mode, grad_comm_dtype, keep_gathered_kv)
+    n = int(plan.cp_size)
+    if topology is None:
+        topology = Topology.single_node(n)
+    if topology.cp_size != n:
+        raise ValueError(
+            f"topology cp_size {topology.cp_size} does not match the plan's cp_size {n}"
+        )
+    node = topology.node_of
+    ranks = np.arange(n, dtype=np.int64)
+    u = n if comm_kind == "alltoall" else int(plan.ulysses_degree)
+    out = {c: {k: np.zeros(n, dtype=np.int64) for k in LINK_KINDS} for c in LINK_CLASSES}
+    if u > 1:  # one equal chunk from each other member of the Ulysses group
+        members = (ranks // u * u)[:, None] + np.arange(u, dtype=np.int64)[None, :]
+        n_inter = (node[members] != node[:, None]).sum(axis=1)
+        chunk = vol["alltoall_bytes"] // (u - 1)
+        assert chunk * (u - 1) == vol["alltoall_bytes"]  # every term is (u - 1) x a chunk
+        out["inter"]["alltoall"] = n_inter * chunk
+        out["intra"]["alltoall"] = (u - 1 - n_inter) * chunk
+    groups = n // u
+    if groups > 1:
+        pred = np.empty(n, dtype=np.int64)
+        collective = comm_kind != "p2p_ring"
+        for j in range(u):  # the cross group of position j: CP ranks j, j + u, ...
+            members = ranks[j::u]
+            pred[members] = _ring_preds(node, members, collective)
+        inter = node[pred] != node
+        kinds = ("allgather", "reducescatter") if collective else ("p2p",)
+        for kind in kinds:
+            total = vol[f"{kind}_bytes"]
+            out["inter"][kind] = np.where(inter, total, 0).astype(np.int64)
+            out["intra"][kind] = np.where(inter, 0, total).astype(np.int64)
+    return out
+
+
+# ---- node-aware FlashCP's two-scope all-gather (flashcp_node; docs/scale.md) ------------------
+# A separate account: its op (flashcp.ops.node_allgather_attn) gathers the non-last shards of
+# documents kept on one node over that node's ranks only, and the others over the whole group.
+
+
+def plan_topology(plan: Plan):
+    """The :class:`flashcp.topology.Topology` a plan was made for: its ``info["num_nodes"]``
+    and ``info["placement"]`` (``flashcp_node`` plans; one node when absent), with
+    ``gpus_per_node`` = the ranks per node (a plan does not depend on a node's other GPUs)."""
+    from flashcp.topology import Topology
+
+    nodes = int(plan.info.get("num_nodes", 1))
+    placement = str(plan.info.get("placement", "consecutive"))
+    return Topology(plan.cp_size, plan.cp_size // nodes, placement, nodes)
+
+
+def node_local_docs(plan: Plan, node_of) -> np.ndarray:
+    """(n_docs,) bool: the documents whose shards all lie on one node (whole ones, and those
+    without shards, included).
+
+    Args:
+        plan: any plan; node_of: (cp_size,) int, the node of each rank.
+    """
+    nodes = np.asarray(node_of, dtype=np.int64)[plan.rank]
+    lo = np.full(plan.doc_lens.size, np.iinfo(np.int64).max)
+    hi = np.full(plan.doc_lens.size, -1)
+    np.minimum.at(lo, plan.doc, nodes)
+    np.maximum.at(hi, plan.doc, nodes)
+    return lo >= hi
+
+
+def uses_node_scope(plan: Plan) -> bool:
+    """Whether a plan's op gathers in two scopes: its topology spans nodes and its planner chose
+    the node scope (``info["node_scope"]``: the group scope's buffer is then smaller than the
+    one-scope gather's; else the one-scope gather of FlashCP's op runs it, whose buffer is no
+    larger)."""
+    return bool(plan.info.get("node_scope", False)) and plan_topology(plan).spans_nodes
+
+
+def node_scope_rows(plan: Plan, node_of=None) -> tuple[int, int]:
+    """``(Mn, Mg)``: rows of the largest node-scope and group-scope send buffer over the ranks
+    (non-last shards of node-local documents, and of the others; Eq. 5's per-rank sends split by
+    scope) for the nodes ``node_of``. None: the plan's own gather (:func:`uses_node_scope`);
+    a one-scope gather gives ``(0, max non-last rows)``, FlashCP's op."""
+    if node_of is None:
+        topo = plan_topology(plan)
+        if not uses_node_scope(plan):
+            sent = plan.send_tokens_per_rank
+            return 0, int(sent.max()) if sent.size else 0
+        node_of = topo.node_of
+    local = node_local_docs(plan, node_of)[plan.doc]
+    sent = np.where(plan.is_last, 0, plan.length)
+    n = plan.cp_size
+    mn = np.bincount(plan.rank, weights=np.where(local, sent, 0), minlength=n).max()
+    mg = np.bincount(plan.rank, weights=np.where(local, 0, sent), minlength=n).max()
+    return int(mn), int(mg)
+
+
+def node_scoped_comm_volume(
+    plan: Plan, shape: AttnShape, mode: Mode, grad_comm_dtype: str | None = None
+) -> dict[str, int]:
+    """Bytes one rank receives per attention-layer step under the two-scope all-gather, by scope.
+
+    The node scope all-gathers ``Mn`` rows over the R ranks of a node, the group scope ``Mg``
+    rows over all N (:func:`node_scope_rows`): the forward receives ``(R - 1) Mn + (N - 1) Mg``
+    rows of K and V; training gathers them again in the backward and reduce-scatters their dK/dV
+    in ``grad_comm_dtype`` (the conventions of :func:`comm_volume`, Eq. 5 per scope). A plan on
+    one node gives :func:`comm_volume`'s ``allgather_sharded`` bytes.
+
+    Returns:
+        :func:`comm_volume`'s keys plus ``node_scope_bytes`` (all inside a node) and
+        ``group_scope_bytes`` (over the whole CP group).
+    Raises:
+        ValueError: an unknown mode or ``grad_comm_dtype``.
+    """
+    check_mode(mode)
+    train = mode == "train"
+    topo = plan_topology(plan)
+    mn, mg = node_scope_rows(plan)
+    rows = {"node": (topo.ranks_per_node - 1) * mn, "group": (plan.cp_size - 1) * mg}
+    grad_elem = grad_comm_bytes(shape, grad_comm_dtype)
+    out = dict.fromkeys(
+        ("allgather_bytes", "reducescatter_bytes", "p2p_bytes", "alltoall_bytes"), 0
+    )
+    for scope, r in rows.items():
+        one = kv_bytes(r, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes)
+        ag, rs = (
+            (2 * one, kv_bytes(r, shape.num_kv_heads, shape.head_dim, grad_elem))
+            if train
+            else (one, 0)
+        )
+        out["allgather_bytes"] += int(ag)
+        out["reducescatter_bytes"] += int(rs)
+        out[f"{scope}_scope_bytes"] = int(ag + rs)
+    out["comm_bytes"] = out["allgather_bytes"] + out["reducescatter_bytes"]
+    return out
+
+
+def node_scoped_volume_by_link(
+    plan: Plan, shape: AttnShape, mode: Mode, grad_comm_dtype: str | None = None
+) -> dict[str, dict[str, np.ndarray]]:
+    """:func:`comm_volume_by_link` of the two-scope all-gather on the plan's own topology
+    (:func:`plan_topology`): node-scope bytes are all ``intra``; group-scope bytes come, as any
+    all-gather / reduce-scatter over the group, from the rank's predecessor on NCCL's node-by-node
+    ring (``inter`` where it is on another node; docs/multinode.md).
+
+    Returns:
+        ``{"intra": {kind: arr}, "inter": {kind: arr}}`` as :func:`comm_volume_by_link`; for
+        every rank intra + inter of a kind is :func:`node_scoped_comm_volume`'s.
+    """
+    check_mode(mode)
+    topo = plan_topology(plan)
+    n = plan.cp_size
+    mn, mg = node_scope_rows(plan)
+    train = mode == "train"
+    grad_elem = grad_comm_bytes(shape, grad_comm_dtype)
+    kvb = shape.num_kv_heads * shape.head_dim * 2  # elements of K and V per row
+
+    def per(rows: int) -> dict[str, int]:
+        ag = rows * kvb * shape.dtype_bytes * (2 if train else 1)
+        return {"allgather": ag, "reducescatter": rows * kvb * grad_elem if train else 0}
+
+    node = per((topo.ranks_per_node - 1) * mn)
+    group = per((n - 1) * mg)
+    crosses = _ring_preds(topo.node_of, np.arange(n, dtype=np.int64), True)
+    inter = topo.node_of[crosses] != topo.node_of
+    out = {c: {k: np.zeros(n, dtype=np.int64) for k in LINK_KINDS} for c in LINK_CLASSES}
+    for kind in ("allgather", "reducescatter"):
+        out["intra"][kind] = np.where(inter, 0, group[kind]) + node[kind]
+        out["inter"][kind] = np.where(inter, group[kind], 0).astype(np.int64)
+    return out

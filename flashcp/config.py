@@ -237,6 +237,11 @@ class GridConfig:
     hardware: list[str] | None = None
     #: CP sizes, e.g. [4, 8]
     cp_size: list[int] | None = None
+    #: nodes the CP group spans (docs/multinode.md), e.g. [2, 4]; every run of the grid must
+    #: fit (a node count that does not divide a run's cp_size is refused)
+    nodes: list[int] | None = None
+    #: placements of the CP ranks on the nodes, e.g. [consecutive, strided]
+    placement: list[str] | None = None
 
 
 @dataclass
@@ -259,6 +264,13 @@ class RunConfig:
     results_dir: str = "outputs"
     #: N, number of CP ranks
     cp_size: int = 8
+    #: nodes the CP group spans on the hardware profile's nodes of ``gpus_per_node`` GPUs
+    #: (docs/multinode.md); null: as few as ``placement`` allows (one node up to gpus_per_node
+    #: ranks, consecutive); a flat profile (gpus_per_node null, h100_ib) takes only null or 1
+    nodes: int | None = None
+    #: where CP rank r sits: ``consecutive`` (filling nodes in rank order) or ``strided``
+    #: (rank r on node r mod nodes; default nodes: one rank per node)
+    placement: str = "consecutive"
     #: C, tokens per packed sequence
     context_len: int = 131072
     #: sequences sampled per run
@@ -283,7 +295,7 @@ class RunConfig:
 #: config fields that change a run's results; their hash names the run's folder
 RESULT_KEYS = (
     "dataset", "method", "model", "hardware", "executor", "cp_size", "context_len",
-    "num_sequences", "seed", "modes", "grid",
+    "num_sequences", "seed", "modes", "grid", "nodes", "placement",
 )  # fmt: skip
 
 
@@ -307,6 +319,10 @@ def run_hash(*, _root_: Any) -> str:
     }
     if not any((picked.get("grid") or {}).values()):  # no grid: the folder name it always had
         picked.pop("grid", None)
+    if picked.get("nodes") is None:  # the default topology: the folder name it always had
+        picked.pop("nodes", None)
+    if picked.get("placement") == "consecutive":
+        picked.pop("placement", None)
     if isinstance(picked.get("model"), dict):  # an attention-only model: the name it always had
         for k in ("num_layers", "hidden", "ffn", "vocab"):
             if picked["model"].get(k, 0) is None:

@@ -23,6 +23,7 @@ from types import MappingProxyType
 
 __all__ = [
     "COMM_COLUMNS",
+    "DIST_COLUMNS",
     "IDENTITY_COLUMNS",
     "ILP_INFO_COLUMNS",
     "INT_COLUMNS",
@@ -66,6 +67,13 @@ COMM_COLUMNS: tuple[str, ...] = (
     "comm_bytes",
 )
 
+#: what only ``executor=dist`` measures (null in other executors' rows): the bytes one rank
+#: receives from ranks on its own node and from other nodes (the sums over kinds of
+#: :meth:`flashcp.ops.collectives.CommCounter.by_link`, max over ranks; 0 across nodes on one
+#: node) and a checksum of every rank's output (and, for ``train``, its gradients) of the last
+#: timed step (:func:`flashcp.executors.dist.measure_step`).
+DIST_COLUMNS: tuple[str, ...] = ("intra_node_bytes", "inter_node_bytes", "out_checksum")
+
 #: every value that changes a run's results (docs/design.md §7). Two runs with equal values are the
 #: same measurement; ``run_id`` = :func:`identity_hash` of them. Dict-valued fields (method and
 #: executor options, hardware constants changed from their profile) are canonical JSON strings.
@@ -76,7 +84,7 @@ IDENTITY_COLUMNS: tuple[str, ...] = (
     "method", "method_options", "impl", "cp_size", "context_len", "num_sequences", "seed", "modes",
     "model", "num_heads", "num_kv_heads", "head_dim", "dtype", "step_model",
     "executor", "executor_options", "hardware", "hardware_changes", "hardware_sha256",
-    "code_version",
+    "code_version", "nodes", "placement",
 )  # fmt: skip
 
 #: ``plan.info`` keys of an ILP plan (:func:`flashcp.planners.ilp.plan_ilp`) that every row carries as
@@ -108,6 +116,7 @@ ROW_SCHEMA = MappingProxyType({
     "modes": "text", "model": "text", "num_heads": "int", "num_kv_heads": "int", "head_dim": "int",
     "dtype": "text", "step_model": "text", "executor": "text", "executor_options": "text", "hardware": "text",
     "hardware_changes": "text", "hardware_sha256": "text", "code_version": "text",
+    "nodes": "int", "placement": "text",
     "seq_idx": "int", "num_docs": "int", "max_doc_len": "int", "plan_status": "text",
     "plan_ms": "float", "pad_tokens": "int", "imbalance_ratio": "float", "comm_tokens": "int",
     "comm_tokens_full": "int", "comm_saving": "float", "comm_tokens_sharded": "int",
@@ -115,6 +124,7 @@ ROW_SCHEMA = MappingProxyType({
     "mode": "text", "status": "text",
     **dict.fromkeys(PHASE_COLUMNS, "float"), "step_ms": "float",
     **dict.fromkeys(COMM_COLUMNS, "int"),
+    "intra_node_bytes": "int", "inter_node_bytes": "int", "out_checksum": "text",
     "overlong_docs": "int", "overlong_tokens_cut": "int",
     "git_commit": "text", "git_dirty": "bool", "flashcp_version": "text", "torch_version": "text",
     "config_hash": "text",
@@ -134,7 +144,7 @@ INT_COLUMNS: tuple[str, ...] = (
 TEXT_COLUMNS: tuple[str, ...] = (
     "run_id", "config_hash", "sweep_id", "git_commit", "code_version", "dataset_path",
     "dataset_sha256", "hardware_sha256", "method_options", "executor_options", "hardware_changes",
-    "modes", "overrides", "launcher", "status", "error",
+    "modes", "overrides", "launcher", "status", "error", "out_checksum",
 )  # fmt: skip
 
 

@@ -3,12 +3,14 @@
     python experiments/benchmarks/bench_planners.py                       # ~3 minutes
     python experiments/benchmarks/bench_planners.py --sweep-sequences 100000   # the paper's scale
     python experiments/benchmarks/bench_planners.py --planners-only --methods llama3 ring  # first table
+    python experiments/benchmarks/bench_planners.py --scale-only          # pricing at CP 8 and CP 64
 
-Prints, per method (and ``flashcp_refined``) and CP 4 / 8, the median / p90 time to plan a 128K
+Prints, per method (and ``flashcp_refined``) and CP 4 / 8 / 64 (``--cp-sizes``), the median / p90 time to plan a 128K
 sequence and read the plan's metrics (``imbalance_ratio``, ``comm_tokens``, workload per rank,
 ``digest``) with the reference implementation (pure Python / NumPy: ``flashcp.compiled`` off, as
 without numba) and with the compiled one, measured in the same run on the same sequences, with
-their ratio and the speed goals at CP 8 met or missed. Then the median / p90 planning time with
+their ratio and the speed goals at CP 8 met or missed; at CP 64, the compiled time's ratio to CP 8's
+in the same run and FlashCP's goal there (<= 0.5 ms: a CP group over 8 nodes, docs/scale.md). Then the median / p90 planning time with
 the default implementation (plans per second = 1000 / median ms) and the simulator's time per
 (plan, shape, mode).
 Then the pricing time per plan for both modes and both head counts, the per-plan step model
@@ -60,6 +62,10 @@ PLANNERS = method_names(fast=True)
 C = 131072
 #: goals: pricing per plan (both modes, both head counts), the paper-scale and the default Fig. 5
 PRICE_GOAL_US = 20.0
+#: goal of the pricing per plan (train and infer) at CP 64 over 8 nodes, µs (--scale)
+SCALE_GOAL_US = 1000.0
+#: methods priced at CP 8 and CP 64 by --scale: the Fig. 5 methods and the hybrids
+SCALE_METHODS = (*method_names(paper=True), "usp", "flashcp_ulysses")
 SWEEP_GOAL_S = 300.0
 DEFAULT_SWEEP_GOAL_S = 15.0
 #: speed goals, ms median per 128K sequence at CP 8, plan and its metrics included
@@ -67,6 +73,8 @@ GOALS_MS = {
     "flashcp": 0.1, "flashcp_refined": 1.0, "llama3": 0.05, "per_doc": 0.05, "ring": 0.05,
     "zigzag": 0.05,
 }  # fmt: skip
+#: speed goals at CP 64 (8 nodes of 8 GPUs, docs/scale.md), ms median per 128K sequence
+GOALS_MS_CP64 = {"flashcp": 0.5}
 REPO = Path(__file__).resolve().parents[2]
 #: what a job of ``experiments.run`` logs when it finishes, and what the merge logs
 _JOB = re.compile(
@@ -134,6 +142,11 @@ def main() -> None:
     )
     ap.add_argument("--pricing-only", action="store_true", help="time only the pricing per plan")
     ap.add_argument(
+        "--scale-only",
+        action="store_true",
+        help="time only the pricing per plan at CP 8 (one node) and CP 64 (8 nodes of 8)",
+    )
+    ap.add_argument(
         "--pricing-repeats", type=int, default=5, help="batched pricing runs (the median is shown)"
     )
     ap.add_argument(
@@ -144,7 +157,14 @@ def main() -> None:
     ap.add_argument(
         "--methods", nargs="+", choices=PLANNERS, default=PLANNERS, help="planners to time"
     )
+    ap.add_argument(
+        "--cp-sizes", nargs="+", type=int, default=[4, 8, 64],
+        help="CP sizes of the first table (64: the ratio to CP 8 and the CP 64 goals)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.scale_only:
+        time_pricing_scale(args)
+        return
     if args.pricing_only:
         time_pricing(args)
         return
@@ -155,6 +175,7 @@ def main() -> None:
         compare_planners(args)
         time_planners(args)
         time_pricing(args)
+        time_pricing_scale(args)
     time_fig5(args)
 
 
@@ -184,8 +205,9 @@ def compare_planners(args: argparse.Namespace) -> None:
         get_planner(method)(seqs[0], 8)
     print(f"kernels compiled or loaded in {time.perf_counter() - t0:.1f} s")
     print(f"{'method':<16} {'cp':>3} {'ref_median_ms':>13} {'ref_p90_ms':>10} "
-          f"{'fast_median_ms':>14} {'fast_p90_ms':>11} {'speedup':>8}  goal (CP 8)")  # fmt: skip
-    for method, cp in itertools.product(args.methods, (4, 8)):
+          f"{'fast_median_ms':>14} {'fast_p90_ms':>11} {'speedup':>8}  goal (CP 8, CP 64)")  # fmt: skip
+    at_cp8: dict[str, float] = {}
+    for method, cp in itertools.product(args.methods, args.cp_sizes):
         planner = get_planner(method)
         # one implementation over all sequences, then the other (as a sweep plans: one planner
         # many times, warm), both within seconds of each other
@@ -193,8 +215,12 @@ def compare_planners(args: argparse.Namespace) -> None:
         with mock.patch.dict(os.environ, {"FLASHCP_COMPILED": "0"}):
             ref = [plan_and_read(planner, d, cp) * 1e3 for d in seqs]
         rm, fm = float(np.median(ref)), float(np.median(fast))
-        goal = GOALS_MS.get(method)
-        verdict = f"<= {goal:g} ms: {'met' if fm <= goal else 'MISSED'}" if goal and cp == 8 else ""
+        goal = GOALS_MS.get(method) if cp == 8 else GOALS_MS_CP64.get(method) if cp == 64 else None
+        verdict = f"<= {goal:g} ms: {'met' if fm <= goal else 'MISSED'}" if goal else ""
+        if cp == 8:
+            at_cp8[method] = fm
+        elif cp == 64 and method in at_cp8:
+            verdict += f" ({fm / at_cp8[method]:.1f}x CP 8's)"
         print(f"{method:<16} {cp:>3} {rm:>13.3f} {np.percentile(ref, 90):>10.3f} {fm:>14.3f} "
               f"{np.percentile(fast, 90):>11.3f} {rm / fm:>7.1f}x  {verdict}")  # fmt: skip
     print()
@@ -287,6 +313,44 @@ def time_pricing(args: argparse.Namespace) -> None:
     print(f"mean batched pricing over the Fig. 5 methods: {mean:.1f} us per plan "
           f"(goal <= {PRICE_GOAL_US:g}: {_goal(mean, PRICE_GOAL_US)}; load average after "
           f"{os.getloadavg()[0]:.1f})")  # fmt: skip
+
+
+def time_pricing_scale(args: argparse.Namespace) -> None:
+    """Pricing time per plan (train and infer, 32 heads) at CP 8 on one node and at CP 64 over 8
+    nodes of 8 GPUs (consecutive; the two-level network, docs/multinode.md), per plan
+    (:func:`flashcp.sim.simulate_many`) and batched (:func:`flashcp.sim.cost.price_plans`,
+    compiled statistics), in the same run on the same WLB-LLM sequences; CPU µs (process time),
+    the ratio CP 64 / CP 8 and the goal (<= :data:`SCALE_GOAL_US` at CP 64, both paths)."""
+    hw = load_hardware("h100_sxm")
+    shapes, modes = [AttnShape(32, 32, 128, "bfloat16")], ["train", "infer"]
+    n_seq = max(args.sequences // 4, 10)
+    seqs = sample_sequences(load_distribution("wlb_llm", context_len=C), n_seq, C, seed=args.seed)
+    print(f"\npricing per plan at CP 8 (1 node) and CP 64 (8 nodes x 8), train + infer, 32 heads "
+          f"({n_seq} WLB-LLM sequences; goal <= {SCALE_GOAL_US:g} us at CP 64; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")  # fmt: skip
+    print(f"{'method':<16} {'cp8_plan_us':>11} {'cp8_batch_us':>12} {'cp64_plan_us':>12} "
+          f"{'cp64_batch_us':>13} {'ratio':>6} goal")  # fmt: skip
+    with mock.patch.dict(os.environ, {"FLASHCP_COMPILED": "1"}):
+        price_plans([get_planner("zigzag")(seqs[0], 4)], shapes, modes, [hw])  # load the kernels
+        for method in SCALE_METHODS:
+            planner = get_planner(method)
+            row = {}
+            for cp in (8, 64):
+                plans = [planner(d, cp) for d in seqs]
+                t0 = time.process_time()
+                for p in plans:
+                    simulate_many(p, shapes, modes, hw)
+                row[cp, "plan"] = (time.process_time() - t0) * 1e6 / len(plans)
+                runs = []
+                for _ in range(max(args.pricing_repeats, 1)):
+                    t0 = time.process_time()
+                    price_plans(plans, shapes, modes, [hw])
+                    runs.append((time.process_time() - t0) * 1e6 / len(plans))
+                row[cp, "batch"] = float(np.median(runs))
+            worst = max(row[64, "plan"], row[64, "batch"])
+            print(f"{method:<16} {row[8, 'plan']:>11.1f} {row[8, 'batch']:>12.1f} "
+                  f"{row[64, 'plan']:>12.1f} {row[64, 'batch']:>13.1f} "
+                  f"{row[64, 'batch'] / row[8, 'batch']:>5.1f}x {_goal(worst, SCALE_GOAL_US)}")  # fmt: skip
 
 
 def time_fig5(args: argparse.Namespace) -> None:

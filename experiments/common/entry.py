@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import MISSING
 
 #: the figures ``plots=[...]`` and ``python -m experiments.plot`` draw (:func:`experiments.plot.draw`)
-FIGURES = ("fig5", "fig6", "fig7", "fig3", "fig5_peers", "fig5_step")
+FIGURES = ("fig5", "fig6", "fig7", "fig3", "fig5_peers", "fig5_step", "scale")
 
 __all__ = [
     "CONF_DIR",

@@ -46,9 +46,10 @@ def _container(node: Any) -> Any:
 
 GRID_GROUPS = ("method", "model", "hardware")
 #: what ``grid`` may vary inside one job: config groups (their options are files
-#: ``conf/<group>/<name>.yaml``) and ``cp_size``. The sampled sequences are shared, so
-#: nothing that changes them (dataset, context_len, seed, num_sequences) can be in a grid.
-GRID_KEYS = (*GRID_GROUPS, "cp_size")
+#: ``conf/<group>/<name>.yaml``), ``cp_size`` and the CP group's ``nodes`` and ``placement``. The
+#: sampled sequences are shared, so nothing that changes them (dataset, context_len, seed,
+#: num_sequences) can be in a grid.
+GRID_KEYS = (*GRID_GROUPS, "cp_size", "nodes", "placement")
 
 
 def _group_option(group: str, name: str) -> DictConfig:
@@ -225,6 +226,8 @@ def run_spec(cfg: DictConfig, hardware: Any = None) -> RunSpec:
         hardware=hardware if hardware is not None or not uses_hw else _container(cfg.hardware),
         seed=int(cfg.seed),
         executor={k: _container(v) for k, v in ex.items() if k != "name"},
+        placement=str(cfg.get("placement", "consecutive")),
+        nodes=None if cfg.get("nodes") is None else int(cfg.nodes),
     )
 
 
@@ -395,7 +398,9 @@ def _check_emulate_memory(cfg: DictConfig, run_cfg: DictConfig) -> None:
 def _check_hardware(runs: list[DictConfig]) -> None:
     """Load every distinct hardware profile the runs price with (sim, emulate) as the job will
     (:func:`flashcp.sim.load_hardware`, the command line's constants winning over the fitted
-    ones), so a bad constant (``hardware.p2p_bw_gbps=0``) is refused before any work.
+    ones), so a bad constant (``hardware.p2p_bw_gbps=0``) is refused before any work; under
+    ``executor=dist`` the run's ``nodes`` / ``placement`` against where torchrun put the ranks
+    (:func:`flashcp.executors.dist.launch_problem`).
 
     Raises:
         ConfigError: naming the bad constant (and the profile, in a hardware grid).
@@ -403,20 +408,45 @@ def _check_hardware(runs: list[DictConfig]) -> None:
     from flashcp.sim import load_hardware
 
     explicit = explicit_hardware_keys()
-    seen: set[str] = set()
+    seen: dict[str, Any] = {}
     for r in runs:
+        if r.executor.name == "dist":
+            from flashcp.executors.dist import launch_problem
+
+            nodes = r.get("nodes")
+            problem = launch_problem(
+                int(r.cp_size), None if nodes is None else int(nodes),
+                str(r.get("placement", "consecutive")),
+            )  # fmt: skip
+            if problem is not None:
+                raise ConfigError(problem)
         if r.executor.name not in USES_HARDWARE_PROFILE:
             continue
         hw = _container(r.hardware)
         key = _json(hw)
-        if key in seen:
-            continue
-        seen.add(key)
+        where = f"hardware={hw.get('name')}: " if len(runs) > 1 else ""
         try:
-            load_hardware(hw, explicit=explicit)
+            if key not in seen:
+                seen[key] = load_hardware(hw, explicit=explicit)
+            run_topology(r, seen[key])  # nodes / placement that do not fit: one line
         except ValueError as exc:
-            where = f"hardware={hw.get('name')}: " if len(runs) > 1 else ""
             raise ConfigError(f"{where}{exc}") from None
+
+
+def run_topology(r: DictConfig, hw: Any):
+    """The run's :class:`flashcp.topology.Topology` on the loaded profile ``hw`` (None: a flat
+    profile; :func:`flashcp.sim.network.topology_for`).
+
+    Raises:
+        ValueError: (one line) nodes / placement that do not fit the profile's nodes.
+    """
+    from flashcp.sim.network import topology_for
+
+    nodes = r.get("nodes")
+    return topology_for(
+        hw, int(r.cp_size), str(r.get("placement", "consecutive")),
+        None if nodes is None else int(nodes),
+    )  # fmt: skip
 
 
 def _shared_values(config: DictConfig) -> None:

@@ -25,7 +25,8 @@ a person sees one line instead of a traceback or a page of Hydra internals:
   experiment, so the sweeps they define are skipped), a launcher without ``-m`` (a single run
   ignores ``hydra/launcher``), an experiment that defines a sweep run without ``-m``, a key
   added with ``+`` that no schema has (``+cp_sise=4`` would run with the default ``cp_size``),
-  ``executor=dist`` under a submitit launcher whose tasks per job differ from ``cp_size``, and a
+  ``executor=dist`` under a submitit launcher whose tasks per job differ from ``cp_size`` (or
+  whose nodes differ from ``nodes``), and a
   sweep of an experiment entry whose jobs would all write the same folder
   ``<results_dir>/<name>`` (:func:`experiment_sweep_problem`), a ``flashcp-run`` sweep over
   ``name`` or ``results_dir`` (its runs would be merged into one folder), and a plain override of
@@ -404,6 +405,14 @@ def launch_problem(config: Any, multirun: bool, prog: str = PROG) -> str | None:
                 f"tasks_per_node={hl.tasks_per_node}); make nodes x tasks_per_node = cp_size "
                 "(slurm_dist: tasks_per_node follows hydra.launcher.gpus_per_node)"
             )
+        nodes = config.get("nodes")
+        if nodes is not None and not _is_sweep(config, "nodes"):
+            hl = config.hydra.launcher
+            if int(nodes) != int(hl.nodes):
+                return (
+                    f"executor=dist with nodes={nodes}, but hydra/launcher={launcher} starts "
+                    f"hydra.launcher.nodes={hl.nodes}; make them equal (or drop nodes)"
+                )
     added = added_unknown_keys(config)
     return added[0] if added else None
 

@@ -51,11 +51,13 @@ def explicit_hardware_keys() -> frozenset[str]:
     return frozenset(k for k in explicit_keys("hardware") if "." not in k)
 
 
-def load_job_hardware(hw: dict[str, Any]) -> tuple[Any, dict[str, str]]:
+def load_job_hardware(hw: dict[str, Any], network: bool = False) -> tuple[Any, dict[str, str]]:
     """A composed profile ``hw`` loaded with this job's explicit constants winning over the
     fitted ones (:func:`flashcp.sim.hardware.load_hardware`, :func:`explicit_hardware_keys`), and
     the columns flashcp-run's rows carry for it: ``hardware``, ``hardware_changes`` (JSON),
-    ``hardware_sha256`` (of the constants used). For flashcp-fig3 and flashcp-sensitivity."""
+    ``hardware_sha256`` (of the constants used; the inter-node ones,
+    :data:`flashcp.sim.hardware.NETWORK_KEYS`, when ``network``). For flashcp-fig3 and
+    flashcp-sensitivity."""
     from flashcp.sim import load_hardware
 
     explicit = explicit_hardware_keys()
@@ -63,5 +65,5 @@ def load_job_hardware(hw: dict[str, Any]) -> tuple[Any, dict[str, str]]:
     return loaded, {
         "hardware": loaded.name,
         "hardware_changes": json_text(hardware_changes(hw, explicit)),
-        "hardware_sha256": config_hash(loaded.to_dict()),
+        "hardware_sha256": config_hash(loaded.to_dict(network=network)),
     }

@@ -16,7 +16,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.common.callbacks import is_rank0, read_lock
-from experiments.common.grid import _container, grid_runs
+from experiments.common.grid import _container, grid_runs, run_topology
 from experiments.common.overrides import explicit_hardware_keys, hardware_changes
 from experiments.common.overrides import json_text as _json
 from flashcp.config import EXECUTOR_OPTIONS, USES_HARDWARE_PROFILE
@@ -67,16 +67,28 @@ def file_sha256(path: str | Path) -> str:
         return "missing"
 
 
-def _hardware_sha256(hw: dict[str, Any], explicit: frozenset[str] = frozenset()) -> str:
+def _hardware_sha256(
+    hw: dict[str, Any], explicit: frozenset[str] = frozenset(), cfg: Any = None
+) -> tuple[str, int | None]:
     """Hash of the constants the simulator really uses (fitted values loaded by the profile's
-    ``calibration`` key included, explicit ones winning); of the raw mapping when it is not a
-    valid profile."""
+    ``calibration`` key included, explicit ones winning; the inter-node constants,
+    :data:`flashcp.sim.hardware.NETWORK_KEYS`, only when the run's CP group spans nodes), and the
+    run's node count (None: a flat profile or no valid topology); of the raw mapping when it is
+    not a valid profile."""
     from flashcp.sim import load_hardware
 
     try:
-        return config_hash(load_hardware(hw, explicit=explicit).to_dict())
+        loaded = load_hardware(hw, explicit=explicit)
     except ValueError:
-        return config_hash(hw)
+        return config_hash(hw), None
+    topo = None
+    if cfg is not None:
+        try:
+            topo = run_topology(cfg, loaded)
+        except ValueError:
+            pass
+    spans = topo is not None and topo.spans_nodes
+    return config_hash(loaded.to_dict(network=spans)), (None if topo is None else topo.num_nodes)
 
 
 def run_identity(
@@ -94,14 +106,21 @@ def run_identity(
     from_file = ds.name == "file" and ds.path is not None  # other datasets ignore dataset.path
     hw = _container(cfg.hardware) if uses_hw else {}
     memo = {} if memo is None else memo
-    key = _json(hw)
+    key = _json([hw, int(cfg.cp_size), cfg.get("nodes"), str(cfg.get("placement", "consecutive"))])
     if key not in memo:
         explicit = explicit_hardware_keys() if uses_hw else frozenset()
-        memo[key] = (
-            (_json(hardware_changes(hw, explicit)), _hardware_sha256(hw, explicit))
-            if uses_hw
-            else ("{}", "-")
-        )
+        if uses_hw:
+            sha, nodes = _hardware_sha256(hw, explicit, cfg)
+            memo[key] = (_json(hardware_changes(hw, explicit)), sha, nodes)
+        elif ex.name == "dist":  # the nodes of the launch (checked against cfg.nodes)
+            from flashcp.executors.dist import launch_nodes
+
+            try:
+                memo[key] = ("{}", "-", launch_nodes())
+            except ValueError:
+                memo[key] = ("{}", "-", None)
+        else:
+            memo[key] = ("{}", "-", None)
     hw_ident = memo[key]
     ident = {
         "dataset": ds.name,
@@ -132,6 +151,8 @@ def run_identity(
         "hardware_changes": hw_ident[0],
         "hardware_sha256": hw_ident[1],
         "code_version": code_version,
+        "nodes": hw_ident[2],
+        "placement": str(cfg.get("placement", "consecutive")),
     }
     assert tuple(ident) == IDENTITY_COLUMNS, (
         "run_identity and IDENTITY_COLUMNS must list the same fields"

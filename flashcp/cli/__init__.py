@@ -326,7 +326,8 @@ def _advise_command(args: argparse.Namespace) -> int:
         context_len=args.context_len, num_sequences=args.num_sequences, seed=args.seed,
         model=shape, hardware=args.hardware, mode=args.mode, methods=methods,
         method_options=method_options, num_draws=args.draws, draw_sequences=args.draw_sequences,
-        overlong=args.overlong,
+        overlong=args.overlong, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        placement=args.placement,
     )  # fmt: skip
     s = df.attrs["setup"]
     note = overlong_note(s, args.overlong, args.context_len, s["source"], "--overlong")
@@ -387,6 +388,20 @@ def _add_advise_parser(sub) -> None:
         metavar="METHOD.KEY=VALUE",
         help="a planner option of a compared method, repeatable (e.g. --methods ilp --option "
         "ilp.time_limit_s=5: the ILP takes up to 60 s per sequence by default)",
+    )
+    a.add_argument(
+        "--nodes",
+        type=int,
+        help="nodes the CP group spans (default: as few as --placement allows; docs/multinode.md)",
+    )
+    a.add_argument(
+        "--gpus-per-node", type=int, help="GPUs per node (default: the hardware profile's, 8)"
+    )
+    a.add_argument(
+        "--placement",
+        choices=("consecutive", "strided"),
+        default="consecutive",
+        help="CP rank r on node r // (N / nodes) (consecutive, default) or r %% nodes (strided)",
     )
     a.add_argument("--draws", type=int, default=16, help="joint draws of the hardware constants")
     a.add_argument(

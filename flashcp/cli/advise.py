@@ -249,16 +249,21 @@ def breakdown(
 
 
 def _speedup_draws(
-    plans: dict[str, list], shape, mode, hw, num_draws: int, factor: float, seed: int, k: int
-) -> dict[str, np.ndarray]:
+    plans: dict[str, list], shape, mode, hw, num_draws: int, factor: float, seed: int, k: int,
+    net: dict | None = None, spans: bool = False,
+) -> dict[str, np.ndarray]:  # fmt: skip
     """Per method, the median over the first ``k`` sequences of llama3's step time over its own,
-    for each of ``num_draws`` joint draws of the constants: (num_draws,) arrays."""
+    for each of ``num_draws`` joint draws of the constants (the inter-node ones too when
+    ``spans``; ``net``: placement and nodes for :func:`price_plans`): (num_draws,) arrays."""
     from flashcp.sim.cost import PlanBatch, price_plans
-    from flashcp.sim.perturb import joint_factors, perturb
+    from flashcp.sim.perturb import joint_factors, perturb, varied_for
 
-    profiles = [perturb(hw, f) for f in joint_factors(num_draws, factor, seed)]
+    varied = varied_for(spans)
+    profiles = [perturb(hw, f) for f in joint_factors(num_draws, factor, seed, varied)]
     totals = {
-        m: price_plans(PlanBatch(p[:k]), [shape], [mode], profiles)["total_ms"][:, 0, 0]
+        m: price_plans(PlanBatch(p[:k]), [shape], [mode], profiles, **(net or {}))["total_ms"][
+            :, 0, 0
+        ]
         for m, p in plans.items()
     }  # (num_draws, k) each
     return {m: np.median(totals["llama3"] / t, axis=1) for m, t in totals.items()}
@@ -281,6 +286,9 @@ def advise(
     draw_sequences: int = 64,
     factor: float = 2.0,
     overlong: str = "split",
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
+    placement: str = "consecutive",
 ) -> pd.DataFrame:
     """Predict every method's step time on the given lengths (module docstring).
 
@@ -303,6 +311,11 @@ def advise(
             per draw (the first ones), each constant from value / factor to value * factor.
         overlong: a document longer than C: ``split`` (default), ``cut`` or ``error``, the rule
             of every command (:func:`flashcp.data.apply_overlong`; ``flashcp advise --overlong``).
+        nodes, gpus_per_node, placement: the CP group on the profile's nodes
+            (docs/multinode.md; :func:`flashcp.sim.network.topology_for`): nodes None: as few
+            as the placement allows; gpus_per_node None: the profile's (a number replaces it,
+            e.g. on the flat ``h100_ib``). The sensitivity draws vary the inter-node constants
+            too when the group spans nodes (:func:`flashcp.sim.perturb.varied_for`).
     Returns:
         One row per method (display order): :data:`TABLE_COLUMNS`, ``total_ms_mean``,
         ``ideal_ms`` and every part of :data:`PARTS` (means over sequences, ms), ``num_sequences``,
@@ -321,6 +334,7 @@ def advise(
     from flashcp.registry import check_options, get_method, method_names
     from flashcp.sim.cost import PlanBatch, price_plans
     from flashcp.sim.hardware import load_hardware
+    from flashcp.sim.network import topology_for
 
     check_mode(mode)
     for name, value, least in (
@@ -345,6 +359,13 @@ def advise(
         )
     shape = model if isinstance(model, AttnShape) else load_model(model)
     hw = load_hardware(hardware)
+    if gpus_per_node is not None:
+        _check_count("gpus_per_node", gpus_per_node, 1)
+        hw = dataclasses.replace(hw, gpus_per_node=int(gpus_per_node))
+    if nodes is not None:
+        _check_count("nodes", nodes, 1)
+    topo = topology_for(hw, n, placement, None if nodes is None else int(nodes))
+    net = {"placement": placement, "nodes": None if nodes is None else int(nodes)}
     explicit = methods is not None
     if explicit:
         if isinstance(methods, str):
@@ -392,7 +413,7 @@ def advise(
             if planned.errors:
                 raise ValueError(next(iter(planned.errors.values())).removeprefix("error: "))
             batch = PlanBatch(planned.plans)
-            priced = price_plans(batch, [shape], [mode], [hw, nohost])
+            priced = price_plans(batch, [shape], [mode], [hw, nohost], **net)
         except ValueError as exc:
             if explicit or m == "llama3":
                 raise ValueError(f"method {m} does not apply at cp_size = {n}: {exc}") from None
@@ -403,7 +424,10 @@ def advise(
         ratios[m] = np.asarray(planned.metrics["imbalance_ratio"], dtype=np.float64)
     t1 = time.perf_counter()
     k = min(int(draw_sequences), len(seqs))
-    draws = _speedup_draws(plans, shape, mode, hw, int(num_draws), float(factor), int(seed), k)
+    draws = _speedup_draws(
+        plans, shape, mode, hw, int(num_draws), float(factor), int(seed), k, net=net,
+        spans=topo is not None and topo.spans_nodes,
+    )  # fmt: skip
     t2 = time.perf_counter()
 
     ref = parts["llama3"]["total_ms"]
@@ -442,6 +466,7 @@ def advise(
     df.attrs["setup"] = {
         "source": source, "num_sequences": len(seqs), "context_len": int(context_len),
         "seed": int(seed), "cp_size": n, "shape": shape, "hardware": hw.name, "mode": mode,
+        "topology": topo.describe() if topo is not None and topo.spans_nodes else None,
         "num_draws": int(num_draws), "draw_sequences": k, "factor": float(factor),
         "overlong": str(overlong), "overlong_docs": int(over["overlong_docs"].sum()),
         "overlong_tokens_cut": int(over["overlong_tokens_cut"].sum()),
@@ -482,7 +507,7 @@ def format_report(df: pd.DataFrame) -> str:
         f"{s['source']}: {s['num_sequences']} sequences of {s['context_len']} tokens (seed "
         f"{s['seed']}); cp_size {s['cp_size']}; {sh.num_heads} heads, {sh.num_kv_heads} KV heads, "
         f"head_dim {sh.head_dim}, {sh.dtype}; hardware {s['hardware']} (calibrated); mode "
-        f"{s['mode']}",
+        f"{s['mode']}" + (f"; {s['topology']}" if s.get("topology") else ""),
         "",
         markdown_table(df[list(TABLE_COLUMNS)], ".3f").rstrip("\n"),
         "",

@@ -20,6 +20,12 @@ rank is blocked in, so its next collective fails with :class:`PeerFailure`), and
 still stuck a few seconds later (a wait nothing wakes) ends the process with exit code 1. Every
 rank therefore exits within seconds with the failing rank's error.
 
+Nodes. The ranks' nodes come from the launch (:func:`launch_topology`: torchrun numbers ranks node
+by node), are checked against the run's ``nodes`` / ``placement`` before any collective
+(:func:`check_launch`), and the ops' counters then split every step's bytes into those received
+from the rank's own node and from other nodes, held per rank to
+:func:`flashcp.comm.comm_volume_by_link` (docs/execution.md, "Across nodes").
+
 Planning. Each sequence is planned once per CP group, on its rank 0, and its plan (or its
 planner's failure) is broadcast to the group's ranks (:func:`share_planning`,
 :func:`flashcp.ops.collectives.broadcast_plan`) before any step: planners such as the
@@ -64,15 +70,20 @@ from flashcp.ops.sharding import shard_tensor
 from flashcp.ops.timing import PhaseTimer
 from flashcp.plan import Plan
 from flashcp.results import COMM_COLUMNS, PHASE_COLUMNS
+from flashcp.topology import Topology
 
 __all__ = [
     "PeerFailure",
     "abort_group",
     "abort_group_on_error",
     "check_comm",
+    "check_launch",
     "execute",
     "failure_flag",
     "init_from_env",
+    "launch_nodes",
+    "launch_problem",
+    "launch_topology",
     "main",
     "measure_step",
     "raise_failure_flag",
@@ -301,6 +312,132 @@ def init_from_env(timeout_s: float = 120.0):
     return dist.group.WORLD
 
 
+def _launch_sizes(env, world: int) -> tuple[int, int]:
+    """(WORLD_SIZE, LOCAL_WORLD_SIZE) of the launch, checked (defaults: ``world`` ranks on one
+    node)."""
+    size = env.get("WORLD_SIZE", str(world))
+    world = int(size) if size.isdigit() else world
+    text = env.get("LOCAL_WORLD_SIZE", str(world))
+    local = int(text) if text.isdigit() else 0
+    if local < 1 or world % local:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE = {text!r} must be a positive integer dividing WORLD_SIZE = {world} "
+            "(the same number of ranks on every node)"
+        )
+    return world, local
+
+
+def launch_topology(group=None, env=None) -> Topology:
+    """Where the launcher put the ranks of the CP group ``group``: its
+    :class:`~flashcp.topology.Topology` over the nodes of the job.
+
+    torchrun (and a submitit job, :func:`experiments.common.callbacks.export_submitit_rank_env`)
+    numbers ranks node by node, ``RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK`` (torchrun's
+    documentation, "Environment Variables"), so global rank g is on node
+    ``g // LOCAL_WORLD_SIZE``; a process without ``LOCAL_WORLD_SIZE`` is on one node with every
+    rank. Reads the environment and the group's ranks only (no collective).
+
+    Args:
+        group: the CP group (None: the default group; a one-rank group without
+            torch.distributed).
+        env: the environment (default ``os.environ``).
+    Returns:
+        the Topology: ``gpus_per_node`` = ``LOCAL_WORLD_SIZE``, ``consecutive`` when the group's
+        ranks fill its nodes in order, ``strided`` when they go round the nodes.
+    Raises:
+        ValueError: ``LOCAL_WORLD_SIZE`` not a positive integer dividing ``WORLD_SIZE``, or the
+            group's ranks on nodes that are neither pattern (naming the nodes).
+    """
+    env = os.environ if env is None else env
+    group = resolve_group(group)
+    if not dist.is_initialized():
+        return Topology.single_node(1)
+    world = dist.get_world_size()
+    members = list(range(world)) if group is None else dist.get_process_group_ranks(group)
+    _, local = _launch_sizes({**env, "WORLD_SIZE": str(world)}, world)
+    hosts = [g // local for g in members]
+    order = {h: i for i, h in enumerate(sorted(set(hosts)))}
+    nodes = [order[h] for h in hosts]
+    for placement in ("consecutive", "strided"):
+        try:
+            topo = Topology(len(members), local, placement, len(order))
+        except ValueError:
+            continue
+        if topo.node_of.tolist() == nodes:
+            return topo
+    raise ValueError(
+        f"the CP group's ranks {members} sit on nodes {nodes} (LOCAL_WORLD_SIZE = {local}): "
+        "neither consecutive (filling each node in turn) nor strided (round the nodes)"
+    )
+
+
+def check_launch(launched: Topology, nodes: int | None, placement: str) -> None:
+    """Check the run's ``nodes`` / ``placement`` (the config keys of docs/multinode.md) against
+    where the launch put the CP group (:func:`launch_topology`); before any collective.
+
+    Raises:
+        ValueError: (one line) a topology :class:`~flashcp.topology.Topology` refuses with the
+            launch's ranks per node as ``gpus_per_node`` (nodes not dividing cp_size, more ranks
+            on a node than the launch started there), or one that puts the ranks on other nodes.
+    """
+    where = f"nodes={nodes} placement={placement}"
+    try:
+        want = Topology(launched.cp_size, launched.gpus_per_node, placement, nodes)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc} (the launch: {launched.describe()})") from None
+    if want.node_of.tolist() != launched.node_of.tolist():
+        raise ValueError(
+            f"{where} puts the CP ranks on nodes {want.node_of.tolist()}, but the launch put them "
+            f"on {launched.node_of.tolist()} ({launched.describe()}; torchrun numbers ranks node "
+            "by node, --nnodes x --nproc-per-node)"
+        )
+
+
+def launch_problem(cp_size: int, nodes: int | None, placement: str, env=None) -> str | None:
+    """:func:`check_launch` for a run whose CP group is the whole launch, from the environment
+    alone (before the process group exists): the message, or None (also outside a launch, no
+    ``RANK``, where :func:`execute` checks once the group exists)."""
+    env = os.environ if env is None else env
+    if "RANK" not in env:
+        return None
+    try:
+        world, local = _launch_sizes(env, int(cp_size))
+        if world != int(cp_size):
+            return None  # execute refuses it, naming both
+        k = world // local
+        check_launch(Topology(world, local, "consecutive", k), nodes, placement)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def launch_nodes(env=None) -> int:
+    """Nodes of the launch: ``WORLD_SIZE / LOCAL_WORLD_SIZE`` (1 outside torchrun or a job).
+
+    Raises:
+        ValueError: as :func:`launch_topology`.
+    """
+    env = os.environ if env is None else env
+    world, local = _launch_sizes(env, 1)
+    return world // local
+
+
+def _checksum(tensors, group) -> str:
+    """sha256 (first 16 hex digits) of every rank's ``tensors`` (their bytes, in order), ranks in
+    group order: one ``all_gather_object`` of each rank's own digest."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    mine = h.hexdigest()
+    every = [mine]
+    if group_size(group) > 1:
+        every = [None] * group_size(group)
+        dist.all_gather_object(every, mine, group=group)
+    return hashlib.sha256("".join(every).encode()).hexdigest()[:16]
+
+
 def _reduce_max(values: list[float], group, device) -> list[float]:
     """Element-wise max over the ranks of ``group``."""
     if group_size(group) == 1:
@@ -329,7 +466,8 @@ def measure_step(
     seed: int = 0,
     check: bool = True,
     op_options=None,
-) -> dict[str, float | int]:
+    topology: Topology | None = None,
+) -> dict[str, float | int | str]:
     """Time one attention layer's CP step of ``plan`` on this process group.
 
     Args:
@@ -343,13 +481,20 @@ def measure_step(
         seed: seeds Q, K, V and dO (same on every rank).
         check: raise if the counted bytes differ from :func:`flashcp.comm.comm_volume`.
         op_options: keyword options of the op (``keep_gathered_kv``), counted by the check too.
+        topology: where the group's ranks are (:func:`launch_topology`): the bytes are also
+            counted by link class (:meth:`flashcp.ops.collectives.CommCounter.by_link`) and, with
+            ``check``, held per rank to :func:`flashcp.comm.comm_volume_by_link`.
     Returns:
         every key of :data:`PHASE_COLUMNS` (ms; median over steps, max over ranks; ``total_ms`` is
         the wall time of the whole step; phases the method lacks are 0.0) and of
-        :data:`COMM_COLUMNS` (bytes received per step, max over ranks).
+        :data:`COMM_COLUMNS` (bytes received per step, max over ranks); with a topology
+        ``intra_node_bytes`` and ``inter_node_bytes`` (per rank the sum over kinds, max over
+        ranks); ``out_checksum``: :func:`_checksum` of every rank's output (``train``: and dQ, dK,
+        dV) of the last step, the same for the same plan, seed and group size wherever the ranks
+        run.
     Raises:
         ValueError: bad mode, group size different from ``plan.cp_size``, bad ``iters``, or (with
-            ``check``) counted bytes that disagree with the plan.
+            ``check``) counted bytes that disagree with the plan (also per link class).
     """
     check_mode(mode)
     if iters < 1 or warmup < 0:
@@ -380,7 +525,8 @@ def measure_step(
         phases: dict[str, list[float]] = {name: [] for name in PHASE_COLUMNS}
         counted: dict[str, int] = {}
         for step in range(warmup + iters):
-            timer, counter = PhaseTimer(device), CommCounter()
+            timer = PhaseTimer(device)
+            counter = CommCounter(topology, group) if topology is not None else CommCounter()
             ql, kl, vl = (x.detach().requires_grad_(train) for x in (q, k, v))
             if n > 1:
                 dist.barrier(group=group)
@@ -403,19 +549,49 @@ def measure_step(
             phases["others_ms"][-1] += sum(ms.values())  # phases outside the schema count as others
             phases["total_ms"][-1] = total
             counted = counter.as_dict()
+        grads = (ql.grad, kl.grad, vl.grad) if train else ()
+        checksum = _checksum([out, *grads], group)
 
     med = [statistics.median(phases[name]) for name in PHASE_COLUMNS]
     byte_vals = [float(counted[k]) for k in COMM_COLUMNS]
+    if topology is not None:
+        links = counter.by_link()
+        if check:
+            _check_links(links, plan, shape, mode, op_options, topology, rank)
+        byte_vals += [float(sum(links[c].values())) for c in ("intra", "inter")]
     reduced = _reduce_max(med + byte_vals, group, device)
     result: dict[str, float | int] = dict(
         zip(PHASE_COLUMNS, reduced[: len(PHASE_COLUMNS)], strict=True)
     )
+    byte_cols = [*COMM_COLUMNS, *(("intra_node_bytes", "inter_node_bytes") if topology else ())]
     result.update(
-        {k: int(x) for k, x in zip(COMM_COLUMNS, reduced[len(PHASE_COLUMNS) :], strict=True)}
+        {k: int(x) for k, x in zip(byte_cols, reduced[len(PHASE_COLUMNS) :], strict=True)}
     )
+    result["out_checksum"] = checksum
     if check:
         check_comm(result, plan, shape, mode, op_options)
     return result
+
+
+def _check_links(links, plan, shape, mode, op_options, topology, rank) -> None:
+    """This rank's counted bytes by link class against :func:`flashcp.comm.comm_volume_by_link`.
+
+    Raises:
+        ValueError: a class and kind that differ (naming both counts).
+    """
+    from flashcp.comm import comm_volume_by_link
+    from flashcp.registry import COMM_KIND
+
+    want = comm_volume_by_link(
+        plan, COMM_KIND[plan.method], shape, mode, topology, **(op_options or {})
+    )
+    for c, per in links.items():
+        for kind, got in per.items():
+            if got != int(want[c][kind][rank]):
+                raise ValueError(
+                    f"{plan.method}: rank {rank} counted {got} {c}-node {kind} bytes, the plan's "
+                    f"{int(want[c][kind][rank])} ({topology.describe()})"
+                )
 
 
 def execute(runs, seqs, *, group=None):
@@ -438,8 +614,9 @@ def execute(runs, seqs, *, group=None):
     Returns:
         the rows (:func:`flashcp.executors.rows.finish_rows`) on rank 0, None on the others.
     Raises:
-        ValueError: several runs, or a group size other than the run's ``cp_size`` (before any
-            collective).
+        ValueError: several runs, a group size other than the run's ``cp_size``, or the run's
+            ``nodes`` / ``placement`` not where the launch put the ranks (:func:`check_launch`;
+            before any collective).
     """
     if len(runs) != 1:
         raise ValueError(f"executor=dist runs one run per job, got {len(runs)}")
@@ -454,6 +631,8 @@ def execute(runs, seqs, *, group=None):
             f"the CP group has {world} ranks (torchrun's, unless a group is given) but "
             f"cp_size = {run.cp_size}; they must match"
         )
+    topology = launch_topology(group)
+    check_launch(topology, getattr(run, "nodes", None), getattr(run, "placement", "consecutive"))
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -476,6 +655,7 @@ def execute(runs, seqs, *, group=None):
                 plan, run.shape, mode, group=group, device=device,
                 backend=ex.get("backend", "auto"), warmup=int(ex.get("warmup", 1)),
                 iters=int(ex.get("iters", 3)), seed=run.seed + i, op_options=op_opts,
+                topology=topology,
             )  # fmt: skip
         return {k: [v] for k, v in res.items()}
 

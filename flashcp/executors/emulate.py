@@ -259,6 +259,7 @@ class ReplayGroup(LocalGroup):
         self.calls: list[tuple[str, int, int, int, int, int]] = []
         self.cp_rank = rank
         self._root = self
+        self._members = list(range(cp_size))
 
     def size(self) -> int:
         return self.n
@@ -266,10 +267,14 @@ class ReplayGroup(LocalGroup):
     def rank(self) -> int:
         return self._rank
 
+    def members(self) -> list[int]:
+        return list(self._members)
+
     def new_subgroup(self, ranks: list[int]) -> ReplayGroup:
         ranks = _subgroup_ranks(self, ranks)
         sub = copy.copy(self)  # shares the recording, timeline, side stream and call list
         sub._rank, sub.n = ranks.index(self._rank), len(ranks)
+        sub._members = [self._members[i] for i in ranks]
         return sub
 
     def _next(self, kind: str, like: list[torch.Tensor]) -> list[torch.Tensor]:

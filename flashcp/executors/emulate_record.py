@@ -125,6 +125,9 @@ class RecordingGroup(LocalGroup):
     def rank(self) -> int:
         return self._rank
 
+    def members(self) -> list[int]:
+        return list(self.world.ranks)
+
     def new_subgroup(self, ranks: list[int]) -> RecordingGroup:
         ranks = _subgroup_ranks(self, ranks)
         return RecordingGroup(self.world.sub(ranks), ranks.index(self._rank))

@@ -37,7 +37,13 @@ import pandas as pd
 
 from flashcp.kinds import CommKind
 from flashcp.plan import Plan
-from flashcp.results import COMM_COLUMNS, ILP_INFO_COLUMNS, PHASE_COLUMNS, ROW_SCHEMA
+from flashcp.results import (
+    COMM_COLUMNS,
+    DIST_COLUMNS,
+    ILP_INFO_COLUMNS,
+    PHASE_COLUMNS,
+    ROW_SCHEMA,
+)
 
 __all__ = [
     "ILP_COLUMNS",
@@ -71,7 +77,7 @@ ILP_COLUMNS: tuple[str, ...] = tuple(f"ilp_{k}" for k in ILP_INFO_COLUMNS)
 #: every column of an executor's rows, in order (the harness adds identity and provenance)
 ROW_COLUMNS: tuple[str, ...] = (
     "run_idx", *SEQ_COLUMNS, *PLAN_COLUMNS, "mode", "status", *PHASE_COLUMNS, "step_ms",
-    *COMM_COLUMNS, *ILP_COLUMNS,
+    *COMM_COLUMNS, *DIST_COLUMNS, *ILP_COLUMNS,
 )  # fmt: skip
 
 _DTYPES = {"int": "Int64", "float": "float64", "bool": "boolean", "text": "string"}
@@ -138,7 +144,13 @@ def check_comm(result: dict, plan: Plan, shape, mode: str, op_options=None) -> d
     from flashcp.comm import comm_volume
     from flashcp.registry import COMM_KIND
 
-    expect = comm_volume(plan, COMM_KIND[plan.method], shape, mode, **(op_options or {}))
+    if plan.method == "flashcp_node":  # its two-scope gather (one node: Eq. 5's bytes)
+        from flashcp.comm import node_scoped_comm_volume
+
+        full = node_scoped_comm_volume(plan, shape, mode)
+        expect = {k: full[k] for k in COMM_COLUMNS}
+    else:
+        expect = comm_volume(plan, COMM_KIND[plan.method], shape, mode, **(op_options or {}))
     got = {k: int(result[k]) for k in COMM_COLUMNS}
     if got != expect:
         raise ValueError(f"{plan.method}: counted bytes {got} differ from the plan's {expect}")
@@ -317,9 +329,10 @@ def _measured(
     for col in (*PHASE_COLUMNS, *COMM_COLUMNS):
         per_mode = [np.asarray(steps[mode][col]).reshape(len(idx)) for mode in modes]
         cols[col] = np.stack(per_mode, axis=1).ravel()
-    if "step_ms" in steps[modes[0]]:  # executor=sim with a whole model (flashcp.sim.step)
-        per_mode = [np.asarray(steps[mode]["step_ms"]).reshape(len(idx)) for mode in modes]
-        cols["step_ms"] = np.stack(per_mode, axis=1).ravel()
+    for col in ("step_ms", *DIST_COLUMNS):  # sim with a whole model (flashcp.sim.step); dist
+        if col in steps[modes[0]]:
+            per_mode = [np.asarray(steps[mode][col]).reshape(len(idx)) for mode in modes]
+            cols[col] = np.stack(per_mode, axis=1).ravel()
     return pd.DataFrame(cols)
 
 

@@ -67,10 +67,24 @@ def _price(batch: Any, run: RunSpec) -> dict[str, dict[str, np.ndarray]]:
     from flashcp.sim.cost import price_plans
 
     op_opts = split_options(run.method, run.options)[1]  # e.g. keep_gathered_kv
+    from flashcp.sim.node_scoped import price_node_scoped, spans_nodes
+
+    if spans_nodes(batch.plans):  # flashcp_node across nodes: its two-scope gather
+        out = price_node_scoped(
+            batch.plans, run.shape, run.modes, run.hardware, run.placement, run.nodes
+        )
+        priced = {mode: {c: v[0, m] for c, v in out.items()} for m, mode in enumerate(run.modes)}
+        return _with_step(priced, batch, run)
     out = price_plans(
-        batch, [run.shape], run.modes, [run.hardware], COMM_KIND[run.method], run.impl, **op_opts
-    )
+        batch, [run.shape], run.modes, [run.hardware], COMM_KIND[run.method], run.impl, **op_opts,
+        placement=run.placement, nodes=run.nodes,
+    )  # fmt: skip
     priced = {mode: {c: v[0, 0, m] for c, v in out.items()} for m, mode in enumerate(run.modes)}
+    return _with_step(priced, batch, run)
+
+
+def _with_step(priced: dict, batch: Any, run: RunSpec) -> dict[str, dict[str, np.ndarray]]:
+    """``priced`` with the whole model's ``step_ms`` added where the run's model has one."""
     if run.shape.num_layers is not None:  # the whole model's step (flashcp.sim.step)
         from flashcp.sim.step import step_ms
 

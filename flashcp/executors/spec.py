@@ -27,6 +27,8 @@ class RunSpec:
         seed: seed of the run (dist and emulate draw Q/K/V from ``seed + seq_idx``).
         executor: the executor's own options (dist/emulate: ``backend``, ``warmup``, ``iters``,
             ``timeout_s``; emulate: ``ranks``, ``nccl_traffic``, ``device``).
+        placement, nodes: the CP group on the profile's nodes (sim;
+            :func:`flashcp.sim.network.topology_for`).
     """
 
     method: str
@@ -38,6 +40,8 @@ class RunSpec:
     hardware: Any = None
     seed: int = 0
     executor: Mapping[str, Any] = field(default_factory=dict)
+    placement: str = "consecutive"
+    nodes: int | None = None
 
     @property
     def plan_key(self) -> tuple:

@@ -41,6 +41,7 @@ from flashcp.executors.emulate import ReplayGroup, _Clock, seeded_inputs
 from flashcp.executors.emulate_record import record
 from flashcp.ops import get_attn_op
 from flashcp.ops.backends import VarlenBackend, get_backend
+from flashcp.ops.collectives import CommCounter
 from flashcp.plan import Plan
 
 __all__ = [
@@ -117,11 +118,14 @@ class RankTrace:
             next KV block) or ``grad`` (a dK/dV partial sum); ``posted`` / ``waited``: how many
             events were recorded when it was posted and when its wait returned (-1 until then):
             the kernels between them ran while it was in flight (:func:`exchange_schedule`).
+        links: with a topology (:func:`trace_work`), the bytes the rank received by link class,
+            :meth:`flashcp.ops.collectives.CommCounter.by_link`; else None.
     """
 
     rank: int
     events: list[WorkEvent] = field(default_factory=list)
     exchanges: list[list] = field(default_factory=list)
+    links: dict | None = None
 
     def select(self, kind: str, phase: str | None = None, **match) -> list[WorkEvent]:
         """The events of ``kind`` (and ``phase``, and every attribute given in ``match``)."""
@@ -316,6 +320,7 @@ def trace_work(
     ranks: Sequence[int] | None = None,
     timeout_s: float = 60.0,
     op_options: Mapping[str, Any] | None = None,
+    topology=None,
 ) -> list[RankTrace]:
     """Record what each rank's op issues for ``plan`` (module docstring), on CPU.
 
@@ -328,6 +333,8 @@ def trace_work(
         ranks: ranks to trace (default all).
         timeout_s: bound on every emulated collective of the record pass.
         op_options: keyword options of the op (e.g. ``keep_gathered_kv``), in both passes.
+        topology: a :class:`flashcp.topology.Topology` of the N ranks: each traced rank's op
+            also counts its received bytes by link class (:attr:`RankTrace.links`).
     Returns:
         one :class:`RankTrace` per traced rank, in order.
     Raises:
@@ -360,8 +367,9 @@ def trace_work(
         be = _traced_backend(inner, rec)
         q, k, v = (x.detach().requires_grad_(train) for x in inputs[rank][:3])
         dout = inputs[rank][3] if train else None
+        counter = CommCounter(topology=topology, group=group) if topology is not None else None
         with torch.set_grad_enabled(train), rec:
-            out = attn(q, k, v, meta, group, backend=be, **(op_options or {}))
+            out = attn(q, k, v, meta, group, backend=be, counter=counter, **(op_options or {}))
             if train:  # the gradients returned, not accumulated into leaves (no copy there)
                 rec.phase, rec.step = "bwd", 0
                 torch.autograd.grad(out, (q, k, v), dout)
@@ -369,6 +377,7 @@ def trace_work(
             raise RuntimeError(
                 f"traced rank {rank} made {group.cursor} of {len(group.script)} recorded calls"
             )
+        trace.links = counter.by_link() if counter is not None else None
         traces.append(trace)
     return traces
 

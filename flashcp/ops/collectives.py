@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from flashcp.comm import LINK_CLASSES
 from flashcp.ops.backends import compute_dtype
 from flashcp.plan import Plan
 
@@ -89,15 +90,50 @@ def resolve_grad_comm_dtype(grad_comm_dtype, dtype: torch.dtype) -> torch.dtype:
 
 
 class CommCounter:
-    """Bytes received by this rank, by kind of communication.
+    """Bytes received by this rank, by kind of communication and, given a topology, by link class.
 
     ``as_dict()`` gives ``{"allgather_bytes", "reducescatter_bytes", "p2p_bytes", "alltoall_bytes",
     "comm_bytes"}``
     (the keys of :func:`flashcp.comm.comm_volume`; ``comm_bytes`` is their sum).
+
+    Args:
+        topology: optional :class:`flashcp.topology.Topology` of the CP group: the counted
+            wrappers then also split each kind's bytes into ``intra`` (from a rank on this rank's
+            node) and ``inter`` (from another node), :meth:`by_link`, by the rules of
+            :func:`flashcp.comm.comm_volume_by_link` (docs/multinode.md): all-gather and
+            reduce-scatter from this rank's predecessor on NCCL's ring over the group that runs
+            them, visiting its members node by node; a ring exchange from the real source rank;
+            an all-to-all chunk by chunk from each sender. None (the default): kinds only, as
+            without nodes.
+        group: the CP group (:func:`resolve_group`; None: the default group) whose rank r is CP
+            rank r of ``topology``: ranks of the groups the ops run on (the hybrids' 2-D groups
+            included) are mapped to CP ranks through it. Read only with a topology.
+    Raises:
+        ValueError: a topology whose ``cp_size`` is not the group's size, or that is not a
+            Topology (before any collective).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, topology=None, group=None) -> None:
         self.bytes: dict[str, int] = dict.fromkeys(COMM_KINDS, 0)
+        self.topology = topology
+        self.links: dict[str, dict[str, int]] | None = None
+        if topology is None:
+            return
+        from flashcp.topology import Topology
+
+        if not isinstance(topology, Topology):
+            raise ValueError(
+                f"topology must be a flashcp.topology.Topology, got {type(topology).__name__}"
+            )
+        group = resolve_group(group)
+        self._cp_globals = _member_ranks(group)
+        if len(self._cp_globals) != topology.cp_size:
+            raise ValueError(
+                f"topology is for cp_size {topology.cp_size} but the CP group has "
+                f"{len(self._cp_globals)} ranks"
+            )
+        self._cp_group = group
+        self.links = {c: dict.fromkeys(COMM_KINDS, 0) for c in LINK_CLASSES}
 
     def add(self, kind: str, nbytes: int) -> None:
         """Count ``nbytes`` received bytes of ``kind`` (one of :data:`COMM_KINDS`).
@@ -113,15 +149,100 @@ class CommCounter:
             raise ValueError(f"byte count must be >= 0, got {nbytes}")
         self.bytes[kind] += int(nbytes)
 
+    # ---- per link class (with a topology) -------------------------------------------------------
+
+    def cp_ranks(self, group) -> list[int]:
+        """The CP ranks of ``group``'s members, in group-rank order (``group``: the CP group or
+        a group of some of its ranks, as the ops pass it; a LocalGroup's own
+        :meth:`LocalGroup.members`).
+
+        Raises:
+            ValueError: no topology, or a member outside the CP group.
+        """
+        if self.links is None:
+            raise ValueError("this CommCounter has no topology")
+        if isinstance(group, LocalGroup):
+            return list(group.members())
+        if group is self._cp_group:
+            return list(range(len(self._cp_globals)))
+        where = {g: r for r, g in enumerate(self._cp_globals)}
+        out = []
+        for g in _member_ranks(group):
+            if g not in where:
+                raise ValueError(f"global rank {g} of the op's group is not in the CP group")
+            out.append(where[g])
+        return out
+
+    def _link(self, kind: str, nbytes: int, me: int, src: int) -> None:
+        node = self.topology.node_of
+        self.links["intra" if node[me] == node[src] else "inter"][kind] += int(nbytes)
+
+    def add_ring_collective(self, kind: str, nbytes: int, group) -> None:
+        """Count an all-gather or reduce-scatter of ``group`` of which this rank receives
+        ``nbytes``: all of it from its predecessor on NCCL's ring over the group's members,
+        node by node (by CP rank inside a node; :attr:`flashcp.topology.Topology.collective_ring`
+        for the whole CP group)."""
+        self.add(kind, nbytes)
+        if self.links is None:
+            return
+        members = self.cp_ranks(group)
+        me = members[group_rank(group)]
+        node = self.topology.node_of
+        ring = sorted(members, key=lambda r: (int(node[r]), r))
+        self._link(kind, nbytes, me, ring[ring.index(me) - 1])
+
+    def add_from(self, kind: str, nbytes: int, group, src: int) -> None:
+        """Count ``nbytes`` received from rank ``src`` of ``group`` (a point-to-point receive)."""
+        self.add(kind, nbytes)
+        if self.links is not None:
+            members = self.cp_ranks(group)
+            self._link(kind, nbytes, members[group_rank(group)], members[src])
+
+    def add_all_to_all(self, kind: str, chunk_bytes: int, group) -> None:
+        """Count an all-to-all of ``group`` in which this rank receives ``chunk_bytes`` from
+        every other member (its own chunk stays)."""
+        members = self.cp_ranks(group) if self.links is not None else None
+        n, me = group_size(group), group_rank(group)
+        self.add(kind, (n - 1) * chunk_bytes)
+        if members is not None:
+            for j, src in enumerate(members):
+                if j != me:
+                    self._link(kind, chunk_bytes, members[me], src)
+
+    def by_link(self) -> dict[str, dict[str, int]]:
+        """``{"intra": {kind: bytes}, "inter": {kind: bytes}}`` received by this rank (kinds of
+        :data:`COMM_KINDS`), the layout of one rank of :func:`flashcp.comm.comm_volume_by_link`.
+
+        Raises:
+            ValueError: the counter has no topology.
+        """
+        if self.links is None:
+            raise ValueError("this CommCounter has no topology: pass CommCounter(topology=...)")
+        return {c: dict(v) for c, v in self.links.items()}
+
     def reset(self) -> None:
         """Set every counter back to 0."""
         for kind in self.bytes:
             self.bytes[kind] = 0
+        for per in (self.links or {}).values():
+            for kind in per:
+                per[kind] = 0
 
     def as_dict(self) -> dict[str, int]:
         out = {f"{kind}_bytes": int(n) for kind, n in self.bytes.items()}
         out["comm_bytes"] = sum(self.bytes.values())
         return out
+
+
+def _member_ranks(group) -> list[int]:
+    """Global ranks (a LocalGroup: CP ranks) of ``group``'s members, in group-rank order."""
+    if isinstance(group, LocalGroup):
+        return list(group.members())
+    if not dist.is_initialized():
+        return [0]
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
 
 
 class LocalGroup:
@@ -141,6 +262,11 @@ class LocalGroup:
     def rank(self) -> int:
         """The rank this group object acts for."""
         raise NotImplementedError
+
+    def members(self) -> list[int]:
+        """The CP ranks of this group's members, in rank order (a sub-group's differ from its
+        positions; :meth:`CommCounter.cp_ranks`). Default: ``0 .. size() - 1``."""
+        return list(range(self.size()))
 
     def all_gather_into_tensor(self, output: torch.Tensor, inp: torch.Tensor) -> None:
         """Fill ``output`` (N * n, ...) with every rank's ``inp`` (n, ...)."""
@@ -313,7 +439,7 @@ def all_gather_into_tensor(
     else:
         _ALL_GATHER(output, inp.contiguous(), group=group)
     if counter is not None:
-        counter.add("allgather", (n - 1) * _nbytes(inp))
+        counter.add_ring_collective("allgather", (n - 1) * _nbytes(inp), group)
     return output
 
 
@@ -337,7 +463,7 @@ def reduce_scatter_tensor(
     else:
         _REDUCE_SCATTER(output, inp.contiguous(), op=dist.ReduceOp.SUM, group=group)
     if counter is not None:
-        counter.add("reducescatter", (n - 1) * _nbytes(output))
+        counter.add_ring_collective("reducescatter", (n - 1) * _nbytes(output), group)
     return output
 
 
@@ -363,7 +489,7 @@ def all_to_all_single(
     else:
         dist.all_to_all_single(output, inp.contiguous(), group=group)
     if counter is not None:
-        counter.add("alltoall", (n - 1) * _nbytes(output) // n)
+        counter.add_all_to_all("alltoall", _nbytes(output) // n, group)
     return output
 
 

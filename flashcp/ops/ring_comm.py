@@ -55,7 +55,8 @@ class RingComm:
         group: process group of the N CP ranks (None: the default group).
         device: device of the buffers (selects the backend whose timeout bounds the waits).
         counter: optional :class:`flashcp.ops.collectives.CommCounter`; every exchange adds the
-            bytes this rank *receives* under kind ``"p2p"``.
+            bytes this rank *receives* under kind ``"p2p"`` (by link class, from the
+            predecessor's node, when the counter has a topology).
         timeout: bound on each wait (default: the group's own timeout).
 
     Usage::
@@ -88,6 +89,11 @@ class RingComm:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
+    def _count(self, buf: torch.Tensor) -> None:
+        """Count ``buf``'s bytes as received from the predecessor (group rank r - 1)."""
+        src = (self.rank - 1) % self.world_size
+        self.counter.add_from("p2p", buf.numel() * buf.element_size(), self.group, src)
+
     def post(self, tensors: list[torch.Tensor], tag: int = 0) -> _Pending:
         """Start sending ``tensors`` to the next rank and receiving same-shaped buffers from the
         previous one. The sent tensors must not be modified until :meth:`wait` returns.
@@ -106,7 +112,7 @@ class RingComm:
                 if not t.is_contiguous():
                     raise ValueError("ring exchange buffers must be contiguous")
                 if self.counter is not None:
-                    self.counter.add("p2p", t.numel() * t.element_size())
+                    self._count(t)
             return self.group.ring_post(list(tensors), tag)
         ops, recv = [], []
         for t in tensors:
@@ -117,7 +123,7 @@ class RingComm:
             ops.append(dist.P2POp(dist.irecv, buf, self.prev_rank, self.group, tag))
             recv.append(buf)
             if self.counter is not None:
-                self.counter.add("p2p", buf.numel() * buf.element_size())
+                self._count(buf)
         return _Pending(dist.batch_isend_irecv(ops), recv, list(tensors))
 
     def wait(self, pending: _Pending) -> list[torch.Tensor]:

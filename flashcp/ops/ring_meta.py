@@ -298,10 +298,10 @@ def prepare_ring_meta(plan: Plan, rank: int, method: str) -> RingMeta:
         raise ValueError(f"rank must be an integer in [0, {n}), got {rank!r}")
     rank = int(rank)
     plan.validate()
-    shards = []
-    for r in range(n):
-        d, s, ln = plan.rank_shards(r)
-        shards.append((d, s, ln, cu_seqlens(ln)[:-1]))
+    bounds = plan.rank_offsets  # shards of rank r: bounds[r]:bounds[r + 1]
+    first = cu_seqlens(plan.length)[:-1]  # each shard's first row, counted over all ranks
+    cols = (plan.doc, plan.start, plan.length, first - first[bounds[plan.rank]])
+    shards = [tuple(c[bounds[r] : bounds[r + 1]] for c in cols) for r in range(n)]
     steps = _steps(shards[rank], [shards[(rank - s) % n] for s in range(n)])
     block = int(plan.doc_tokens_per_rank.max())
     return RingMeta(method, plan, rank, n, plan.context_len // n, block, steps)

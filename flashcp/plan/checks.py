@@ -44,6 +44,10 @@ def doc_workload(doc_lens):
     return shard_workload(0, doc_lens)
 
 
+#: the most rows an int32 ``cu_seqlens`` holds (read once: ``np.iinfo`` costs microseconds a call)
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
 def cu_seqlens(lengths, *, device=None):
     """Cumulative lengths ``[0, l_0, l_0 + l_1, ..., sum(l)]``: segment i is rows
     ``cu[i]:cu[i + 1]`` (FlashAttention's varlen ``cu_seqlens``). The one place it is derived;
@@ -67,7 +71,7 @@ def cu_seqlens(lengths, *, device=None):
         return cu
     import torch  # planners stay NumPy-only; only the ops ask for a tensor
 
-    if cu[-1] > np.iinfo(np.int32).max:
+    if cu[-1] > _INT32_MAX:
         raise ValueError(f"{int(cu[-1])} rows do not fit int32 cu_seqlens")
     return torch.from_numpy(cu.astype(np.int32)).to(device)
 

@@ -32,7 +32,6 @@ fraction stays constant. A profile without a table prices both collectives as be
 from __future__ import annotations
 
 import copy
-import csv
 import functools
 import math
 from bisect import bisect_right
@@ -45,8 +44,17 @@ from typing import Any
 import numpy as np
 
 from flashcp.resources import resource_path
+from flashcp.sim.nccl_tables import (
+    TABLE_OPS,
+    CollectiveTable,
+    collective_table_dir,
+    hardware_dir,
+    list_hardware,
+    read_collective_table,
+)
 
 __all__ = [
+    "NETWORK_KEYS",
     "TABLE_OPS",
     "CollectiveTable",
     "HardwareProfile",
@@ -60,147 +68,6 @@ __all__ = [
     "read_fitted",
     "read_profile",
 ]
-
-#: collectives a profile may price from a per-size table -> the profile field naming the table
-TABLE_OPS = {"all_gather": "allgather_table", "reduce_scatter": "reducescatter_table"}
-
-
-@dataclass(frozen=True)
-class CollectiveTable:
-    """A published nccl-tests table of one collective: bus bandwidth by message size.
-
-    Attributes:
-        name: where it was read from (a file name); errors name it.
-        collective: ``all_gather`` or ``reduce_scatter`` (a key of :data:`TABLE_OPS`).
-        ranks: GPUs of the measured run (>= 2).
-        size_bytes: (k,) strictly increasing whole-buffer sizes, bytes (nccl-tests' ``size``: the
-            gathered output of an all-gather, the input of a reduce-scatter).
-        busbw_gbps: (k,) positive out-of-place bus bandwidth, GB/s (1e9 B/s).
-    Raises:
-        ValueError: (at construction) an unknown collective, fewer than 2 ranks, an empty table,
-            columns of different lengths, sizes that do not strictly increase or are not
-            positive, or a non-positive or non-finite bandwidth; the message names the table.
-    """
-
-    name: str
-    collective: str
-    ranks: int
-    size_bytes: tuple[float, ...]
-    busbw_gbps: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        where = f"collective table {self.name!r}"
-        if self.collective not in TABLE_OPS:
-            raise ValueError(
-                f"{where}: collective must be one of {', '.join(TABLE_OPS)}, got {self.collective!r}"
-            )
-        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 2:
-            raise ValueError(f"{where}: ranks must be an integer >= 2, got {self.ranks!r}")
-        try:
-            size = tuple(float(x) for x in self.size_bytes)
-            bw = tuple(float(x) for x in self.busbw_gbps)
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}: sizes and bandwidths must be numbers") from None
-        if not size or len(size) != len(bw):
-            raise ValueError(
-                f"{where}: needs at least one point and as many sizes ({len(size)}) as "
-                f"bandwidths ({len(bw)})"
-            )
-        if not all(math.isfinite(x) and x > 0 for x in size):
-            raise ValueError(f"{where}: sizes must be positive, got {list(size)}")
-        bad = [(a, b) for a, b in pairwise(size) if not b > a]
-        if bad:
-            raise ValueError(
-                f"{where}: sizes must strictly increase, but {bad[0][1]:.0f} B follows "
-                f"{bad[0][0]:.0f} B"
-            )
-        if not all(math.isfinite(x) and x > 0 for x in bw):
-            raise ValueError(f"{where}: bus bandwidths must be positive and finite, got {list(bw)}")
-        object.__setattr__(self, "size_bytes", size)
-        object.__setattr__(self, "busbw_gbps", bw)
-
-    def times_us(self) -> np.ndarray:
-        """The published times implied by the table, (k,) float64 µs: a rank receives
-        ``(n - 1) / n`` of the buffer at the bus bandwidth (nccl-tests doc/PERFORMANCE.md)."""
-        recv = np.asarray(self.size_bytes) * (self.ranks - 1) / self.ranks
-        return recv / (np.asarray(self.busbw_gbps) * 1e3)
-
-
-def collective_table_dir() -> Path:
-    """``conf/hardware/nccl``: the per-size collective tables the profiles name."""
-    return hardware_dir() / "nccl"
-
-
-def _table_path(ref: str) -> Path:
-    if not isinstance(ref, str) or not ref:
-        raise ValueError(f"a collective table must be named by a non-empty string, got {ref!r}")
-    own = Path(ref)
-    if own.suffix == ".csv" and own.is_file():
-        return own
-    path = collective_table_dir() / (ref if ref.endswith(".csv") else f"{ref}.csv")
-    if "/" in ref or not path.is_file():
-        known = sorted(p.stem for p in collective_table_dir().glob("*.csv"))
-        raise ValueError(
-            f"unknown collective table {ref!r}: not a CSV file, nor one of {', '.join(known)} "
-            "(conf/hardware/nccl/)"
-        )
-    return path
-
-
-def read_collective_table(ref: str) -> CollectiveTable:
-    """Read a per-size collective table: the name of a CSV in :func:`collective_table_dir`
-    (without ``.csv``, e.g. ``h200_8x_all_gather_half``) or a path to a CSV file.
-
-    The file holds ``# key: value`` comment lines naming at least ``collective`` and ``ranks``
-    (its other comments cite the source), then a header row and one row per message size with
-    at least the columns ``size_bytes`` and ``busbw_gbps`` (nccl-tests' out-of-place bus
-    bandwidth). Read once per file version (cached on path and modification time).
-
-    Raises:
-        ValueError: an unknown name, a missing key or column, an unreadable number, or a bad
-            table (:class:`CollectiveTable`); the message names the file.
-    """
-    path = _table_path(ref)
-    return _read_table(str(path), path.stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=32)
-def _read_table(path: str, mtime_ns: int) -> CollectiveTable:
-    name = Path(path).name
-    meta: dict[str, str] = {}
-    rows: list[str] = []
-    with open(path, newline="") as fh:
-        for line in fh:
-            if line.startswith("#"):
-                key, sep, value = line[1:].partition(":")
-                if sep and key.strip().isidentifier():
-                    meta.setdefault(key.strip(), value.strip())
-            elif line.strip():
-                rows.append(line)
-    for key in ("collective", "ranks"):
-        if key not in meta:
-            raise ValueError(f"collective table {name!r} has no '# {key}: ...' line")
-    reader = csv.DictReader(rows)
-    for col in ("size_bytes", "busbw_gbps"):
-        if col not in (reader.fieldnames or []):
-            raise ValueError(f"collective table {name!r} has no column {col!r}")
-    size, bw = [], []
-    for i, row in enumerate(reader, start=1):
-        try:
-            size.append(float(row["size_bytes"]))
-            bw.append(float(row["busbw_gbps"]))
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"collective table {name!r}, data row {i}: size_bytes {row['size_bytes']!r} or "
-                f"busbw_gbps {row['busbw_gbps']!r} is not a number"
-            ) from None
-    try:
-        ranks = int(meta["ranks"])
-    except ValueError:
-        raise ValueError(
-            f"collective table {name!r}: ranks {meta['ranks']!r} is not an integer"
-        ) from None
-    return CollectiveTable(name, meta["collective"], ranks, tuple(size), tuple(bw))
 
 
 def _interp_loglog(xs: list[float], ys: list[float], value: float) -> float:
@@ -234,6 +101,10 @@ def interp_loglog_v(xs, ys, values) -> np.ndarray:
     y = ys[j - 1] + w * (ys[j] - ys[j - 1])
     y = np.where(i == 0, ys[0], np.where(i == xs.size, ys[-1], y))
     return np.exp(np.where(pos, y, ys[0]))
+
+
+#: the constants of the links between nodes (docs/multinode.md)
+NETWORK_KEYS = ("gpus_per_node", "nics_per_node", "nic_bw_gbps", "inter_latency_us")
 
 
 @dataclass(frozen=True)
@@ -294,6 +165,13 @@ class HardwareProfile:
             the bytes a rank receives per second), GB/s; None (the default, and ``null`` in a
             profile): ``allgather_busbw_gbps``, resolved at construction (derivation in
             :meth:`alltoall_us`). Its own constant so that it can be set and varied apart.
+        gpus_per_node: GPUs of one node, linked by the fabric of the constants above (NVLink +
+            NVSwitch); None (the default): a flat network, every rank on that fabric whatever
+            the cp_size (``h100_ib``: each rank behind its own NIC). Two-level network
+            (docs/multinode.md): the constants below price the links between nodes.
+        nics_per_node: network adapters (NICs) of one node.
+        nic_bw_gbps: one-way bandwidth one NIC reaches under NCCL, GB/s.
+        inter_latency_us: latency of a collective or send/recv step that crosses nodes, µs.
     Raises:
         ValueError: (at construction) a non-positive or non-finite constant, block sizes that do
             not divide, a fitted rate above ``peak_tflops``, a malformed bandwidth curve, a bad
@@ -339,6 +217,10 @@ class HardwareProfile:
     allgather_table: str = ""
     reducescatter_table: str = ""
     alltoall_busbw_gbps: float | None = None
+    gpus_per_node: int | None = None
+    nics_per_node: int = 8
+    nic_bw_gbps: float = 47.0
+    inter_latency_us: float = 25.0
     #: (log sizes, log fractions) of the falloff table, derived at construction
     _falloff: tuple = field(init=False, repr=False, compare=False, default=())
     #: collective (a key of TABLE_OPS) -> (log sizes, log fractions) from its own table
@@ -358,6 +240,10 @@ class HardwareProfile:
                     raise ValueError(
                         f"{f.name} must name a collective table (or be empty), got {v!r}"
                     )
+                continue
+            if f.name == "gpus_per_node":
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                    raise ValueError(f"gpus_per_node must be a positive integer or null, got {v!r}")
                 continue
             if f.name.startswith("busbw_curve_") and f.type.startswith("tuple"):
                 try:
@@ -565,22 +451,26 @@ class HardwareProfile:
         """Bandwidth term of a memory-bound operation moving the given bytes (read + write), µs."""
         return nbytes_read_plus_write / (self.copy_bw_gbps * 1e3)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Flat dict of the constants (lists for the curves), as in the YAML file."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+    @property
+    def nic_gpu_gbps(self) -> float:
+        """One GPU's share of its node's NICs, GB/s: ``nic_bw_gbps x min(1, nics_per_node /
+        gpus_per_node)`` (a GPU's traffic leaves by the NIC of its PCIe switch; one peer gets one
+        NIC, nccl-tests issue #267). Raises ValueError on a flat profile."""
+        if self.gpus_per_node is None:
+            raise ValueError(f"hardware profile {self.name!r} is flat (gpus_per_node null)")
+        return self.nic_bw_gbps * min(1.0, self.nics_per_node / self.gpus_per_node)
+
+    def to_dict(self, network: bool = True) -> dict[str, Any]:
+        """Flat dict of the constants (lists for the curves), as in the YAML file; ``network``
+        False leaves out :data:`NETWORK_KEYS` (a run on one node does not use them)."""
+        out = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.init and (network or f.name not in NETWORK_KEYS)
+        }
         out["busbw_curve_size_kib"] = list(self.busbw_curve_size_kib)
         out["busbw_curve_gbps"] = list(self.busbw_curve_gbps)
         return out
-
-
-def hardware_dir() -> Path:
-    """``conf/hardware`` (of the checkout, or packaged: :func:`flashcp.resources.resource_path`)."""
-    return resource_path("conf") / "hardware"
-
-
-def list_hardware() -> list[str]:
-    """Names of the profiles in :func:`hardware_dir`, sorted."""
-    return sorted(p.stem for p in hardware_dir().glob("*.yaml"))
 
 
 def _read_yaml(path: Path) -> Any:

@@ -1,5 +1,5 @@
 """The sensitivity study's perturbation of the simulator's constants: which hardware constants
-vary (:data:`VARIED`, :data:`OPTIONAL_VARIED`), a profile with some scaled (:func:`perturb`) and the
+vary (:data:`VARIED`, :data:`OPTIONAL_VARIED`; :data:`NETWORK_VARIED` across nodes), a profile with some scaled (:func:`perturb`) and the
 joint draws of factors (:func:`joint_factors`), used by ``flashcp-sensitivity`` and
 ``flashcp advise`` (docs/calibration.md has the study).
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from flashcp.sim.hardware import HardwareProfile
 
-__all__ = ["OPTIONAL_VARIED", "VARIED", "joint_factors", "perturb"]
+__all__ = ["NETWORK_VARIED", "OPTIONAL_VARIED", "VARIED", "joint_factors", "perturb", "varied_for"]
 
 
 #: the overhead constants varied (the kernel tile rates, fixed by the FA2 table, are not)
@@ -45,6 +45,14 @@ VARIED = (
 #: constants a study may add to VARIED (``constants``): the all-to-all bus bandwidth, which follows
 #: ``allgather_busbw_gbps`` when not varied itself (its profile value is derived from it)
 OPTIONAL_VARIED = ("alltoall_busbw_gbps",)
+#: the inter-node constants (docs/multinode.md), varied where the CP group spans nodes
+NETWORK_VARIED = ("nic_bw_gbps", "inter_latency_us")
+
+
+def varied_for(spans_nodes: bool, varied: tuple[str, ...] = VARIED) -> tuple[str, ...]:
+    """``varied`` plus :data:`NETWORK_VARIED` when the CP group spans nodes (on one node those
+    constants price nothing, and the draws of the other constants stay the ones they were)."""
+    return (*varied, *NETWORK_VARIED) if spans_nodes else tuple(varied)
 
 
 def perturb(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
@@ -57,8 +65,8 @@ def perturb(hw: HardwareProfile, factors: dict[str, float]) -> HardwareProfile:
     """
     vals: dict[str, float] = {}
     for k, f in factors.items():
-        if k not in (*VARIED, *OPTIONAL_VARIED):
-            known = ", ".join((*VARIED, *OPTIONAL_VARIED))
+        if k not in (*VARIED, *OPTIONAL_VARIED, *NETWORK_VARIED):
+            known = ", ".join((*VARIED, *OPTIONAL_VARIED, *NETWORK_VARIED))
             raise ValueError(f"{k!r} is not a varied constant; choose from {known}")
         v = float(getattr(hw, k))
         if k == "nccl_slowdown":

@@ -147,6 +147,10 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_any_work(
         ("100\n", ["--cp-size", "3"], "multiple of 2 * cp_size = 6: llama3"),
         ("100\n", ["--cp-size", "3"], "use context_len = 16380 or 16386"),
         ("100\n", ["--option", "time_limit_s=5"], "--option takes METHOD.KEY=VALUE"),
+        ("100\n", ["--nodes", "3"], "cp_size 4 does not split evenly over num_nodes 3"),
+        ("100\n", ["--nodes", "0"], "nodes (flashcp advise --nodes) must be an integer >= 1"),
+        ("100\n", ["--hardware", "h100_ib", "--nodes", "2"], "flat network"),
+        ("100\n", ["--gpus-per-node", "2", "--nodes", "1"], "use at least 2 nodes"),
         (
             "100\n",
             ["--option", "ilp.time_limit_s=5"],
@@ -196,3 +200,20 @@ def test_a_float_count_is_refused_not_truncated(key):
     kwargs = {"num_sequences": 2, "context_len": 16384, key: 2.5}
     with pytest.raises(ValueError, match=rf"{key} \(flashcp advise --[a-z-]+\) must be an integer"):
         advise(cp_size=2, dataset="pile", **kwargs)
+
+
+def test_nodes_price_the_two_level_network(lengths_file):
+    """--nodes / --gpus-per-node / --placement reach the pricing: CP 4 on one node is the default;
+    spread over 2 or 4 nodes (1 GPU per node on the flat-by-default h100_ib: 4 nodes) the ring's
+    hops cross nodes and zigzag's step grows, while the setup names the topology."""
+    kw = dict(lengths=lengths_file, cp_size=4, methods=["zigzag"], context_len=CONTEXT,
+              num_sequences=4, num_draws=2, draw_sequences=2)  # fmt: skip
+    one = advise(**kw)
+    two = advise(**kw, nodes=2)
+    spread = advise(**kw, hardware="h100_ib", gpus_per_node=1)
+    assert one.attrs["setup"]["topology"] is None
+    assert two.attrs["setup"]["topology"].startswith("4 ranks, 2 nodes x 2")
+    assert spread.attrs["setup"]["topology"].startswith("4 ranks, 4 nodes x 1")
+    zig = {k: t.set_index("method").loc["zigzag", "comm_ms"] for k, t in
+           (("one", one), ("two", two))}  # fmt: skip
+    assert zig["two"] > zig["one"]

@@ -68,7 +68,9 @@ def test_an_explicit_hardware_constant_wins_over_the_fitted_one(tmp_path, key, v
     rows = read_rows(run(_small(tmp_path, f"method={method}", f"hardware.{key}={value}")))
     assert json.loads(rows["hardware_changes"].iloc[0]) == {key: value}
     # the hash is of the constants used, and the times are those of the overridden profile
-    assert rows["hardware_sha256"].iloc[0] == config_hash(load_hardware(hw).to_dict())
+    assert rows["hardware_sha256"].iloc[0] == config_hash(
+        load_hardware(hw).to_dict(network=False)
+    )  # one node
     assert rows["hardware_sha256"].iloc[0] != plain["hardware_sha256"].iloc[0]
     assert not np.allclose(rows["total_ms"], plain["total_ms"])
 
@@ -99,7 +101,9 @@ def test_a_constant_set_to_its_file_value_wins_too(hydra_job, monkeypatch, key):
     cfg = hydra_job(*SMALL, "method=flashcp", f"hardware.{key}={value}")
     ident = run_identity(cfg, "v")
     assert json.loads(ident["hardware_changes"]) == {key: value}
-    assert ident["hardware_sha256"] == config_hash(load_hardware(hw, explicit={key}).to_dict())
+    assert ident["hardware_sha256"] == config_hash(
+        load_hardware(hw, explicit={key}).to_dict(network=False)
+    )
     used = []
     real = run_mod.execute
     monkeypatch.setattr(run_mod, "execute", lambda *a, **k: used.extend(a[1]) or real(*a, **k))
@@ -120,7 +124,9 @@ def test_emulate_prices_with_the_explicit_hardware_constant(tmp_path):
     rows = read_rows(run(_compose(*common, "name=b", "hardware.p2p_latency_us=20000")))
     assert json.loads(rows["hardware_changes"].iloc[0]) == {"p2p_latency_us": 20000.0}
     hw = {**read_profile("h100_sxm"), "p2p_latency_us": 20000.0}
-    assert rows["hardware_sha256"].iloc[0] == config_hash(load_hardware(hw).to_dict())
+    assert rows["hardware_sha256"].iloc[0] == config_hash(
+        load_hardware(hw).to_dict(network=False)
+    )  # one node
     assert float(rows["p2p_ms"].iloc[0]) > float(plain["p2p_ms"].iloc[0])
     assert float(rows["p2p_ms"].iloc[0]) > 10  # one ring step of 20 ms, mostly exposed
 

@@ -119,7 +119,7 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
         (["cp_size=1000000000", "context_len=1000000000"], "cp_size = 1000000000 is above MAX_CP_SIZE = 2**16"),
         (["workers=100000"], "workers must be in [1, "),
         (["workers=0"], "got 0"),
-        (["plots=[fig5,nope]"], "unknown figure 'nope'; choose from fig5, fig6, fig7, fig3, fig5_peers, fig5_step"),
+        (["plots=[fig5,nope]"], "unknown figure 'nope'; choose from fig5, fig6, fig7, fig3, fig5_peers, fig5_step, scale"),
         (
             ["-m", "hydra/launcher=submitit_local", "executor=dist", "cp_size=4"],
             "make nodes x tasks_per_node = cp_size",

@@ -69,6 +69,23 @@ def test_tiny_sensitivity_run(tmp_path):
         run_sensitivity(OmegaConf.merge(cfg, {"methods": ["zigzag"]}), tmp_path)
 
 
+def test_across_nodes_the_inter_node_constants_are_varied_too(tmp_path):
+    """CP 16 on nodes of 8 spans 2 nodes: nic_bw_gbps and inter_latency_us join the varied
+    constants and the rows record the topology; on one node (CP 4) neither happens."""
+    from flashcp.sim.perturb import NETWORK_VARIED
+
+    df = run_sensitivity(tiny(cp_size=16, methods=["llama3", "zigzag"]), tmp_path)
+    varied = set(df.loc[df.kind == "one_at_a_time", "constant"])
+    assert varied == {*VARIED, *NETWORK_VARIED}
+    assert set(df["nodes"]) == {2} and set(df["placement"]) == {"consecutive"}
+    slow = df[(df.constant == "nic_bw_gbps") & (df.method == "zigzag")]
+    assert slow.total_ms_mean.iloc[0] > slow.total_ms_mean.iloc[1]  # half the NIC: slower
+    one = run_sensitivity(tiny(methods=["llama3", "zigzag"]), tmp_path / "one")
+    assert "nodes" not in one and set(one.constant) - {""} == set(VARIED)
+    with pytest.raises(ValueError, match="does not split evenly over num_nodes 3"):
+        run_sensitivity(tiny(cp_size=16, nodes=3), tmp_path / "bad")
+
+
 def test_data_variants_are_listed_in_order():
     cfg = tiny(
         datasets=["pile", "wlb_llm_synthetic", "stress"], weightings=["documents", "tokens"],

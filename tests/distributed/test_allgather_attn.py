@@ -324,7 +324,7 @@ def _run_f64(rank, n, cases, plans):
     return res
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])  # n = 2: fast
 def test_float64_is_float64_end_to_end_for_every_method(n):
     """float64 inputs on the reference backend: out, dq, dk, dv within 1e-10 of the independent
     float64 reference (LSE, LSE merges, gradient sums and reductions all stay float64)."""
@@ -382,7 +382,7 @@ def _run_keep(rank, n, cases, plans, eq_plans):
     return res
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])  # n = 2: fast
 def test_keep_gathered_kv_is_exact_and_gathers_once(n):
     """``keep_gathered_kv=True`` on every all-gather method, float64 end to end: out, dq, dk, dv
     within 1e-10 of the float64 reference (one and several head groups), and the counted bytes

@@ -40,7 +40,7 @@ def test_measure_step(n):
         plan = make_plan_for(m, LENS, n)
         for mode in ("train", "infer"):
             row = res[0][m, mode]
-            assert set(row) == set(PHASE_COLUMNS) | set(COMM_COLUMNS)
+            assert set(row) == set(PHASE_COLUMNS) | set(COMM_COLUMNS) | {"out_checksum"}
             assert all(res[r][m, mode] == row for r in range(n))  # max over ranks: identical
             assert row["total_ms"] > 0 and row["attn_fwd_ms"] > 0
             assert (row["attn_bwd_ms"] > 0) == (mode == "train")

@@ -83,7 +83,8 @@ def test_agrees_with_sim_and_dist():
         for mode in ("train", "infer"):
             row = emulate_step(plan, SHAPE, mode, HW, backend="cpu", warmup=0, iters=1, seed=3)
             sim = simulate(plan, SHAPE, HW, mode)
-            assert set(row) == set(sim) == set(dist_rows[m, mode])
+            # dist adds the checksum of its outputs (flashcp.results.DIST_COLUMNS)
+            assert set(row) == set(sim) == set(dist_rows[m, mode]) - {"out_checksum"}
             assert set(row) == set(PHASE_COLUMNS) | set(COMM_COLUMNS)
             bytes_ = {k: row[k] for k in COMM_COLUMNS}
             assert bytes_ == {k: sim[k] for k in COMM_COLUMNS}

@@ -121,6 +121,7 @@ GROUPS = [  # (methods, cp_size, planner options): the hybrids with both of thei
     (("flashcp", "flashcp_refined", "ilp"), 2, {}),
     (("ulysses",), 2, {}),
     (("usp", "flashcp_ulysses"), 4, {"ulysses_degree": 2}),
+    (("flashcp_node",), 4, {"num_nodes": 2}),  # its two-scope gather (one node: flashcp's op)
 ]
 
 

@@ -39,7 +39,8 @@ def test_sim_emulate_and_dist_agree():
         for mode in ("train", "infer"):
             row = emulate_step(plan, shape, mode, HW, backend="cpu", warmup=0, iters=1, seed=3)
             sim = simulate(plan, shape, HW, mode)
-            assert set(row) == set(sim) == set(dist_rows[i, mode])
+            # dist adds the checksum of its outputs (flashcp.results.DIST_COLUMNS)
+            assert set(row) == set(sim) == set(dist_rows[i, mode]) - {"out_checksum"}
             assert set(row) == set(PHASE_COLUMNS) | set(COMM_COLUMNS)
             want = comm_volume(plan, "alltoall", shape, mode)
             assert want["alltoall_bytes"] == want["comm_bytes"] > 0

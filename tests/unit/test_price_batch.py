@@ -212,12 +212,14 @@ def _flat(stats) -> list[np.ndarray]:
     return [np.asarray(a) for y in stats for a in (y if isinstance(y, tuple) else (y,))]
 
 
-@pytest.mark.parametrize("method", KERNEL_METHODS)
-@pytest.mark.parametrize("cp_size", [2, 4, 8, 16])
+@pytest.mark.parametrize(
+    "method, cp_size",
+    [*((m, n) for m in KERNEL_METHODS for n in (2, 4, 8, 16)), ("zigzag", 64), ("flashcp", 64)],
+)
 def test_price_kernels_equal_reference(method, cp_size, monkeypatch):
     """The compiled tile statistics (flashcp.sim.cost.kernels) equal the NumPy reference's
     exactly: the per-rank sums, every ring statistic and gather mask, every all-gather statistic
-    (pad included)."""
+    (pad included); at CP 64 the ring's bit masks over the ranks use all 64 bits."""
     pytest.importorskip("numba")
     from flashcp import compiled
     from flashcp.sim.cost import PlanBatch

@@ -93,8 +93,8 @@ def toy():
 
 def test_the_registry_lists_every_method_once_in_display_order():
     assert method_names() == (
-        "llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "ulysses", "usp",
-        "flashcp_ulysses", "ilp",
+        "llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined", "flashcp_node",
+        "ulysses", "usp", "flashcp_ulysses", "ilp",
     )  # fmt: skip
     assert method_names(paper=True) == ("llama3", "per_doc", "ring", "zigzag", "flashcp")
     assert method_names(fast=True) == method_names()[:-1]
@@ -103,6 +103,7 @@ def test_the_registry_lists_every_method_once_in_display_order():
         "zigzag": "p2p_ring", "flashcp": "allgather_sharded",
         "flashcp_refined": "allgather_sharded", "ilp": "allgather_sharded", "ulysses": "alltoall",
         "usp": "p2p_ring", "flashcp_ulysses": "allgather_sharded",
+        "flashcp_node": "allgather_sharded",
     }  # fmt: skip
     assert all(isinstance(k, CommKind) for k in COMM_KIND.values())
     # one Hydra method config per registered method; other configs of the group are variants
@@ -197,6 +198,7 @@ def test_every_method_is_declared_beside_its_planner():
         "llama3": "allgather", "per_doc": "allgather", "flashcp": "allgather",
         "flashcp_refined": "allgather", "ilp": "allgather", "ring": "ring", "zigzag": "ring",
         "ulysses": "ulysses", "usp": "hybrid", "flashcp_ulysses": "hybrid",
+        "flashcp_node": None,  # an op of its own (flashcp.ops.node_allgather_attn)
     }  # fmt: skip
     assert [m for m in method_names() if get_method(m).reports_solve] == ["ilp"]
 

@@ -117,6 +117,21 @@ def test_grid_runs_are_the_runs_overrides_compose():
     assert len(seen) == 16
 
 
+def test_grid_placement_and_nodes_are_the_runs_overrides_compose():
+    """grid.placement / grid.nodes vary the CP group's topology inside one job, each run the one
+    the overrides compose; flashcp_node's planner options follow the run's topology."""
+    base = ("context_len=8192", "num_sequences=1", "cp_size=16", "method=flashcp_node")
+    runs = grid_runs(_compose(*base, "grid.placement=[consecutive,strided]", "grid.nodes=[2,4]"))
+    assert sorted((r.placement, r.nodes) for r in runs) == [
+        ("consecutive", 2), ("consecutive", 4), ("strided", 2), ("strided", 4),
+    ]  # fmt: skip
+    for r in runs:
+        alone = _compose(*base, f"placement={r.placement}", f"nodes={r.nodes}")
+        assert run_identity(r, "v") == run_identity(alone, "v")
+        opts = r.method.options
+        assert (opts.num_nodes, opts.placement, opts.gpus_per_node) == (r.nodes, r.placement, 8)
+
+
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [(("grid.model=[h16,h64]",), "no model 'h64'; choose from h16, h32"),

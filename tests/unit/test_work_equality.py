@@ -37,12 +37,13 @@ from functools import cache
 import numpy as np
 import pytest
 
-from flashcp.comm import AttnShape
+from flashcp.comm import AttnShape, comm_volume_by_link
 from flashcp.executors.work_trace import trace_account, trace_work
 from flashcp.plan import make_plan
-from flashcp.registry import get_method, make_plan_for, method_names
+from flashcp.registry import COMM_KIND, get_method, make_plan_for, method_names
 from flashcp.sim.hardware import load_hardware
 from flashcp.sim.work import work_account
+from flashcp.topology import Topology
 
 HW = load_hardware("h100_sxm")
 
@@ -69,6 +70,9 @@ SAMPLES = (
     ("flashcp", 2, (12, 20, 8), {}),
     ("flashcp", 4, (40, 8, 24, 56), {}),
     ("flashcp_refined", 4, (40, 8, 24, 56), {}),
+    # one node: flashcp's plan and op (two nodes: a two-scope gather the step model does not
+    # price yet, docs/scale.md)
+    ("flashcp_node", 4, (40, 8, 24, 56), {}),
     ("ilp", 2, (12, 20, 8), {}),
     ("ulysses", 4, (40, 8, 24, 56), {}),
     ("usp", 4, (40, 8, 24, 56), {"ulysses_degree": 2}),
@@ -345,6 +349,8 @@ BYTE_BANDS = {
 
 
 def _family(method: str) -> str:
+    if method == "flashcp_node":  # its own op, which on one node is the all-gather family's
+        return "allgather"
     op = get_method(method).op.value
     if op == "hybrid":
         return method if method in ("usp", "flashcp_ulysses") else "usp"
@@ -582,3 +588,31 @@ def test_bad_arguments_are_one_line_errors():
     llama3 = make_plan_for("llama3", np.array([8, 8]), 2)
     with pytest.raises(ValueError, match="only as a ring"):
         work_account(llama3, SHAPES[1], "train", HW, impl="ring_flash_attn")
+
+
+# ---- bytes per link class ----------------------------------------------------------------------
+
+#: 2 nodes of 2 ranks, CP rank order node by node or round-robin (docs/multinode.md)
+TOPOLOGIES = {p: Topology(4, 2, p, 2) for p in ("consecutive", "strided")}
+LINK_SAMPLES = [i for i, s in enumerate(SAMPLES) if s[1] == 4 and "layout" not in s[3]]
+
+
+@pytest.mark.parametrize(
+    "placement", ["consecutive", pytest.param("strided", marks=pytest.mark.slow)]
+)  # the inner loop keeps one placement (about 6 s); CI runs both
+@pytest.mark.parametrize("i", LINK_SAMPLES, ids=[f"{SAMPLES[i][0]}-{i}" for i in LINK_SAMPLES])
+def test_link_bytes_equal_the_model(i, placement):
+    """The bytes each rank's op receives from its own node and from the other node (the ops'
+    CommCounter with the topology, in-process groups) equal
+    :func:`flashcp.comm.comm_volume_by_link` per rank (the gloo ranks' counterpart:
+    tests/distributed/test_link_bytes.py)."""
+    method, n, docs, opts = SAMPLES[i]
+    opts = dict(opts)
+    keep = opts.pop("keep_gathered_kv", False)
+    plan = make_plan_for(method, np.array(docs), n, **opts)
+    shape, topo = SHAPES[1], TOPOLOGIES[placement]
+    op_options = {"keep_gathered_kv": True} if keep else None
+    traces = trace_work(plan, shape, "train", op_options=op_options, topology=topo)
+    want = comm_volume_by_link(plan, COMM_KIND[method], shape, "train", topo, keep_gathered_kv=keep)
+    for t in traces:
+        assert t.links == {c: {k: int(v[t.rank]) for k, v in want[c].items()} for c in want}

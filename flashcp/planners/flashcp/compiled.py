@@ -318,8 +318,58 @@ def _fewest_cuts_pass(
 
 
 @njit(cache=True)
+def _misses_target(pdoc, pstart, plen, cnt, work, tokens, base_tokens, base_work, tpr, mean_work,
+                   target, offer_c, offer_t):  # fmt: skip
+    """Whether step 2b, whatever pieces it moves, must leave some rank's workload over
+    ``mean_work`` above ``target`` (the ratio the search compares, computed the same way): a proof that this Per-Doc set misses the target, found before running
+    step 2b (the plan is then never this set's, unless no set meets the target, and
+    :func:`algorithm1` reruns every set).
+
+    A lower bound on every rank's workload after step 2b: a rank at or below C/N tokens only
+    gains (receivers) or keeps its workload; a donor ends at exactly C/N tokens and keeps a
+    suffix of each of its pieces (heads and whole pieces move), so it keeps K = C/N - its Per-Doc
+    tokens of them, and a kept token of a piece ending at e is at position >= e - min(s, K)
+    (Eq. 3 charges a token at position i with i + 1 keys): the cheapest such choice of K tokens
+    (cheapest pieces first) bounds the donor's workload from below. ``offer_c``, ``offer_t``:
+    scratch of the donor's piece count."""
+    n = tokens.size
+    for r in range(n):
+        if tokens[r] <= tpr:
+            if work[r] / mean_work > target:
+                return True
+            continue
+        k = max(tpr - base_tokens[r], 0)
+        c = cnt[r]
+        for j in range(c):  # insertion sort of (cost per token, tokens offered) by cost
+            e = pstart[r, j] + plen[r, j]
+            t = min(plen[r, j], k)
+            cost = e - t + 1
+            q = j
+            while q > 0 and offer_c[q - 1] > cost:
+                offer_c[q], offer_t[q] = offer_c[q - 1], offer_t[q - 1]
+                q -= 1
+            offer_c[q], offer_t[q] = cost, t
+        lb = base_work[r]
+        left = k
+        for j in range(c):
+            if left == 0:
+                break
+            take = min(offer_t[j], left)
+            lb += offer_c[j] * take
+            left -= take
+        if lb / mean_work > target:
+            return True
+    return False
+
+
+@njit(cache=True)
 def algorithm1(lens, n, tpr, target):
     """The reference :func:`flashcp.planners.flashcp.plan_flashcp` after its argument checks.
+
+    Step 2b runs only for the Per-Doc sets it can make meet the target
+    (:func:`_misses_target` proves the others miss it); the first set that meets it is the
+    reference's. Where none does, the kept plan is the best balanced of all sets, so the search
+    runs again over every set.
 
     Args:
         lens: (n_docs,) int64 document lengths (all > 0).
@@ -331,6 +381,16 @@ def algorithm1(lens, n, tpr, target):
         (sorted), its shard columns (4, n_shards) int64 rank, doc, start, length sorted by (rank,
         doc, start) and (N,) pad tokens per rank.
     """
+    out = _search(lens, n, tpr, target, True)
+    if out[0] > target:  # no set met the target: the best balanced over every set
+        out = _search(lens, n, tpr, target, False)
+    return out
+
+
+@njit(cache=True)
+def _search(lens, n, tpr, target, prune):
+    """:func:`algorithm1`'s search; ``prune``: skip the Per-Doc sets :func:`_misses_target`
+    rules out (the result is then the reference's only when a set meets the target)."""
     m = lens.size
     order = np.argsort(-lens, kind="mergesort")  # longest first, stable
     total = 0
@@ -365,6 +425,14 @@ def algorithm1(lens, n, tpr, target):
                 base_work[r] += _workload(p, s)
                 p += s
         a, b = (1, 2) if bi == 0 else ((0, 2) if bi == 1 else (0, 1))
+        if prune:  # step 2a, then skip step 2b where it provably misses the target
+            _greedy(order[k:], lens, base_tokens, base_work, pdoc[a], pstart[a], plen[a],
+                    bufs[3][a], bufs[4][a], bufs[5][a])  # fmt: skip
+            if bufs[5][a].max() > tpr and _misses_target(
+                pdoc[a], pstart[a], plen[a], bufs[3][a], bufs[4][a], bufs[5][a], base_tokens,
+                base_work, tpr, mean_work, target, scratch[0], scratch[1],
+            ):  # fmt: skip
+                continue
         ratio, kept = _fewest_cuts_pass(
             order[k:], lens, base_tokens, base_work, tpr, target, mean_work, a, b, bufs,
             scratch, later, recv,

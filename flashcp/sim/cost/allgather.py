@@ -31,6 +31,7 @@ from flashcp.sim.kernel import (
     kernel_us,
     tile_us,
 )
+from flashcp.sim.network import collective_us
 
 
 class AllGatherCost:
@@ -111,7 +112,11 @@ class AllGatherCost:
         total_scale = n / (n - 1) if n > 1 else 1.0
         # one all-gather call carries K (or V) of one head group
         ag_call_bytes = vol["allgather_bytes"] / (2 if train else 1) / (2 * groups)
-        ag_call = hw.allgather_us(ag_call_bytes, ag_call_bytes * total_scale)
+        links = self.links
+        ag_call = collective_us(
+            hw, links, ag_call_bytes, ag_call_bytes * total_scale, hw.allgather_busbw_gbps,
+            "all_gather",
+        )  # fmt: skip
         ag_group = 2 * ag_call
         local = self.q_rows  # (N,) tokens per rank
         slice_copy = 2 * (hw.launch_us + hw.copy_us(2.0 * local * stride * d * e))  # .contiguous()
@@ -141,7 +146,10 @@ class AllGatherCost:
             return out
         # its dK/dV buffers are in the model dtype: the same bytes as one all-gather pass
         rs_call_bytes = vol["allgather_bytes"] / 2 / (2 * groups)
-        rs_call = hw.reducescatter_us(rs_call_bytes, rs_call_bytes * total_scale)
+        rs_call = collective_us(
+            hw, links, rs_call_bytes, rs_call_bytes * total_scale, hw.reducescatter_busbw_gbps,
+            "reduce_scatter",
+        )  # fmt: skip
         gathered = n * local.max()
         zero = hw.launch_us + hw.copy_us(2.0 * gathered * stride * d * e)  # dkv_buffer.zero_()
         place = 2 * (hw.launch_us + hw.copy_us(2.0 * local * stride * d * e))  # dk[:, i:i+s] = dk_i
@@ -180,9 +188,11 @@ def _step_allgather_batch(
     fwd = TileStats(*(np.stack([getattr(c.fwd, f) for c in costs]) for f in TileStats._fields))
     bwd = TileStats(*(np.stack([getattr(c.bwd, f) for c in costs]) for f in TileStats._fields))
 
+    links = first.links
+
     def coll(nbytes, total, busbw, op):  # one plan at a time, as HardwareProfile prices it
         return np.array(
-            [hw.collective_us(b, t, busbw, op) for b, t in zip(nbytes, total, strict=True)]
+            [collective_us(hw, links, b, t, busbw, op) for b, t in zip(nbytes, total, strict=True)]
         )
 
     out = _allgather_phases(

@@ -18,6 +18,7 @@ from flashcp.sim.kernel import (
     fwd_tile_counts,
     kernel_us,
 )
+from flashcp.sim.network import FLAT, Links, alltoall_us, alltoall_us_v
 
 
 class AllToAllCost:
@@ -116,7 +117,7 @@ class AllToAllCost:
         t = self.plan.context_len / self.plan.cp_size
         pad = 1 if kernels else self._hybrid_pad()
         out = _alltoall_phases(self.hw, shape, train, degree, t, fwd_k, bwd_k, kernels=kernels,
-                               pad=pad)  # fmt: skip
+                               pad=pad, links=self.links)  # fmt: skip
         return {k: float(v) for k, v in out.items()}
 
     def _hybrid_pad(self) -> int:
@@ -143,11 +144,13 @@ def _alltoall_phases(
     *,
     kernels: bool = True,
     pad=1,
+    links: Links = FLAT,
 ) -> dict:
     """:meth:`PlanCost._alltoall_phases` with T = ``t`` rows per rank and kernel times ``fwd_k``,
     ``bwd_k`` µs: scalars, or (S,) arrays for S plans (phase times in ms, ``total_ms`` left
     out). ``kernels``: the kernels run in this stage (Ulysses; a hybrid's are its inner op's);
-    ``pad``: 1 where the forward pads the output before gathering heads (scalar or (S,))."""
+    ``pad``: 1 where the forward pads the output before gathering heads (scalar or (S,));
+    ``links``: which peers are on other nodes (:func:`flashcp.sim.network.alltoall_us`)."""
     from flashcp.plan.head_parallel import ulysses_heads
 
     u = degree
@@ -162,6 +165,10 @@ def _alltoall_phases(
     def a2a(nbytes):
         if u == 1:
             return 0.0
+        if links.a2a_inter_peers:  # some peers on other nodes: the two-level network
+            if np.ndim(nbytes) == 0:
+                return alltoall_us(hw, links, frac * nbytes, nbytes)
+            return alltoall_us_v(hw, links, frac * nbytes, nbytes)
         if np.ndim(nbytes) == 0:
             return hw.alltoall_us(frac * nbytes, nbytes)
         return _collective_us_v(hw, frac * nbytes, nbytes, hw.alltoall_busbw_gbps, "all_gather")

@@ -26,6 +26,7 @@ from flashcp.sim.cost.ring import RingCost, _step_ring_batch
 from flashcp.sim.cost.units import _check_comm_kind, _check_sim_args, _single_phases
 from flashcp.sim.hardware import HardwareProfile, load_hardware
 from flashcp.sim.impl import check_impl, impl_ops
+from flashcp.sim.network import FLAT, group_links, topology_for
 
 
 class PlanCost(AllGatherCost, AllToAllCost, RingCost):
@@ -36,6 +37,11 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
     ``grad_comm_dtype``: the all-gather op's dK/dV reduce-scatter dtype (a name of
     :data:`flashcp.comm.DTYPE_BYTES`, or None for the op's default, float32 for bf16 models;
     ``impl="ours"`` only), which sets the reduce-scatter's bytes (:func:`flashcp.comm.comm_volume`).
+    ``topology``: a :class:`flashcp.topology.Topology` of the plan's cp_size, whose crossings
+    (:func:`flashcp.sim.network.group_links`) price the exchanges on two levels; None (the
+    default): one level, as a flat profile (``simulate`` derives it from the profile's
+    ``gpus_per_node``). ``links``: the :class:`flashcp.sim.network.Links` themselves (a
+    hybrid's inner op gets its parent's).
 
     Attributes (all-gather family; (N,) arrays indexed by rank): ``fwd``, ``bwd`` (:class:`TileStats`
     of the rank's one varlen call), ``q_rows``, ``kv_rows``, ``send_rows`` (tokens).
@@ -46,9 +52,13 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
     def __init__(
         self, plan: Plan, hw: HardwareProfile, comm_kind: str, impl: str = "ours", *,
         one_device: bool = True, keep_gathered_kv: bool = False,
-        grad_comm_dtype: str | None = None,
+        grad_comm_dtype: str | None = None, topology=None, links=None,
     ) -> None:  # fmt: skip
         check_impl(plan.method, impl)
+        if topology is not None and topology.cp_size != plan.cp_size:
+            raise ValueError(
+                f"topology cp_size {topology.cp_size} does not match the plan's {plan.cp_size}"
+            )
         _check_keep(plan, comm_kind, impl, keep_gathered_kv)
         _check_grad_dtype(plan, comm_kind, impl, grad_comm_dtype)
         self.keep = bool(keep_gathered_kv)
@@ -75,6 +85,8 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
         self.one_device = one_device
         self.single = one_device and impl == "ours" and plan.single_device_documents() is not None
         self.plain_ulysses = False
+        #: which exchanges cross nodes (flashcp.sim.network; FLAT: none, the one-level prices)
+        self.links = FLAT if links is None else links
         if self.single:
             self.u = 1
             self._init_alltoall()
@@ -82,12 +94,18 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
         #: a hybrid with one group (u = N) is plain Ulysses, as its op runs it
         #: (:func:`flashcp.plan.head_parallel.one_group_documents`): priced as ``alltoall``
         self.plain_ulysses = comm_kind != "alltoall" and one_group_documents(plan) is not None
+        if links is None and topology is not None:
+            a2a_only = comm_kind == "alltoall" or self.plain_ulysses
+            u = self.n if a2a_only else self.u
+            self.links = group_links(topology, u, a2a_only)
         if self.plain_ulysses:
             self.u = 1
             self._init_alltoall()
             return
         if self.u > 1:
-            self.inner = PlanCost(plan.group_plan(), hw, comm_kind, impl, one_device=False)
+            self.inner = PlanCost(
+                plan.group_plan(), hw, comm_kind, impl, one_device=False, links=self.links
+            )
             self.inner.cuts_pad = False
             return
         if comm_kind == "p2p_ring":
@@ -105,7 +123,7 @@ class PlanCost(AllGatherCost, AllToAllCost, RingCost):
         if any(getattr(hw, b) != getattr(self.hw, b) for b in blocks):
             return PlanCost(
                 self.plan, hw, self.comm_kind, self.impl, one_device=self.one_device,
-                keep_gathered_kv=self.keep, grad_comm_dtype=self.grad_dtype,
+                keep_gathered_kv=self.keep, grad_comm_dtype=self.grad_dtype, links=self.links,
             )  # fmt: skip
         other = copy.copy(self)
         other.hw = hw
@@ -175,6 +193,7 @@ def step_many(costs: Sequence[PlanCost], shape: AttnShape, mode: str) -> dict[st
         and c.comm_kind == first.comm_kind
         and c.keep == first.keep
         and c.grad_dtype == first.grad_dtype
+        and c.links == first.links
         and c.inner is None
         and not c.plain_ulysses
         and not c.single
@@ -201,6 +220,9 @@ def simulate(
     impl: str = "ours",
     keep_gathered_kv: bool = False,
     grad_comm_dtype: str | None = None,
+    *,
+    placement: str = "consecutive",
+    nodes: int | None = None,
 ) -> dict[str, float]:
     """Simulate one attention layer's CP step of ``plan``.
 
@@ -214,19 +236,25 @@ def simulate(
             ``COMM_KIND[plan.method]``.
         impl: ``ours`` or ``ring_flash_attn`` (:mod:`flashcp.sim.impl`).
         keep_gathered_kv, grad_comm_dtype: the all-gather op's options (:class:`PlanCost`).
+        placement, nodes: where the CP ranks sit on the profile's nodes
+            (:func:`flashcp.sim.network.topology_for`; nodes None: as few as the placement
+            allows); one node, or a flat profile, prices the one-level network.
     Returns:
         Every column of ``PHASE_COLUMNS`` (ms, floats; ``total_ms`` is their sum) and of
         ``COMM_COLUMNS`` (bytes one rank receives, ints, from :func:`flashcp.comm.comm_volume`).
     Raises:
         ValueError: unknown mode, comm_kind, impl or hardware profile, an impl that does not
-            run the plan's method, ``keep_gathered_kv`` where no op keeps the KV, or a plan or
-            shape of another type.
+            run the plan's method, ``keep_gathered_kv`` where no op keeps the KV, a plan or
+            shape of another type, or a placement / node count that does not fit the profile's
+            nodes (:func:`flashcp.sim.network.topology_for`).
     """
     _check_sim_args([plan], [shape], [mode])
     kind = _check_comm_kind(plan, comm_kind)
+    hw = load_hardware(hw)
+    topo = topology_for(hw, plan.cp_size, placement, nodes)
     cost = PlanCost(
-        plan, load_hardware(hw), kind, impl, keep_gathered_kv=keep_gathered_kv,
-        grad_comm_dtype=grad_comm_dtype,
+        plan, hw, kind, impl, keep_gathered_kv=keep_gathered_kv,
+        grad_comm_dtype=grad_comm_dtype, topology=topo,
     )  # fmt: skip
     return cost.step(shape, mode)
 
@@ -238,6 +266,9 @@ def simulate_many(
     hw: HardwareProfile | str | dict,
     comm_kind: str | None = None,
     impl: str = "ours",
+    *,
+    placement: str = "consecutive",
+    nodes: int | None = None,
 ) -> list[dict[str, float]]:
     """:func:`simulate` for every (shape, mode) pair, sharing the per-plan work.
 
@@ -248,5 +279,7 @@ def simulate_many(
         ValueError: as :func:`simulate`.
     """
     _check_sim_args([plan], shapes, modes)
-    cost = PlanCost(plan, load_hardware(hw), _check_comm_kind(plan, comm_kind), impl)
+    hw = load_hardware(hw)
+    topo = topology_for(hw, plan.cp_size, placement, nodes)
+    cost = PlanCost(plan, hw, _check_comm_kind(plan, comm_kind), impl, topology=topo)
     return [cost.step(s, m) for s in shapes for m in modes]

@@ -35,9 +35,7 @@ from flashcp.sim.cost.ring import (
 from flashcp.sim.cost.units import (
     _check_comm_kind,
     _check_sim_args,
-    _collective_us_v,
     _excl_cumsum,
-    _p2p_us_v,
     _single_phases,
     _stats,
 )
@@ -50,6 +48,7 @@ from flashcp.sim.kernel import (
     fwd_tile_counts,
     kernel_us,
 )
+from flashcp.sim.network import FLAT, Links, collective_us_v, group_links, p2p_us_v, topology_for
 
 #: the most bytes :func:`price_plans` lets one batch of ring-family plans take
 #: (:func:`ring_price_bytes`): larger groups are priced in consecutive chunks of plans, with the
@@ -420,11 +419,11 @@ class PlanBatch:
 
     def phases(
         self, hw: HardwareProfile, comm_kind: str, impl: str, method: str, shape: AttnShape,
-        mode: str, vol: dict[str, np.ndarray], keep=False, grad=None,
+        mode: str, vol: dict[str, np.ndarray], keep=False, grad=None, links: Links = FLAT,
     ) -> dict[str, np.ndarray]:  # fmt: skip
         """Phase times (ms, (S,) arrays, ``total_ms`` left out) of every plan of this batch, no
         head parallelism around them (:meth:`PlanCost.step`'s model); ``keep``:
-        ``keep_gathered_kv``."""
+        ``keep_gathered_kv``; ``links``: which exchanges cross nodes (:mod:`flashcp.sim.network`)."""
         n = self.n
         if comm_kind == "p2p_ring":
             key = ("stack", impl, method, id(hw))
@@ -445,7 +444,7 @@ class PlanBatch:
             fwd_p2p = vol["p2p_bytes"]
             if mode == "train":
                 fwd_p2p = self.volumes(comm_kind, shape, "infer", 1, n, impl=impl)["p2p_bytes"]
-            p2p_us = functools.partial(_p2p_us_v, hw)
+            p2p_us = functools.partial(p2p_us_v, hw, links)
             return _ring_phases(stack, shape, mode, vol["p2p_bytes"], fwd_p2p, p2p_us)
         if comm_kind == "alltoall":
             from flashcp.plan.head_parallel import ulysses_heads
@@ -462,10 +461,10 @@ class PlanBatch:
                     rows, rows, local, hw
                 )
             t = self.context_len / n
-            return _alltoall_phases(hw, shape, mode == "train", n, t, fwd_k, bwd_k)
+            return _alltoall_phases(hw, shape, mode == "train", n, t, fwd_k, bwd_k, links=links)
         fwd, bwd, kv_rows = self.allgather(hw)
         send = self.q_rows if comm_kind == "allgather_full" else self.send_rows
-        coll = functools.partial(_collective_us_v, hw)
+        coll = functools.partial(collective_us_v, hw, links)
         return _allgather_phases(
             hw,
             n,
@@ -498,6 +497,9 @@ def price_plans(
     impl: str = "ours",
     keep_gathered_kv: bool = False,
     grad_comm_dtype: str | None = None,
+    *,
+    placement: str = "consecutive",
+    nodes: int | None = None,
 ) -> dict[str, np.ndarray]:
     """:func:`simulate` of every plan x hardware profile x shape x mode in one call, from the
     plans' arrays: each plan group (same cp_size, method and head-parallel degree) is priced with
@@ -518,6 +520,7 @@ def price_plans(
             by that op (all-gather comm kind, no head parallelism) with ``impl="ours"``.
         grad_comm_dtype: the all-gather op's dK/dV reduce-scatter dtype (:class:`PlanCost`; the
             same plans only); None: its default.
+        placement, nodes: as in :func:`simulate`, for every plan's cp_size and profile.
     Returns:
         Every column of ``PHASE_COLUMNS`` (ms, float64) and ``COMM_COLUMNS`` (bytes, int64) as a
         (P, K, M, S) array indexed ``[profile, shape, mode, plan]``.
@@ -530,7 +533,7 @@ def price_plans(
     Raises:
         ValueError: as :func:`simulate` (unknown mode, comm_kind, impl or profile, an impl that does
             not run a plan's method, heads a plan's Ulysses degree does not allow;
-            ``keep_gathered_kv`` where no op keeps the KV); a ring-family
+            ``keep_gathered_kv`` where no op keeps the KV, a topology that does not fit); a ring-family
             plan that alone would need more than half the machine's memory
             (:func:`ring_price_bytes`), before any is priced.
     """
@@ -563,10 +566,12 @@ def price_plans(
         members = [plans[i] for i in idx]
         if kind in ("allgather_full", "allgather_sharded") and impl != "ours" and u == 1:
             # ring-flash-attn's llama3: one plan at a time
+            links = [group_links(topology_for(hw, p.cp_size, placement, nodes)) for hw in hws]
             for k, p in zip(idx, members, strict=True):
-                cost = PlanCost(p, hws[0], kind, impl)
+                cost = PlanCost(p, hws[0], kind, impl, links=links[0])
                 for a, hw in enumerate(hws):
                     c = cost if a == 0 else cost.with_hardware(hw)
+                    c.links = links[a]
                     for b, shape in enumerate(shapes):
                         for m, mode in enumerate(modes):
                             row = c.step(shape, mode)
@@ -577,7 +582,8 @@ def price_plans(
             whole = batch if batch is not None and len(chunk) == len(plans) else None
             part = _price_group(
                 [plans[i] for i in chunk], kind, impl, method, u, hws, shapes, modes, whole,
-                keep=bool(keep_gathered_kv), grad=grad_comm_dtype,
+                keep=bool(keep_gathered_kv), grad=grad_comm_dtype, placement=placement,
+                nodes=nodes,
             )  # fmt: skip
             for col in out:
                 out[col][..., chunk] = part[col]
@@ -693,10 +699,12 @@ def _attention_passes(batch, hw, kind, method, shape, train) -> list[np.ndarray]
 
 
 def _price_group(
-    plans, kind, impl, method, u, hws, shapes, modes, batch=None, keep=False, grad=None
-) -> dict[str, np.ndarray]:
+    plans, kind, impl, method, u, hws, shapes, modes, batch=None, keep=False, grad=None,
+    placement="consecutive", nodes=None,
+) -> dict[str, np.ndarray]:  # fmt: skip
     """:func:`price_plans` of plans sharing (comm_kind, method, cp_size, Ulysses degree u), from
-    ``batch`` (a :class:`PlanBatch` of exactly these plans, statistics kept) when given."""
+    ``batch`` (a :class:`PlanBatch` of exactly these plans, statistics kept) when given; the
+    CP group placed by ``placement`` / ``nodes`` on each profile's nodes."""
     from flashcp.plan.head_parallel import ulysses_heads
 
     if kind == "single":
@@ -726,6 +734,8 @@ def _price_group(
     out = {c: np.zeros(dims) for c in PHASE_COLUMNS}
     out.update({c: np.zeros(dims, dtype=np.int64) for c in COMM_COLUMNS})
     a2a_u = n if kind == "alltoall" else u
+    links = [group_links(topology_for(hw, n, placement, nodes), a2a_u, kind == "alltoall")
+             for hw in hws]  # fmt: skip
     pad = 0  # a hybrid's forward pads where its inner op's rows fall short (PlanCost._hybrid_pad)
     if u > 1:
         short = batch.q_rows < u * (batch.context_len // n)[:, None]
@@ -740,11 +750,12 @@ def _price_group(
         for m, mode in enumerate(modes):
             vol = batch.volumes(kind, shape, mode, a2a_u, n, keep, impl, grad)
             for a, hw in enumerate(hws):
-                ph = batch.phases(hw, kind, impl, inner_method, inner_shape, mode, vol, keep, grad)
+                ph = batch.phases(hw, kind, impl, inner_method, inner_shape, mode, vol, keep,
+                                  grad, links[a])  # fmt: skip
                 if u > 1:
                     t = batch.context_len / n
                     a2a = _alltoall_phases(hw, shape, mode == "train", u, t, 0.0, 0.0,
-                                           kernels=False, pad=pad)  # fmt: skip
+                                           kernels=False, pad=pad, links=links[a])  # fmt: skip
                     ph = {c: ph[c] + a2a[c] for c in ph}
                 total = 0.0
                 for c in PHASE_COLUMNS:

@@ -24,6 +24,7 @@ from flashcp.sim.kernel import (
     kernel_us,
     tile_us,
 )
+from flashcp.sim.network import p2p_us
 
 
 class RingCost:
@@ -357,14 +358,16 @@ class RingCost:
     ) -> dict[str, float]:
         hw, n = self.hw, self.n
         steps = max(n - 1, 1)
-        fwd_hop = hw.p2p_us(fwd_p2p / steps) if n > 1 else 0.0
+        fwd_hop = p2p_us(hw, self.links, fwd_p2p / steps) if n > 1 else 0.0
         fwd = self._fwd_memo.get(shape)
         if fwd is None:  # training and inference of one shape share the forward
             fwd = self._fwd_memo[shape] = self._ring_fwd_compute(shape)
         fa, fo, fp = self._ring_pass(*fwd, *ring_pass_hops(n, self.impl, False, fwd_hop))
         ba = bo = bp = 0.0
         if train and n > 1:  # N - 1 grad hops (ours) or N (ring-flash-attn): comm.ring_grad_hops
-            grad_hop = hw.p2p_us((vol["p2p_bytes"] - 2 * fwd_p2p) / ring_grad_hops(n, self.impl))
+            grad_hop = p2p_us(
+                hw, self.links, (vol["p2p_bytes"] - 2 * fwd_p2p) / ring_grad_hops(n, self.impl)
+            )
             hops = ring_pass_hops(n, self.impl, True, fwd_hop, grad_hop)
             ba, bo, bp = self._ring_pass(*self._ring_bwd_compute(shape), *hops)
         elif train:
@@ -381,8 +384,10 @@ class RingCost:
 
 
 #: the largest cp_size the compiled ring statistics take (runs of shards as int64 bit masks
-#: over the ranks); larger ones run the NumPy reference
-RING_KERNEL_MAX_N = 62
+#: over the ranks: 64 bits, bit 63 the sign bit, which ``|``, ``&``, ``~`` and ``(m >> c) & 1``
+#: treat as any other; tested against the NumPy reference at CP 64); larger ones run the NumPy
+#: reference
+RING_KERNEL_MAX_N = 64
 
 
 def ring_exchange_steps(n: int, impl: str, train: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -572,10 +577,12 @@ def _step_ring_batch(
     ]
     p2p = np.array([v["p2p_bytes"] for v in vols])
 
-    def p2p_us(nbytes):  # one plan at a time, as HardwareProfile prices it
-        return np.array([hw.p2p_us(b) for b in nbytes])
+    links = first.links
 
-    out = _ring_phases(_PlanCostStack(costs), shape, mode, p2p, np.array(fwd_p2p), p2p_us)
+    def hop_us(nbytes):  # one plan at a time, as HardwareProfile prices it
+        return np.array([p2p_us(hw, links, b) for b in nbytes])
+
+    out = _ring_phases(_PlanCostStack(costs), shape, mode, p2p, np.array(fwd_p2p), hop_us)
     phases = [out[c] for c in PHASE_COLUMNS if c != "total_ms"]
     out["total_ms"] = np.array([math.fsum(x) for x in zip(*phases, strict=True)])
     out.update({k: np.array([v[k] for v in vols], dtype=np.int64) for k in COMM_COLUMNS})

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcp.plan import Plan, cu_seqlens
+from flashcp.plan import Plan, cu_seqlens, shard_workload
 
 __all__ = ["allgather_index", "ranges", "tiles_documents"]
 
@@ -178,22 +178,25 @@ def ring_segments(
 
 
 def ring_call_groups(
-    step: np.ndarray, q0: np.ndarray, causal: np.ndarray, steps: int
-) -> list[list[np.ndarray]]:
+    step: np.ndarray, q0: np.ndarray, causal: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """The segments of each varlen kernel call of every ring step: ``_calls``'s first fit
     (:mod:`flashcp.ops.ring_meta`) on a step's segments, which come in non-decreasing ``q0`` and
     whose query rows are one shard's (equal ranges) or disjoint. The k-th segment of one flag on
     the same rows goes to the k-th call of that flag (the first k are busy up to those rows' end;
     the next is free).
 
+    Args:
+        step, q0: (n,) int64 segments' ring step and first query row (by step);
+        causal: (n,) bool.
     Returns:
-        per step, per call in the order the calls open, the (n,) int64 positions of its
-        segments.
+        order: (n,) int64 positions of the segments, call after call (the calls by step, in the
+        order they open within it); bounds: (n_calls + 1,) int64, call g's segments are
+        ``order[bounds[g]:bounds[g + 1]]``.
     """
-    out: list[list[np.ndarray]] = [[] for _ in range(steps)]
-    if q0.size == 0:
-        return out
     m = q0.size
+    if m == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64)
     order = np.lexsort((np.arange(m), causal, q0, step))
     ks, kq, kc = step[order], q0[order], causal[order]
     starts = np.ones(m, dtype=bool)
@@ -203,8 +206,71 @@ def ring_call_groups(
     k[order] = np.arange(m) - first
     call = (step * (k.max() + 1) + k) * 2 + causal  # one call per (step, k, flag)
     _, opened, which = np.unique(call, return_index=True, return_inverse=True)
-    members = np.argsort(which, kind="stable")
-    bounds = np.searchsorted(which[members], np.arange(opened.size + 1))
-    for g in np.argsort(opened, kind="stable"):
-        out[int(step[opened[g]])].append(members[bounds[g] : bounds[g + 1]])
+    # number the calls in the order they open (their first segment's position: by step)
+    seq = np.empty(opened.size, dtype=np.int64)
+    seq[np.argsort(opened)] = np.arange(opened.size)
+    pos = seq[which.ravel()]
+    return np.argsort(pos, kind="stable"), cu_seqlens(np.bincount(pos, minlength=opened.size))
+
+
+def ring_calls(segments: tuple[np.ndarray, ...]) -> dict[str, np.ndarray]:
+    """Every ring step's kernel calls at once, as flat arrays: what ``_block_call`` of
+    :mod:`flashcp.ops.ring_meta` computes call by call, for the calls of :func:`ring_call_groups`
+    on the segments of :func:`ring_segments`.
+
+    A call's ``cu_seqlens`` are its segments' lengths' running sums from 0; its query (key) rows
+    are one slice when its segments' ranges run back to back, else the rows of each range in turn
+    (:func:`ranges`): here one array of the rows of every such call, ``q`` calls' then ``k``'s.
+
+    Args:
+        segments: ``(step, q0, q1, k0, k1, causal)`` of :func:`ring_segments`.
+    Returns:
+        ``step``, ``causal``, ``pairs`` (Eq. 3 for causal, bottom-right aligned, segments: prefix
+        ``kl - ql``; ``ql * kl`` for full ones), ``max_q``, ``max_k``: (n_calls,) per call, calls
+        by step in the order they open; ``q_first``, ``q_last``, ``k_first``, ``k_last``:
+        (n_calls,) int64 the first row and the end of the call's rows (its slice when
+        contiguous); ``q_slice``, ``k_slice``: (n_calls,) bool; ``rows``: (n_rows,) int64 the
+        rows of the calls whose rows are not one slice, ``q_rows_at``/``k_rows_at``: (n_calls + 1,)
+        int64 offsets of each call's rows in it; ``cu``: (2, n_seg + n_calls) int32, rows 0 and 1
+        the calls' ``cu_seqlens_q`` and ``cu_seqlens_k`` one after another (call g's at
+        ``cu_at[g]:cu_at[g + 1]``).
+    Raises:
+        ValueError: a call's rows do not fit int32 ``cu_seqlens``.
+    """
+    step, q0, q1, k0, k1, causal = segments
+    order, bounds = ring_call_groups(step, q0, causal)
+    step, q0, q1, k0, k1, causal = (a[order] for a in (step, q0, q1, k0, k1, causal))
+    ncall, nseg = bounds.size - 1, order.size
+    head, last = bounds[:-1], bounds[1:] - 1
+    of = np.repeat(np.arange(ncall), np.diff(bounds))  # each segment's call
+    same = of[1:] == of[:-1]
+    ql, kl = q1 - q0, k1 - k0
+    out = {"step": step[head], "causal": causal[head]}
+    work = np.where(causal, shard_workload(kl - ql, ql), ql * kl)
+    if ncall:
+        out["pairs"] = np.add.reduceat(work, head)
+        out["max_q"], out["max_k"] = np.maximum.reduceat(ql, head), np.maximum.reduceat(kl, head)
+    else:
+        out["pairs"] = out["max_q"] = out["max_k"] = np.zeros(0, dtype=np.int64)
+    cu_at = bounds + np.arange(ncall + 1)  # call g's cu_seqlens: n_g + 1 entries from cu_at[g]
+    cu = np.zeros((2, nseg + ncall), dtype=np.int64)
+    at = np.arange(nseg) + of + 1
+    for row, length in enumerate((ql, kl)):
+        run = np.cumsum(length)
+        cu[row, at] = run - (run - length)[head][of]
+    if ncall and cu[:, cu_at[1:] - 1].max() > np.iinfo(np.int32).max:
+        big = int(cu[:, cu_at[1:] - 1].max())
+        raise ValueError(f"{big} rows do not fit int32 cu_seqlens")
+    out["cu"], out["cu_at"] = cu.astype(np.int32), cu_at
+    rows = []
+    for name, b, e, ln in (("q", q0, q1, ql), ("k", k0, k1, kl)):
+        broken = np.bincount(of[1:][same & (b[1:] != e[:-1])], minlength=ncall) > 0
+        pick = broken[of]
+        rows.append(ranges(b[pick], ln[pick]))
+        out[f"{name}_first"], out[f"{name}_last"], out[f"{name}_slice"] = b[head], e[last], ~broken
+        out[f"{name}_rows_at"] = cu_seqlens(
+            np.bincount(of[pick], weights=ln[pick], minlength=ncall)
+        )
+    out["k_rows_at"] = out["k_rows_at"] + rows[0].size
+    out["rows"] = np.concatenate(rows)
     return out

@@ -35,7 +35,7 @@ import torch
 
 from flashcp.ops.collectives import check_same_plan
 from flashcp.ops.meta_index import ranges as row_ranges
-from flashcp.ops.meta_index import ring_call_groups, ring_segments
+from flashcp.ops.meta_index import ring_calls, ring_segments
 from flashcp.plan import Plan, cu_seqlens, shard_workload
 
 __all__ = ["BlockCall", "RingMeta", "Rows", "prepare_ring_meta"]
@@ -250,15 +250,30 @@ def _calls(segs: list[tuple]) -> tuple[BlockCall, ...]:
 
 def _steps(local, blocks) -> tuple[tuple[BlockCall, ...], ...]:
     """``_calls(_fuse(_shard_segments(...)))`` of every ring step from the shard arrays at once
-    (:func:`flashcp.ops.meta_index.ring_segments` and
-    :func:`~flashcp.ops.meta_index.ring_call_groups`: the same calls, without a Python loop
-    over the shards). ``local``, ``blocks[s]``: ``(doc, start, length, offset)`` int64 arrays of
-    the rank's shards and of the block it holds at step s."""
-    step, q0, q1, k0, k1, causal = ring_segments(local, blocks)
-    return tuple(
-        tuple(_block_call(bool(causal[g[0]]), q0[g], q1[g], k0[g], k1[g]) for g in calls)
-        for calls in ring_call_groups(step, q0, causal, len(blocks))
-    )
+    (:func:`flashcp.ops.meta_index.ring_segments`, :func:`~flashcp.ops.meta_index.ring_calls`:
+    the same calls, without a Python loop over the shards, and every call's index tensors views
+    of two tensors made once). ``local``, ``blocks[s]``: ``(doc, start, length, offset)`` int64
+    arrays of the rank's shards and of the block it holds at step s."""
+    c = ring_calls(ring_segments(local, blocks))
+    rows, cu = torch.from_numpy(c["rows"]), torch.from_numpy(c["cu"])
+    cols = [
+        c[k].tolist()
+        for k in (
+            "step", "causal", "pairs", "max_q", "max_k", "cu_at",
+            "q_first", "q_last", "q_slice", "q_rows_at", "k_first", "k_last", "k_slice", "k_rows_at",
+        )
+    ]  # fmt: skip
+    step, causal, pairs, max_q, max_k, cu_at, *qk = cols
+    steps: list[list[BlockCall]] = [[] for _ in blocks]
+    for g, s in enumerate(step):
+        r = []
+        for first, last, whole, at in (qk[:4], qk[4:]):
+            r.append(slice(first[g], last[g]) if whole[g] else rows[at[g] : at[g + 1]])
+        a, b = cu_at[g], cu_at[g + 1]
+        steps[s].append(
+            BlockCall(causal[g], r[0], r[1], cu[0, a:b], cu[1, a:b], max_q[g], max_k[g], pairs[g])
+        )
+    return tuple(tuple(calls) for calls in steps)
 
 
 def ring_steps_reference(plan: Plan, rank: int) -> tuple[tuple[BlockCall, ...], ...]:

@@ -16,7 +16,15 @@ import numpy as np
 
 from flashcp.plan import Plan, cu_seqlens, shard_workload
 
-__all__ = ["allgather_index", "ranges", "tiles_documents"]
+__all__ = [
+    "RING_CALL_FIELDS",
+    "allgather_index",
+    "ranges",
+    "ring_call_groups",
+    "ring_calls",
+    "ring_segments",
+    "tiles_documents",
+]
 
 
 def ranges(begin: np.ndarray, length: np.ndarray) -> np.ndarray:
@@ -213,29 +221,34 @@ def ring_call_groups(
     return np.argsort(pos, kind="stable"), cu_seqlens(np.bincount(pos, minlength=opened.size))
 
 
-def ring_calls(segments: tuple[np.ndarray, ...]) -> dict[str, np.ndarray]:
+#: the rows of :func:`ring_calls`'s table: per call (its first ``n_calls`` columns) its ring step,
+#: causal flag (0/1), pairs, longest query and key segment, first and end query row and whether
+#: its query rows are that one slice (0/1), the same of its key rows; then (all ``n_calls + 1``
+#: columns) offsets: of each call's ``cu_seqlens`` in ``cu``, of its query and key rows in ``rows``
+RING_CALL_FIELDS = (
+    "step", "causal", "pairs", "max_q", "max_k", "q_first", "q_last", "q_slice",
+    "k_first", "k_last", "k_slice", "cu_at", "q_rows_at", "k_rows_at",
+)  # fmt: skip
+
+
+def ring_calls(segments: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every ring step's kernel calls at once, as flat arrays: what ``_block_call`` of
     :mod:`flashcp.ops.ring_meta` computes call by call, for the calls of :func:`ring_call_groups`
     on the segments of :func:`ring_segments`.
 
     A call's ``cu_seqlens`` are its segments' lengths' running sums from 0; its query (key) rows
     are one slice when its segments' ranges run back to back, else the rows of each range in turn
-    (:func:`ranges`): here one array of the rows of every such call, ``q`` calls' then ``k``'s.
+    (:func:`ranges`); its pairs are Eq. 3 of its causal (bottom-right aligned: prefix
+    ``kl - ql``) segments, ``ql * kl`` of full ones.
 
     Args:
         segments: ``(step, q0, q1, k0, k1, causal)`` of :func:`ring_segments`.
     Returns:
-        ``step``, ``causal``, ``pairs`` (Eq. 3 for causal, bottom-right aligned, segments: prefix
-        ``kl - ql``; ``ql * kl`` for full ones), ``max_q``, ``max_k``: (n_calls,) per call, calls
-        by step in the order they open; ``q_first``, ``q_last``, ``k_first``, ``k_last``:
-        (n_calls,) int64 the first row and the end of the call's rows (its slice when
-        contiguous); ``q_slice``, ``k_slice``: (n_calls,) bool; ``rows``: (n_rows,) int64 the
-        rows of the calls whose rows are not one slice, ``q_rows_at``/``k_rows_at``: (n_calls + 1,)
-        int64 offsets of each call's rows in it; ``cu``: (2, n_seg + n_calls) int32, rows 0 and 1
-        the calls' ``cu_seqlens_q`` and ``cu_seqlens_k`` one after another (call g's at
-        ``cu_at[g]:cu_at[g + 1]``).
-    Raises:
-        ValueError: a call's rows do not fit int32 ``cu_seqlens``.
+        table: (len(RING_CALL_FIELDS), n_calls + 1) int64, the rows :data:`RING_CALL_FIELDS`,
+        calls by step in the order they open; rows: (n_rows,) int64 the query rows then the key
+        rows of the calls whose rows are not one slice; cu: (2, n_seg + n_calls) int64, row 0 the
+        calls' ``cu_seqlens_q`` one after another (call g's at ``cu_at[g]:cu_at[g + 1]``), row 1
+        their ``cu_seqlens_k``.
     """
     step, q0, q1, k0, k1, causal = segments
     order, bounds = ring_call_groups(step, q0, causal)
@@ -245,32 +258,27 @@ def ring_calls(segments: tuple[np.ndarray, ...]) -> dict[str, np.ndarray]:
     of = np.repeat(np.arange(ncall), np.diff(bounds))  # each segment's call
     same = of[1:] == of[:-1]
     ql, kl = q1 - q0, k1 - k0
-    out = {"step": step[head], "causal": causal[head]}
-    work = np.where(causal, shard_workload(kl - ql, ql), ql * kl)
+    table = np.zeros((len(RING_CALL_FIELDS), ncall + 1), dtype=np.int64)
+    table[:2, :ncall] = step[head], causal[head]
     if ncall:
-        out["pairs"] = np.add.reduceat(work, head)
-        out["max_q"], out["max_k"] = np.maximum.reduceat(ql, head), np.maximum.reduceat(kl, head)
-    else:
-        out["pairs"] = out["max_q"] = out["max_k"] = np.zeros(0, dtype=np.int64)
-    cu_at = bounds + np.arange(ncall + 1)  # call g's cu_seqlens: n_g + 1 entries from cu_at[g]
+        work = np.where(causal, shard_workload(kl - ql, ql), ql * kl)
+        table[2:5, :ncall] = [np.add.reduceat(work, head)] + [
+            np.maximum.reduceat(x, head) for x in (ql, kl)
+        ]
+    table[11] = bounds + np.arange(ncall + 1)  # call g's cu_seqlens: n_g + 1 entries
     cu = np.zeros((2, nseg + ncall), dtype=np.int64)
     at = np.arange(nseg) + of + 1
     for row, length in enumerate((ql, kl)):
         run = np.cumsum(length)
         cu[row, at] = run - (run - length)[head][of]
-    if ncall and cu[:, cu_at[1:] - 1].max() > np.iinfo(np.int32).max:
-        big = int(cu[:, cu_at[1:] - 1].max())
-        raise ValueError(f"{big} rows do not fit int32 cu_seqlens")
-    out["cu"], out["cu_at"] = cu.astype(np.int32), cu_at
     rows = []
-    for name, b, e, ln in (("q", q0, q1, ql), ("k", k0, k1, kl)):
+    for f, b, e, ln in ((5, q0, q1, ql), (8, k0, k1, kl)):
         broken = np.bincount(of[1:][same & (b[1:] != e[:-1])], minlength=ncall) > 0
         pick = broken[of]
         rows.append(ranges(b[pick], ln[pick]))
-        out[f"{name}_first"], out[f"{name}_last"], out[f"{name}_slice"] = b[head], e[last], ~broken
-        out[f"{name}_rows_at"] = cu_seqlens(
+        table[f : f + 3, :ncall] = b[head], e[last], ~broken
+        table[12 if f == 5 else 13] = cu_seqlens(
             np.bincount(of[pick], weights=ln[pick], minlength=ncall)
         )
-    out["k_rows_at"] = out["k_rows_at"] + rows[0].size
-    out["rows"] = np.concatenate(rows)
-    return out
+    table[13] += rows[0].size
+    return table, np.concatenate(rows), cu

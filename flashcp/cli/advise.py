@@ -195,6 +195,21 @@ def _sample(
     return seqs, counts, f"dataset {dataset}"
 
 
+def _price(batch: Any, shape: AttnShape, mode: str, profiles: list, net: dict | None) -> dict:
+    """:func:`flashcp.sim.cost.price_plans`' output, (P, 1, 1, S) per column, for ``batch`` on P
+    ``profiles``; a ``flashcp_node`` batch whose op gathers in two scopes is priced by
+    :func:`flashcp.sim.node_scoped.price_node_scoped`, as ``executor=sim`` prices it (docs/scale.md).
+    """
+    from flashcp.sim.cost import price_plans
+    from flashcp.sim.node_scoped import price_node_scoped, spans_nodes
+
+    net = net or {}
+    if spans_nodes(batch.plans):
+        out = price_node_scoped(batch.plans, shape, [mode], profiles, **net)  # (P, 1, S)
+        return {c: v[:, None] for c, v in out.items()}
+    return price_plans(batch, [shape], [mode], profiles, **net)
+
+
 def breakdown(
     batch: Any, shape: AttnShape, mode: str, hw: Any, *, priced: dict | None = None
 ) -> dict[str, np.ndarray]:
@@ -217,12 +232,12 @@ def breakdown(
         (int64, bytes one rank receives).
     """
     from flashcp.plan import doc_workload
-    from flashcp.sim.cost import attention_balance, price_plans
+    from flashcp.sim.cost import attention_balance
     from flashcp.sim.kernel import tile_us
 
     if priced is None:
         nohost = dataclasses.replace(hw, **dict.fromkeys(HOST_CONSTANTS, 0.0))
-        priced = price_plans(batch, [shape], [mode], [hw, nohost])
+        priced = _price(batch, shape, mode, [hw, nohost], None)
     cal = {c: v[0, 0, 0] for c, v in priced.items()}
     total_nohost = priced["total_ms"][1, 0, 0]
     bal = attention_balance(batch, shape, mode, hw)
@@ -255,15 +270,13 @@ def _speedup_draws(
     """Per method, the median over the first ``k`` sequences of llama3's step time over its own,
     for each of ``num_draws`` joint draws of the constants (the inter-node ones too when
     ``spans``; ``net``: placement and nodes for :func:`price_plans`): (num_draws,) arrays."""
-    from flashcp.sim.cost import PlanBatch, price_plans
+    from flashcp.sim.cost import PlanBatch
     from flashcp.sim.perturb import joint_factors, perturb, varied_for
 
     varied = varied_for(spans)
     profiles = [perturb(hw, f) for f in joint_factors(num_draws, factor, seed, varied)]
     totals = {
-        m: price_plans(PlanBatch(p[:k]), [shape], [mode], profiles, **(net or {}))["total_ms"][
-            :, 0, 0
-        ]
+        m: _price(PlanBatch(p[:k]), shape, mode, profiles, net)["total_ms"][:, 0, 0]
         for m, p in plans.items()
     }  # (num_draws, k) each
     return {m: np.median(totals["llama3"] / t, axis=1) for m, t in totals.items()}
@@ -331,8 +344,8 @@ def advise(
     from flashcp.config import check_method_options
     from flashcp.executors import RunSpec
     from flashcp.executors.rows import plan_sequences
-    from flashcp.registry import check_options, get_method, method_names
-    from flashcp.sim.cost import PlanBatch, price_plans
+    from flashcp.registry import check_options, get_method, method_names, option_names
+    from flashcp.sim.cost import PlanBatch
     from flashcp.sim.hardware import load_hardware
     from flashcp.sim.network import topology_for
 
@@ -405,15 +418,27 @@ def advise(
     ratios: dict[str, np.ndarray] = {}
     skipped: dict[str, str] = {}
     for m in wanted:
+        # a planner that takes the topology (flashcp_node) plans for this one, as flashcp-run's
+        # conf/method/flashcp_node.yaml passes a run's; --option values win
+        topo_opts = (
+            {"num_nodes": net["nodes"], "placement": placement, "gpus_per_node": hw.gpus_per_node}
+            if "num_nodes" in option_names(m)
+            else {}
+        )
         run = RunSpec(
-            method=m, cp_size=n, shape=shape, modes=(mode,), options=opts.get(m, {}), hardware=hw
+            method=m,
+            cp_size=n,
+            shape=shape,
+            modes=(mode,),
+            options={**topo_opts, **opts.get(m, {})},
+            hardware=hw,
         )
         planned = plan_sequences(run, seqs)
         try:
             if planned.errors:
                 raise ValueError(next(iter(planned.errors.values())).removeprefix("error: "))
             batch = PlanBatch(planned.plans)
-            priced = price_plans(batch, [shape], [mode], [hw, nohost], **net)
+            priced = _price(batch, shape, mode, [hw, nohost], net)
         except ValueError as exc:
             if explicit or m == "llama3":
                 raise ValueError(f"method {m} does not apply at cp_size = {n}: {exc}") from None

@@ -330,7 +330,8 @@ def advise(
             e.g. on the flat ``h100_ib``). The sensitivity draws vary the inter-node constants
             too when the group spans nodes (:func:`flashcp.sim.perturb.varied_for`).
     Returns:
-        One row per method (display order): :data:`TABLE_COLUMNS`, ``total_ms_mean``,
+        One row per method (display order): :data:`TABLE_COLUMNS`, ``inter_mib_per_rank`` (the
+        largest rank's MiB from other nodes, median; 0 on one node), ``total_ms_mean``,
         ``ideal_ms`` and every part of :data:`PARTS` (means over sequences, ms), ``num_sequences``,
         ``overlong`` and its counts over the sequences (``overlong_docs``: documents, or pieces
         under ``split``, from a document longer than C; ``overlong_tokens_cut``).
@@ -341,10 +342,11 @@ def advise(
     Raises:
         ValueError: bad input (module docstring).
     """
+    from flashcp.comm import max_rank_link_bytes
     from flashcp.config import check_method_options
     from flashcp.executors import RunSpec
     from flashcp.executors.rows import plan_sequences
-    from flashcp.registry import check_options, get_method, method_names, option_names
+    from flashcp.registry import COMM_KIND, check_options, get_method, method_names, option_names
     from flashcp.sim.cost import PlanBatch
     from flashcp.sim.hardware import load_hardware
     from flashcp.sim.network import topology_for
@@ -416,6 +418,7 @@ def advise(
     parts: dict[str, dict[str, np.ndarray]] = {}
     plans: dict[str, list] = {}
     ratios: dict[str, np.ndarray] = {}
+    inter: dict[str, np.ndarray] = {}
     skipped: dict[str, str] = {}
     for m in wanted:
         # a planner that takes the topology (flashcp_node) plans for this one, as flashcp-run's
@@ -447,6 +450,10 @@ def advise(
         parts[m] = breakdown(batch, shape, mode, hw, priced=priced)
         plans[m] = planned.plans
         ratios[m] = np.asarray(planned.metrics["imbalance_ratio"], dtype=np.float64)
+        if topo is not None and topo.spans_nodes:  # the largest rank's bytes from other nodes
+            inter[m] = np.array(
+                [max_rank_link_bytes(p, COMM_KIND[m], shape, mode, topo)[0] for p in plans[m]]
+            )
     t1 = time.perf_counter()
     k = min(int(draw_sequences), len(seqs))
     draws = _speedup_draws(
@@ -475,6 +482,7 @@ def advise(
                 "speedup_max": float(draws[m].max()),
                 "imbalance_ratio": float(np.median(ratios[m])),
                 "comm_mib_per_rank": float(np.median(p["comm_bytes"])) / 2**20,
+                "inter_mib_per_rank": float(np.median(inter.get(m, 0))) / 2**20,
                 "total_ms_mean": float(np.mean(p["total_ms"])),
                 "ideal_ms": float(np.mean(p["ideal_ms"])),
                 **{c: float(np.mean(p[c])) for c in PARTS},
@@ -528,19 +536,26 @@ def format_report(df: pd.DataFrame) -> str:
 
     s = df.attrs["setup"]
     sh = s["shape"]
+    cross = ["inter_mib_per_rank"] if s.get("topology") else []
     lines = [
         f"{s['source']}: {s['num_sequences']} sequences of {s['context_len']} tokens (seed "
         f"{s['seed']}); cp_size {s['cp_size']}; {sh.num_heads} heads, {sh.num_kv_heads} KV heads, "
         f"head_dim {sh.head_dim}, {sh.dtype}; hardware {s['hardware']} (calibrated); mode "
         f"{s['mode']}" + (f"; {s['topology']}" if s.get("topology") else ""),
         "",
-        markdown_table(df[list(TABLE_COLUMNS)], ".3f").rstrip("\n"),
+        markdown_table(df[[*TABLE_COLUMNS, *cross]], ".3f").rstrip("\n"),
         "",
         "step_ms: one attention layer's step (simulated), median and p90 over the sequences. "
         "speedup_vs_llama3: median over sequences; speedup_min/max: its range over "
         f"{s['num_draws']} joint draws of the hardware constants (each x1/{s['factor']:g} .. "
         f"x{s['factor']:g}, the sensitivity study's Latin hypercube) on the first "
-        f"{s['draw_sequences']} sequences. imbalance_ratio, comm_mib_per_rank: medians.",
+        f"{s['draw_sequences']} sequences. imbalance_ratio, comm_mib_per_rank: medians."
+        + (
+            " inter_mib_per_rank: of it, the MiB the largest rank receives from other nodes "
+            "(median; docs/multinode.md)."
+            if cross
+            else ""
+        ),
     ]
     if "model_step_speedup_vs_llama3" in df:
         lines.append(

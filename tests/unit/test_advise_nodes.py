@@ -28,3 +28,19 @@ def test_advise_plans_and_prices_flashcp_node_on_its_nodes():
     rows = df.attrs["rows"]
     got = rows[rows["method"] == "flashcp_node"]["total_ms"].to_numpy()
     np.testing.assert_allclose(got, want["total_ms"][0, 0], rtol=1e-12)
+
+
+def test_advise_reports_the_bytes_that_cross_nodes():
+    from flashcp.cli.advise import format_report
+
+    kw = dict(dataset="pile", context_len=32768, num_sequences=2, num_draws=1, draw_sequences=1)
+    two = advise(cp_size=16, nodes=2, methods=["flashcp", "flashcp_node"], **kw).set_index("method")
+    # an all-gather ring leaves each node once: the node's first rank gets its whole share from
+    # the other node (docs/multinode.md); the two-scope gather keeps some of it on NVLink
+    assert two.loc["flashcp", "inter_mib_per_rank"] == two.loc["flashcp", "comm_mib_per_rank"] > 0
+    node = two.loc["flashcp_node"]
+    assert 0 < node["inter_mib_per_rank"] < node["comm_mib_per_rank"]
+    assert "inter_mib_per_rank" in format_report(two.reset_index())
+    one = advise(cp_size=8, methods=["flashcp"], **kw)
+    assert (one["inter_mib_per_rank"] == 0).all()
+    assert "inter_mib_per_rank" not in format_report(one)

@@ -23,12 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from flashcp.comm import (
-    AttnShape,
-    comm_volume_by_link,
-    node_scoped_volume_by_link,
-    uses_node_scope,
-)
+from flashcp.comm import AttnShape, max_rank_link_bytes
 from flashcp.data import sample_dataset
 from flashcp.registry import COMM_KIND, make_plan_for, option_names
 from flashcp.results import markdown_table
@@ -42,13 +37,8 @@ MIB = 2.0**20
 
 def _bytes(plan, method: str, shape: AttnShape, mode: str, topo) -> tuple[float, float]:
     """The largest rank's (inter, intra) bytes of ``plan`` in ``mode``."""
-    if method == "flashcp_node" and uses_node_scope(plan):
-        links = node_scoped_volume_by_link(plan, shape, mode)
-    else:
-        links = comm_volume_by_link(plan, COMM_KIND[method], shape, mode, topo)
-    inter = sum(links["inter"].values())
-    intra = sum(links["intra"].values())
-    return float(inter.max()), float(intra.max())
+    inter, intra = max_rank_link_bytes(plan, COMM_KIND[method], shape, mode, topo)
+    return float(inter), float(intra)
 
 
 def link_table(summary: pd.DataFrame, hardware: str = "h100_sxm") -> pd.DataFrame:

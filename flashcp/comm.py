@@ -64,6 +64,7 @@ __all__ = [
     "comm_volume",
     "comm_volume_by_link",
     "grad_comm_bytes",
+    "max_rank_link_bytes",
     "node_local_docs",
     "node_scope_rows",
     "node_scoped_comm_volume",
@@ -540,3 +541,23 @@ def node_scoped_volume_by_link(
         out["intra"][kind] = np.where(inter, 0, group[kind]) + node[kind]
         out["inter"][kind] = np.where(inter, group[kind], 0).astype(np.int64)
     return out
+
+
+def max_rank_link_bytes(
+    plan: Plan, comm_kind: str, shape: AttnShape, mode: Mode, topology=None
+) -> tuple[int, int]:
+    """The largest rank's ``(inter, intra)`` bytes of one attention-layer step (int, bytes; each
+    maximum taken over the ranks on its own): :func:`comm_volume_by_link` summed over kinds, or
+    :func:`node_scoped_volume_by_link` for a ``flashcp_node`` plan whose op gathers in two scopes
+    (docs/multinode.md, docs/scale.md).
+
+    Raises:
+        ValueError: as :func:`comm_volume_by_link` (a bad ``mode`` or ``comm_kind``).
+    """
+    if plan.method == "flashcp_node" and uses_node_scope(plan):
+        links = node_scoped_volume_by_link(plan, shape, mode)
+    else:
+        links = comm_volume_by_link(plan, comm_kind, shape, mode, topology)
+    inter = sum(links["inter"].values())
+    intra = sum(links["intra"].values())
+    return int(np.max(inter)), int(np.max(intra))

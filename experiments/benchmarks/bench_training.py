@@ -10,7 +10,9 @@ on its rank 0: :func:`flashcp.training.plan_and_shard`), ``shard`` the time of
 (the rank's next-token labels, shifted on its own rows only), ``meta`` (the op's ``prepare``) and
 the index gathers of tokens, labels and positions (``gather``). Milliseconds, median over
 ``--repeats`` runs and the sequences; no process group (the broadcast of the plan is not timed).
-CPU wall clock on the machine it runs on (a shared machine inflates it: say so). ``--compiled 1``
+CPU wall clock on the machine it runs on (a shared machine inflates it: say so); ``--clock thread``
+times the calling thread's CPU time instead, which other jobs on the machine inflate far less
+(one intra-op thread: all of the work is on it). ``--compiled 1``
 (default) plans with the numba kernels from the first call (:mod:`flashcp.compiled`), as a
 training job does once it has planned a few hundred batches.
 """
@@ -35,13 +37,18 @@ from flashcp.training.batch import _rank_labels
 METHODS = ("llama3", "zigzag", "flashcp", "flashcp_refined", "ulysses", "usp", "flashcp_ulysses")
 
 
+#: the clock of :func:`_ms` (``--clock``): wall time, or the calling thread's CPU time
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+_CLOCK = {"now": time.perf_counter}
+
+
 def _ms(fn, repeats: int) -> tuple[object, float]:
-    """``fn()``'s value and the median of ``repeats`` wall times, milliseconds."""
-    times, value = [], None
+    """``fn()``'s value and the median of ``repeats`` times (``--clock``), milliseconds."""
+    times, value, now = [], None, _CLOCK["now"]
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         value = fn()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return value, 1e3 * float(np.median(times))
 
 
@@ -60,7 +67,14 @@ def main(argv=None) -> None:
         help="FLASHCP_COMPILED: 1 = the planners' numba kernels from the first call (a training "
         "job's steady state), 0 = the NumPy references",
     )
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall: wall clock; thread: the calling thread's CPU time (less inflated by other jobs)",
+    )
     args = ap.parse_args(argv)
+    _CLOCK["now"] = CLOCKS[args.clock]
     os.environ["FLASHCP_COMPILED"] = args.compiled
     torch.set_num_threads(1)
     c, n = args.context_len, args.cp_size
@@ -69,7 +83,7 @@ def main(argv=None) -> None:
     )
     print(
         f"{args.dataset}, C = {c}, CP {n}, {args.sequences} sequences, median of {args.repeats} runs (ms), "
-        f"FLASHCP_COMPILED={args.compiled}"
+        f"FLASHCP_COMPILED={args.compiled}, {args.clock} clock"
     )
     print(
         f"{'method':16s} {'docs':>5s} {'plan':>8s} {'shard':>8s} {'labels':>8s} {'meta':>8s} {'gather':>8s}"

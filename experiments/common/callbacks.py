@@ -448,5 +448,7 @@ class AggregateResults(ExperimentFolder):
             try:
                 log.info("figure %s -> %s", fig, draw(fig, self.exp_dir))
             except ValueError as exc:
-                problems.append(f"error: figure {fig} not drawn: {exc}")
+                problems.append(
+                    f"error: figure {fig} not drawn: {exc} (the rows are merged; plots=[] draws none)"
+                )
         return problems

@@ -428,9 +428,40 @@ def _check_hardware(runs: list[DictConfig]) -> None:
         try:
             if key not in seen:
                 seen[key] = load_hardware(hw, explicit=explicit)
-            run_topology(r, seen[key])  # nodes / placement that do not fit: one line
+            topo = run_topology(r, seen[key])  # nodes / placement that do not fit: one line
+            _check_planner_topology(r, topo)
         except ValueError as exc:
             raise ConfigError(f"{where}{exc}") from None
+
+
+def _check_planner_topology(r: DictConfig, topo: Any) -> None:
+    """A planner that takes the topology (``flashcp_node``: ``num_nodes``, ``placement``,
+    ``gpus_per_node``, which conf/method/flashcp_node.yaml takes from the run) must plan for the
+    run's CP group (``topo``, None: one node), which the simulator prices (docs/scale.md).
+
+    Raises:
+        ValueError: (one line) naming the method options that place the ranks elsewhere.
+    """
+    import numpy as np
+
+    from flashcp.planners.flashcp_node import _check_topology
+    from flashcp.registry import option_names
+
+    method = str(r.method.name)
+    if "num_nodes" not in option_names(method):
+        return
+    o = r.method.get("options") or {}
+    nodes, gpn = o.get("num_nodes"), o.get("gpus_per_node")
+    placement = str(o.get("placement", "consecutive"))
+    own = _check_topology(int(r.cp_size), nodes, placement, gpn)
+    run_nodes = np.zeros(int(r.cp_size), dtype=np.int64) if topo is None else topo.node_of
+    if not np.array_equal(own.node_of, run_nodes):
+        where = "a flat network" if topo is None else topo.describe()
+        raise ValueError(
+            f"method.options num_nodes={nodes} placement={placement} gpus_per_node={gpn} plan "
+            f"{method} for {own.describe()}, but the run prices {where}; leave them to the run's "
+            "nodes, placement and hardware.gpus_per_node"
+        )
 
 
 def run_topology(r: DictConfig, hw: Any):

@@ -13,7 +13,8 @@ with the cost model (:func:`flashcp.sim.cost.price_plans`) and returns one row p
   ``speedup_min`` / ``speedup_max``: the range of that median over joint draws of the hardware
   constants' uncertainty (:func:`flashcp.sim.perturb.joint_factors` and
   :func:`flashcp.sim.perturb.perturb`: every overhead constant x1/2 .. x2 in a Latin
-  hypercube), priced on the first ``draw_sequences`` sequences;
+  hypercube), measured on the first ``draw_sequences`` sequences as factors on the nominal
+  constants' median there, applied to the median over every sequence (the range always holds it);
 * ``imbalance_ratio`` (median; workload of the busiest rank over the mean, docs/design.md §2) and
   ``comm_mib_per_rank`` (median MiB one rank receives in the step, every pass);
 * the breakdown (means over the sequences, ms): ``ideal_ms`` plus five parts summing, for every
@@ -195,6 +196,21 @@ def _sample(
     return seqs, counts, f"dataset {dataset}"
 
 
+def _price(batch: Any, shape: AttnShape, mode: str, profiles: list, net: dict | None) -> dict:
+    """:func:`flashcp.sim.cost.price_plans`' output, (P, 1, 1, S) per column, for ``batch`` on P
+    ``profiles``; a ``flashcp_node`` batch whose op gathers in two scopes is priced by
+    :func:`flashcp.sim.node_scoped.price_node_scoped`, as ``executor=sim`` prices it (docs/scale.md).
+    """
+    from flashcp.sim.cost import price_plans
+    from flashcp.sim.node_scoped import price_node_scoped, spans_nodes
+
+    net = net or {}
+    if spans_nodes(batch.plans):
+        out = price_node_scoped(batch.plans, shape, [mode], profiles, **net)  # (P, 1, S)
+        return {c: v[:, None] for c, v in out.items()}
+    return price_plans(batch, [shape], [mode], profiles, **net)
+
+
 def breakdown(
     batch: Any, shape: AttnShape, mode: str, hw: Any, *, priced: dict | None = None
 ) -> dict[str, np.ndarray]:
@@ -217,12 +233,12 @@ def breakdown(
         (int64, bytes one rank receives).
     """
     from flashcp.plan import doc_workload
-    from flashcp.sim.cost import attention_balance, price_plans
+    from flashcp.sim.cost import attention_balance
     from flashcp.sim.kernel import tile_us
 
     if priced is None:
         nohost = dataclasses.replace(hw, **dict.fromkeys(HOST_CONSTANTS, 0.0))
-        priced = price_plans(batch, [shape], [mode], [hw, nohost])
+        priced = _price(batch, shape, mode, [hw, nohost], None)
     cal = {c: v[0, 0, 0] for c, v in priced.items()}
     total_nohost = priced["total_ms"][1, 0, 0]
     bal = attention_balance(batch, shape, mode, hw)
@@ -252,21 +268,23 @@ def _speedup_draws(
     plans: dict[str, list], shape, mode, hw, num_draws: int, factor: float, seed: int, k: int,
     net: dict | None = None, spans: bool = False,
 ) -> dict[str, np.ndarray]:  # fmt: skip
-    """Per method, the median over the first ``k`` sequences of llama3's step time over its own,
-    for each of ``num_draws`` joint draws of the constants (the inter-node ones too when
-    ``spans``; ``net``: placement and nodes for :func:`price_plans`): (num_draws,) arrays."""
-    from flashcp.sim.cost import PlanBatch, price_plans
+    """Per method, how far the constants move its speedup: for each of ``num_draws`` joint draws
+    of the constants (the inter-node ones too when ``spans``; ``net``: placement and nodes for
+    :func:`price_plans`), the median over the first ``k`` sequences of llama3's step time over
+    its own, divided by the same median at the nominal constants: (num_draws,) factors, which
+    the caller applies to the median over every sequence (so the range is centred on what the
+    table reports, whatever the first ``k`` sequences' median)."""
+    from flashcp.sim.cost import PlanBatch
     from flashcp.sim.perturb import joint_factors, perturb, varied_for
 
     varied = varied_for(spans)
-    profiles = [perturb(hw, f) for f in joint_factors(num_draws, factor, seed, varied)]
+    profiles = [hw, *(perturb(hw, f) for f in joint_factors(num_draws, factor, seed, varied))]
     totals = {
-        m: price_plans(PlanBatch(p[:k]), [shape], [mode], profiles, **(net or {}))["total_ms"][
-            :, 0, 0
-        ]
+        m: _price(PlanBatch(p[:k]), shape, mode, profiles, net)["total_ms"][:, 0, 0]
         for m, p in plans.items()
-    }  # (num_draws, k) each
-    return {m: np.median(totals["llama3"] / t, axis=1) for m, t in totals.items()}
+    }  # (1 + num_draws, k) each, the nominal profile first
+    medians = {m: np.median(totals["llama3"] / t, axis=1) for m, t in totals.items()}
+    return {m: med[1:] / med[0] for m, med in medians.items()}
 
 
 def advise(
@@ -317,7 +335,8 @@ def advise(
             e.g. on the flat ``h100_ib``). The sensitivity draws vary the inter-node constants
             too when the group spans nodes (:func:`flashcp.sim.perturb.varied_for`).
     Returns:
-        One row per method (display order): :data:`TABLE_COLUMNS`, ``total_ms_mean``,
+        One row per method (display order): :data:`TABLE_COLUMNS`, ``inter_mib_per_rank`` (the
+        largest rank's MiB from other nodes, median; 0 on one node), ``total_ms_mean``,
         ``ideal_ms`` and every part of :data:`PARTS` (means over sequences, ms), ``num_sequences``,
         ``overlong`` and its counts over the sequences (``overlong_docs``: documents, or pieces
         under ``split``, from a document longer than C; ``overlong_tokens_cut``).
@@ -328,11 +347,12 @@ def advise(
     Raises:
         ValueError: bad input (module docstring).
     """
+    from flashcp.comm import max_rank_link_bytes
     from flashcp.config import check_method_options
     from flashcp.executors import RunSpec
     from flashcp.executors.rows import plan_sequences
-    from flashcp.registry import check_options, get_method, method_names
-    from flashcp.sim.cost import PlanBatch, price_plans
+    from flashcp.registry import COMM_KIND, check_options, get_method, method_names, option_names
+    from flashcp.sim.cost import PlanBatch
     from flashcp.sim.hardware import load_hardware
     from flashcp.sim.network import topology_for
 
@@ -403,17 +423,30 @@ def advise(
     parts: dict[str, dict[str, np.ndarray]] = {}
     plans: dict[str, list] = {}
     ratios: dict[str, np.ndarray] = {}
+    inter: dict[str, np.ndarray] = {}
     skipped: dict[str, str] = {}
     for m in wanted:
+        # a planner that takes the topology (flashcp_node) plans for this one, as flashcp-run's
+        # conf/method/flashcp_node.yaml passes a run's; --option values win
+        topo_opts = (
+            {"num_nodes": net["nodes"], "placement": placement, "gpus_per_node": hw.gpus_per_node}
+            if "num_nodes" in option_names(m)
+            else {}
+        )
         run = RunSpec(
-            method=m, cp_size=n, shape=shape, modes=(mode,), options=opts.get(m, {}), hardware=hw
+            method=m,
+            cp_size=n,
+            shape=shape,
+            modes=(mode,),
+            options={**topo_opts, **opts.get(m, {})},
+            hardware=hw,
         )
         planned = plan_sequences(run, seqs)
         try:
             if planned.errors:
                 raise ValueError(next(iter(planned.errors.values())).removeprefix("error: "))
             batch = PlanBatch(planned.plans)
-            priced = price_plans(batch, [shape], [mode], [hw, nohost], **net)
+            priced = _price(batch, shape, mode, [hw, nohost], net)
         except ValueError as exc:
             if explicit or m == "llama3":
                 raise ValueError(f"method {m} does not apply at cp_size = {n}: {exc}") from None
@@ -422,6 +455,10 @@ def advise(
         parts[m] = breakdown(batch, shape, mode, hw, priced=priced)
         plans[m] = planned.plans
         ratios[m] = np.asarray(planned.metrics["imbalance_ratio"], dtype=np.float64)
+        if topo is not None and topo.spans_nodes:  # the largest rank's bytes from other nodes
+            inter[m] = np.array(
+                [max_rank_link_bytes(p, COMM_KIND[m], shape, mode, topo)[0] for p in plans[m]]
+            )
     t1 = time.perf_counter()
     k = min(int(draw_sequences), len(seqs))
     draws = _speedup_draws(
@@ -446,10 +483,11 @@ def advise(
                 "step_ms_p50": float(np.median(p["total_ms"])),
                 "step_ms_p90": float(np.quantile(p["total_ms"], 0.9)),
                 "speedup_vs_llama3": float(np.median(speedup)),
-                "speedup_min": float(draws[m].min()),
-                "speedup_max": float(draws[m].max()),
+                "speedup_min": float(np.median(speedup) * min(draws[m].min(), 1.0)),
+                "speedup_max": float(np.median(speedup) * max(draws[m].max(), 1.0)),
                 "imbalance_ratio": float(np.median(ratios[m])),
                 "comm_mib_per_rank": float(np.median(p["comm_bytes"])) / 2**20,
+                "inter_mib_per_rank": float(np.median(inter.get(m, 0))) / 2**20,
                 "total_ms_mean": float(np.mean(p["total_ms"])),
                 "ideal_ms": float(np.mean(p["ideal_ms"])),
                 **{c: float(np.mean(p[c])) for c in PARTS},
@@ -503,19 +541,27 @@ def format_report(df: pd.DataFrame) -> str:
 
     s = df.attrs["setup"]
     sh = s["shape"]
+    cross = ["inter_mib_per_rank"] if s.get("topology") else []
     lines = [
         f"{s['source']}: {s['num_sequences']} sequences of {s['context_len']} tokens (seed "
         f"{s['seed']}); cp_size {s['cp_size']}; {sh.num_heads} heads, {sh.num_kv_heads} KV heads, "
         f"head_dim {sh.head_dim}, {sh.dtype}; hardware {s['hardware']} (calibrated); mode "
         f"{s['mode']}" + (f"; {s['topology']}" if s.get("topology") else ""),
         "",
-        markdown_table(df[list(TABLE_COLUMNS)], ".3f").rstrip("\n"),
+        markdown_table(df[[*TABLE_COLUMNS, *cross]], ".3f").rstrip("\n"),
         "",
         "step_ms: one attention layer's step (simulated), median and p90 over the sequences. "
         "speedup_vs_llama3: median over sequences; speedup_min/max: its range over "
         f"{s['num_draws']} joint draws of the hardware constants (each x1/{s['factor']:g} .. "
-        f"x{s['factor']:g}, the sensitivity study's Latin hypercube) on the first "
-        f"{s['draw_sequences']} sequences. imbalance_ratio, comm_mib_per_rank: medians.",
+        f"x{s['factor']:g}, the sensitivity study's Latin hypercube), measured on the first "
+        f"{s['draw_sequences']} sequences relative to the nominal constants and applied to the "
+        "median. imbalance_ratio, comm_mib_per_rank: medians."
+        + (
+            " inter_mib_per_rank: of it, the MiB the largest rank receives from other nodes "
+            "(median; docs/multinode.md)."
+            if cross
+            else ""
+        ),
     ]
     if "model_step_speedup_vs_llama3" in df:
         lines.append(

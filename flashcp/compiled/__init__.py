@@ -5,7 +5,8 @@ readable NumPy / pure-Python one (the reference: the paper's Algorithm 1 in
 :mod:`flashcp.planners.flashcp`, the checks in :meth:`flashcp.plan.Plan.validate`), and numba kernels
 that compute the same plans, bit for bit, in microseconds (:mod:`flashcp.plan.kernels`,
 :mod:`flashcp.planners.flashcp.compiled`, :mod:`flashcp.planners.flashcp_refined.compiled`; the batched step model's tile
-statistics in :mod:`flashcp.sim.cost.kernels`). The kernels are used when numba can be imported;
+statistics in :mod:`flashcp.sim.cost.kernels`; the ring family's metadata in
+:mod:`flashcp.ops.ring_kernels`). The kernels are used when numba can be imported;
 without it (e.g. on an image that lacks numba) every caller falls back to the reference, with
 identical results. This module loads them by name (:func:`load`); they are declared with
 :func:`flashcp.compiled.jit.njit`, and :mod:`flashcp.compiled.warm` compiles them ahead.
@@ -105,7 +106,8 @@ def enabled() -> bool:
 
 
 def load(name: str) -> ModuleType | None:
-    """The kernels module ``name`` (``"plan"``, ``"heuristic"``, ``"refined"`` or ``"price"``), or
+    """The kernels module ``name`` (``"plan"``, ``"heuristic"``, ``"refined"``, ``"price"`` or
+    ``"ring"``), or
     None: the caller then runs its reference implementation (same results). None when the kernels
     are off (:func:`enabled`) and, in ``auto`` mode, for the first :data:`WARMUP_CALLS` requests,
     while the kernels' cache is cold and where it cannot be written (module docstring).

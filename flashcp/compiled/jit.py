@@ -36,6 +36,7 @@ KERNEL_MODULES = {
     "heuristic": "flashcp.planners.flashcp.compiled",
     "refined": "flashcp.planners.flashcp_refined.compiled",
     "price": "flashcp.sim.cost.kernels",
+    "ring": "flashcp.ops.ring_kernels",
 }
 #: the sources the cache key hashes: every kernel module and this one (it sets how they compile)
 _KEYED = (*sorted(KERNEL_MODULES.values()), __name__)

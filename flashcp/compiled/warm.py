@@ -51,6 +51,9 @@ def warm_up(marker: Path | None = None, *, mark: bool = True) -> float:
         methods = ("llama3", "per_doc", "ring", "zigzag", "flashcp", "flashcp_refined")
         plans = [make_plan_for(method, [3000, 1000, 64, 32], 4) for method in methods]
         price_plans(plans, [AttnShape(4, 4, 64, "bfloat16")], ["train"], "h100_sxm")
+        from flashcp.ops.ring_meta import prepare_ring_meta  # imports torch: the ops need it
+
+        prepare_ring_meta(plans[3], 1, "zigzag")
     finally:
         if old is None:
             del os.environ["FLASHCP_COMPILED"]

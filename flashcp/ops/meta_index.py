@@ -14,9 +14,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashcp.plan import Plan, cu_seqlens
+from flashcp.plan import Plan, cu_seqlens, shard_workload
 
-__all__ = ["allgather_index", "ranges", "tiles_documents"]
+__all__ = [
+    "RING_CALL_FIELDS",
+    "allgather_index",
+    "ranges",
+    "ring_call_groups",
+    "ring_calls",
+    "ring_segments",
+    "tiles_documents",
+]
 
 
 def ranges(begin: np.ndarray, length: np.ndarray) -> np.ndarray:
@@ -178,22 +186,25 @@ def ring_segments(
 
 
 def ring_call_groups(
-    step: np.ndarray, q0: np.ndarray, causal: np.ndarray, steps: int
-) -> list[list[np.ndarray]]:
+    step: np.ndarray, q0: np.ndarray, causal: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """The segments of each varlen kernel call of every ring step: ``_calls``'s first fit
     (:mod:`flashcp.ops.ring_meta`) on a step's segments, which come in non-decreasing ``q0`` and
     whose query rows are one shard's (equal ranges) or disjoint. The k-th segment of one flag on
     the same rows goes to the k-th call of that flag (the first k are busy up to those rows' end;
     the next is free).
 
+    Args:
+        step, q0: (n,) int64 segments' ring step and first query row (by step);
+        causal: (n,) bool.
     Returns:
-        per step, per call in the order the calls open, the (n,) int64 positions of its
-        segments.
+        order: (n,) int64 positions of the segments, call after call (the calls by step, in the
+        order they open within it); bounds: (n_calls + 1,) int64, call g's segments are
+        ``order[bounds[g]:bounds[g + 1]]``.
     """
-    out: list[list[np.ndarray]] = [[] for _ in range(steps)]
-    if q0.size == 0:
-        return out
     m = q0.size
+    if m == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64)
     order = np.lexsort((np.arange(m), causal, q0, step))
     ks, kq, kc = step[order], q0[order], causal[order]
     starts = np.ones(m, dtype=bool)
@@ -203,8 +214,71 @@ def ring_call_groups(
     k[order] = np.arange(m) - first
     call = (step * (k.max() + 1) + k) * 2 + causal  # one call per (step, k, flag)
     _, opened, which = np.unique(call, return_index=True, return_inverse=True)
-    members = np.argsort(which, kind="stable")
-    bounds = np.searchsorted(which[members], np.arange(opened.size + 1))
-    for g in np.argsort(opened, kind="stable"):
-        out[int(step[opened[g]])].append(members[bounds[g] : bounds[g + 1]])
-    return out
+    # number the calls in the order they open (their first segment's position: by step)
+    seq = np.empty(opened.size, dtype=np.int64)
+    seq[np.argsort(opened)] = np.arange(opened.size)
+    pos = seq[which.ravel()]
+    return np.argsort(pos, kind="stable"), cu_seqlens(np.bincount(pos, minlength=opened.size))
+
+
+#: the rows of :func:`ring_calls`'s table: per call (its first ``n_calls`` columns) its ring step,
+#: causal flag (0/1), pairs, longest query and key segment, first and end query row and whether
+#: its query rows are that one slice (0/1), the same of its key rows; then (all ``n_calls + 1``
+#: columns) offsets: of each call's ``cu_seqlens`` in ``cu``, of its query and key rows in ``rows``
+RING_CALL_FIELDS = (
+    "step", "causal", "pairs", "max_q", "max_k", "q_first", "q_last", "q_slice",
+    "k_first", "k_last", "k_slice", "cu_at", "q_rows_at", "k_rows_at",
+)  # fmt: skip
+
+
+def ring_calls(segments: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every ring step's kernel calls at once, as flat arrays: what ``_block_call`` of
+    :mod:`flashcp.ops.ring_meta` computes call by call, for the calls of :func:`ring_call_groups`
+    on the segments of :func:`ring_segments`.
+
+    A call's ``cu_seqlens`` are its segments' lengths' running sums from 0; its query (key) rows
+    are one slice when its segments' ranges run back to back, else the rows of each range in turn
+    (:func:`ranges`); its pairs are Eq. 3 of its causal (bottom-right aligned: prefix
+    ``kl - ql``) segments, ``ql * kl`` of full ones.
+
+    Args:
+        segments: ``(step, q0, q1, k0, k1, causal)`` of :func:`ring_segments`.
+    Returns:
+        table: (len(RING_CALL_FIELDS), n_calls + 1) int64, the rows :data:`RING_CALL_FIELDS`,
+        calls by step in the order they open; rows: (n_rows,) int64 the query rows then the key
+        rows of the calls whose rows are not one slice; cu: (2, n_seg + n_calls) int64, row 0 the
+        calls' ``cu_seqlens_q`` one after another (call g's at ``cu_at[g]:cu_at[g + 1]``), row 1
+        their ``cu_seqlens_k``.
+    """
+    step, q0, q1, k0, k1, causal = segments
+    order, bounds = ring_call_groups(step, q0, causal)
+    step, q0, q1, k0, k1, causal = (a[order] for a in (step, q0, q1, k0, k1, causal))
+    ncall, nseg = bounds.size - 1, order.size
+    head, last = bounds[:-1], bounds[1:] - 1
+    of = np.repeat(np.arange(ncall), np.diff(bounds))  # each segment's call
+    same = of[1:] == of[:-1]
+    ql, kl = q1 - q0, k1 - k0
+    table = np.zeros((len(RING_CALL_FIELDS), ncall + 1), dtype=np.int64)
+    table[:2, :ncall] = step[head], causal[head]
+    if ncall:
+        work = np.where(causal, shard_workload(kl - ql, ql), ql * kl)
+        table[2:5, :ncall] = [np.add.reduceat(work, head)] + [
+            np.maximum.reduceat(x, head) for x in (ql, kl)
+        ]
+    table[11] = bounds + np.arange(ncall + 1)  # call g's cu_seqlens: n_g + 1 entries
+    cu = np.zeros((2, nseg + ncall), dtype=np.int64)
+    at = np.arange(nseg) + of + 1
+    for row, length in enumerate((ql, kl)):
+        run = np.cumsum(length)
+        cu[row, at] = run - (run - length)[head][of]
+    rows = []
+    for f, b, e, ln in ((5, q0, q1, ql), (8, k0, k1, kl)):
+        broken = np.bincount(of[1:][same & (b[1:] != e[:-1])], minlength=ncall) > 0
+        pick = broken[of]
+        rows.append(ranges(b[pick], ln[pick]))
+        table[f : f + 3, :ncall] = b[head], e[last], ~broken
+        table[12 if f == 5 else 13] = cu_seqlens(
+            np.bincount(of[pick], weights=ln[pick], minlength=ncall)
+        )
+    table[13] += rows[0].size
+    return table, np.concatenate(rows), cu

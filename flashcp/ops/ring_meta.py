@@ -33,15 +33,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from flashcp import compiled
 from flashcp.ops.collectives import check_same_plan
 from flashcp.ops.meta_index import ranges as row_ranges
-from flashcp.ops.meta_index import ring_call_groups, ring_segments
+from flashcp.ops.meta_index import ring_calls, ring_segments
 from flashcp.plan import Plan, cu_seqlens, shard_workload
 
 __all__ = ["BlockCall", "RingMeta", "Rows", "prepare_ring_meta"]
 
 Rows = slice | torch.Tensor
 """Rows of a tensor taking part in a call: a ``slice`` or a (n,) int64 index tensor."""
+
+#: the most rows an int32 ``cu_seqlens`` holds
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclass(frozen=True)
@@ -248,17 +252,48 @@ def _calls(segs: list[tuple]) -> tuple[BlockCall, ...]:
     return tuple(calls)
 
 
-def _steps(local, blocks) -> tuple[tuple[BlockCall, ...], ...]:
-    """``_calls(_fuse(_shard_segments(...)))`` of every ring step from the shard arrays at once
-    (:func:`flashcp.ops.meta_index.ring_segments` and
-    :func:`~flashcp.ops.meta_index.ring_call_groups`: the same calls, without a Python loop
-    over the shards). ``local``, ``blocks[s]``: ``(doc, start, length, offset)`` int64 arrays of
-    the rank's shards and of the block it holds at step s."""
-    step, q0, q1, k0, k1, causal = ring_segments(local, blocks)
-    return tuple(
-        tuple(_block_call(bool(causal[g[0]]), q0[g], q1[g], k0[g], k1[g]) for g in calls)
-        for calls in ring_call_groups(step, q0, causal, len(blocks))
-    )
+def _steps(cols, bounds: np.ndarray, rank: int) -> tuple[tuple[BlockCall, ...], ...]:
+    """``_calls(_fuse(_shard_segments(...)))`` of every ring step at once, with every call's
+    index tensors views of two tensors made once: from the compiled kernel
+    (:func:`flashcp.ops.ring_kernels.ring_calls`) when :mod:`flashcp.compiled` gives it, else from
+    its NumPy twin (:func:`flashcp.ops.meta_index.ring_segments` and
+    :func:`~flashcp.ops.meta_index.ring_calls`); the same calls either way.
+
+    Args:
+        cols: ``(doc, start, length, offset)`` (n_shards,) int64 columns of the plan's shards,
+            sorted by rank (offset = first row in its rank's buffer).
+        bounds: (N + 1,) int64, rank r's shards are ``bounds[r]:bounds[r + 1]``.
+        rank: the query rank.
+    Raises:
+        ValueError: a call's rows do not fit int32 ``cu_seqlens``.
+    """
+    n = bounds.size - 1
+    kernels = compiled.load("ring")
+    if kernels is not None:
+        table, rows, cu = kernels.ring_calls(*cols, bounds, rank)
+    else:
+        shards = [tuple(c[bounds[r] : bounds[r + 1]] for c in cols) for r in range(n)]
+        table, rows, cu = ring_calls(
+            ring_segments(shards[rank], [shards[(rank - s) % n] for s in range(n)])
+        )
+    if cu.size and cu.max() > _INT32_MAX:
+        raise ValueError(f"{int(cu.max())} rows do not fit int32 cu_seqlens")
+    rows, cu = torch.from_numpy(rows), torch.from_numpy(cu.astype(np.int32))
+    step, causal, pairs, max_q, max_k, *qk, cu_at, q_at, k_at = table.tolist()
+    steps: list[list[BlockCall]] = [[] for _ in range(n)]
+    for g, s in enumerate(step):
+        if g == len(step) - 1:  # the table's last column: the offsets' ends only
+            break
+        r = []
+        for (first, last, whole), at in ((qk[:3], q_at), (qk[3:], k_at)):
+            r.append(slice(first[g], last[g]) if whole[g] else rows[at[g] : at[g + 1]])
+        a, b = cu_at[g], cu_at[g + 1]
+        steps[s].append(
+            BlockCall(
+                bool(causal[g]), r[0], r[1], cu[0, a:b], cu[1, a:b], max_q[g], max_k[g], pairs[g]
+            )
+        )
+    return tuple(tuple(calls) for calls in steps)
 
 
 def ring_steps_reference(plan: Plan, rank: int) -> tuple[tuple[BlockCall, ...], ...]:
@@ -301,7 +336,6 @@ def prepare_ring_meta(plan: Plan, rank: int, method: str) -> RingMeta:
     bounds = plan.rank_offsets  # shards of rank r: bounds[r]:bounds[r + 1]
     first = cu_seqlens(plan.length)[:-1]  # each shard's first row, counted over all ranks
     cols = (plan.doc, plan.start, plan.length, first - first[bounds[plan.rank]])
-    shards = [tuple(c[bounds[r] : bounds[r + 1]] for c in cols) for r in range(n)]
-    steps = _steps(shards[rank], [shards[(rank - s) % n] for s in range(n)])
+    steps = _steps(cols, bounds, rank)
     block = int(plan.doc_tokens_per_rank.max())
     return RingMeta(method, plan, rank, n, plan.context_len // n, block, steps)

@@ -1,7 +1,9 @@
 """The shard-level index metadata (flashcp.ops.meta_index) equals the readable token-level code:
 the all-gather family's send rows and key index on random plans of every method (pad, 1-token and
 zero-length documents included), for every rank and both all-gather variants; the ring family's
-kernel calls of every step (flashcp.ops.ring_meta) on the same plans; a plan whose shards do not tile its documents falls back to the reference; and a
+kernel calls of every step (flashcp.ops.ring_meta), from its NumPy arrays and its compiled kernel
+(flashcp.ops.ring_kernels), on the same plans; a plan whose shards do not tile its documents falls
+back to the reference; and a
 rank's labels (flashcp.training.shard_batch) are its shard of the whole batch's shifted labels."""
 
 from __future__ import annotations
@@ -10,11 +12,19 @@ import numpy as np
 import pytest
 import torch
 
+from flashcp import compiled
 from flashcp.ops.allgather_attn import allgather_index_reference, build_allgather_meta
-from flashcp.ops.meta_index import allgather_index, ranges, tiles_documents
+from flashcp.ops.meta_index import (
+    RING_CALL_FIELDS,
+    allgather_index,
+    ranges,
+    ring_calls,
+    ring_segments,
+    tiles_documents,
+)
 from flashcp.ops.ring_meta import _rows, prepare_ring_meta, ring_steps_reference
 from flashcp.ops.sharding import shard_tensor
-from flashcp.plan import make_plan
+from flashcp.plan import cu_seqlens, make_plan
 from flashcp.registry import make_plan_for, method_names
 from flashcp.training import shard_batch, shift_labels
 
@@ -117,11 +127,17 @@ def _same_call(a, b) -> bool:
     )
 
 
+@pytest.mark.parametrize("mode", ["0", "1"])
 @pytest.mark.parametrize("method", METHODS)
-def test_ring_steps_equal_the_shard_by_shard_reference(method):
+def test_ring_steps_equal_the_shard_by_shard_reference(method, mode, monkeypatch):
     """Every ring step's kernel calls of every rank of 25 random plans, 5 of them with up to 60
     documents (any layout runs the ring, and the hybrids' group plans): the same calls, rows,
-    segments and pairs."""
+    segments and pairs, from the NumPy arrays (``FLASHCP_COMPILED=0``) and from the compiled
+    kernel (``1``; skipped without numba)."""
+    monkeypatch.setenv("FLASHCP_COMPILED", mode)
+    if mode == "1" and compiled.load("ring") is None:
+        pytest.skip("numba is not installed")
+    assert (compiled.load("ring") is None) == (mode == "0")
     checked = 0
     plans = _random_plans(method, 20, seed=2 + sum(map(ord, method)))
     plans += _random_plans(method, 5, seed=3 + sum(map(ord, method)), max_docs=60)
@@ -136,6 +152,28 @@ def test_ring_steps_equal_the_shard_by_shard_reference(method):
                     assert all(_same_call(x, y) for x, y in zip(a, b, strict=True)), (rank, s)
                 checked += 1
     assert checked >= 25 * 2
+
+
+@pytest.mark.parametrize("method", ["ring", "zigzag", "usp", "flashcp"])
+def test_ring_kernel_writes_the_numpy_arrays(method, monkeypatch):
+    """The compiled kernel's table, rows and cu_seqlens equal its NumPy twin's, bit for bit and
+    dtype for dtype, on every rank of 10 random plans (zero-length, 1-token docs and pad)."""
+    monkeypatch.setenv("FLASHCP_COMPILED", "1")
+    kernels = compiled.load("ring")
+    if kernels is None:
+        pytest.skip("numba is not installed")
+    for plan in _random_plans(method, 10, seed=4 + sum(map(ord, method)), max_docs=30):
+        n, bounds = plan.cp_size, plan.rank_offsets
+        first = cu_seqlens(plan.length)[:-1]
+        cols = (plan.doc, plan.start, plan.length, first - first[bounds[plan.rank]])
+        shards = [tuple(c[bounds[r] : bounds[r + 1]] for c in cols) for r in range(n)]
+        for rank in range(n):
+            blocks = [shards[(rank - s) % n] for s in range(n)]
+            want = ring_calls(ring_segments(shards[rank], blocks))
+            got = kernels.ring_calls(*cols, bounds, rank)
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b)
+            assert want[0].shape[0] == len(RING_CALL_FIELDS)
 
 
 @pytest.mark.parametrize("method", METHODS)

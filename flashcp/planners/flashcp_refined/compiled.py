@@ -167,6 +167,23 @@ def _by_send(cands, send):
 
 
 @njit(cache=True)
+def _resort(order, q, send):
+    """Keep ``order`` sorted by (send, rank) after ``send[q]`` grew: move q towards the end past
+    every rank it now follows (nothing when q is not in ``order``)."""
+    i = 0
+    while i < order.size and order[i] != q:
+        i += 1
+    while i + 1 < order.size:
+        o = order[i + 1]
+        if send[o] < send[q] or (send[o] == send[q] and o < q):
+            order[i] = o
+            order[i + 1] = q
+            i += 1
+        else:
+            break
+
+
+@njit(cache=True)
 def pack(
     lens, order, n, tpr, budget, spread, alpha, zigzag, joint_tail, send_bound, defer, work_bound
 ):
@@ -398,9 +415,12 @@ def pack(
         # left, or c past them all
         top = max(c, (asc[left - 1] + 1) / 2) if left > 0 else c
         slope = alpha * top + (1.0 - alpha) * c
+        # the candidates by send (stable: ties by rank, as others is ascending), kept sorted as
+        # the pieces go out (one rank's send grows per piece) instead of sorted per piece
+        by_send = _by_send(others, send)
         while end > a:  # the rest of the head, from its end, in pieces of at most `piece` tokens
             q, s = -1, 0
-            for cand in _by_send(others, send):
+            for cand in by_send:
                 full = min(end - a, tpr - tokens[cand], piece)
                 got = 0
                 if full > 0 and full <= s:
@@ -470,6 +490,7 @@ def pack(
                 tail_start = start
             else:
                 send[q] += s
+                _resort(by_send, q, send)
             end = start
         if a and tail_start == a:  # the tail's rank ended up holding the whole document
             send[r] -= a

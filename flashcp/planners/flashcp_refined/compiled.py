@@ -452,6 +452,17 @@ def pack(
                         s + 1, end, room_c, base_c, c, budget, cum_t, cum_w, asc, left, alpha
                     ):
                         continue
+                    # the threshold lies in [s + 1, full - 1]: bisect there
+                    lo, hi = s + 1, full - 1
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        if _piece_ok(mid, end, room_c, base_c, c, budget, cum_t, cum_w, asc, left,
+                                     alpha):  # fmt: skip
+                            lo = mid
+                        else:
+                            hi = mid - 1
+                    q, s = cand, lo
+                    continue
                 if s > 0 and full > 0 and monotone:
                     # every piece longer than s misses B (_none_beyond): got <= s, not full
                     if _none_beyond(s, full, end, tpr - tokens[cand], work[cand], c, budget,

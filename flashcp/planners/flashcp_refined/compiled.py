@@ -5,6 +5,9 @@ the same integer and floating-point operations as the readable reference
 The reference's closures become small functions taking what they read; its bisections
 (``_largest`` with a predicate) are written out per predicate; the deferred head's receivers
 (a dict in insertion order there) are an array in that order with their estimates beside it.
+The piece loop keeps its candidates sorted by send as the pieces go out and skips the searches
+whose answer provably cannot change the chosen piece (docs/scale.md, "Pricing and refined planning
+at CP 64"): the same plans.
 """
 
 from __future__ import annotations

@@ -150,6 +150,25 @@ def test_compiled_flashcp_at_large_cp_size():
         assert key(fast) == key(plan_flashcp_reference(d, n, num_pad=pad)), (d.size, n)
 
 
+@pytest.mark.slow
+def test_compiled_flashcp_refined_at_cp_64():
+    """CP 32 and 64 (8 nodes of 8 GPUs, ``flashcp advise --cp-size 64``): the compiled packing
+    pass, with its shortcuts past searches that cannot win, keeps the reference's plans on
+    sampled 32K-128K sequences of every dataset and several targets."""
+    checked = 0
+    for context_len, n in ((32768, 32), (131072, 64)):
+        for i, ds in enumerate(DATASETS):
+            dist = load_distribution(ds, context_len=context_len)
+            for d in sample_sequences(dist, 2, context_len, seed=11 + i):
+                target = TARGETS[checked % len(TARGETS)]
+                pad = -int(d.sum()) % n
+                fast = plan_flashcp_refined(d, n, target_imbalance=target, num_pad=pad)
+                ref = plan_flashcp_refined_reference(d, n, target_imbalance=target, num_pad=pad)
+                assert key(fast, False) == key(ref, False), (ds, context_len, n, target)
+                checked += 1
+    assert checked == 12
+
+
 def plan_all(method: str, cases) -> list[tuple]:
     planner = get_planner(method)
     return [key(planner(d, n, num_pad=pad, pad_to_multiple=True)) for d, n, pad in cases]

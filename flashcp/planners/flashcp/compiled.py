@@ -443,34 +443,60 @@ def _search(lens, n, tpr, target, prune):
             break
     k = best_k
     pdoc, pstart, plen, cnt = pdoc[bi], pstart[bi], plen[bi], bufs[3][bi]
-    # emit shards: the Per-Doc chunks, then each rank's pieces; sorted by (rank, doc, start)
+    # emit shards sorted by (rank, doc, start), rank by rank (no sort of all the rows): its
+    # Per-Doc chunks r and 2N-1-r of each Per-Doc document (documents ascending) merged with its
+    # pieces sorted by (doc, start) (a few per rank); ties only between empty rows, which
+    # finish_plan drops
     rows = 2 * n * k + cnt.sum()
     rank = np.empty(rows, np.int64)
     doc = np.empty(rows, np.int64)
     start = np.empty(rows, np.int64)
     length = np.empty(rows, np.int64)
-    i = 0
-    for x in range(k):
-        p = 0
-        for j in range(2 * n):
-            s = sizes_sorted[x, j]
-            if s:
-                rank[i], doc[i], start[i], length[i] = (
-                    (j if j < n else 2 * n - 1 - j),
-                    order[x],
-                    p,
-                    s,
-                )
-                i += 1
-            p += s
-    for r in range(n):
-        for c in range(cnt[r]):
-            rank[i], doc[i], start[i], length[i] = r, pdoc[r, c], pstart[r, c], plen[r, c]
-            i += 1
     span = tpr * n + 1
-    key = (rank[:i] * m + doc[:i]) * span + start[:i]
-    srt = np.argsort(key)
-    rank, doc, start, length = rank[srt], doc[srt], start[srt], length[srt]
+    xs = np.argsort(order[:k])
+    at = np.zeros((k, 2 * n + 1), np.int64)  # [x, j]: where chunk j of Per-Doc document x starts
+    for x in range(k):
+        for j in range(2 * n):
+            at[x, j + 1] = at[x, j] + sizes_sorted[x, j]
+    ckey = np.empty(2 * k, np.int64)  # one rank's Per-Doc chunks: key, start, length
+    cst = np.empty(2 * k, np.int64)
+    cln = np.empty(2 * k, np.int64)
+    pkey = np.empty(plen.shape[1], np.int64)  # one rank's pieces: key, index, in key order
+    pidx = np.empty(plen.shape[1], np.int64)
+    i = 0
+    for r in range(n):
+        nc = 0
+        for y in range(k):
+            x = xs[y]
+            for j in (r, 2 * n - 1 - r):
+                s = sizes_sorted[x, j]
+                if s:
+                    ckey[nc], cst[nc], cln[nc] = order[x] * span + at[x, j], at[x, j], s
+                    nc += 1
+        npc = cnt[r]
+        if npc <= 32:
+            for c in range(npc):  # insertion sort by (doc, start)
+                key = pdoc[r, c] * span + pstart[r, c]
+                u = c
+                while u > 0 and pkey[u - 1] > key:
+                    pkey[u], pidx[u] = pkey[u - 1], pidx[u - 1]
+                    u -= 1
+                pkey[u], pidx[u] = key, c
+        else:
+            for c in range(npc):
+                pkey[c] = pdoc[r, c] * span + pstart[r, c]
+            pidx[:npc] = np.argsort(pkey[:npc])
+            pkey[:npc] = pkey[:npc][pidx[:npc]]
+        u = v = 0
+        while u < nc or v < npc:
+            if v >= npc or (u < nc and ckey[u] < pkey[v]):
+                rank[i], doc[i], start[i], length[i] = r, ckey[u] // span, cst[u], cln[u]
+                u += 1
+            else:
+                c = pidx[v]
+                rank[i], doc[i], start[i], length[i] = r, pdoc[r, c], pstart[r, c], plen[r, c]
+                v += 1
+            i += 1
     pad = np.full(n, tpr, np.int64)
     for j in range(i):
         pad[rank[j]] -= length[j]

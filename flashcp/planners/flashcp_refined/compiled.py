@@ -5,6 +5,9 @@ the same integer and floating-point operations as the readable reference
 The reference's closures become small functions taking what they read; its bisections
 (``_largest`` with a predicate) are written out per predicate; the deferred head's receivers
 (a dict in insertion order there) are an array in that order with their estimates beside it.
+The piece loop keeps its candidates sorted by send as the pieces go out and skips the searches
+whose answer provably cannot change the chosen piece (docs/scale.md, "Pricing and refined planning
+at CP 64"): the same plans.
 """
 
 from __future__ import annotations
@@ -127,6 +130,22 @@ def _longest(q, stop, limit, c, tokens, work, tpr, budget, cum_t, cum_w, asc, le
 
 
 @njit(cache=True)
+def _none_beyond(s, full, stop, room, base, c, budget, cum_t, cum_w, asc, left, alpha):
+    """True when no piece ``[stop - x, stop)`` with s < x <= full <= stop fits in B
+    (``_piece_ok`` false for every such x), so ``_longest`` returns at most s and not full.
+
+    For x <= stop, Eq. 3's W(stop - x, x) = (2 stop - x + 1) x / 2 grows with x, and the fill
+    estimate of the room left, F(room - x), shrinks as x grows (F is nondecreasing in the room
+    when c >= 0 and 0 <= alpha <= 1: its pieces have slopes (len + 1) / 2 and c): so
+    W(stop - s - 1, s + 1) + F(room - full) bounds every such piece's cost from below. Only a
+    bound clearly above B (by 1e-9 relative plus one) answers True, far beyond the rounding of
+    the float64 sums, so the answer is the reference's own (the caller then skips the search)."""
+    x = s + 1
+    low = base + _workload(stop - x, x) + _fill(room - full, c, cum_t, cum_w, asc, left, alpha)
+    return low > budget + abs(budget) * 1e-9 + 1.0
+
+
+@njit(cache=True)
 def _largest_back(s, lo_, hi_, e):
     """Reference ``_largest(lambda y: W(lo, s - y) + W(hi - y, y) <= e, s)``."""
     hi = s
@@ -148,6 +167,23 @@ def _largest_back(s, lo_, hi_, e):
 def _by_send(cands, send):
     """``sorted(cands, key=send.__getitem__)`` (stable)."""
     return cands[np.argsort(send[cands], kind="mergesort")]
+
+
+@njit(cache=True)
+def _resort(order, q, send):
+    """Keep ``order`` sorted by (send, rank) after ``send[q]`` grew: move q towards the end past
+    every rank it now follows (nothing when q is not in ``order``)."""
+    i = 0
+    while i < order.size and order[i] != q:
+        i += 1
+    while i + 1 < order.size:
+        o = order[i + 1]
+        if send[o] < send[q] or (send[o] == send[q] and o < q):
+            order[i] = o
+            order[i + 1] = q
+            i += 1
+        else:
+            break
 
 
 @njit(cache=True)
@@ -377,11 +413,64 @@ def pack(
                     return False, nothing, 0, 0
                 continue
         piece = -(-(end - a) // max(1, k))
+        monotone = c >= 0.0 and 0.0 <= alpha <= 1.0  # _fill nondecreasing in its room
+        # the steepest rise of _fill per token of room: (len + 1) / 2 of the longest document
+        # left, or c past them all
+        top = max(c, (asc[left - 1] + 1) / 2) if left > 0 else c
+        slope = alpha * top + (1.0 - alpha) * c
+        # the candidates by send (stable: ties by rank, as others is ascending), kept sorted as
+        # the pieces go out (one rank's send grows per piece) instead of sorted per piece
+        by_send = _by_send(others, send)
         while end > a:  # the rest of the head, from its end, in pieces of at most `piece` tokens
             q, s = -1, 0
-            for cand in _by_send(others, send):
+            for cand in by_send:
                 full = min(end - a, tpr - tokens[cand], piece)
                 got = 0
+                if full > 0 and full <= s:
+                    # got <= full <= s cannot win: only whether it is full (the break) matters,
+                    # and _longest returns full exactly when full fits
+                    if _piece_ok(full, end, tpr - tokens[cand], work[cand], c, budget, cum_t,
+                                 cum_w, asc, left, alpha):  # fmt: skip
+                        break
+                    continue
+                if (
+                    full > s
+                    and monotone
+                    and work[cand] + _workload(end - s - 1, s + 1) > budget + abs(budget) * 1e-9 + 1
+                ):
+                    # every piece longer than s misses B on Eq. 3 alone (the fill estimate is
+                    # >= 0, and W(end - x, x) rises with x): got <= s, not full
+                    continue
+                if s > 0 and full > s and monotone and end - full + 1 >= slope + 2.0:
+                    # the cost of [end - x, end) rises with x on 1..full (by end - x >= end - full
+                    # + 1 tokens of Eq. 3, minus at most `slope` of the fill estimate), so
+                    # _piece_ok holds up to a threshold and _longest's bisection finds it: full
+                    # when full fits, at most s when s + 1 does not
+                    room_c, base_c = tpr - tokens[cand], work[cand]
+                    if _piece_ok(full, end, room_c, base_c, c, budget, cum_t, cum_w, asc, left,
+                                 alpha):  # fmt: skip
+                        q, s = cand, full
+                        break
+                    if full == s + 1 or not _piece_ok(
+                        s + 1, end, room_c, base_c, c, budget, cum_t, cum_w, asc, left, alpha
+                    ):
+                        continue
+                    # the threshold lies in [s + 1, full - 1]: bisect there
+                    lo, hi = s + 1, full - 1
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        if _piece_ok(mid, end, room_c, base_c, c, budget, cum_t, cum_w, asc, left,
+                                     alpha):  # fmt: skip
+                            lo = mid
+                        else:
+                            hi = mid - 1
+                    q, s = cand, lo
+                    continue
+                if s > 0 and full > 0 and monotone:
+                    # every piece longer than s misses B (_none_beyond): got <= s, not full
+                    if _none_beyond(s, full, end, tpr - tokens[cand], work[cand], c, budget,
+                                    cum_t, cum_w, asc, left, alpha):  # fmt: skip
+                        continue
                 if full > 0:
                     got = _longest(
                         cand,
@@ -415,6 +504,7 @@ def pack(
                 tail_start = start
             else:
                 send[q] += s
+                _resort(by_send, q, send)
             end = start
         if a and tail_start == a:  # the tail's rank ended up holding the whole document
             send[r] -= a

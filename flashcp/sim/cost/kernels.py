@@ -224,6 +224,27 @@ def _allgather_stats_pow2(s, n, off, rank, start, length, sfq, sfk, sbq, sbk):
     return out
 
 
+@njit(cache=True, inline="always")
+def _add_pairs(acc, r, q_row, k_row, h, holders, fbq, fbk, bbq, bbk, sfq, sfk, sbq, sbk):
+    """Add one document's rectangles of rank r against each holder b (query rows ``q_row[b]``,
+    key rows ``k_row[b]``) to ``acc[r, holders[b]]`` (:func:`ring_stats`): forward CTAs, tiles,
+    largest CTA, backward CTAs, tiles, largest CTA, query rows, key rows (indexed in place: an
+    array view would cost a reference count)."""
+    for b in range(h):
+        c = holders[b]
+        q, k = q_row[b], k_row[b]
+        fq, fk = _cdiv(q, fbq, sfq), _cdiv(k, fbk, sfk)
+        bq, bk = _cdiv(q, bbq, sbq), _cdiv(k, bbk, sbk)
+        acc[r, c, 0] += fq
+        acc[r, c, 1] += fq * fk
+        acc[r, c, 2] = max(acc[r, c, 2], fk)
+        acc[r, c, 3] += bk
+        acc[r, c, 4] += bq * bk
+        acc[r, c, 5] = max(acc[r, c, 5], bq)
+        acc[r, c, 6] += q
+        acc[r, c, 7] += k
+
+
 @njit(cache=True)
 def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
     """Every plan's ring steps (:meth:`flashcp.sim.cost.PlanBatch.ring`): step 0 one causal
@@ -232,12 +253,16 @@ def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
     the source's shards that precede one of r's; a step gathers its query (key) rows by index
     when its visible shards form more than one run in the rank's order.
 
-    One pass over the shards serves every step: shard i of rank r and document x adds its length
-    to ``qs[slot(x, r), c]`` for every rank c it follows (as a query row of r while c is the
-    source) and to ``ks[slot(x, c), r]`` for every rank c it precedes (as a key row of source r
-    seen by c), ``slot(x, r)`` the row of (document, rank); a document with work at a step is
-    held by both ranks. Then each (r, c) sums over the documents of r, and step t of rank r reads
-    c = (r - t) mod N (zeros add nothing; every statistic is >= 0).
+    Document by document: only the ranks that hold a shard of document x (its holders, h of
+    them) see rows of x at a step t >= 1. x's shards go into a (m, h) table, column b the m
+    shards of holder b (padded with empty shards): starts ``ss``, lengths ``ls``. For each holder
+    a (rank r) two passes over the table, each a loop over the h holders that the compiler
+    vectorizes, give its row of rectangles against every holder b (source c): the query rows
+    ``q[b]`` of a's shards after b's first start, the key rows ``k[b]`` of b's shards before a's
+    last start; then the eight statistics of each (r, c) add x's rectangle. The same passes mark
+    each shard's visible sources (key seers) as bit masks, and one pass over each rank's shards in
+    its order counts their runs. The work is about h * h * (m + 2) per document, in the cache.
+    Sums and maxima of integers: the same numbers in any order.
 
     Args:
         s, n, off, nd, rank, doc, start, length: as in the module docstring.
@@ -249,59 +274,55 @@ def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
     """
     sfq, sfk, sbq, sbk = _shift(fbq), _shift(fbk), _shift(bbq), _shift(bbk)
     fr, br = fbq // fbk, bbk // bbq
-    pow2 = sfq >= 0 and sfk >= 0 and sbq >= 0 and sbk >= 0
     stats = np.empty((8, s, n, n))
     gather = np.zeros((2, s, n, n), np.bool_)
-    big = 9223372036854775807  # int64 max
     max_nd = 0
     max_sh = 0
     for p in range(s):
         max_nd = max(max_nd, nd[p])
         max_sh = max(max_sh, off[p + 1] - off[p])
-    min_start = np.empty(max_nd * n, np.int64)
-    max_start = np.empty(max_nd * n, np.int64)
-    slot_of = np.empty(max_nd * n, np.int64)  # [doc * N + rank] -> row, or the spare row
     own = np.zeros(max_nd, np.int64)
-    # rows: (document, rank) slots, then a spare one (zeros): [slot(x, r), c] the rows of r's
-    # shards of x after a shard of c (qs), before a shard of c (ks)
-    qs = np.zeros((max_sh + 1, n), np.int64)
-    ks = np.zeros((max_sh + 1, n), np.int64)
-    docs = np.empty(max_sh, np.int64)  # each rank's distinct documents, rank after rank
-    rank_off = np.empty(n + 1, np.int64)
-    doc_off = np.empty(n + 1, np.int64)
-    # bit c of many_q[r]: r's shards that follow one of source c form more than one run; of
-    # many_k[r]: r's shards that precede one of rank c do
+    seen = np.full(max_nd, -1, np.int64)  # the last rank seen holding document x (step 0)
+    docs = np.empty(max_sh, np.int64)  # one rank's distinct documents
+    # shards grouped by document (counting sort, each group in the plan's order: ranks sorted)
+    dend = np.zeros(max_nd + 1, np.int64)
+    by_doc = np.empty(max_sh, np.int64)
+    holders = np.empty(n, np.int64)
+    cnt = np.zeros(n, np.int64)  # shards of each holder in the document
+    lo_x = np.empty(n, np.int64)  # each holder's first and last shard start in the document
+    hi_x = np.empty(n, np.int64)
+    big = 9223372036854775807  # int64 max
+    # (m, h) tables [u, b]: holder b's u-th shard's start, length, index, key seers (bit c:
+    # the shard precedes a shard of rank c); rows grown as needed
+    sst = np.empty((1, n), np.int64)
+    lst = np.empty((1, n), np.int64)
+    ixt = np.empty((1, n), np.int64)
+    vkt = np.empty((1, n), np.int64)
+    q_row = np.empty(n, np.int64)
+    k_row = np.empty(n, np.int64)
+    vis_q = np.empty(max_sh, np.int64)  # bit c: the shard follows a shard of source c
+    vis_k = np.empty(max_sh, np.int64)  # bit c: the shard precedes a shard of rank c
+    # [r, c, .]: sums over the documents of (rank r, source c): forward CTAs, tiles, largest;
+    # backward CTAs, tiles, largest; query rows, key rows
+    acc = np.zeros((n, n, 8), np.int64)
     many_q = np.zeros(n, np.int64)
     many_k = np.zeros(n, np.int64)
     for p in range(s):
-        lo, hi, m = off[p], off[p + 1], nd[p]
-        spare = hi - lo
-        for j in range(m * n):
-            min_start[j] = big
-            max_start[j] = -1
-            slot_of[j] = spare
-        # each rank's shards [rank_off[r], rank_off[r + 1]) (ranks sorted) and its documents
-        # docs[doc_off[r]:doc_off[r + 1]] (slot = position there)
+        lo, hi, nx = off[p], off[p + 1], nd[p]
+        # step 0: the rank's own tokens of each document, one causal segment each
         i = lo
-        nt = 0
         for r in range(n):
-            rank_off[r] = i
-            doc_off[r] = nt
-            first = nt
+            nt = 0
             while i < hi and rank[i] == r:
                 x = doc[i]
-                j = x * n + r
-                if slot_of[j] == spare:
-                    slot_of[j] = nt
+                if seen[x] != r:
+                    seen[x] = r
                     docs[nt] = x
                     nt += 1
                 own[x] += length[i]
-                min_start[j] = min(min_start[j], start[i])
-                max_start[j] = max(max_start[j], start[i])
                 i += 1
-            # step 0: the rank's own tokens of each document, one causal segment each
             f0 = f1 = f2 = b0 = b1 = b2 = rows = 0
-            for j in range(first, nt):
+            for j in range(nt):
                 x = docs[j]
                 q = own[x]
                 c, t, y = _fwd(q, q, fbq, fbk, sfq, sfk, fr)
@@ -315,29 +336,101 @@ def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
                 rows += q
                 own[x] = 0
             _put(stats, p, 0, r, f0, f1, f2, b0, b1, b2, rows, rows)
-        rank_off[n] = i
-        doc_off[n] = nt
+        for x in range(nx):
+            seen[x] = -1
         if n == 1:
             continue
-        # one pass over the shards: query rows per (slot, source), key rows per (slot, rank that
-        # sees them); runs of visible shards as bit masks over the other rank (a run starts
-        # where a shard is visible and its predecessor on the rank is not)
+        for x in range(nx + 1):
+            dend[x] = 0
+        for i in range(lo, hi):
+            dend[doc[i] + 1] += 1
+        for x in range(nx):
+            dend[x + 1] += dend[x]
+        for i in range(lo, hi):
+            x = doc[i]
+            by_doc[dend[x]] = i
+            dend[x] += 1
+        # dend[x] is now the end of document x's group
+        acc[:] = 0
+        g0 = 0
+        for x in range(nx):
+            g1 = dend[x]
+            # the holders (ascending), their shard counts and extreme starts
+            h = m = 0
+            for g in range(g0, g1):
+                i = by_doc[g]
+                if h == 0 or holders[h - 1] != rank[i]:
+                    holders[h] = rank[i]
+                    cnt[h] = 0
+                    lo_x[h] = big
+                    hi_x[h] = -1
+                    h += 1
+                a = h - 1
+                cnt[a] += 1
+                m = max(m, cnt[a])
+                lo_x[a] = min(lo_x[a], start[i])
+                hi_x[a] = max(hi_x[a], start[i])
+            if h == 1:
+                for g in range(g0, g1):
+                    vis_q[by_doc[g] - lo] = 0
+                    vis_k[by_doc[g] - lo] = 0
+                g0 = g1
+                continue
+            if sst.shape[0] < m:
+                sst = np.empty((2 * m, n), np.int64)
+                lst = np.empty((2 * m, n), np.int64)
+                ixt = np.empty((2 * m, n), np.int64)
+                vkt = np.empty((2 * m, n), np.int64)
+            for u in range(m):
+                for b in range(h):
+                    sst[u, b] = big  # an empty shard: after every start, no rows
+                    lst[u, b] = 0
+                    vkt[u, b] = 0
+            a = -1
+            u = 0
+            for g in range(g0, g1):
+                i = by_doc[g]
+                if a < 0 or holders[a] != rank[i]:
+                    a += 1
+                    u = 0
+                sst[u, a] = start[i]
+                lst[u, a] = length[i]
+                ixt[u, a] = i - lo
+                u += 1
+            for a in range(h):
+                # query rows of a's shards after each holder's first start
+                for b in range(h):
+                    q_row[b] = 0
+                    k_row[b] = 0
+                for u in range(cnt[a]):
+                    st, ln = sst[u, a], lst[u, a]
+                    vq = 0
+                    for b in range(h):
+                        f = np.int64(lo_x[b] < st)
+                        q_row[b] += ln * f
+                        vq |= f << holders[b]
+                    vis_q[ixt[u, a]] = vq
+                # key rows of each holder's shards before a's last start
+                ha, bit = hi_x[a], np.int64(1) << holders[a]
+                for u in range(m):
+                    for b in range(h):
+                        f = np.int64(sst[u, b] < ha)
+                        k_row[b] += lst[u, b] * f
+                        vkt[u, b] |= bit * f
+                # every ordered pair (a with itself adds to acc[:, r, r], which no step reads)
+                _add_pairs(acc, holders[a], q_row, k_row, h, holders,
+                           fbq, fbk, bbq, bbk, sfq, sfk, sbq, sbk)  # fmt: skip
+            for a in range(h):
+                for u in range(cnt[a]):
+                    vis_k[ixt[u, a]] = vkt[u, a]
+            g0 = g1
+        # runs of visible shards in each rank's order, as bit masks over the other rank (a run
+        # starts where a shard is visible and its predecessor on the rank is not)
+        i = lo
         for r in range(n):
             prev_q = once_q = twice_q = prev_k = once_k = twice_k = 0
-            for i in range(rank_off[r], rank_off[r + 1]):
-                x, st, ln = doc[i], start[i], length[i]
-                row = x * n
-                j = slot_of[row + r]
-                lo_row, hi_row = min_start[row : row + n], max_start[row : row + n]
-                q_row, k_row = qs[j], ks[j]
-                vq = vk = 0
-                for c in range(n):
-                    a = np.int64(lo_row[c] < st)  # follows a shard of source c
-                    b = np.int64(hi_row[c] > st)  # precedes a shard of rank c
-                    q_row[c] += ln * a
-                    k_row[c] += ln * b
-                    vq |= a << c
-                    vk |= b << c
+            while i < hi and rank[i] == r:
+                vq, vk = vis_q[i - lo], vis_k[i - lo]
                 first = vq & ~prev_q
                 twice_q |= once_q & first
                 once_q |= first
@@ -346,37 +439,20 @@ def ring_stats(s, n, off, nd, rank, doc, start, length, fbq, fbk, bbq, bbk):
                 twice_k |= once_k & first
                 once_k |= first
                 prev_k = vk
+                i += 1
             many_q[r] = twice_q
             many_k[r] = twice_k
-        # per (r, source c): sums over r's documents of r's query rows against c's key rows
         for r in range(n):
             for c in range(n):
                 if c == r:
                     continue
-                f0 = f1 = f2 = b0 = b1 = b2 = qr = kr = 0
-                for j in range(doc_off[r], doc_off[r + 1]):
-                    q = qs[j, c]
-                    k = ks[slot_of[docs[j] * n + c], r]  # the spare row (zeros) if c lacks it
-                    if pow2:
-                        fq, fk = (q + fbq - 1) >> sfq, (k + fbk - 1) >> sfk
-                        bq, bk = (q + bbq - 1) >> sbq, (k + bbk - 1) >> sbk
-                    else:
-                        fq, fk = _cdiv(q, fbq, sfq), _cdiv(k, fbk, sfk)
-                        bq, bk = _cdiv(q, bbq, sbq), _cdiv(k, bbk, sbk)
-                    f0 += fq
-                    f1 += fq * fk
-                    f2 = max(f2, fk)
-                    b0 += bk
-                    b1 += bq * bk
-                    b2 = max(b2, bq)
-                    qr += q
-                    kr += k
                 t = (r - c) % n
-                _put(stats, p, t, r, f0, f1, f2, b0, b1, b2, qr, kr)
+                _put(
+                    stats, p, t, r, acc[r, c, 0], acc[r, c, 1], acc[r, c, 2], acc[r, c, 3],
+                    acc[r, c, 4], acc[r, c, 5], acc[r, c, 6], acc[r, c, 7],
+                )  # fmt: skip
                 gather[0, p, t, r] = (many_q[r] >> c) & 1
                 gather[1, p, t, r] = (many_k[c] >> r) & 1
-        qs[:nt] = 0
-        ks[:nt] = 0
     return stats, gather
 
 

@@ -600,10 +600,17 @@ def method_option_problem(override: str, option: str, methods: list[str], form: 
     ``method=a,b`` or ``grid.method=[a,b]``) take no planner option ``option`` (set by ``override``,
     applied to each of them), naming those methods and the command that sets it on the methods
     that take it; None when every method takes it (or one is unknown: composing names it)."""
+    from flashcp.config import method_option
     from flashcp.registry import option_names
 
+    def takes_option(m: str) -> bool:
+        try:
+            return option in option_names(m)
+        except ValueError:  # a file of the method group (conf/method/llama3_paper.yaml): its method
+            return option in option_names(method_option(m).method)
+
     try:
-        takes = {m: option in option_names(m) for m in methods}
+        takes = {m: takes_option(m) for m in methods}
     except ValueError:
         return None
     without = [m for m in methods if not takes[m]]

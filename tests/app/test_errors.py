@@ -61,7 +61,7 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["method=nope"], "method=nope: no such option; choose one of flashcp, flashcp_refined, flashcp_ulysses,"),
+        (["method=nope"], "method=nope: no such option; choose one of flashcp, flashcp_node, flashcp_paper, flashcp_refined,"),
         (["hydra/launcher=nope"], "hydra/launcher=nope: no such option; choose one of basic, joblib,"),
         (["cp_sise=4"], "unknown key cp_sise (in cp_sise=4); did you mean cp_size?"),
         (["+cp_sise=4"], "unknown key cp_sise (in +cp_sise=4); did you mean cp_size?"),
@@ -147,7 +147,9 @@ def _flashcp_run(capsys, monkeypatch, *argv: str, entry=main) -> tuple[int, str,
         (["grid.method=[llama3]", "method.options.ulysses_degree=2"],
          "no method in grid.method=[llama3] takes option 'ulysses_degree'; drop it"),
         (["-m", "experiment=fig5", "method.options.target_imbalance=1.1"],
-         "methods llama3, per_doc, ring, zigzag (in grid.method=[llama3,per_doc,ring,zigzag,flashcp]) take no option 'target_imbalance'"),
+         "methods llama3_paper, per_doc_paper, ring_paper, zigzag_paper (in grid.method=[llama3_paper,per_doc_paper,ring_paper,zigzag_paper,flashcp_paper]) take no option 'target_imbalance'"),
+            (["-m", "experiment=fig5_ours", "method.options.target_imbalance=1.1"],
+             "methods llama3, per_doc, ring, zigzag (in grid.method=[llama3,per_doc,ring,zigzag,flashcp]) take no option 'target_imbalance'"),
     ],
 )  # fmt: skip
 def test_mistake_is_one_line_exit_2(capsys, monkeypatch, tmp_path, argv, expected):

@@ -757,12 +757,7 @@ def _price_group(
                     a2a = _alltoall_phases(hw, shape, mode == "train", u, t, 0.0, 0.0,
                                            kernels=False, pad=pad, links=links[a])  # fmt: skip
                     ph = {c: ph[c] + a2a[c] for c in ph}
-                total = 0.0
-                for c in PHASE_COLUMNS:
-                    if c != "total_ms":
-                        out[c][a, b, m] = ph[c]
-                        total = total + ph[c]
-                out["total_ms"][a, b, m] = total
+                _store_phases(out, (a, b, m), ph)
                 for c in COMM_COLUMNS:
                     out[c][a, b, m] = vol[c]
     return out
@@ -786,10 +781,16 @@ def _price_single(plans, hws, shapes, modes, batch=None) -> dict[str, np.ndarray
                 train = mode == "train"
                 ph = _single_phases(hw, shape, train, batch.context_len, rows, fwd_k,
                                     bwd_k if train else 0.0)  # fmt: skip
-                total = 0.0
-                for c in PHASE_COLUMNS:
-                    if c != "total_ms":
-                        out[c][a, b, m] = ph[c]
-                        total = total + ph[c]
-                out["total_ms"][a, b, m] = total
+                _store_phases(out, (a, b, m), ph)
     return out
+
+
+def _store_phases(out: dict, idx: tuple, ph: dict) -> None:
+    """Write the phases ``ph`` at ``out[c][idx]`` and their sum, in PHASE_COLUMNS order (the
+    order every path sums in, so the totals agree to the bit), at ``out["total_ms"][idx]``."""
+    total = 0.0
+    for c in PHASE_COLUMNS:
+        if c != "total_ms":
+            out[c][idx] = ph[c]
+            total = total + ph[c]
+    out["total_ms"][idx] = total
